@@ -1,0 +1,1 @@
+"""rayslice: accelerator steps of Airflow pipelines on Ray."""

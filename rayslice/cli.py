@@ -1,0 +1,97 @@
+"""The `rayslice` command: a local simulated cluster, capacity, the demo, and KubeRay manifests."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from rayslice import local_cluster
+from rayslice.exceptions import RaysliceError
+
+app = typer.Typer(help="Run accelerator steps of Airflow pipelines on Ray.", no_args_is_help=True)
+local = typer.Typer(help="A local Ray cluster whose nodes look like TPU hosts and GPU machines.", no_args_is_help=True)
+app.add_typer(local, name="local")
+console = Console()
+
+
+def _kuberay() -> None:
+    try:
+        from rayslice.kuberay import app as kuberay_app
+    except ImportError:  # pragma: no cover - module is part of the package
+        return
+    app.add_typer(kuberay_app, name="kuberay")
+
+
+_kuberay()
+
+Name = Annotated[str, typer.Option("--name", help="Which local cluster (several can coexist).")]
+
+
+@local.command("up")
+def local_up(
+    tpu: Annotated[list[str], typer.Option("--tpu", help="A slice by pod type, e.g. v6e-16; repeat for more.")] = [],  # noqa: B006
+    gpus: Annotated[float, typer.Option("--gpus", help="Logical GPUs on one GPU node (0 for none).")] = 0,
+    token: Annotated[bool, typer.Option("--token", help="Turn on Ray token authentication.")] = False,
+    name: Name = "default",
+) -> None:
+    """Start the cluster; prints its dashboard URL (the `ray` connection's host)."""
+    spec = local_cluster.ClusterSpec(tpus=tuple(tpu), gpus=gpus)
+    with console.status(f"starting {1 + sum(r.hosts_per_slice for _, r in spec.slices()) + bool(gpus)} Ray nodes"):
+        record = local_cluster.up(spec, name=name, token=local_cluster.new_token() if token else None)
+    console.print(f"dashboard: [bold]{record.dashboard_url}[/bold]")
+    console.print(f"gcs:       {record.gcs_address}")
+    if record.token:
+        console.print(f"token:     stored in {record.path} (mode 600)")
+
+
+@local.command("down")
+def local_down(name: Name = "default") -> None:
+    """Stop exactly the processes `up` started (by PID); other Ray clusters are untouched."""
+    stopped = local_cluster.down(name)
+    console.print(f"stopped cluster {name!r} ({stopped} processes)")
+
+
+@local.command("status")
+def local_status(name: Name = "default") -> None:
+    record = local_cluster.ClusterRecord.load(name)
+    alive = len(local_cluster.owned_pids(record))
+    console.print(f"{name}: {record.dashboard_url} ({len(record.nodes)} nodes recorded, {alive} processes alive)")
+
+
+@app.command()
+def capacity(
+    address: Annotated[str | None, typer.Option(help="Dashboard URL; default: the local cluster's.")] = None,
+    name: Name = "default",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Every TPU slice (free/busy, who holds it) and GPU node (free share)."""
+    from rayslice import capacity as cap
+
+    token = None
+    if address is None:
+        record = local_cluster.ClusterRecord.load(name)
+        address, token = record.dashboard_url, record.token
+    snapshot = cap.snapshot(address, token=token)
+    if as_json:
+        console.print_json(json.dumps(snapshot.model_dump(mode="json")))
+    else:
+        console.print(cap.render(snapshot))
+
+
+@app.command()
+def demo(name: Annotated[str, typer.Option(help="Name of the demo's own local cluster.")] = "demo") -> None:
+    """Start a local cluster, run the example pipeline through Airflow, show capacity, stop the cluster."""
+    from rayslice.demo import run_demo
+
+    raise typer.Exit(run_demo(name))
+
+
+def main() -> None:
+    try:
+        app()
+    except RaysliceError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise SystemExit(1) from None

@@ -1,0 +1,81 @@
+"""The one exception tree of rayslice.
+
+Callers catch ``RaysliceError`` for anything of ours; the second bases let
+generic handlers (``except ValueError`` / ``except TimeoutError``) keep working.
+Messages are composed by whoever raises.
+
+    RaysliceError(Exception)
+     ├── InvalidRequestError(RaysliceError, ValueError)
+     ├── CapacityTimeoutError(RaysliceError, TimeoutError)
+     ├── StepFailedError(RaysliceError)      slice_index, worker_id, host, cause
+     │    └── HostLostError(StepFailedError)
+     ├── StepTimeoutError(RaysliceError, TimeoutError)
+     └── RayJobsError(RaysliceError)         status_code
+          ├── RayUnreachableError(RayJobsError)
+          ├── RayAuthError(RayJobsError)
+          └── JobNotFoundError(RayJobsError)
+
+Attributes are keyword-only and kept out of ``args``, so the errors pickle
+across Ray (``BaseException.__reduce__`` carries ``__dict__``).
+"""
+
+from __future__ import annotations
+
+
+class RaysliceError(Exception):
+    """Base of every error rayslice raises on purpose."""
+
+
+class InvalidRequestError(RaysliceError, ValueError):
+    """Raised at construction when an accelerator request or other input is invalid."""
+
+
+class CapacityTimeoutError(RaysliceError, TimeoutError):
+    """Raised when the requested capacity did not appear within ``capacity_timeout``."""
+
+
+class StepFailedError(RaysliceError):
+    """Raised when the step's user code failed on some worker; says where."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        slice_index: int | None = None,
+        worker_id: int | None = None,
+        host: str | None = None,
+        cause: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.slice_index = slice_index
+        self.worker_id = worker_id
+        self.host = host
+        self.cause = cause
+
+
+class HostLostError(StepFailedError):
+    """Raised when a host process or node died under the step (preemption-like)."""
+
+
+class StepTimeoutError(RaysliceError, TimeoutError):
+    """Raised when a running step exceeded its execution timeout."""
+
+
+class RayJobsError(RaysliceError):
+    """Raised when a call to the Ray Jobs REST API fails."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class RayUnreachableError(RayJobsError):
+    """Raised when the Ray dashboard cannot be reached (connection refused, DNS, timeout)."""
+
+
+class RayAuthError(RayJobsError):
+    """Raised when the Ray Jobs API rejects our credentials (401/403)."""
+
+
+class JobNotFoundError(RayJobsError):
+    """Raised when the Ray Jobs API does not know the submission id (404)."""

@@ -1,0 +1,100 @@
+"""The cluster-side launcher: reserve, fan out, wire JAX, fail fast, release.
+
+Runs inside a Ray driver (the Ray job that the Airflow side submits). Imports `ray`;
+JAX is imported only inside the host processes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.exceptions import CapacityTimeoutError
+from rayslice.launcher import gang
+from rayslice.launcher.environments import HostPlan
+from rayslice.launcher.reservation import reserve_slices
+from rayslice.step import StepSpec
+
+__all__ = ["run_step", "reservation_name"]
+
+
+def log(message: str) -> None:
+    print(f"[rayslice] {message}", flush=True)
+
+
+def reservation_name(spec: StepSpec) -> str:
+    """Names every placement group and actor so it traces back to its Airflow task."""
+    return f"rayslice:{spec.owner.submission_id or 'adhoc'}"
+
+
+def run_step(spec: StepSpec) -> Any:
+    """Run the step on every host of its capacity; per-host results, or the fraction's one result."""
+    if isinstance(spec.request, TpuSliceRequest):
+        return _run_on_slices(spec, spec.request)
+    return _run_on_fraction(spec, spec.request)
+
+
+def _run_on_slices(spec: StepSpec, request: TpuSliceRequest) -> list[Any]:
+    name = reservation_name(spec)
+    log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
+    started = time.monotonic()
+    reservation = reserve_slices(request, timeout=spec.capacity_timeout, name=name)
+    actors: list[Any] = []
+    try:
+        slices = sorted({h.slice_name for h in reservation.hosts})
+        log(f"reserved {', '.join(slices)} in {time.monotonic() - started:.1f} s")
+        strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        for host in reservation.hosts:
+            actors.append(
+                gang.HostProcess.options(
+                    name=f"{name}/{host.label}",
+                    num_cpus=1,
+                    resources={"TPU": request.chips_per_host},
+                    scheduling_strategy=strategy(
+                        reservation.placement_group,
+                        placement_group_bundle_index=reservation.bundles[(host.slice_index, host.worker_id)],
+                    ),
+                ).remote(host.label)
+            )
+        leaders = gang.group_leaders(reservation.hosts, multislice=request.multislice)
+        ports = dict(zip(leaders, ray.get([actors[i].free_port.remote() for i in leaders]), strict=True))
+        plans = gang.plan_processes(reservation.hosts, multislice=request.multislice, ports=ports)
+        log(f"running on {', '.join(slices)}: {len(plans)} hosts x {request.chips_per_host} chips")
+        return gang.run_gang(actors, plans, spec)
+    finally:
+        gang.kill(actors)
+        reservation.release()
+        log(f"released {request} after {time.monotonic() - started:.1f} s")
+
+
+def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest) -> Any:
+    log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
+    started = time.monotonic()
+    actor = gang.HostProcess.options(
+        name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, **request.ray_options()
+    ).remote(str(request))
+    try:
+        ready, _ = ray.wait([actor.free_port.remote()], timeout=spec.capacity_timeout)
+        if not ready:
+            raise CapacityTimeoutError(
+                f"no capacity for {request} within capacity_timeout={spec.capacity_timeout:.0f} s; "
+                "nothing was left reserved. Raise capacity_timeout or add nodes with that accelerator."
+            )
+        plan = HostPlan(
+            slice_index=0,
+            slice_name=str(request),
+            worker_id=0,
+            ip="",
+            process_id=0,
+            num_processes=1,
+            coordinator="",
+            megascale_coordinator="",
+        )
+        log(f"running on {request}")
+        return gang.run_gang([actor], [plan], spec)[0]
+    finally:
+        gang.kill([actor])
+        log(f"released {request} after {time.monotonic() - started:.1f} s")

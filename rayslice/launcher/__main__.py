@@ -1,0 +1,55 @@
+"""The Ray job's driver: `python -m rayslice.launcher spec.json`.
+
+Prints phase lines, every host's output (prefixed `(slice/hostN pid=...)` by Ray), and
+finally one marked result or error line that the Airflow side reads back.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rayslice.exceptions import RaysliceError, StepFailedError
+from rayslice.step import StepSpec, format_error, format_result
+
+
+def main(argv: list[str]) -> int:
+    spec = StepSpec.model_validate_json(Path(argv[1] if len(argv) > 1 else "spec.json").read_text())
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    if spec.pickled and spec.python != here:
+        print(
+            format_error(
+                "InvalidRequestError",
+                (
+                    f"the step function was serialized by Python {spec.python} on the Airflow side, but the cluster "
+                    f"runs Python {here}; a function shipped by value needs the same minor version. "
+                    "Match the versions, or give an import path (entrypoint='package.module:function') "
+                    "installed on the cluster."
+                ),
+            )
+        )
+        return 2
+    import ray
+
+    from rayslice.launcher import run_step
+
+    ray.init(address="auto", logging_level="WARNING")
+    try:
+        result = run_step(spec)
+        line = format_result(result)
+    except RaysliceError as exc:
+        print(format_error(type(exc).__name__, str(exc)), flush=True)
+        return 1
+    except TypeError as exc:  # json.dumps
+        err = StepFailedError(
+            f"the step returned a value that is not JSON ({exc}); return lists, dicts, "
+            "numbers, strings or None (e.g. `float(loss)`, `array.tolist()`)"
+        )
+        print(format_error(type(err).__name__, str(err)), flush=True)
+        return 1
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,168 @@
+"""Run one step as a gang: one fresh process per host, all of them or none.
+
+Each host gets its own actor (a fresh worker process: `jax.distributed` initializes once
+per process). There are no per-host retries (a restarted rank poisons JAX's coordination
+service); the first host to fail or die ends the whole gang at once, instead of leaving
+its peers blocked in a collective until JAX's 300 s shutdown barrier.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import socket
+import sys
+import time
+import traceback
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from rayslice.exceptions import HostLostError, StepFailedError, StepTimeoutError
+from rayslice.launcher import environments
+from rayslice.launcher.environments import HostPlan
+from rayslice.step import StepSpec
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class HostProcess:
+    """The step's process on one host. Its repr prefixes every line it prints in the job log."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+
+    def __repr__(self) -> str:
+        return self._label
+
+    def free_port(self) -> int:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def run(self, spec_json: str, plan: HostPlan) -> Any:
+        spec = StepSpec.model_validate_json(spec_json)
+        environments.detect(spec.request).setup(spec.request, plan)
+        result = load_step(spec)(**spec.kwargs)
+        _leave_jax_group()
+        return result
+
+
+def _leave_jax_group() -> None:
+    """Leave the JAX group cleanly (a barrier with the peers) so killing the process later is quiet."""
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.process_count() > 1:
+        jax.distributed.shutdown()
+
+
+def load_step(spec: StepSpec) -> Any:
+    if spec.entrypoint:
+        module, _, name = spec.entrypoint.partition(":")
+        return getattr(importlib.import_module(module), name)
+    try:
+        import cloudpickle
+    except ImportError:  # the job ships cloudpickle with the launcher; this is a last resort
+        from ray import cloudpickle
+
+    return cloudpickle.loads(base64.b64decode(spec.pickled))
+
+
+def plan_processes(hosts: list[HostPlan], *, multislice: bool, ports: dict[int, int]) -> list[HostPlan]:
+    """Fill in JAX process ids and coordinators: one group per slice, or one for a multislice job.
+
+    `ports` maps a group leader's index in `hosts` to the coordinator port it reserved.
+    """
+    first_of_slice = {h.slice_index: i for i, h in reversed(list(enumerate(hosts)))}
+    per_slice = {h.slice_index: 0 for h in hosts}
+    for h in hosts:
+        per_slice[h.slice_index] += 1
+    megascale = hosts[0].ip
+    planned = []
+    for host in hosts:
+        leader = 0 if multislice else first_of_slice[host.slice_index]
+        in_group = len(hosts) if multislice else per_slice[host.slice_index]
+        process_id = (host.slice_index * per_slice[host.slice_index] if multislice else 0) + host.worker_id
+        planned.append(
+            replace(
+                host,
+                process_id=process_id,
+                num_processes=in_group,
+                coordinator=f"{hosts[leader].ip}:{ports.get(leader, 0)}",
+                megascale_coordinator=megascale,
+            )
+        )
+    return planned
+
+
+def group_leaders(hosts: list[HostPlan], *, multislice: bool) -> list[int]:
+    if multislice:
+        return [0]
+    return sorted({h.slice_index: i for i, h in reversed(list(enumerate(hosts)))}.values())
+
+
+def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec) -> list[Any]:
+    """Run the step on every actor; return results in host order, or fail on the first error."""
+    spec_json = spec.model_dump_json()
+    refs = {actor.run.remote(spec_json, plan): i for i, (actor, plan) in enumerate(zip(actors, plans, strict=True))}
+    results: list[Any] = [None] * len(plans)
+    pending = list(refs)
+    deadline = None if spec.step_timeout is None else time.monotonic() + spec.step_timeout
+    try:
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                slow = ", ".join(plans[refs[r]].label for r in pending)
+                raise StepTimeoutError(f"step exceeded step_timeout={spec.step_timeout:.0f} s; still running on {slow}")
+            index = refs[ready[0]]
+            results[index] = _get(ready[0], plans[index])
+    except BaseException:
+        kill(actors)  # cancel the whole gang at once
+        raise
+    return results
+
+
+def _get(ref: Any, plan: HostPlan) -> Any:
+    where = f"{plan.label} (slice {plan.slice_index}, worker {plan.worker_id}, {plan.ip})"
+    try:
+        return ray.get(ref)
+    except RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        summary = f"{type(cause).__name__}: {cause}"
+        raise StepFailedError(
+            f"step failed on {where}: {summary}\n{_remote_traceback(exc)}",
+            slice_index=plan.slice_index,
+            worker_id=plan.worker_id,
+            host=plan.ip,
+            cause=summary,
+        ) from None
+    except RayActorError as exc:
+        why = "its node was preempted or removed" if getattr(exc, "preempted", False) else "its process died"
+        raise HostLostError(
+            f"host {where} was lost: {why} ({_first_line(exc)})",
+            slice_index=plan.slice_index,
+            worker_id=plan.worker_id,
+            host=plan.ip,
+            cause=why,
+        ) from None
+    except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
+        raise
+
+
+def _remote_traceback(exc: RayTaskError) -> str:
+    text = str(exc)
+    return text if "Traceback" in text else "".join(traceback.format_exception(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def kill(actors: list[Any]) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead
+            pass
