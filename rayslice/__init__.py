@@ -1,1 +1,42 @@
-"""rayslice: accelerator steps of Airflow pipelines on Ray."""
+"""rayslice: run accelerator steps of Airflow pipelines on Ray, from TPU slices to GPU fractions.
+
+The public API. Nothing here imports ray, jax or airflow.
+"""
+
+from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest, request_from_json, request_to_json
+from rayslice.exceptions import (
+    CapacityTimeoutError,
+    HostLostError,
+    InvalidRequestError,
+    PreemptedError,
+    RayAuthError,
+    RayJobsError,
+    RaysliceError,
+    RayUnreachableError,
+    StepFailedError,
+    StepTimeoutError,
+    UnsatisfiableRequestError,
+)
+from rayslice.step import Owner, StepSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcceleratorRequest",
+    "CapacityTimeoutError",
+    "HostLostError",
+    "InvalidRequestError",
+    "Owner",
+    "PreemptedError",
+    "RayAuthError",
+    "RayJobsError",
+    "RayUnreachableError",
+    "RaysliceError",
+    "StepFailedError",
+    "StepSpec",
+    "StepTimeoutError",
+    "TpuSliceRequest",
+    "UnsatisfiableRequestError",
+    "request_from_json",
+    "request_to_json",
+]

@@ -7,8 +7,10 @@ Messages are composed by whoever raises.
     RaysliceError(Exception)
      ├── InvalidRequestError(RaysliceError, ValueError)
      ├── CapacityTimeoutError(RaysliceError, TimeoutError)
+     ├── UnsatisfiableRequestError(RaysliceError)
      ├── StepFailedError(RaysliceError)      slice_index, worker_id, host, cause
      │    └── HostLostError(StepFailedError)
+     │         └── PreemptedError(HostLostError)   the host's node died or was drained
      ├── StepTimeoutError(RaysliceError, TimeoutError)
      └── RayJobsError(RaysliceError)         status_code
           ├── RayUnreachableError(RayJobsError)
@@ -34,6 +36,10 @@ class CapacityTimeoutError(RaysliceError, TimeoutError):
     """Raised when the requested capacity did not appear within ``capacity_timeout``."""
 
 
+class UnsatisfiableRequestError(RaysliceError):
+    """Raised before waiting when no node, present or autoscalable, could ever hold the request."""
+
+
 class StepFailedError(RaysliceError):
     """Raised when the step's user code failed on some worker; says where."""
 
@@ -55,6 +61,10 @@ class StepFailedError(RaysliceError):
 
 class HostLostError(StepFailedError):
     """Raised when a host process or node died under the step (preemption-like)."""
+
+
+class PreemptedError(HostLostError):
+    """Raised when a host's whole node died or was drained: preemption, retried as a whole gang."""
 
 
 class StepTimeoutError(RaysliceError, TimeoutError):

@@ -88,7 +88,15 @@ class ClusterRecord:
     def ray_env(self) -> dict[str, str]:
         """Environment for anything that talks to this cluster (drivers, `ray` CLI)."""
         # Ten nodes starting at once on two cores need longer than Ray's default 10 s.
-        env = {"RAY_raylet_start_wait_time_s": "180", "RAY_AUTH_MODE": "disabled"}
+        env = {
+            "RAY_raylet_start_wait_time_s": "180",
+            "RAY_AUTH_MODE": "disabled",
+            # A lost host is noticed in about 10 s (Ray's default is up to 45 s): a dead raylet
+            # refuses the health check at once, so five misses two seconds apart suffice.
+            "RAY_health_check_period_ms": "2000",
+            "RAY_health_check_timeout_ms": "5000",
+            "RAY_health_check_failure_threshold": "5",
+        }
         if self.token:  # explicit either way: Ray turns token auth on by itself if a token file exists
             env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
         return env
@@ -156,7 +164,7 @@ def alive_nodes(dashboard_url: str, token: str | None = None) -> list[dict]:
     return [n for n in response.json()["data"]["result"]["result"] if n["state"] == "ALIVE"]
 
 
-def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeout: float = 240) -> ClusterRecord:
+def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeout: float = 420) -> ClusterRecord:
     """Start a head plus one node per TPU host and one GPU node; return once all have joined."""
     if (state_dir() / f"{name}.json").exists():
         raise RaysliceError(
@@ -188,6 +196,7 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
         "--dashboard-agent-listen-port",
     ]
     deadline = time.monotonic() + timeout
+    launches: dict[int, tuple[list[str], dict[str, str]]] = {}  # node index -> how to start it again
     try:
         head = _launch(
             [
@@ -227,19 +236,16 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
                     "TPU_TOPOLOGY": request.topology,
                     "TPU_WORKER_HOSTNAMES": hostnames,
                 }
-                pid = _launch(
-                    [
-                        *join,
-                        str(free_port()),
-                        "--num-cpus",
-                        str(spec.host_cpus),
-                        "--resources",
-                        json.dumps({"TPU": request.chips_per_host}),
-                    ],
-                    tpu_env,
-                    log,
-                    sockets,
-                )
+                args = [
+                    *join,
+                    str(free_port()),
+                    "--num-cpus",
+                    str(spec.host_cpus),
+                    "--resources",
+                    json.dumps({"TPU": request.chips_per_host}),
+                ]
+                launches[len(record.nodes)] = (args, tpu_env)
+                pid = _launch(args, tpu_env, log, sockets)
                 record.nodes.append(
                     NodeRecord(
                         role="tpu",
@@ -250,23 +256,43 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
                     )
                 )
         if spec.gpus:
-            pid = _launch([*join, str(free_port()), "--num-cpus", "4", "--num-gpus", str(spec.gpus)], env, log, sockets)
-            record.nodes.append(NodeRecord(role="gpu", pid=pid))
+            args = [*join, str(free_port()), "--num-cpus", "4", "--num-gpus", str(spec.gpus)]
+            launches[len(record.nodes)] = (args, env)
+            record.nodes.append(NodeRecord(role="gpu", pid=_launch(args, env, log, sockets)))
         record.save()
-        _wait_for_nodes(record, deadline)
+
+        def relaunch(index: int) -> int:
+            args, node_env = launches[index]
+            return _launch(args, node_env, log, sockets)
+
+        _wait_for_nodes(record, deadline, relaunch)
     except BaseException:
         down(name)
         raise
     return record
 
 
-def _wait_for_nodes(record: ClusterRecord, deadline: float) -> None:
+def _wait_for_nodes(record: ClusterRecord, deadline: float, relaunch=None, attempts: int = 2) -> None:
+    """Wait until every recorded node has joined; restart a worker node whose `ray start` gave up.
+
+    On a loaded two-core machine a raylet can miss its registration deadline; a second try
+    then usually joins. The head is never restarted.
+    """
     expected = len(record.nodes)
     seen = 0
+    retries = dict.fromkeys(range(len(record.nodes)), attempts)
     while time.monotonic() < deadline:
-        dead = [n.pid for n in record.nodes if not _alive(n.pid)]
-        if dead:
-            raise RaysliceError(f"ray start exited early (pids {dead}); see {state_dir() / (record.name + '.log')}")
+        for index, node in enumerate(record.nodes):
+            if _alive(node.pid):
+                continue
+            if relaunch is None or node.role == "head" or retries[index] == 0:
+                raise RaysliceError(
+                    f"ray start exited early (pid {node.pid}); see {state_dir() / (record.name + '.log')}"
+                )
+            retries[index] -= 1
+            _kill_session(node.pid)  # a half-started raylet must not join late as a duplicate host
+            node.pid = relaunch(index)
+            record.save()
         try:
             seen = len(alive_nodes(record.dashboard_url, record.token))
             if seen >= expected:
@@ -330,6 +356,16 @@ def down(name: str = "default", grace: float = 10) -> int:
     record.path.unlink(missing_ok=True)
     subprocess.run(["rm", "-rf", record.temp_dir], check=False)
     return len(pids)
+
+
+def _kill_session(session: int) -> None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == session:
+                    _signal(int(entry.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -47,6 +47,7 @@ class StepSpec(BaseModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     capacity_timeout: float = 600.0
     step_timeout: float | None = None
+    preemption_retries: int = Field(0, ge=0, description="whole-gang retries when a host's node is lost")
     owner: Owner = Field(default_factory=Owner)
 
     @model_validator(mode="after")

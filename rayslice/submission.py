@@ -21,9 +21,11 @@ from rayslice.exceptions import (
     CapacityTimeoutError,
     HostLostError,
     InvalidRequestError,
+    PreemptedError,
     RaysliceError,
     StepFailedError,
     StepTimeoutError,
+    UnsatisfiableRequestError,
 )
 from rayslice.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, zip_directory
 from rayslice.step import Owner, StepSpec, parse_error, parse_result
@@ -31,7 +33,15 @@ from rayslice.step import Owner, StepSpec, parse_error, parse_result
 ENTRYPOINT = "python -m rayslice.launcher spec.json"
 _ERRORS: dict[str, type[RaysliceError]] = {
     cls.__name__: cls
-    for cls in (CapacityTimeoutError, HostLostError, InvalidRequestError, StepFailedError, StepTimeoutError)
+    for cls in (
+        CapacityTimeoutError,
+        HostLostError,
+        InvalidRequestError,
+        PreemptedError,
+        StepFailedError,
+        StepTimeoutError,
+        UnsatisfiableRequestError,
+    )
 }
 
 

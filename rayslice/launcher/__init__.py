@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.exceptions import CapacityTimeoutError
+from rayslice.exceptions import CapacityTimeoutError, PreemptedError
 from rayslice.launcher import gang
 from rayslice.launcher.environments import HostPlan
 from rayslice.launcher.reservation import reserve_slices
@@ -32,9 +32,16 @@ def reservation_name(spec: StepSpec) -> str:
 
 def run_step(spec: StepSpec) -> Any:
     """Run the step on every host of its capacity; per-host results, or the fraction's one result."""
-    if isinstance(spec.request, TpuSliceRequest):
-        return _run_on_slices(spec, spec.request)
-    return _run_on_fraction(spec, spec.request)
+    for attempt in range(spec.preemption_retries + 1):
+        try:
+            if isinstance(spec.request, TpuSliceRequest):
+                return _run_on_slices(spec, spec.request)
+            return _run_on_fraction(spec, spec.request)
+        except PreemptedError as exc:
+            if attempt == spec.preemption_retries:
+                raise
+            log(f"preempted: {exc}; retrying the whole gang ({attempt + 1} of {spec.preemption_retries})")
+    raise AssertionError("unreachable")
 
 
 def _run_on_slices(spec: StepSpec, request: TpuSliceRequest) -> list[Any]:

@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from rayslice.exceptions import HostLostError, StepFailedError, StepTimeoutError
+from rayslice.exceptions import HostLostError, PreemptedError, StepFailedError, StepTimeoutError
 from rayslice.launcher import environments
 from rayslice.launcher.environments import HostPlan
 from rayslice.step import StepSpec
@@ -138,8 +138,9 @@ def _get(ref: Any, plan: HostPlan) -> Any:
             cause=summary,
         ) from None
     except RayActorError as exc:
-        why = "its node was preempted or removed" if getattr(exc, "preempted", False) else "its process died"
-        raise HostLostError(
+        node_lost = node_was_lost(exc)
+        why = "its node was preempted or removed" if node_lost else "its process died"
+        raise (PreemptedError if node_lost else HostLostError)(
             f"host {where} was lost: {why} ({_first_line(exc)})",
             slice_index=plan.slice_index,
             worker_id=plan.worker_id,
@@ -148,6 +149,18 @@ def _get(ref: Any, plan: HostPlan) -> Any:
         ) from None
     except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
         raise
+
+
+def node_was_lost(exc: BaseException) -> bool:
+    """Preemption (the node died or was drained) as opposed to the step's own process dying."""
+    text = str(exc).lower()
+    return (
+        bool(getattr(exc, "preempted", False))
+        or "node has died" in text
+        or "node died" in text
+        or "draining" in text
+        or "node was terminated" in text
+    )
 
 
 def _remote_traceback(exc: RayTaskError) -> str:

@@ -20,7 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.tpu import SlicePlacementGroup
 
 from rayslice.accelerators import TpuSliceRequest
-from rayslice.exceptions import CapacityTimeoutError, RaysliceError
+from rayslice.exceptions import CapacityTimeoutError, RaysliceError, UnsatisfiableRequestError
 from rayslice.launcher.environments import HostPlan
 
 POD_TYPE_LABEL = "ray.io/tpu-pod-type"
@@ -58,6 +58,7 @@ class SliceReservation:
 
 def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str) -> SliceReservation:
     """Reserve `request.num_slices` whole slices within `timeout` seconds, or hold nothing."""
+    check_satisfiable(request)
     deadline = time.monotonic() + timeout
     try:
         handle = SlicePlacementGroup(
@@ -82,6 +83,32 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str) -> Sl
         reservation.release()
         raise
     return reservation
+
+
+def check_satisfiable(request: TpuSliceRequest) -> None:
+    """Fail at once, instead of after capacity_timeout, when no slice could ever appear.
+
+    Enough slices of the pod type exist (busy or not), or an autoscaler node group declares
+    the slice head resource: then waiting makes sense. Otherwise it never will.
+    """
+    slices = {
+        node["Labels"].get(SLICE_NAME_LABEL)
+        for node in ray.nodes()
+        if node["Alive"] and node.get("Labels", {}).get(POD_TYPE_LABEL) == request.pod_type
+    }
+    if len(slices) >= request.num_slices:
+        return
+    config = ray._private.state.state.get_cluster_config()
+    groups = list(config.node_group_configs) if config else []
+    if any(request.head_resource in group.resources and group.max_count != 0 for group in groups):
+        return
+    have = sorted(
+        {node["Labels"].get(POD_TYPE_LABEL) for node in ray.nodes() if node.get("Labels", {}).get(POD_TYPE_LABEL)}
+    )
+    raise UnsatisfiableRequestError(
+        f"{request} can never be scheduled on this cluster: it has {len(slices)} {request.pod_type} slice(s) and no "
+        f"autoscaler node group with {request.head_resource}. Slice types here: {', '.join(have) or 'none'}."
+    )
 
 
 def _capacity_timeout(request: TpuSliceRequest, timeout: float) -> CapacityTimeoutError:

@@ -213,3 +213,18 @@ def test_capacity_timeout_leaves_nothing_reserved(ray_driver):
     with pytest.raises(CapacityTimeoutError, match="nothing was left reserved"):
         run_step(spec)
     assert_all_released(ray_driver)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [TpuSliceRequest(tpu="v6e-32"), TpuSliceRequest(tpu="v6e-4", num_slices=2)],
+    ids=["no-such-pod-type", "more-slices-than-exist"],
+)
+def test_a_request_no_node_could_hold_fails_at_once(ray_driver, request_):
+    from rayslice.exceptions import UnsatisfiableRequestError
+
+    started = time.monotonic()
+    with pytest.raises(UnsatisfiableRequestError, match="can never be scheduled"):
+        run(request_, device_count_and_allgather)
+    assert time.monotonic() - started < 30  # not the 600 s capacity_timeout
+    assert_all_released(ray_driver)
