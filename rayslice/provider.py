@@ -1,6 +1,38 @@
-"""Airflow provider metadata, read through the `apache_airflow_provider` entry point."""
+"""Airflow provider metadata, read through the `apache_airflow_provider` entry point.
+
+Airflow calls this in every process that discovers providers, so it imports nothing:
+the connection form is declared here (``conn-fields`` / ``ui-field-behaviour``), not by
+the hook, and the plugin is only looked up, not imported.
+"""
 
 from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, distribution
+from importlib.util import find_spec
+
+_INTEGRATION = "Ray"
+_PLUGIN_MODULE = "rayslice.plugins.slices"
+
+
+def _plugins() -> list[dict[str, str]]:
+    """The Slices UI plugin, unless our package already registers it as an `airflow.plugins` entry point.
+
+    Airflow loads both lists; a plugin named in both is reported as an import error
+    ("already registered"), so it must be declared in exactly one place.
+    """
+    try:
+        present = find_spec("rayslice.plugins.slices") is not None
+    except ImportError:
+        present = False
+    if not present:  # the plugin ships separately (plugins/slices.py): nothing to list yet
+        return []
+    try:
+        own = distribution("rayslice").entry_points
+    except PackageNotFoundError:
+        own = ()
+    if any(ep.group == "airflow.plugins" and ep.value.startswith(_PLUGIN_MODULE) for ep in own):
+        return []
+    return [{"name": "rayslice_slices", "plugin-class": f"{_PLUGIN_MODULE}.SlicesPlugin"}]
 
 
 def get_provider_info() -> dict:
@@ -9,5 +41,53 @@ def get_provider_info() -> dict:
         "name": "rayslice",
         "description": "Run accelerator steps (TPU slices, GPU fractions) on Ray.",
         "versions": ["0.1.0"],
-        "connection-types": [],
+        "integrations": [
+            {"integration-name": _INTEGRATION, "external-doc-url": "https://docs.ray.io/en/latest/cluster/"
+             "running-applications/job-submission/rest.html", "tags": ["compute"]},
+        ],
+        "hooks": [{"integration-name": _INTEGRATION, "python-modules": ["rayslice.hooks.ray"]}],
+        "operators": [
+            {
+                "integration-name": _INTEGRATION,
+                "python-modules": [
+                    "rayslice.operators.step",
+                    "rayslice.operators.tpu_slice",
+                    "rayslice.operators.accelerator",
+                ],
+            }
+        ],
+        "triggers": [{"integration-name": _INTEGRATION, "python-modules": ["rayslice.operators.triggers"]}],
+        "connection-types": [
+            {
+                "connection-type": "ray",
+                "hook-class-name": "rayslice.hooks.ray.RayHook",
+                "hook-name": "Ray",
+                "conn-fields": {
+                    "verify": {
+                        "label": "Verify TLS",
+                        "description": "true (default), false, or the path of a CA bundle on the workers",
+                        "schema": {"type": ["string", "boolean", "null"]},
+                    },
+                    "headers": {
+                        "label": "Extra HTTP headers",
+                        "description": 'JSON object sent with every request, e.g. {"X-Proxy-Key": "..."}',
+                        "schema": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+                    },
+                },
+                "ui-field-behaviour": {
+                    "hidden-fields": ["schema", "login", "port"],
+                    "relabeling": {"host": "Ray dashboard URL", "password": "Ray auth token"},
+                    "placeholders": {
+                        "host": "http://127.0.0.1:8265",
+                        "password": "token of a cluster started with RAY_AUTH_MODE=token (optional)",
+                    },
+                },
+            }
+        ],
+        "task-decorators": [
+            {"name": "tpu_slice", "class-name": "rayslice.operators.decorators.tpu_slice_task"},
+            {"name": "ray_accelerator", "class-name": "rayslice.operators.decorators.ray_accelerator_task"},
+        ],
+        "extra-links": ["rayslice.operators.links.RayJobLink"],
+        "plugins": _plugins(),
     }

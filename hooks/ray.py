@@ -1,0 +1,171 @@
+"""The `ray` connection: where the Ray dashboard (Jobs API) is and how to authenticate to it.
+
+Airflow talks to Ray only over the Jobs REST API (`rayslice.jobs_client`), so workers,
+triggerers and the API server need `httpx`, not `ray`. The connection holds:
+
+- host: the dashboard URL, ``http://127.0.0.1:8265`` (the scheme may also come from
+  ``schema`` and the port from ``port``, as URI-style connections split them);
+- password: the cluster's auth token (``RAY_AUTH_MODE=token``), optional;
+- extras: ``verify`` (bool, or a CA bundle path) and ``headers`` (a dict), e.g. for a proxy.
+
+The token is kept out of reprs, logs and messages: Airflow masks connection passwords,
+and the jobs clients scrub it from every error they raise.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from airflow.sdk import BaseHook
+
+from rayslice.exceptions import InvalidRequestError, RaysliceError
+from rayslice.jobs_client import AsyncRayJobsClient, RayJobsClient
+
+__all__ = ["RayConnectionSettings", "RayHook"]
+
+_HOST_HINT = "set the `ray` connection's host to the Ray dashboard URL, e.g. http://127.0.0.1:8265"
+
+
+@dataclass(frozen=True)
+class RayConnectionSettings:
+    """A resolved `ray` connection; builds the jobs clients. The token never shows in its repr."""
+
+    dashboard_url: str
+    token: str | None = field(default=None, repr=False)
+    verify: bool | str = True
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
+    timeout: float = 10.0
+    retries: int = 3
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {"token": self.token, "verify": self.verify, "headers": dict(self.headers),
+                "timeout": self.timeout, "retries": self.retries}
+
+    def client(self) -> RayJobsClient:
+        return RayJobsClient(self.dashboard_url, **self._kwargs())
+
+    def async_client(self) -> AsyncRayJobsClient:
+        return AsyncRayJobsClient(self.dashboard_url, **self._kwargs())
+
+    def job_url(self, submission_id: str) -> str:
+        """The job's page in the Ray dashboard."""
+        return f"{self.dashboard_url}/#/jobs/{submission_id}"
+
+
+def dashboard_url(host: str | None, schema: str | None = None, port: int | None = None) -> str:
+    """The dashboard URL from a connection's host, schema and port, with or without a scheme in host."""
+    host = (host or "").strip().rstrip("/")
+    if not host:
+        raise InvalidRequestError(f"the `ray` connection has no host: {_HOST_HINT}")
+    if "://" not in host:
+        scheme = (schema or "").strip().lower()
+        host = f"{scheme if scheme in ('http', 'https') else 'http'}://{host}"
+    try:
+        url = httpx.URL(host)
+    except httpx.InvalidURL as exc:
+        raise InvalidRequestError(f"the `ray` connection's host is not a URL ({exc}): {_HOST_HINT}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise InvalidRequestError(f"the `ray` connection's host must be http(s)://host:port: {_HOST_HINT}")
+    if port and url.port is None:
+        url = url.copy_with(port=int(port))
+    return str(url.copy_with(username=None, password=None, query=None, fragment=None)).rstrip("/")
+
+
+def _verify(value: Any) -> bool | str:
+    if value is None or value == "":
+        return True
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if isinstance(value, str):
+        return value.strip()
+    raise InvalidRequestError(f"the `ray` connection's extra 'verify' must be true, false or a CA bundle "
+                              f"path, got {type(value).__name__}")
+
+
+def _headers(value: Any) -> dict[str, str]:
+    if value in (None, ""):
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("the `ray` connection's extra 'headers' must be a JSON object of "
+                                  'header names to values, e.g. {"X-Proxy-Key": "..."}')
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int = 3) -> RayConnectionSettings:
+    extra = conn.extra_dejson if conn.extra else {}
+    return RayConnectionSettings(
+        dashboard_url=dashboard_url(conn.host, conn.schema, conn.port),
+        token=conn.password or None,
+        verify=_verify(extra.get("verify")),
+        headers=_headers(extra.get("headers")),
+        timeout=timeout,
+        retries=retries,
+    )
+
+
+class RayHook(BaseHook):
+    """Reach a Ray cluster's Jobs API through an Airflow `ray` connection.
+
+    ``client()`` / ``async_client()`` suit sync callers (operators); inside an event loop
+    (triggers) use ``await hook.asettings()`` and its ``async_client()``, which fetch the
+    connection without blocking the loop.
+    """
+
+    conn_name_attr = "ray_conn_id"
+    default_conn_name = "ray_default"
+    conn_type = "ray"
+    hook_name = "Ray"
+
+    def __init__(self, ray_conn_id: str = default_conn_name, *, timeout: float = 10.0, retries: int = 3,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ray_conn_id = ray_conn_id
+        self.timeout = timeout
+        self.retries = retries
+        self._settings: RayConnectionSettings | None = None
+
+    def __repr__(self) -> str:
+        return f"RayHook(ray_conn_id={self.ray_conn_id!r})"
+
+    def settings(self) -> RayConnectionSettings:
+        if self._settings is None:
+            conn = self.get_connection(self.ray_conn_id)
+            self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries)
+        return self._settings
+
+    async def asettings(self) -> RayConnectionSettings:
+        if self._settings is None:
+            conn = await self.aget_connection(self.ray_conn_id)
+            self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries)
+        return self._settings
+
+    def get_conn(self) -> RayJobsClient:
+        return self.client()
+
+    def client(self) -> RayJobsClient:
+        """A blocking Jobs API client; close it (``with hook.client() as c:``)."""
+        return self.settings().client()
+
+    def async_client(self) -> AsyncRayJobsClient:
+        """An async Jobs API client; close it (``async with hook.async_client() as c:``)."""
+        return self.settings().async_client()
+
+    def test_connection(self) -> tuple[bool, str]:
+        """Ask the dashboard for its version: the UI's "Test" button."""
+        try:
+            with self.client() as client:
+                info = client.version()
+        except RaysliceError as exc:  # messages are scrubbed of the token and name the fix
+            return False, str(exc)
+        return True, (f"Ray {info.get('ray_version', '?')} at {self.settings().dashboard_url} "
+                      f"(Jobs API version {info.get('version', '?')})")

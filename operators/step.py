@@ -1,0 +1,282 @@
+"""The shared flow of every step operator: validate, submit once, follow or defer, return the result.
+
+Subclasses only say what capacity they want (`build_request`). Everything else is here:
+
+- literal request arguments are validated in ``__init__`` (so a bad ``tpu`` fails the DAG
+  import), templated ones right after rendering, before anything is submitted;
+- the Ray submission id is derived from (dag, run, task, map index, try): running the same
+  try again reattaches to its job, and a new try first stops the previous try's job;
+- the id goes to XCom before any waiting, for ``on_kill`` and the "Ray job" link;
+- the job's log is relayed line by line to the task log (by the trigger when deferred).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator, XComArg, conf
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from rayslice.hooks.ray import RayConnectionSettings, RayHook
+from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
+from rayslice.operators.triggers import UNREACHABLE_GRACE_S, RayStepTrigger
+
+from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, RayUnreachableError
+from rayslice.jobs_client import AsyncRayJobsClient
+from rayslice.step import Owner, StepSpec
+from rayslice.submission import LogFollower, outcome, submission_id, submit_step
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+__all__ = ["RayStepOperator", "is_templated"]
+
+#: How long a new try waits for the previous try's stopped job to end before giving up.
+PREVIOUS_TRY_STOP_TIMEOUT_S = 120.0
+
+
+def is_templated(value: Any) -> bool:
+    """Whether a value is only known at run time (Jinja, or another task's output)."""
+    if isinstance(value, str):
+        return "{{" in value or "{%" in value
+    return isinstance(value, XComArg)
+
+
+def _run_coroutine(coroutine: Any) -> Any:
+    """asyncio.run, also from a thread that already runs a loop (e.g. `dag.test()` in a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1, thread_name_prefix="rayslice") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+class RayStepOperator(BaseOperator):
+    """Run one step (a function) on Ray capacity and return its result as the task's XCom.
+
+    :param entrypoint: ``"package.module:function"`` importable on the cluster (templated).
+    :param python_callable: or a function, shipped by value with its DAG file's helpers.
+    :param op_kwargs: keyword arguments for the function; must be JSON (templated).
+    :param ray_conn_id: the `ray` connection (the Ray dashboard URL and token).
+    :param capacity_timeout: seconds to wait for free capacity before failing.
+    :param step_timeout: seconds the step may run once started (None: no limit).
+    :param deferrable: wait in the triggerer instead of holding a worker slot.
+    :param poll_interval: seconds between polls of the job's status and log.
+    """
+
+    template_fields: Sequence[str] = ("entrypoint", "op_kwargs")
+    template_fields_renderers = {"op_kwargs": "py"}
+    operator_extra_links = (RayJobLink(),)
+    ui_color = "#e3f2fd"
+    #: The attributes `build_request` reads; validated at parse time when none is templated.
+    request_fields: Sequence[str] = ()
+
+    def __init__(
+        self,
+        *,
+        entrypoint: str | None = None,
+        python_callable: Callable[..., Any] | None = None,
+        op_kwargs: Mapping[str, Any] | None = None,
+        ray_conn_id: str = RayHook.default_conn_name,
+        capacity_timeout: float = 600,
+        step_timeout: float | None = None,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        poll_interval: float = 2,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if (entrypoint is None) == (python_callable is None):
+            raise InvalidRequestError(
+                f"{type(self).__name__} {self.task_id!r} needs exactly one of "
+                "entrypoint='package.module:function' or python_callable=<function>"
+            )
+        if python_callable is not None and not callable(python_callable):
+            raise InvalidRequestError(
+                f"python_callable of {self.task_id!r} is not callable: {python_callable!r}"
+            )
+        if isinstance(entrypoint, str) and not is_templated(entrypoint) and ":" not in entrypoint:
+            raise InvalidRequestError(
+                f"entrypoint {entrypoint!r} of {self.task_id!r} must look like 'package.module:function'"
+            )
+        self.entrypoint = entrypoint
+        self.python_callable = python_callable
+        self.op_kwargs = dict(op_kwargs or {})
+        self.ray_conn_id = ray_conn_id
+        self.capacity_timeout = capacity_timeout
+        self.step_timeout = step_timeout
+        self.deferrable = deferrable
+        self.poll_interval = poll_interval
+        self._submission_id: str | None = None
+        self._settings: RayConnectionSettings | None = None
+
+    # ---- what subclasses provide
+
+    @staticmethod
+    def make_request(**fields: Any) -> TpuSliceRequest | AcceleratorRequest:
+        """The request from the operator's arguments; raises InvalidRequestError when invalid."""
+        raise NotImplementedError("RayStepOperator subclasses implement make_request()")
+
+    def build_request(self) -> TpuSliceRequest | AcceleratorRequest:
+        return self.make_request(**{name: getattr(self, name) for name in self.request_fields})
+
+    def validate_literal_request(self) -> None:
+        """Build the request now (DAG parse time) unless some of its arguments are templated."""
+        if not any(is_templated(getattr(self, name)) for name in self.request_fields):
+            self.build_request()
+
+    def step_kwargs(self, context: Context) -> dict[str, Any]:
+        """The function's keyword arguments, as shipped to the cluster."""
+        return dict(self.op_kwargs)
+
+    # ---- the flow
+
+    def execute(self, context: Context) -> Any:
+        try:
+            request = self.build_request()  # the rendered values, before anything is submitted
+        except InvalidRequestError as exc:
+            raise AirflowFailException(f"{self.task_id}: {exc}") from None
+        owner = self._owner(context)
+        spec = self._spec(request, owner, context)
+        self._submission_id = sid = owner.submission_id
+        self._settings = RayHook(self.ray_conn_id).settings()
+        context["ti"].xcom_push(key=SUBMISSION_ID_KEY, value=sid)
+        try:
+            result = _run_coroutine(self._submit_and_follow(spec))
+        except RaysliceError as exc:
+            self.log.error("[rayslice] %s", exc)
+            raise self._failure(type(exc).__name__, str(exc)) from None
+        if self.deferrable:
+            self.defer(
+                trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, submission_id=sid,
+                                       poll_interval=self.poll_interval),
+                method_name="execute_complete",
+            )
+        return result
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
+        """Resume after the trigger: relay what the trigger did not, return the result or fail."""
+        sid = event.get("submission_id") or self._owner(context).submission_id
+        self._submission_id = sid
+        self._relay_rest(sid, int(event.get("log_offset") or 0))
+        if event.get("status") == "success":
+            self.log.info("[rayslice] Ray job %s succeeded", sid)
+            return event.get("result")
+        message = str(event.get("message") or "no message")
+        self.log.error("[rayslice] %s", message)
+        raise self._failure(str(event.get("error_type") or "StepFailedError"), message)
+
+    def on_kill(self) -> None:
+        """Stop the Ray job: its end releases every slice or device it held."""
+        sid, settings = self._submission_id, self._settings
+        if not sid or settings is None:
+            return
+        try:
+            with settings.client() as client:
+                stopped = client.stop(sid)
+        except RaysliceError as exc:
+            self.log.warning("[rayslice] could not stop Ray job %s: %s", sid, exc)
+            return
+        self.log.info("[rayslice] %s Ray job %s", "stopped" if stopped else "not running:", sid)
+
+    # ---- helpers
+
+    def _owner(self, context: Context) -> Owner:
+        ti = context["ti"]
+        map_index = ti.map_index if ti.map_index is not None else -1
+        owner = Owner(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, map_index=map_index,
+                      try_number=ti.try_number)
+        return owner.model_copy(update={"submission_id": submission_id(owner)})
+
+    def _spec(self, request: Any, owner: Owner, context: Context) -> StepSpec:
+        try:
+            fields = {"request": request, "kwargs": self.step_kwargs(context), "owner": owner,
+                      "capacity_timeout": float(self.capacity_timeout),
+                      "step_timeout": None if self.step_timeout is None else float(self.step_timeout)}
+            if self.entrypoint is not None:
+                spec = StepSpec(entrypoint=self.entrypoint, **fields)
+            else:
+                spec = StepSpec.for_function(self.python_callable, **fields)
+            spec.model_dump_json()  # the arguments must be JSON: fail here, not halfway through submitting
+            return spec
+        except (InvalidRequestError, ValueError, TypeError, pickle.PicklingError) as exc:
+            raise AirflowFailException(f"{self.task_id}: cannot ship the step: {exc}") from None
+
+    async def _submit_and_follow(self, spec: StepSpec) -> Any:
+        assert self._settings is not None
+        async with self._settings.async_client() as client:
+            if spec.owner.try_number > 1:
+                await self._stop_previous_try(client, spec.owner)
+            sid = await submit_step(client, spec)
+            self.log.info("[rayslice] submitted %s as Ray job %s: %s", spec.request, sid,
+                          self._settings.job_url(sid))
+            if self.deferrable:
+                return None
+            return await self._follow(client, sid)
+
+    async def _follow(self, client: AsyncRayJobsClient, sid: str) -> Any:
+        """Poll to the end, relaying new log lines; a short dashboard outage is waited out."""
+        follower = LogFollower(self.log.info)
+        unreachable_since: float | None = None
+        while True:
+            try:
+                job = await client.get(sid)
+                log = await client.logs(sid)
+            except RayUnreachableError as exc:
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > UNREACHABLE_GRACE_S:
+                    raise
+                self.log.warning("[rayslice] Ray dashboard not answering (%s); still following %s", exc, sid)
+                await asyncio.sleep(self.poll_interval)
+                continue
+            unreachable_since = None
+            follower.feed(log)
+            if job.is_terminal:
+                return outcome(job, log)
+            await asyncio.sleep(self.poll_interval)
+
+    async def _stop_previous_try(self, client: AsyncRayJobsClient, owner: Owner) -> None:
+        """A retry must not run next to the try it replaces: stop that job and wait for its end."""
+        previous = submission_id(owner.model_copy(update={"try_number": owner.try_number - 1}))
+        try:
+            job = await client.get(previous)
+        except JobNotFoundError:
+            return
+        if job.is_terminal:
+            return
+        self.log.info("[rayslice] stopping Ray job %s of try %d before this try starts", previous,
+                      owner.try_number - 1)
+        await client.stop(previous)
+        deadline = time.monotonic() + PREVIOUS_TRY_STOP_TIMEOUT_S
+        while not job.is_terminal:
+            if time.monotonic() > deadline:
+                raise AirflowException(
+                    f"Ray job {previous} of the previous try is still {job.status.value} "
+                    f"{PREVIOUS_TRY_STOP_TIMEOUT_S:.0f} s after it was stopped; stop it in the Ray dashboard "
+                    "and retry the task"
+                )
+            await asyncio.sleep(0.5)
+            job = await client.get(previous)
+        self.log.info("[rayslice] Ray job %s of try %d is %s", previous, owner.try_number - 1,
+                      job.status.value)
+
+    def _relay_rest(self, sid: str, offset: int) -> None:
+        follower = LogFollower(self.log.info)
+        follower.seen = offset
+        try:
+            with RayHook(self.ray_conn_id).client() as client:
+                follower.feed(client.logs(sid))
+        except RaysliceError as exc:
+            self.log.warning("[rayslice] could not read the rest of Ray job %s's log: %s", sid, exc)
+
+    def _failure(self, error_type: str, message: str) -> AirflowException:
+        """Airflow's retries cannot fix an invalid request: those fail at once."""
+        sid = self._submission_id or "?"
+        if error_type == "InvalidRequestError":
+            return AirflowFailException(f"Ray step {sid} is invalid: {message}")
+        return AirflowException(f"Ray step {sid} failed ({error_type}): {message}")

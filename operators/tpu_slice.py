@@ -1,0 +1,48 @@
+"""Run a step on whole TPU slices: one process per host, every chip of every host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rayslice.operators.step import RayStepOperator
+
+from rayslice.accelerators import TpuSliceRequest
+
+__all__ = ["TpuSliceOperator"]
+
+
+class TpuSliceOperator(RayStepOperator):
+    """``TpuSliceOperator(task_id=..., tpu="v6e-16", python_callable=train)``; XCom: one result per host.
+
+    :param tpu: the slice type, e.g. "v6e-16" or "v5p-8" (templated).
+    :param num_slices: how many such slices (templated).
+    :param multislice: wire the slices into one JAX job over DCN (MEGASCALE_*).
+    :param chips_per_host: override the host layout of ambiguous topologies.
+    """
+
+    template_fields: Sequence[str] = (*RayStepOperator.template_fields, "tpu", "num_slices", "multislice",
+                                      "chips_per_host")
+    request_fields = ("tpu", "num_slices", "multislice", "chips_per_host")
+
+    def __init__(
+        self,
+        *,
+        tpu: str,
+        num_slices: int | str = 1,
+        multislice: bool | str = False,
+        chips_per_host: int | str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.tpu = tpu
+        self.num_slices = num_slices
+        self.multislice = multislice
+        self.chips_per_host = chips_per_host
+        self.validate_literal_request()
+
+    @staticmethod
+    def make_request(tpu: Any, num_slices: Any = 1, multislice: Any = False,
+                     chips_per_host: Any = None) -> TpuSliceRequest:
+        return TpuSliceRequest(tpu=tpu, num_slices=num_slices, multislice=multislice,
+                               chips_per_host=chips_per_host)

@@ -1,0 +1,118 @@
+"""The trigger that follows a deferred step's Ray job from the triggerer.
+
+It only polls: every call is awaited on the async Jobs client, each bounded by a
+client-side timeout, so one slow dashboard cannot stall the triggerer's event loop.
+Job log lines go to the trigger's logger, which Airflow 3 routes to the task's log.
+
+`cleanup()` runs on every trigger exit, triggerer restarts included, so it never
+touches the job; `on_kill()` (Airflow 3.3+: the user marked the deferred task failed,
+success or cleared it) stops the job, whose end releases all its capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+from rayslice.hooks.ray import RayHook
+
+from rayslice.exceptions import JobNotFoundError, RaysliceError, RayUnreachableError
+from rayslice.submission import LogFollower, outcome
+
+__all__ = ["RayStepTrigger"]
+
+#: How long the dashboard may stay unreachable before the trigger gives up on the job.
+UNREACHABLE_GRACE_S = 300.0
+
+
+class RayStepTrigger(BaseTrigger):
+    """Poll one Ray job to its end; yield ``{"status": "success"|"error", ...}`` once."""
+
+    def __init__(
+        self,
+        *,
+        ray_conn_id: str,
+        submission_id: str,
+        poll_interval: float = 2.0,
+        log_offset: int = 0,
+        call_timeout: float = 30.0,
+    ) -> None:
+        super().__init__()
+        self.ray_conn_id = ray_conn_id
+        self.submission_id = submission_id
+        self.poll_interval = float(poll_interval)
+        self.log_offset = int(log_offset)
+        self.call_timeout = float(call_timeout)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "ray_conn_id": self.ray_conn_id,
+                "submission_id": self.submission_id,
+                "poll_interval": self.poll_interval,
+                "log_offset": self.log_offset,
+                "call_timeout": self.call_timeout,
+            },
+        )
+
+    def _hook(self) -> RayHook:
+        # Each attempt is bounded by the client's timeout; the whole poll by call_timeout.
+        return RayHook(self.ray_conn_id, timeout=min(10.0, self.call_timeout), retries=2)
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        follower = LogFollower(self.log.info)
+        follower.seen = self.log_offset
+        sid = self.submission_id
+        unreachable_since: float | None = None
+        try:
+            settings = await self._hook().asettings()
+            async with settings.async_client() as client:
+                while True:
+                    try:
+                        job, log = await asyncio.wait_for(self._poll(client), self.call_timeout)
+                    except (RayUnreachableError, TimeoutError) as exc:
+                        unreachable_since = unreachable_since or time.monotonic()
+                        if time.monotonic() - unreachable_since > UNREACHABLE_GRACE_S:
+                            raise
+                        self.log.warning("Ray job %s: dashboard not answering (%s); still polling", sid, exc)
+                        await asyncio.sleep(self.poll_interval)
+                        continue
+                    unreachable_since = None
+                    follower.feed(log)
+                    if job.status.is_terminal:
+                        break
+                    await asyncio.sleep(self.poll_interval)
+            try:
+                result = outcome(job, log)
+            except RaysliceError as exc:
+                yield self._event("error", follower.seen, error_type=type(exc).__name__, message=str(exc))
+                return
+            yield self._event("success", follower.seen, result=result)
+        except (RaysliceError, TimeoutError) as exc:
+            gone = isinstance(exc, JobNotFoundError)
+            what = "is unknown to the dashboard" if gone else "could not be followed"
+            yield self._event("error", follower.seen, error_type=type(exc).__name__,
+                              message=f"Ray job {sid} {what}: {exc}")
+
+    async def _poll(self, client: Any) -> tuple[Any, str]:
+        job = await client.get(self.submission_id)
+        return job, await client.logs(self.submission_id)
+
+    def _event(self, status: str, log_offset: int, **fields: Any) -> TriggerEvent:
+        return TriggerEvent({"status": status, "submission_id": self.submission_id,
+                             "log_offset": log_offset, **fields})
+
+    async def cleanup(self) -> None:
+        """Nothing to release: run() closes its client, and the job must outlive triggerer restarts."""
+
+    async def on_kill(self) -> None:
+        """The user killed the deferred task: stop the Ray job (its end frees the slice)."""
+        settings = await self._hook().asettings()
+        async with settings.async_client() as client:
+            stopped = await asyncio.wait_for(client.stop(self.submission_id), self.call_timeout)
+        self.log.info("Ray job %s: %s", self.submission_id,
+                      "stop requested" if stopped else "was not running")

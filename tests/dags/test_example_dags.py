@@ -1,0 +1,94 @@
+"""Every example DAG imports cleanly and fast, and runs end to end with `dag.test()` on the cluster."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import pytest
+
+from rayslice.accelerators import TpuSliceRequest
+from tests.airflow_env import EXAMPLE_DAGS, task_states, xcom_values
+
+# A loaded 2-core machine can slow a multi-host step several-fold: a guard, not a budget.
+pytestmark = pytest.mark.timeout(600)
+
+EXPECTED_DAGS = {
+    "rayslice_tpu_single_host",
+    "rayslice_tpu_slice_training",
+    "rayslice_tpu_multislice",
+    "rayslice_gpu_fraction_sweep",
+    "rayslice_training_pipeline",
+}
+
+
+@pytest.fixture(scope="module")
+def example_dags(airflow_db, ray_default):
+    from airflow.dag_processing.dagbag import DagBag
+
+    jax_before = "jax" in sys.modules
+    started = time.monotonic()
+    bag = DagBag(dag_folder=str(EXAMPLE_DAGS), safe_mode=False)
+    parse_s = time.monotonic() - started
+    assert bag.import_errors == {}
+    if not jax_before:
+        assert "jax" not in sys.modules, "an example DAG imports jax at module level"
+    return bag.dags, parse_s
+
+
+def test_example_dags_import_cleanly_and_fast(example_dags):
+    dags, parse_s = example_dags
+    assert set(dags) == EXPECTED_DAGS
+    assert parse_s < 2 * len(dags), f"parsing {len(dags)} example DAGs took {parse_s:.1f} s"
+
+
+def test_tpu_single_host(example_dags):
+    dr = example_dags[0]["rayslice_tpu_single_host"].test()
+    assert task_states(dr) == {"device_count": "success"}
+    assert xcom_values(dr, "device_count") == [[4]]
+
+
+def test_tpu_slice_training(example_dags, capfd):
+    dr = example_dags[0]["rayslice_tpu_slice_training"].test()
+    out = capfd.readouterr().out
+    assert task_states(dr) == {"train": "success"}
+    [per_host] = xcom_values(dr, "train")
+    assert [h["devices"] for h in per_host] == [16] * 4
+    losses = [h["loss"] for h in per_host]
+    assert all(math.isfinite(x) for x in losses) and max(losses) - min(losses) < 1e-5
+    for host in range(4):  # every host's loss per step reaches the task log, prefixed with its host
+        assert f"/host{host} pid=" in out
+    assert "step 4: loss" in out
+
+
+def test_tpu_multislice(example_dags):
+    dr = example_dags[0]["rayslice_tpu_multislice"].test()
+    assert task_states(dr) == {"global_devices": "success"}
+    assert xcom_values(dr, "global_devices") == [[32] * 8]
+
+
+def test_gpu_fraction_sweep(example_dags):
+    dr = example_dags[0]["rayslice_gpu_fraction_sweep"].test()
+    assert set(task_states(dr).values()) == {"success"} and len(task_states(dr)) == 4
+    results = xcom_values(dr, "evaluate")
+    assert [r["checkpoint"] for r in results] == ["ckpt-100", "ckpt-200", "ckpt-300", "ckpt-400"]
+    for r in results:  # a quarter of one GPU each, with JAX's memory capped to that share
+        assert r["cuda_visible_devices"] in {"0", "1", "2"}
+        assert float(r["memory_fraction"]) == pytest.approx(0.2375, abs=1e-3)
+        assert 0 < r["score"] < 1
+
+
+def test_training_pipeline_renders_the_slice_from_params(example_dags, capfd):
+    dag = example_dags[0]["rayslice_training_pipeline"]
+    assert dag.params["slice_type"] == "v6e-4"
+    for slice_type in dag.params.get_param("slice_type").schema["enum"]:
+        TpuSliceRequest(tpu=slice_type)  # every choice in the trigger form is a valid slice
+    dr = dag.test()
+    out = capfd.readouterr().out
+    assert set(task_states(dr).values()) == {"success"}
+    assert "[rayslice] submitted v6e-4 as Ray job" in out  # "{{ params.slice_type }}", rendered
+    [losses] = xcom_values(dr, "train")
+    assert len(losses) == 1  # v6e-4: one host
+    [report] = xcom_values(dr, "report")
+    assert report.startswith("v6e-4 trained on 1 host(s) at lr=0.1: loss ")

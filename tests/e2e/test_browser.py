@@ -1,0 +1,155 @@
+"""End to end in a real browser: trigger the training pipeline from Airflow's UI, watch its slice on the Slices page.
+
+A real Airflow 3 (`rayslice.airflow_stack`: api-server, scheduler, dag-processor, triggerer)
+runs against the session's local Ray cluster; headless Chromium logs in, fills the trigger
+form (slice type, learning rate), and follows the run until it succeeds, looking at the
+Slices page while the training step holds its v6e-4 slice and again once it is released.
+Screenshots go to `artifacts/` for humans (and CI) to look at.
+
+Every wait is for a condition, with a generous deadline: this runs on loaded two-core machines.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rayslice.airflow_stack import REPO, AirflowStack, _alive
+
+CHROMIUM = "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else shutil.which("chromium")
+ARTIFACTS = REPO / "artifacts"
+DAG_ID = "rayslice_training_pipeline"
+SLICE_TYPE, LEARNING_RATE = "v6e-4", "0.05"
+RUN_TIMEOUT_S = 240
+
+pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Chromium is not installed (no /usr/bin/chromium, none on "
+                                "PATH); `apt-get install chromium` to run the browser tests")
+_BUSY = re.compile(r"\b(running|reserved)\b")
+_FREE = re.compile(r"\bfree\b")
+
+
+@pytest.mark.timeout(540)  # Airflow's start alone takes ~90 s on a loaded two-core machine
+def test_trigger_from_the_ui_and_watch_the_slice(cluster):
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    ARTIFACTS.mkdir(exist_ok=True)
+    with AirflowStack(cluster.dashboard_url, cluster.token) as airflow:
+        components = dict(airflow.sessions)
+        api = httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=45,
+                           headers={"Authorization": f"Bearer {airflow.api_token()}"})
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM,
+                                        args=["--headless", "--no-sandbox", "--disable-gpu",
+                                              "--disable-background-networking"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            try:
+                _run_pipeline_from_the_ui(page, airflow, api)
+            except Exception as exc:
+                page.screenshot(path=ARTIFACTS / "e2e-failure.png", full_page=True)
+                exc.add_note(f"screenshot: {ARTIFACTS / 'e2e-failure.png'}; Airflow logs (kept): {airflow.home}/logs")
+                raise
+            finally:
+                browser.close()
+    left = {name: pid for name, pid in components.items() if _alive(pid)}
+    assert not left, f"Airflow components still running after stop(): {left}"
+    assert not airflow.pids(), f"processes of the Airflow stack left behind: {sorted(airflow.pids())}"
+
+
+def _run_pipeline_from_the_ui(page, airflow: AirflowStack, api: httpx.Client) -> None:
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=60_000)  # not the 5 s default: a loaded machine's API can stall that long
+    # Log in (the UI sends us to the simple auth manager's form and back).
+    _wait_for(lambda: _get(api, f"/dags/{DAG_ID}"), 120,
+              f"the DAG processor did not register {DAG_ID} from dags/ within 120 s")
+    page.goto(f"{airflow.url}/dags/{DAG_ID}")
+    page.fill("input[name=username]", airflow.username)
+    page.fill("input[name=password]", airflow.password)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"**/dags/{DAG_ID}**")
+
+    # The trigger form: pick the slice type, set the learning rate, name the run.
+    page.get_by_role("button", name="Trigger Dag").click()
+    form = page.get_by_role("dialog")
+    expect(form.get_by_text(f"Trigger Dag - {DAG_ID}")).to_be_visible()
+    form.get_by_label("TPU slice type").click()  # the Param's enum, offered as a drop-down
+    page.get_by_role("option", name=SLICE_TYPE, exact=True).click()
+    expect(form.locator("input[name=element_slice_type]")).to_have_value(SLICE_TYPE)
+    form.locator("input[name=element_learning_rate]").fill(LEARNING_RATE)
+    form.get_by_role("button", name="Advanced Options").click()
+    run_id = f"e2e-{uuid.uuid4().hex[:8]}"
+    form.locator("input[name=dagRunId]").fill(run_id)
+    form.get_by_test_id("trigger-dag-submit").click()
+    expect(form).to_be_hidden()
+
+    run = _wait_for(lambda: _get(api, f"/dags/{DAG_ID}/dagRuns/{run_id}"), 120,
+                    f"the trigger form did not create run {run_id}")
+    assert run["conf"] == {"slice_type": SLICE_TYPE, "learning_rate": float(LEARNING_RATE)}, run["conf"]
+
+    # The Slices page (inside Airflow's UI) while `train` runs: our run holds a v6e-4 slice.
+    page.get_by_role("link", name="Slices").click()  # the plugin's nav entry: /rayslice/ in an iframe
+    slices = page.frame_locator("iframe[src*='/rayslice/']")
+    held = slices.locator("article.slice", has=slices.locator("span.run", has_text=run_id))
+    expect(slices.locator("article.slice").first).to_be_visible()
+    frame = next(f for f in page.frames if "/rayslice/" in f.url)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not held.count():
+        ended = _finished(api, run_id)
+        assert not ended and time.monotonic() < deadline, (
+            f"the Slices page never showed a slice held by run {run_id} (run {ended and ended['state']}); "
+            f"task states: {_task_states(api, run_id)}")
+        frame.goto(frame.url)  # a fresh reading, sooner than the page's own 5 s refresh
+        time.sleep(0.5)
+    expect(held).to_have_class(_BUSY)
+    expect(held.locator(".meta")).to_contain_text(SLICE_TYPE)
+    slice_name = held.locator("h3").inner_text()
+    page.screenshot(path=ARTIFACTS / "e2e-slices-busy.png", full_page=True)
+
+    run = _wait_for(lambda: _finished(api, run_id), RUN_TIMEOUT_S,
+                    f"run {run_id} did not finish within {RUN_TIMEOUT_S} s")
+    assert run["state"] == "success", f"run {run_id} ended {run['state']}; task states: {_task_states(api, run_id)}"
+
+    # Released: the page refreshes itself every few seconds.
+    card = slices.locator("article.slice", has=slices.locator("h3", has_text=re.compile(f"^{re.escape(slice_name)}$")))
+    expect(card).to_have_class(_FREE, timeout=60_000)
+    page.screenshot(path=ARTIFACTS / "e2e-slices-free.png", full_page=True)
+
+    page.goto(f"{airflow.url}/dags/{DAG_ID}/runs/{run_id}")
+    expect(page.get_by_text(run_id).first).to_be_visible()
+    expect(page.get_by_text("success").first).to_be_visible()
+    page.screenshot(path=ARTIFACTS / "e2e-dag-run.png", full_page=True)
+
+
+def _get(api: httpx.Client, path: str) -> dict | None:
+    """The JSON at `path`, or None (not there yet, or the API stalled behind a SQLite lock: poll again)."""
+    try:
+        resp = api.get(path)
+    except httpx.TransportError:
+        return None
+    return resp.json() if resp.status_code == 200 else None
+
+
+def _finished(api: httpx.Client, run_id: str) -> dict | None:
+    run = _get(api, f"/dags/{DAG_ID}/dagRuns/{run_id}")
+    return run if run and run["state"] in ("success", "failed") else None
+
+
+def _task_states(api: httpx.Client, run_id: str) -> dict[str, str]:
+    body = _get(api, f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances") or {"task_instances": []}
+    return {ti["task_id"]: ti["state"] for ti in body["task_instances"]}
+
+
+def _wait_for(condition, timeout: float, message: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            assert value, message
+            return value
+        time.sleep(interval)

@@ -1,0 +1,144 @@
+"""RayHook against the real test cluster, through real Airflow connections (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from airflow.sdk import Connection
+from rayslice.hooks.ray import RayHook, dashboard_url, settings_from_connection
+
+from rayslice.exceptions import InvalidRequestError
+from rayslice.local_cluster import free_port
+from tests.airflow_env import REPO, ray_connection_json
+
+TOKEN = "tok-5ecret-do-not-print"
+
+
+@pytest.mark.parametrize(
+    ("conn", "expected"),
+    [
+        ({"host": "http://127.0.0.1:8265"}, "http://127.0.0.1:8265"),
+        ({"host": "http://127.0.0.1:8265/"}, "http://127.0.0.1:8265"),
+        ({"host": "127.0.0.1", "port": 8265}, "http://127.0.0.1:8265"),
+        ({"host": "ray.example.com", "schema": "https", "port": 443}, "https://ray.example.com"),
+        ({"host": "https://ray.example.com:8443/proxy", "port": 9}, "https://ray.example.com:8443/proxy"),
+    ],
+)
+def test_dashboard_url_from_connection_fields(conn, expected):
+    c = Connection(conn_id="r", conn_type="ray", **conn)
+    assert settings_from_connection(c).dashboard_url == expected
+
+
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        ("ray://127.0.0.1:8265", "http://127.0.0.1:8265"),
+        ("ray://http://127.0.0.1:8265", "http://127.0.0.1:8265"),  # Airflow splits the port off
+        ("ray://:tok@ray.example.com:443/https?verify=false", "https://ray.example.com"),
+    ],
+)
+def test_dashboard_url_from_uri_connections(uri, expected):
+    settings = settings_from_connection(Connection(conn_id="r", uri=uri))
+    assert settings.dashboard_url == expected
+
+
+@pytest.mark.parametrize("fields", [{"host": "http://127.0.0.1:8265"}, {"host": "127.0.0.1", "port": 8265}])
+def test_connections_survive_the_uri_round_trip_the_api_server_does(fields):
+    """The UI's "Test" button hands the hook the connection as an AIRFLOW_CONN_* URI."""
+    from airflow.models.connection import Connection as StoredConnection
+
+    uri = StoredConnection(conn_id="r", conn_type="ray", **fields).get_uri()
+    assert settings_from_connection(Connection(conn_id="r", uri=uri)).dashboard_url == "http://127.0.0.1:8265"
+
+
+def test_extras_and_token_stay_out_of_reprs():
+    conn = Connection(conn_id="r", conn_type="ray", host="http://h:1", password=TOKEN,
+                      extra=json.dumps({"verify": "false", "headers": {"X-Key": "v"}}))
+    settings = settings_from_connection(conn)
+    assert settings.verify is False and settings.headers == {"X-Key": "v"} and settings.token == TOKEN
+    assert TOKEN not in repr(settings) and TOKEN not in repr(settings.client())
+    assert TOKEN not in repr(RayHook())
+
+
+def test_missing_host_names_the_fix():
+    with pytest.raises(InvalidRequestError, match="host to the Ray dashboard URL"):
+        dashboard_url("")
+
+
+def test_json_env_connection_reaches_the_cluster(ray_default, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_DEFAULT",
+                       json.dumps({"conn_type": "ray", "host": ray_default.dashboard_url}))
+    ok, message = RayHook().test_connection()
+    assert ok, message
+    assert "Ray 2." in message and ray_default.dashboard_url in message
+    with RayHook().client() as client:
+        assert isinstance(client.list_jobs(), list)
+
+
+def test_connection_failure_is_false_and_never_shows_the_token(monkeypatch):
+    closed = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_BAD", ray_connection_json(closed, TOKEN))
+    ok, message = RayHook("ray_bad", timeout=2, retries=1).test_connection()
+    assert not ok
+    assert closed in message and "check the `ray` connection's host" in message
+    assert TOKEN not in message
+
+
+async def test_async_settings_and_client(ray_default):
+    settings = await RayHook().asettings()
+    async with settings.async_client() as client:
+        info = await client.version()
+    assert info["ray_version"].startswith("2.")
+
+
+def test_airflow_side_imports_and_works_without_ray(ray_default):
+    """Workers, triggerers and the API server need no `ray` (nor `jax`) installed."""
+    script = textwrap.dedent(
+        """
+        import sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("ray", "jax", "jaxlib", "optax"):
+                    raise ImportError(f"{name} is blocked in this test")
+
+        sys.meta_path.insert(0, Block())
+        import rayslice.hooks.ray, rayslice.provider
+        import rayslice.operators.step, rayslice.operators.tpu_slice, rayslice.operators.accelerator
+        import rayslice.operators.triggers, rayslice.operators.links, rayslice.operators.decorators
+        from rayslice.hooks.ray import RayHook
+
+        rayslice.provider.get_provider_info()
+        ok, message = RayHook().test_connection()
+        assert ok, message
+        with RayHook().client() as client:
+            client.list_jobs()
+        assert not any(m.split(".")[0] in ("ray", "jax") for m in sys.modules), "ray or jax got imported"
+        print("OK")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+def test_provider_info_validates_and_registers_the_connection_form():
+    import importlib.resources
+
+    import jsonschema
+    from airflow.providers_manager import ProvidersManager
+
+    from rayslice.provider import get_provider_info
+
+    schema = json.loads(importlib.resources.files("airflow").joinpath("provider_info.schema.json").read_text())
+    jsonschema.validate(get_provider_info(), schema)
+    manager = ProvidersManager()
+    assert manager.hooks["ray"].hook_class_name == "rayslice.hooks.ray.RayHook"
+    behaviour = manager.field_behaviours["ray"]
+    assert behaviour["relabeling"] == {"host": "Ray dashboard URL", "password": "Ray auth token"}
+    assert {"extra__ray__verify", "extra__ray__headers"} <= set(manager.connection_form_widgets)

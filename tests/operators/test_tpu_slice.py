@@ -1,0 +1,45 @@
+"""TpuSliceOperator: requests are validated when the DAG file is parsed."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from rayslice.operators.tpu_slice import TpuSliceOperator
+
+from rayslice.accelerators import TpuSliceRequest
+from rayslice.exceptions import InvalidRequestError
+from tests.airflow_env import load_dag_file
+
+BAD_SLICE_DAG = textwrap.dedent(
+    """
+    from datetime import datetime
+    from airflow.sdk import DAG
+    from rayslice.operators.tpu_slice import TpuSliceOperator
+
+    with DAG("bad_slice", schedule=None, start_date=datetime(2026, 1, 1)):
+        TpuSliceOperator(task_id="train", tpu="v6e-15", entrypoint="pkg.train:main")
+    """
+)
+
+
+def test_literal_request_is_built_at_parse_time():
+    op = TpuSliceOperator(task_id="t", tpu="v6e-16", num_slices=2, multislice=True, entrypoint="pkg.mod:fn")
+    assert op.build_request() == TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True)
+    assert {"tpu", "num_slices", "op_kwargs", "entrypoint"} <= set(op.template_fields)
+
+
+def test_invalid_slice_fails_the_dag_import(tmp_path):
+    path = tmp_path / "bad_slice.py"
+    path.write_text(BAD_SLICE_DAG)
+    dags, errors = load_dag_file(path)
+    assert not dags
+    [message] = errors.values()
+    assert "InvalidRequestError" in message and "'v6e-15' is not a v6e slice" in message
+
+
+def test_callable_or_entrypoint_but_not_both():
+    with pytest.raises(InvalidRequestError, match="exactly one of"):
+        TpuSliceOperator(task_id="t", tpu="v6e-4")
+    with pytest.raises(InvalidRequestError, match="package.module:function"):
+        TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="train.py")

@@ -1,0 +1,65 @@
+"""RayStepTrigger: serialization, and run()/on_kill() against real Ray jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from airflow.sdk.serde import deserialize, serialize
+from airflow.triggers.base import TriggerEvent
+from rayslice.operators.triggers import RayStepTrigger
+
+from rayslice.accelerators import AcceleratorRequest
+from rayslice.jobs_client import AsyncRayJobsClient, JobStatus
+from rayslice.step import Owner, StepSpec
+from rayslice.submission import submit_step
+
+
+def chatty_sleeper():
+    import time
+
+    for i in range(3):
+        print(f"line {i}", flush=True)
+    time.sleep(300)
+
+
+def test_serialize_round_trips_through_airflow_serde():
+    trigger = RayStepTrigger(ray_conn_id="ray_x", submission_id="sid-1", poll_interval=0.5, log_offset=12)
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "rayslice.operators.triggers.RayStepTrigger"
+    again = RayStepTrigger(**deserialize(serialize(kwargs)))
+    assert again.serialize() == (classpath, kwargs)
+    assert kwargs["log_offset"] == 12 and kwargs["ray_conn_id"] == "ray_x"
+
+
+async def test_unknown_job_yields_an_error_event(ray_default):
+    trigger = RayStepTrigger(ray_conn_id="ray_default", submission_id="rayslice-no-such-job", poll_interval=0.1)
+    event = await asyncio.wait_for(anext(trigger.run()), 30)
+    assert isinstance(event, TriggerEvent)
+    assert event.payload["status"] == "error" and event.payload["error_type"] == "JobNotFoundError"
+    assert "rayslice-no-such-job" in event.payload["message"]
+
+
+async def test_run_relays_the_log_and_on_kill_stops_the_job(ray_default, capfd):
+    owner = Owner(dag_id="trigger_test", run_id=f"r{time.time_ns()}", task_id="t", try_number=1)
+    spec = StepSpec.for_function(chatty_sleeper, request=AcceleratorRequest(resource="GPU", count=0.25),
+                                 owner=owner)
+    async with AsyncRayJobsClient(ray_default.dashboard_url, token=ray_default.token) as client:
+        sid = await submit_step(client, spec)
+        trigger = RayStepTrigger(ray_conn_id="ray_default", submission_id=sid, poll_interval=0.2)
+        run = asyncio.ensure_future(anext(trigger.run()))
+        relayed, deadline = "", time.monotonic() + 120
+        while "line 2" not in relayed and time.monotonic() < deadline and not run.done():
+            await asyncio.sleep(0.2)
+            relayed += capfd.readouterr().out
+        assert "pid=" in relayed and "line 2" in relayed, relayed[-2000:]  # host output, host-prefixed
+
+        await trigger.cleanup()  # every trigger exit: must leave the job alone
+        assert (await client.get(sid)).status == JobStatus.RUNNING
+
+        await trigger.on_kill()  # the user killed the deferred task
+        event = await asyncio.wait_for(run, 30)
+        assert (await client.get(sid)).status == JobStatus.STOPPED
+    assert event.payload["status"] == "error" and event.payload["submission_id"] == sid
+    assert "stopped before the step finished" in event.payload["message"]
+    assert event.payload["log_offset"] > 0
