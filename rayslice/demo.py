@@ -8,6 +8,7 @@ examples as real Ray jobs, runs the scheduled training pipeline DAG with real Ai
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 import time
@@ -69,23 +70,46 @@ def run_examples(record: local_cluster.ClusterRecord) -> None:
 
 
 def run_pipeline(record: local_cluster.ClusterRecord) -> None:
-    """The scheduled training pipeline, through real Airflow: `dag.test()` on a throwaway AIRFLOW_HOME."""
-    home = tempfile.mkdtemp(prefix="rayslice-airflow-")
+    """The scheduled training pipeline through real Airflow: `dag.test()` on a throwaway AIRFLOW_HOME.
+
+    Airflow reads its configuration once, at import, so everything is set before the first import.
+    """
+    import rayslice.dags
+
+    dags = Path(rayslice.dags.__file__).parent
+    home = Path(tempfile.mkdtemp(prefix="rayslice-demo-airflow-"))
+    bundle = {
+        "name": "rayslice-examples",
+        "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+        "kwargs": {"path": str(dags)},
+    }
     os.environ.update(
         {
-            "AIRFLOW_HOME": home,
+            "AIRFLOW_HOME": str(home),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__DAGS_FOLDER": str(Path(__file__).resolve().parent.parent / "dags"),
-            "AIRFLOW_CONN_RAY_DEFAULT": f'{{"conn_type": "ray", "host": "{record.dashboard_url}"}}',
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+            "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([bundle]),
+            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps({"conn_type": "ray", "host": record.dashboard_url}),
         }
     )
-    console.print(Rule("Airflow: training_pipeline (dag.test)"))
-    from rayslice.dags.training_pipeline import dag as pipeline
+    console.print(Rule("Airflow: rayslice_training_pipeline (prepare -> train on a slice -> evaluate -> report)"))
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.models.xcom import XComModel
+    from airflow.utils import db
+    from airflow.utils.session import create_session
 
-    run = pipeline.test()
-    console.print(f"DAG run state: [bold]{run.state}[/]")
-    for ti in run.get_task_instances():
-        console.print(f"  {ti.task_id}: {ti.state} -> {ti.xcom_pull(task_ids=ti.task_id)}")
+    db.initdb()
+    pipeline = DagBag(dag_folder=str(dags), safe_mode=False).dags["rayslice_training_pipeline"]
+    run = pipeline.test(run_conf={"slice_type": "v6e-16", "learning_rate": 0.1})
+    console.print(f"DAG run {run.run_id}: [bold]{run.state}[/]")
+    with create_session() as session:
+        for ti in sorted(run.get_task_instances(session=session), key=lambda ti: ti.start_date or ti.end_date):
+            rows = session.scalars(
+                XComModel.get_many(run_id=run.run_id, dag_ids=run.dag_id, task_ids=ti.task_id, key="return_value")
+            ).all()
+            value = [XComModel.deserialize_value(row) for row in rows]
+            console.print(f"  {ti.task_id}: {ti.state} -> {value[0] if len(value) == 1 else value}")
 
 
 def run_demo(name: str = "demo") -> int:
