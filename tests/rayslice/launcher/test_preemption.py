@@ -17,6 +17,11 @@ from rayslice.exceptions import PreemptedError
 from rayslice.step import Owner, StepSpec
 from tests.conftest import wait_until
 
+pytestmark = pytest.mark.skip(
+    reason="not yet run to completion: written in a session whose 2-core machine was too loaded to start "
+    "the extra cluster; PreemptedError and whole-gang retries are untested until this runs"
+)
+
 
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory: pytest.TempPathFactory):
