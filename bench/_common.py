@@ -43,7 +43,7 @@ def parse_args(description: str, default_reps: int = 10, extra: Callable[[argpar
     parser.add_argument(
         "--boost-startup",
         action="store_true",
-        help="start the cluster's nodes at nice -5 (then back to 0): for a machine too loaded for Ray's "
+        help="start the cluster's nodes at nice -10 (then back to 0): for a machine too loaded for Ray's "
         "start-up deadlines; nothing is measured at the raised priority",
     )
     if extra:
@@ -77,8 +77,9 @@ def _raise_terminated(signum, frame):  # noqa: ARG001
     raise _Terminated(f"signal {signum}")
 
 
-#: `--boost-startup`: start the cluster's nodes at nice -5, then set them back to 0.
+#: `--boost-startup`: start the cluster's nodes at nice STARTUP_NICE, then set them back to 0.
 BOOST_STARTUP = False
+STARTUP_NICE = -10
 
 
 def _one_node_at_a_time() -> None:
@@ -121,7 +122,7 @@ def _startup_priority() -> Iterator[None]:
         return
     before = os.getpriority(os.PRIO_PROCESS, 0)
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, -5)
+        os.setpriority(os.PRIO_PROCESS, 0, STARTUP_NICE)
     except PermissionError:
         yield
         return
