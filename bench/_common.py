@@ -36,7 +36,9 @@ from rayslice import local_cluster  # noqa: E402
 # command line
 
 
-def parse_args(description: str, default_reps: int = 10, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+def parse_args(
+    description: str, default_reps: int = 10, extra: Callable[[argparse.ArgumentParser], None] | None = None
+):
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--reps", type=int, default=default_reps, help=f"repetitions per row (default {default_reps})")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write bench/results/*.md")
@@ -144,9 +146,7 @@ def _renice_cluster(record: local_cluster.ClusterRecord) -> None:
 
 
 @contextlib.contextmanager
-def cluster(
-    spec: local_cluster.ClusterSpec, name: str, attempts: int = 3
-) -> Iterator[local_cluster.ClusterRecord]:
+def cluster(spec: local_cluster.ClusterSpec, name: str, attempts: int = 3) -> Iterator[local_cluster.ClusterRecord]:
     """Start a private simulated cluster; always stop it by name (also on error or SIGTERM)."""
     home = tempfile.mkdtemp(prefix="rayslice-bench-")
     os.environ["RAYSLICE_HOME"] = home
@@ -248,9 +248,12 @@ def warm_up_workers(ray: Any, rounds: int = 2) -> None:
 class ReleaseWatcher:
     """Polls, in a thread, the free TPU chips and the GCS node status of some hosts.
 
-    `when_free(after)` is the first poll time after `after` at which all TPU chips of the
-    cluster were available; `when_idle(after)` the first at which every watched host was IDLE
-    in the GCS's cluster resource state (what Ray's autoscaler reads to scale down).
+    `when_free(after)`: the first poll at or after `after` at which every TPU chip of the cluster
+    was available, counted only once the chips were seen in use during this watch (a stale
+    view from before the step cannot count as a release). `when_idle(after, since)`: the first
+    poll at or after `after` at which every watched host was IDLE in the GCS's cluster resource
+    state (what Ray's autoscaler reads to scale down) *and* had been idle only since `since`
+    or later (its `idle_duration_ms`), i.e. became idle after the step began.
     """
 
     def __init__(self, ray: Any, node_ids: Sequence[str], interval: float = 0.01) -> None:
@@ -264,7 +267,9 @@ class ReleaseWatcher:
         self._nodes = set(node_ids)
         self._total = total_tpu_chips(ray)
         self._interval = interval
-        self.samples: list[tuple[float, bool, bool]] = []  # (time, all chips free, all hosts idle)
+        # (time, all chips free, latest "idle since" over the hosts or None if one is not IDLE)
+        self.samples: list[tuple[float, bool, float | None]] = []
+        self.activity: dict[str, list[str]] = {}  # last reported activity of non-idle hosts
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -279,20 +284,33 @@ class ReleaseWatcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             free = self._ray.available_resources().get("TPU", 0.0) >= self._total
-            states = {n.node_id.hex(): n.status for n in self._state(self._gcs).node_states}
-            idle = all(states.get(node) == self._idle for node in self._nodes)
-            self.samples.append((time.time(), free, idle))
+            now = time.time()
+            since: float | None = 0.0
+            for node in self._state(self._gcs).node_states:
+                if node.node_id.hex() not in self._nodes:
+                    continue
+                if node.status == self._idle:
+                    if since is not None:
+                        since = max(since, now - node.idle_duration_ms / 1000)
+                else:
+                    since = None
+                    self.activity[node.node_id.hex()] = list(node.node_activity)
+            self.samples.append((now, free, since))
             self._stop.wait(self._interval)
 
-    def _first(self, index: int, after: float) -> float | None:
-        # The first sample after `after` that holds, and only if it was seen *not* holding
-        # before (so a stale view from before the step cannot count as a release).
+    def when_free(self, after: float) -> float | None:
         seen_busy = False
-        for sample in list(self.samples):
-            if not sample[index]:
+        for t, free, _ in list(self.samples):
+            if not free:
                 seen_busy = True
-            elif sample[0] >= after and seen_busy:
-                return sample[0]
+            elif t >= after and seen_busy:
+                return t
+        return None
+
+    def when_idle(self, after: float, since: float) -> float | None:
+        for t, _, idle_since in list(self.samples):
+            if t >= after and idle_since is not None and idle_since >= since:
+                return t
         return None
 
     def poll_interval(self) -> float:
@@ -300,20 +318,14 @@ class ReleaseWatcher:
         times = [s[0] for s in list(self.samples)]
         return median([b - a for a, b in zip(times, times[1:], strict=False)]) if len(times) > 1 else math.nan
 
-    def when_free(self, after: float) -> float | None:
-        return self._first(1, after)
-
-    def when_idle(self, after: float) -> float | None:
-        return self._first(2, after)
-
-    def wait(self, after: float, timeout: float) -> tuple[float | None, float | None]:
+    def wait(self, after: float, since: float, timeout: float) -> tuple[float | None, float | None]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            free, idle = self.when_free(after), self.when_idle(after)
+            free, idle = self.when_free(after), self.when_idle(after, since)
             if free is not None and idle is not None:
                 return free, idle
             time.sleep(0.02)
-        return self.when_free(after), self.when_idle(after)
+        return self.when_free(after), self.when_idle(after, since)
 
 
 def slice_node_ids(ray: Any, slice_names: Sequence[str]) -> list[str]:
@@ -490,6 +502,13 @@ class Report:
         path.write_text(body)
         log(f"wrote {path.relative_to(ROOT)}")
         return path
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence the launcher's progress lines (`[rayslice] ...`) during a measurement."""
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -33,8 +33,13 @@ def jax_devices() -> dict[str, Any]:
     import jax
 
     devices = jax.device_count()
-    return {"t": time.time(), "pid": os.getpid(), "devices": devices, "jax_loaded": "jax" in sys.modules,
-            "proc_start": _proc_start()}
+    return {
+        "t": time.time(),
+        "pid": os.getpid(),
+        "devices": devices,
+        "jax_loaded": "jax" in sys.modules,
+        "proc_start": _proc_start(),
+    }
 
 
 def _proc_start() -> float:

@@ -39,6 +39,7 @@ from _common import (
     log,
     median,
     parse_args,
+    quiet,
     wait_all_free,
     warm_up_workers,
 )
@@ -115,7 +116,8 @@ def main() -> None:
             def run(request: TpuSliceRequest) -> tuple[float, list[dict], float]:
                 t0 = time.time()
                 spec = StepSpec.for_function(fn, request=request, owner=Owner(submission_id=f"bench-{time.time_ns()}"))
-                results = run_step(spec)
+                with quiet():
+                    results = run_step(spec)
                 return t0, results, time.time()
 
             return run

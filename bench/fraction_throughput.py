@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from _common import ROOT, Report, Series, Table, cluster, driver, fmt_ratio, fmt_s, log, median, parse_args
+from _common import ROOT, Report, Series, Table, cluster, driver, fmt_ratio, fmt_s, log, median, parse_args, quiet
 
 from rayslice import local_cluster
 from rayslice.accelerators import AcceleratorRequest
@@ -69,7 +69,7 @@ def main() -> None:
         from rayslice.launcher import run_step
         from rayslice.submission import run_step_job
 
-        task = ray.remote(num_gpus=SHARE)(gpu_step)
+        task = ray.remote(num_gpus=SHARE, num_cpus=0)(gpu_step)  # like rayslice's host actor
 
         def spec(i: int) -> StepSpec:
             return StepSpec.for_function(
@@ -95,7 +95,7 @@ def main() -> None:
                 result = run_step(spec(i))
                 return t, time.time(), result
 
-            with ThreadPoolExecutor(max_workers=STEPS) as pool:
+            with quiet(), ThreadPoolExecutor(max_workers=STEPS) as pool:
                 return list(pool.map(one, range(STEPS)))
 
         def rayslice_jobs() -> list[tuple[float, float, dict]]:
@@ -110,7 +110,7 @@ def main() -> None:
             return asyncio.run(all_of_them())
 
         rows = [
-            (Row("plain Ray tasks, num_gpus=0.25"), plain_tasks, args.reps),
+            (Row("plain Ray tasks, num_gpus=0.25, num_cpus=0"), plain_tasks, args.reps),
             (Row("rayslice run_step, 32 driver threads"), rayslice_threads, args.reps),
         ]
         if args.job_reps:
@@ -156,8 +156,17 @@ def _table(rows: list[Row], args: Any) -> Table:
     ideal = math.ceil(STEPS / (3 / SHARE)) * args.step_s
     table = Table(
         f"{STEPS} steps of {SHARE:g} GPU × {args.step_s:g} s on one 3-GPU node (median / p90 over the reps)",
-        ["method", "n", "makespan", "p90", "× plain tasks", "steps/s", "per-step latency (median)", "p90",
-         "peak concurrent"],
+        [
+            "method",
+            "n",
+            "makespan",
+            "p90",
+            "× plain tasks",
+            "steps/s",
+            "per-step latency (median)",
+            "p90",
+            "peak concurrent",
+        ],
     )
     for row in rows:
         m = row.makespan.median()

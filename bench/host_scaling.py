@@ -15,7 +15,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import _steps
-from _common import Report, Series, Table, cluster, driver, fmt_ratio, fmt_s, log, median, parse_args, wait_all_free
+from _common import (
+    Report,
+    Series,
+    Table,
+    cluster,
+    driver,
+    fmt_ratio,
+    fmt_s,
+    log,
+    median,
+    parse_args,
+    quiet,
+    wait_all_free,
+)
 
 from rayslice import local_cluster
 from rayslice.accelerators import TpuSliceRequest
@@ -74,8 +87,11 @@ def _run_group(ray: Any, group: list[TpuSliceRequest], reps: int) -> list[Row]:
 
     def rayslice(request: TpuSliceRequest) -> tuple[float, list[dict], float]:
         t0 = time.time()
-        spec = StepSpec.for_function(_steps.trivial, request=request, owner=Owner(submission_id=f"bench-{time.time_ns()}"))
-        results = run_step(spec)
+        spec = StepSpec.for_function(
+            _steps.trivial, request=request, owner=Owner(submission_id=f"bench-{time.time_ns()}")
+        )
+        with quiet():
+            results = run_step(spec)
         return t0, results, time.time()
 
     def hand_written(request: TpuSliceRequest) -> tuple[float, list[dict], float]:
@@ -107,8 +123,19 @@ def _table(rows: list[Row], args: Any) -> Table:
     four = next((r for r in rows if r.hosts == 4), None)
     table = Table(
         f"Dispatch time by slice size, trivial step (median / p90 over {args.reps} reps)",
-        ["pod type", "hosts", "rayslice: all hosts running", "p90", "× 4 hosts", "rayslice total", "host process "
-         "start → step", "(a) all hosts running", "p90", "× 4 hosts", "rayslice × (a)"],
+        [
+            "pod type",
+            "hosts",
+            "rayslice: all hosts running",
+            "p90",
+            "× 4 hosts",
+            "rayslice total",
+            "host process start → step",
+            "(a) all hosts running",
+            "p90",
+            "× 4 hosts",
+            "rayslice × (a)",
+        ],
     )
     for row in rows:
         table.add(

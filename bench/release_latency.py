@@ -35,6 +35,7 @@ from _common import (
     log,
     median,
     parse_args,
+    quiet,
     slice_node_ids,
     wait_all_free,
     warm_up_workers,
@@ -48,6 +49,7 @@ NAME = "release_latency"
 SPEC = local_cluster.ClusterSpec(tpus=("v6e-16",))
 REQUEST = TpuSliceRequest(tpu="v6e-16")
 GOAL = 0.5
+STEP_S = 1.0  # long enough that every method's hosts are seen busy before they finish
 
 ONE_SHOT_DRIVER = r"""
 import json, sys, time
@@ -57,13 +59,14 @@ from ray.util.tpu import run_on_slice
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 
 @ray.remote
-def step():
+def step(seconds):
     import time
     start = time.time()
+    time.sleep(seconds)
     return {"start": start, "end": time.time()}
 
 t0 = time.time()
-hosts = ray.get(run_on_slice(step, topology=sys.argv[2], accelerator_version=sys.argv[3]))
+hosts = ray.get(run_on_slice(step, float(sys.argv[4]), topology=sys.argv[2], accelerator_version=sys.argv[3]))
 print(json.dumps({"t0": t0, "hosts": hosts}), flush=True)
 sys.stdin.read()  # a long-lived driver: it lives on until the benchmark closes our stdin
 """
@@ -76,6 +79,7 @@ class Row:
     idle: Series = field(default_factory=Series)
     after_exit: Series = field(default_factory=Series)  # one-shot only: driver exit -> chips free
     polls: list[float] = field(default_factory=list)
+    busy_because: set[str] = field(default_factory=set)  # GCS node activity while not IDLE at the cap
 
 
 def main() -> None:
@@ -94,15 +98,19 @@ def main() -> None:
 
         def rayslice() -> list[dict]:
             spec = StepSpec.for_function(
-                _steps.now_and_return, request=REQUEST, owner=Owner(submission_id=f"bench-{time.time_ns()}")
+                _steps.now_and_return,
+                request=REQUEST,
+                kwargs={"seconds": STEP_S},
+                owner=Owner(submission_id=f"bench-{time.time_ns()}"),
             )
-            return run_step(spec)
+            with quiet():
+                return run_step(spec)
 
         def hand_written() -> list[dict]:
-            return _steps.flatten(ray.get(hand(step_task, REQUEST)))
+            return _steps.flatten(ray.get(hand(step_task, REQUEST, STEP_S)))
 
         def run_on_slice() -> list[dict]:
-            return _steps.run_on_slice_with_handle(ray, step_task, REQUEST)
+            return _steps.run_on_slice_with_handle(ray, step_task, REQUEST, STEP_S)
 
         methods = [
             (Row("rayslice run_step"), rayslice),
@@ -112,7 +120,7 @@ def main() -> None:
         one_shot = Row("(b) run_on_slice one-shot (no handle), long-lived driver")
 
         warm_up_workers(ray)
-        for row, fn in methods:  # warm-up, unrecorded
+        for _row, fn in methods:  # warm-up, unrecorded
             _measure(ray, hosts, Row("warm-up"), fn, args.cap)
         started = time.monotonic()
         for rep in range(args.reps):
@@ -137,19 +145,22 @@ def _measure(ray: Any, hosts: list[str], row: Row, fn: Any, cap: float) -> None:
     if not wait_all_free(ray):
         log("warning: TPU chips not all free before a measurement")
     with ReleaseWatcher(ray, hosts) as watcher:
+        submitted = time.time()
         results = fn()
         end = max(h["end"] for h in results)
-        free, idle = watcher.wait(end, cap)
+        free, idle = watcher.wait(end, submitted, cap)
     row.free.add(None if free is None else max(0.0, free - end))
     row.idle.add(None if idle is None else max(0.0, idle - end))
     row.polls.append(watcher.poll_interval())
+    if idle is None:
+        row.busy_because.update(a for acts in watcher.activity.values() for a in acts)
 
 
 def _measure_one_shot(ray: Any, record: Any, hosts: list[str], row: Row, hold: float) -> None:
     if not wait_all_free(ray):
         log("warning: TPU chips not all free before a measurement")
     proc = subprocess.Popen(
-        [sys.executable, "-c", ONE_SHOT_DRIVER, record.gcs_address, REQUEST.topology, REQUEST.version],
+        [sys.executable, "-c", ONE_SHOT_DRIVER, record.gcs_address, REQUEST.topology, REQUEST.version, str(STEP_S)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -159,14 +170,15 @@ def _measure_one_shot(ray: Any, record: Any, hosts: list[str], row: Row, hold: f
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"one-shot driver exited with {proc.wait()}")
-            end = max(h["end"] for h in json.loads(line)["hosts"])
-            free, idle = watcher.wait(end, hold)
+            data = json.loads(line)
+            end = max(h["end"] for h in data["hosts"])
+            free, idle = watcher.wait(end, data["t0"], hold)
             row.free.add(None if free is None else free - end)
             row.idle.add(None if idle is None else idle - end)
             exit_asked = time.time()
             proc.stdin.close()
             proc.wait(timeout=60)
-            free_after, _ = watcher.wait(exit_asked, 30)
+            free_after, _ = watcher.wait(exit_asked, data["t0"], 30)
             row.after_exit.add(None if free_after is None else free_after - exit_asked)
             row.polls.append(watcher.poll_interval())
     finally:
@@ -184,8 +196,14 @@ def _table(rows: list[Row], args: Any) -> Table:
     for row in rows:
         never = f"never within {args.hold:.0f} s (held until driver exit)" if row is rows[-1] else f"> {args.cap:.0f} s"
         free_median = row.free.median()
-        met = "n/a" if free_median is None and row is rows[-1] else (
-            "yes" if free_median is not None and free_median <= GOAL and (row.idle.median() or 1e9) <= GOAL else "no"
+        met = (
+            "n/a"
+            if free_median is None and row is rows[-1]
+            else (
+                "yes"
+                if free_median is not None and free_median <= GOAL and (row.idle.median() or 1e9) <= GOAL
+                else "no"
+            )
         )
         table.add(
             row.label,
@@ -200,11 +218,18 @@ def _table(rows: list[Row], args: Any) -> Table:
         )
     polls = [p for r in rows for p in r.polls if p == p]
     table.notes = [
+        f"the step runs {STEP_S:g} s on each host (so its hosts are seen busy) and returns time.time() at its end",
         f"watcher poll interval (resolution): median {fmt_s(median(polls)) if polls else 'n/a'}; "
         "each poll is two GCS RPCs (available resources, cluster resource state)",
         "rayslice's time includes the JAX shutdown barrier its hosts run after the step returns, killing the "
         "host actors, and removing the placement groups (run_step returns once Ray marks them REMOVED)",
     ]
+    for row in rows:
+        if row.busy_because:
+            table.notes.append(
+                f"{row.label}: hosts not IDLE at the cap; GCS node activity: "
+                + "; ".join(sorted(row.busy_because))[:400]
+            )
     if rows[-1].after_exit.n:
         table.notes.append(
             f"one-shot run_on_slice: {rows[-1].free.misses}/{rows[-1].free.n} runs never released while the driver "
