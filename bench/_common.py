@@ -347,6 +347,8 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     pos = (len(data) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
+    if data[lo] == data[hi] or pos == lo:  # also keeps inf (a run that never finished) from turning into nan
+        return data[lo]
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
