@@ -32,13 +32,13 @@ def fit(dataset: dict, learning_rate: float, steps: int) -> float:
     y = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), y_local)
 
     @jax.jit
-    def step(w):
+    def step(w, x, y):  # the global arrays are arguments: a jit may not close over non-local shards
         loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
         return w - learning_rate * grad, loss
 
     w = jnp.zeros(dataset["features"])
     for i in range(steps):
-        w, loss = step(w)
+        w, loss = step(w, x, y)
         print(f"step {i}: loss {float(loss):.4f}", flush=True)
     return float(loss)
 

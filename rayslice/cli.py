@@ -33,7 +33,7 @@ Name = Annotated[str, typer.Option("--name", help="Which local cluster (several 
 @local.command("up")
 def local_up(
     tpu: Annotated[list[str], typer.Option("--tpu", help="A slice by pod type, e.g. v6e-16; repeat for more.")] = [],  # noqa: B006
-    gpus: Annotated[float, typer.Option("--gpus", help="Logical GPUs on one GPU node (0 for none).")] = 0,
+    gpus: Annotated[int, typer.Option("--gpus", min=0, help="Logical GPUs on one GPU node (0 for none).")] = 0,
     token: Annotated[bool, typer.Option("--token", help="Turn on Ray token authentication.")] = False,
     name: Name = "default",
 ) -> None:

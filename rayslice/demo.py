@@ -69,7 +69,7 @@ def run_examples(record: local_cluster.ClusterRecord) -> None:
         console.print(f"[bold green]result[/] {result}  ({time.monotonic() - started:.1f} s)")
 
 
-def run_pipeline(record: local_cluster.ClusterRecord) -> None:
+def run_pipeline(record: local_cluster.ClusterRecord) -> bool:
     """The scheduled training pipeline through real Airflow: `dag.test()` on a throwaway AIRFLOW_HOME.
 
     Airflow reads its configuration once, at import, so everything is set before the first import.
@@ -103,13 +103,15 @@ def run_pipeline(record: local_cluster.ClusterRecord) -> None:
     pipeline = DagBag(dag_folder=str(dags), safe_mode=False).dags["rayslice_training_pipeline"]
     run = pipeline.test(run_conf={"slice_type": "v6e-16", "learning_rate": 0.1})
     console.print(f"DAG run {run.run_id}: [bold]{run.state}[/]")
+    order = {task_id: index for index, task_id in enumerate(pipeline.task_ids)}
     with create_session() as session:
-        for ti in sorted(run.get_task_instances(session=session), key=lambda ti: ti.start_date or ti.end_date):
+        for ti in sorted(run.get_task_instances(session=session), key=lambda ti: order.get(ti.task_id, len(order))):
             rows = session.scalars(
                 XComModel.get_many(run_id=run.run_id, dag_ids=run.dag_id, task_ids=ti.task_id, key="return_value")
             ).all()
             value = [XComModel.deserialize_value(row) for row in rows]
             console.print(f"  {ti.task_id}: {ti.state} -> {value[0] if len(value) == 1 else value}")
+    return run.state == "success"
 
 
 def run_demo(name: str = "demo") -> int:
@@ -122,9 +124,11 @@ def run_demo(name: str = "demo") -> int:
     try:
         show_capacity(record, "before")
         run_examples(record)
-        run_pipeline(record)
+        pipeline_ok = run_pipeline(record)
         show_capacity(record, "after")
     finally:
         stopped = local_cluster.down(name)
         console.print(f"stopped the local cluster ({stopped} processes)")
-    return 0
+    if not pipeline_ok:
+        console.print("[bold red]the training pipeline failed; its task log is above[/]")
+    return 0 if pipeline_ok else 1

@@ -107,7 +107,7 @@ class ClusterSpec:
     """What to start: TPU slices by pod type, and one node with logical GPUs."""
 
     tpus: tuple[str, ...] = ()
-    gpus: float = 0
+    gpus: int = 0
     head_cpus: int = 2
     host_cpus: int = 2
 
@@ -225,7 +225,16 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
         record.save()
         # Raylets that join before the head has registered itself stall until they time out.
         _wait_for_nodes(record, deadline)
-        join = ["--address", record.gcs_address, "--object-store-memory", str(_OBJECT_STORE_BYTES), *common]
+        # All nodes share the head's session folder, so one log monitor (the head's) already streams
+        # every worker's output; a monitor per node would publish each line once per node.
+        join = [
+            "--address",
+            record.gcs_address,
+            "--object-store-memory",
+            str(_OBJECT_STORE_BYTES),
+            "--include-log-monitor=false",
+            *common,
+        ]
         for slice_name, request in spec.slices():
             hostnames = ",".join(["127.0.0.1"] * request.hosts_per_slice)
             for worker_id in range(request.hosts_per_slice):

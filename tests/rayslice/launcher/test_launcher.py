@@ -201,17 +201,25 @@ def test_step_timeout_releases_the_slice(ray_driver):
 
 
 def test_capacity_timeout_leaves_nothing_reserved(ray_driver):
+    """Two v6e-16 slices exist but one is busy: the step waits, times out, and holds nothing afterwards."""
     from rayslice.exceptions import CapacityTimeoutError
     from rayslice.launcher import run_step
+    from rayslice.launcher.reservation import reserve_slices
 
-    spec = StepSpec.for_function(
-        device_count_and_allgather,
-        request=TpuSliceRequest(tpu="v6e-16", num_slices=3),
-        capacity_timeout=3,
-        owner=Owner(submission_id=f"test-{time.time_ns()}"),
-    )
-    with pytest.raises(CapacityTimeoutError, match="nothing was left reserved"):
-        run_step(spec)
+    busy = reserve_slices(TpuSliceRequest(tpu="v6e-16"), timeout=60, name=f"rayslice:test-busy-{time.time_ns()}")
+    try:
+        spec = StepSpec.for_function(
+            device_count_and_allgather,
+            request=TpuSliceRequest(tpu="v6e-16", num_slices=2),
+            capacity_timeout=3,
+            owner=Owner(submission_id=f"test-{time.time_ns()}"),
+        )
+        with pytest.raises(CapacityTimeoutError, match="nothing was left reserved"):
+            run_step(spec)
+        # only the busy slice is held: the timed-out request gave back whatever it had claimed
+        assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS - 16, timeout=1.0)
+    finally:
+        busy.release()
     assert_all_released(ray_driver)
 
 
