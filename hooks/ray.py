@@ -6,7 +6,11 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
 - host: the dashboard URL, ``http://127.0.0.1:8265`` (the scheme may also come from
   ``schema`` and the port from ``port``, as URI-style connections split them);
 - password: the cluster's auth token (``RAY_AUTH_MODE=token``), optional;
-- extras: ``verify`` (bool, or a CA bundle path) and ``headers`` (a dict), e.g. for a proxy.
+- extras: ``verify`` (bool, or a CA bundle path) and ``headers`` (a dict), e.g. for a proxy;
+  ``kuberay`` (a dict) names a KubeRay RayCluster instead of a host,
+  ``{"namespace": "ml", "name": "rayslice", "in_cluster": true}`` or ``..., "kubeconfig": "/path"``:
+  the dashboard URL is then looked up through the Kubernetes API (``rayslice.kuberay_client``)
+  each time the connection is resolved, so it follows the cluster when it is recreated.
 
 The token is kept out of reprs, logs and messages: Airflow masks connection passwords,
 and the jobs clients scrub it from every error they raise.
@@ -14,6 +18,7 @@ and the jobs clients scrub it from every error they raise.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,9 +62,12 @@ class RayConnectionSettings:
 
 def dashboard_url(host: str | None, schema: str | None = None, port: int | None = None) -> str:
     """The dashboard URL from a connection's host, schema and port, with or without a scheme in host."""
-    host = (host or "").strip().rstrip("/")
+    raw = (host or "").strip()
+    host = raw.rstrip("/")
     if not host:
         raise InvalidRequestError(f"the `ray` connection has no host: {_HOST_HINT}")
+    if "://" in raw and not raw.split("://", 1)[1].strip("/"):  # e.g. "http://": a scheme and no host name
+        raise InvalidRequestError(f"the `ray` connection's host {raw!r} has no host name: {_HOST_HINT}")
     if "://" not in host:
         scheme = (schema or "").strip().lower()
         host = f"{scheme if scheme in ('http', 'https') else 'http'}://{host}"
@@ -101,10 +109,27 @@ def _headers(value: Any) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()}
 
 
+def _kuberay_extra(conn: Any) -> Any:
+    return (conn.extra_dejson if conn.extra else {}).get("kuberay")
+
+
+def _resolve_url(conn: Any, timeout: float) -> str:
+    """The host's URL, or the dashboard of the RayCluster the ``kuberay`` extra names (a blocking lookup)."""
+    kuberay = _kuberay_extra(conn)
+    if kuberay in (None, "", {}):
+        return dashboard_url(conn.host, conn.schema, conn.port)
+    if (conn.host or "").strip():
+        raise InvalidRequestError("the `ray` connection has both a host and a 'kuberay' extra: keep the host "
+                                  "(a fixed dashboard URL) or the extra (a RayCluster to look up), not both")
+    from rayslice.kuberay_client import ClusterRef, resolve_dashboard_url
+
+    return resolve_dashboard_url(ClusterRef.from_extra(kuberay), timeout=timeout)
+
+
 def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int = 3) -> RayConnectionSettings:
     extra = conn.extra_dejson if conn.extra else {}
     return RayConnectionSettings(
-        dashboard_url=dashboard_url(conn.host, conn.schema, conn.port),
+        dashboard_url=_resolve_url(conn, timeout),
         token=conn.password or None,
         verify=_verify(extra.get("verify")),
         headers=_headers(extra.get("headers")),
@@ -146,8 +171,26 @@ class RayHook(BaseHook):
     async def asettings(self) -> RayConnectionSettings:
         if self._settings is None:
             conn = await self.aget_connection(self.ray_conn_id)
-            self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries)
+            if _kuberay_extra(conn) in (None, "", {}):
+                self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries)
+            else:  # the Kubernetes client blocks: keep it off the triggerer's event loop
+                self._settings = await asyncio.to_thread(settings_from_connection, conn, timeout=self.timeout,
+                                                         retries=self.retries)
         return self._settings
+
+    def cluster_ref(self, **overrides: Any) -> Any:
+        """The RayCluster the connection's ``kuberay`` extra names (a ``rayslice.kuberay_client.ClusterRef``).
+
+        ``overrides`` (name, namespace, ...) that are not None replace the extra's values.
+        """
+        from rayslice.kuberay_client import ClusterRef
+
+        conn = self.get_connection(self.ray_conn_id)
+        kuberay = _kuberay_extra(conn)
+        if kuberay in (None, "", {}):
+            raise InvalidRequestError(f"the `ray` connection {self.ray_conn_id!r} names no RayCluster: set its extra "
+                                      '\'kuberay\', e.g. {"namespace": "ml", "name": "rayslice", "in_cluster": true}')
+        return ClusterRef.from_extra(kuberay, **overrides)
 
     def get_conn(self) -> RayJobsClient:
         return self.client()

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, XComArg, conf
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import RayConnectionSettings, RayHook
 from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
-from rayslice.operators.triggers import UNREACHABLE_GRACE_S, RayStepTrigger
+from rayslice.operators.triggers import EXECUTION_TIMEOUT, UNREACHABLE_GRACE_S, RayStepTrigger
 
 from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, RayUnreachableError
@@ -137,6 +137,7 @@ class RayStepOperator(BaseOperator):
     # ---- the flow
 
     def execute(self, context: Context) -> Any:
+        started = time.time()  # Airflow's execution_timeout counts from here, too
         try:
             request = self.build_request()  # the rendered values, before anything is submitted
         except InvalidRequestError as exc:
@@ -152,9 +153,12 @@ class RayStepOperator(BaseOperator):
             self.log.error("[rayslice] %s", exc)
             raise self._failure(type(exc).__name__, str(exc)) from None
         if self.deferrable:
+            # Airflow 3 does not time deferred tasks out: the trigger stops the job at the deadline.
+            timeout = self.execution_timeout
             self.defer(
                 trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, submission_id=sid,
-                                       poll_interval=self.poll_interval),
+                                       poll_interval=self.poll_interval,
+                                       deadline=None if timeout is None else started + timeout.total_seconds()),
                 method_name="execute_complete",
             )
         return result
@@ -169,6 +173,8 @@ class RayStepOperator(BaseOperator):
             return event.get("result")
         message = str(event.get("message") or "no message")
         self.log.error("[rayslice] %s", message)
+        if event.get("error_type") == EXECUTION_TIMEOUT:
+            raise AirflowTaskTimeout(message)
         raise self._failure(str(event.get("error_type") or "StepFailedError"), message)
 
     def on_kill(self) -> None:

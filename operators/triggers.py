@@ -7,6 +7,11 @@ Job log lines go to the trigger's logger, which Airflow 3 routes to the task's l
 `cleanup()` runs on every trigger exit, triggerer restarts included, so it never
 touches the job; `on_kill()` (Airflow 3.3+: the user marked the deferred task failed,
 success or cleared it) stops the job, whose end releases all its capacity.
+
+`deadline` carries the task's `execution_timeout` into the deferral: Airflow 3 does not
+apply it to deferred time (the execution API leaves a TODO there), so without it a deferred
+step would hold its slice past the timeout. At the deadline the trigger stops the job,
+waits for its end, and reports `EXECUTION_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ __all__ = ["RayStepTrigger"]
 
 #: How long the dashboard may stay unreachable before the trigger gives up on the job.
 UNREACHABLE_GRACE_S = 300.0
+#: The event's error_type when the trigger stopped the job at the task's execution_timeout.
+EXECUTION_TIMEOUT = "ExecutionTimeout"
 
 
 class RayStepTrigger(BaseTrigger):
@@ -39,6 +46,7 @@ class RayStepTrigger(BaseTrigger):
         poll_interval: float = 2.0,
         log_offset: int = 0,
         call_timeout: float = 30.0,
+        deadline: float | None = None,
     ) -> None:
         super().__init__()
         self.ray_conn_id = ray_conn_id
@@ -46,6 +54,7 @@ class RayStepTrigger(BaseTrigger):
         self.poll_interval = float(poll_interval)
         self.log_offset = int(log_offset)
         self.call_timeout = float(call_timeout)
+        self.deadline = None if deadline is None else float(deadline)  # Unix time: stop the job then
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -56,6 +65,7 @@ class RayStepTrigger(BaseTrigger):
                 "poll_interval": self.poll_interval,
                 "log_offset": self.log_offset,
                 "call_timeout": self.call_timeout,
+                "deadline": self.deadline,
             },
         )
 
@@ -85,7 +95,15 @@ class RayStepTrigger(BaseTrigger):
                     follower.feed(log)
                     if job.status.is_terminal:
                         break
-                    await asyncio.sleep(self.poll_interval)
+                    if self.deadline is not None and time.time() >= self.deadline:
+                        await self._stop_at_deadline(client)
+                        yield self._event("error", follower.seen, error_type=EXECUTION_TIMEOUT,
+                                          message=f"Ray job {sid} stopped: the task's execution_timeout passed")
+                        return
+                    pause = self.poll_interval
+                    if self.deadline is not None:
+                        pause = max(0.0, min(pause, self.deadline - time.time()))
+                    await asyncio.sleep(pause)
             try:
                 result = outcome(job, log)
             except RaysliceError as exc:
@@ -97,6 +115,20 @@ class RayStepTrigger(BaseTrigger):
             what = "is unknown to the dashboard" if gone else "could not be followed"
             yield self._event("error", follower.seen, error_type=type(exc).__name__,
                               message=f"Ray job {sid} {what}: {exc}")
+
+    async def _stop_at_deadline(self, client: Any) -> None:
+        """Stop the job and wait (bounded) for its end, so its capacity is free when the task fails."""
+        self.log.error("Ray job %s: execution_timeout passed, stopping it", self.submission_id)
+        await asyncio.wait_for(client.stop(self.submission_id), self.call_timeout)
+        until = time.monotonic() + self.call_timeout
+        while time.monotonic() < until:
+            job = await asyncio.wait_for(client.get(self.submission_id), self.call_timeout)
+            if job.status.is_terminal:
+                self.log.info("Ray job %s is %s", self.submission_id, job.status.value)
+                return
+            await asyncio.sleep(0.2)
+        self.log.warning("Ray job %s did not end within %.0f s of being stopped", self.submission_id,
+                         self.call_timeout)
 
     async def _poll(self, client: Any) -> tuple[Any, str]:
         job = await client.get(self.submission_id)

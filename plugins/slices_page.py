@@ -95,6 +95,14 @@ def slice_card(s: dict[str, Any], ctx: dict[str, str]) -> str:
             f'<div class="hosts">{hosts}</div>{holder}</article>')
 
 
+def on_gpus(gpus: list[int] | None) -> str:
+    """Which of the node's GPUs a share is on (Ray's index, its CUDA_VISIBLE_DEVICES); nothing while unknown."""
+    if not gpus:
+        return ""
+    return (f' <span class="gpu-index" title="GPU index on this node (CUDA_VISIBLE_DEVICES)">'
+            f'on GPU {", ".join(str(g) for g in gpus)}</span>')
+
+
 def gpu_card(node: dict[str, Any], ctx: dict[str, str]) -> str:
     total = node["total"] or 1
     segments = "".join(
@@ -103,7 +111,7 @@ def gpu_card(node: dict[str, Any], ctx: dict[str, str]) -> str:
         for i, sh in enumerate(node["shares"]))
     users = "".join(
         f'<li><i class="swatch p{i % 6}"></i><span>{who(sh["holder"], ctx)}</span>'
-        f'<b>{amount(sh["amount"])} GPU</b></li>'
+        f'<b>{amount(sh["amount"])} GPU{on_gpus(sh.get("gpus"))}</b></li>'
         for i, sh in enumerate(node["shares"]))
     return (f'<article class="card gpu"><header><h3>GPU node <code>{esc(node["node_id"][:12])}</code></h3>'
             f'<span class="pill {"running" if node["used"] else "free"}">{amount(node["free"])} free</span></header>'

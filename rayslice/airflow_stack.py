@@ -83,6 +83,10 @@ class AirflowStack:
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
+            # Explicit, so a bundle list inherited from the caller (the tests' Airflow) cannot replace it.
+            "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([{
+                "name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+                "kwargs": {"path": str(self.dags_folder)}}]),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
             "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
@@ -118,9 +122,7 @@ class AirflowStack:
             with closing(sqlite3.connect(self.home / "airflow.db")) as db:  # persists in the file
                 db.execute("PRAGMA journal_mode=WAL")
             for component in COMPONENTS:
-                args = [component, "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"] \
-                    if component == "api-server" else [component]
-                self.sessions[component] = self._spawn(args, component)
+                self.sessions[component] = self._spawn(self._args(component), component)
             self._wait_healthy(time.monotonic() + self.startup_timeout)
         except BaseException:
             try:
@@ -129,6 +131,30 @@ class AirflowStack:
                 pass  # the start's own error says more; pids() still lists what is left
             raise
         return self
+
+    def _args(self, component: str) -> list[str]:
+        if component == "api-server":
+            return [component, "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        return [component]
+
+    def restart(self, component: str, timeout: float = 30) -> int:
+        """Kill one component's whole session at once (SIGKILL: no cleanup, as in a crash), start a new one.
+
+        Returns the new session's PID. What the old process held (a triggerer's triggers) is
+        left for Airflow to recover, which is what a test of a crash wants to see.
+        """
+        old = self.sessions[component]
+        for pid in _session_members({old}):
+            _signal(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while _session_members({old}):
+            if time.monotonic() > deadline:
+                raise RaysliceError(f"airflow {component} (session {old}) did not exit after SIGKILL")
+            self._reap()
+            time.sleep(0.1)
+        self._reap()
+        self.sessions[component] = self._spawn(self._args(component), component)
+        return self.sessions[component]
 
     def _spawn(self, args: list[str], name: str) -> int:
         assert self.home is not None

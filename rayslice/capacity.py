@@ -5,6 +5,11 @@ state API (`/api/v0/nodes`, `/placement_groups`, `/actors`) for who uses which n
 Jobs API (`/api/jobs/`) to trace a Ray job back to its DAG, run and task. `_parse` turns the
 four responses into a `Snapshot` with no I/O; `snapshot` and `asnapshot` only fetch.
 
+Which GPU of a node a fractional share sits on is not in the state API; the dashboard's own
+`/logical/actors` has it (the worker's `usedResources` slots), learned from node stats a few
+seconds after the actor starts. It is read for GPU actors only, and is best effort: an older
+or newer dashboard without it leaves `GpuShare.gpus` empty.
+
 A host is `running` while a live actor uses its chips, `reserved` while a placement group
 bundle holds them (or the slice's head resource) with nothing running yet, else `free`.
 Ray tasks that use accelerators without an actor or placement group are not visible here.
@@ -30,6 +35,7 @@ PREFIX = "rayslice:"  # launcher.reservation_name: every placement group and act
 SLICE_LABEL, WORKER_LABEL = "ray.io/tpu-slice-name", "ray.io/tpu-worker-id"
 POD_TYPE_LABEL, TOPOLOGY_LABEL = "ray.io/tpu-pod-type", "ray.io/tpu-topology"
 _STATE = "/api/v0/{}"
+_LOGICAL_ACTORS = "/logical/actors"  # the dashboard's actor view: has each worker's GPU slots
 _LIMIT = "10000"  # the state API answers 100 rows unless told otherwise
 # Skip what cannot hold capacity, server-side: dead actors and removed groups pile up.
 _QUERIES = {
@@ -88,6 +94,7 @@ class GpuShare(BaseModel):
     holder: Holder
     amount: float
     state: Literal["reserved", "running"] = "running"
+    gpus: list[int] = []  # the node's GPU indices Ray gave it (its CUDA_VISIBLE_DEVICES); empty while unknown
 
 
 class GpuNode(BaseModel):
@@ -159,6 +166,24 @@ def _unreachable(dashboard_url: str, exc: httpx.HTTPError) -> RayUnreachableErro
                                "check the `ray` connection's host and that the cluster is up")
 
 
+def _gpu_actor_ids(actors_body: Any) -> list[str]:
+    """Live actors that hold a GPU share themselves (not through a placement group): whose slots to look up."""
+    return sorted(a["actor_id"] for a in _rows(actors_body, "actors", []) if a.get("state") == "ALIVE"
+                  and a.get("actor_id") and not a.get("placement_group_id")
+                  and (a.get("required_resources") or {}).get("GPU"))
+
+
+def _gpu_slots(resp: httpx.Response) -> dict[str, list[int]]:
+    """actor id -> GPU indices, from `/logical/actors`; {} for anything unexpected (best effort)."""
+    try:
+        actors = resp.json()["data"]["actors"] if resp.status_code == 200 else {}
+        return {actor_id: sorted(int(slot["slot"]) for slot in info["usedResources"]["GPU"]["resourceSlots"])
+                for actor_id, info in actors.items()
+                if info and (info.get("usedResources") or {}).get("GPU")}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def snapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 10.0, verify: bool | str = True,
              headers: dict[str, str] | None = None) -> Snapshot:
     """Read the cluster's accelerators, holders and pending demand (blocking).
@@ -168,9 +193,15 @@ def snapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 1
     try:
         with httpx.Client(**_client_kwargs(dashboard_url, token, timeout, verify, headers)) as client:
             bodies = [_check(dashboard_url, path, client.get(path, params=params)) for path, params in _requests()]
+            slots: dict[str, list[int]] = {}
+            if ids := _gpu_actor_ids(bodies[2]):
+                try:
+                    slots = _gpu_slots(client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids)}))
+                except httpx.HTTPError:
+                    pass  # best effort: the shares stay without their GPU index
     except httpx.HTTPError as exc:
         raise _unreachable(dashboard_url, exc) from exc
-    return _parse(*bodies, now=time.time())
+    return _parse(*bodies, now=time.time(), gpu_slots=slots)
 
 
 async def asnapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 10.0,
@@ -179,10 +210,17 @@ async def asnapshot(dashboard_url: str, token: str | None = None, *, timeout: fl
     try:
         async with httpx.AsyncClient(**_client_kwargs(dashboard_url, token, timeout, verify, headers)) as client:
             responses = await asyncio.gather(*(client.get(path, params=params) for path, params in _requests()))
+            bodies = [_check(dashboard_url, path, resp)
+                      for (path, _), resp in zip(_requests(), responses, strict=True)]
+            slots: dict[str, list[int]] = {}
+            if ids := _gpu_actor_ids(bodies[2]):
+                try:
+                    slots = _gpu_slots(await client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids)}))
+                except httpx.HTTPError:
+                    pass  # best effort: the shares stay without their GPU index
     except httpx.HTTPError as exc:
         raise _unreachable(dashboard_url, exc) from exc
-    bodies = [_check(dashboard_url, path, resp) for (path, _), resp in zip(_requests(), responses, strict=True)]
-    return _parse(*bodies, now=time.time())
+    return _parse(*bodies, now=time.time(), gpu_slots=slots)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -244,7 +282,8 @@ def _describe(resources: dict[str, float]) -> str:
     return ", ".join(f"{k} x{v:g}" for k, v in sorted((keep or resources).items())) or "nothing"
 
 
-def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, now: float) -> Snapshot:
+def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, now: float,
+           gpu_slots: dict[str, list[int]] | None = None) -> Snapshot:
     warnings: list[str] = []
     nodes = [n for n in _rows(nodes_body, "nodes", warnings) if n.get("state") == "ALIVE"]
     groups = _rows(groups_body, "placement groups", warnings)
@@ -252,8 +291,8 @@ def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, no
     holders = _Holders(jobs if isinstance(jobs, list) else [])
     pg_holder = {pg["placement_group_id"]: holders.find(pg.get("name"), pg.get("creator_job_id")) for pg in groups}
 
-    # Per node: what holds it, as (state, holder, TPU chips, GPUs).
-    usage: dict[str, list[tuple[str, Holder, float, float]]] = {}
+    # Per node: what holds it, as (state, holder, TPU chips, GPUs, GPU indices).
+    usage: dict[str, list[tuple[str, Holder, float, float, list[int]]]] = {}
     for pg in groups:
         if pg.get("state") != "CREATED":
             continue
@@ -261,7 +300,7 @@ def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, no
             res = bundle.get("unit_resources") or {}
             if bundle.get("node_id") and (_holds(res, "TPU") or _holds(res, "GPU")):
                 usage.setdefault(bundle["node_id"], []).append(
-                    ("reserved", pg_holder[pg["placement_group_id"]], res.get("TPU", 0), res.get("GPU", 0)))
+                    ("reserved", pg_holder[pg["placement_group_id"]], res.get("TPU", 0), res.get("GPU", 0), []))
     for actor in actors:
         res = actor.get("required_resources") or {}
         if actor.get("state") != "ALIVE" or not actor.get("node_id") or not (_holds(res, "TPU") or _holds(res, "GPU")):
@@ -269,7 +308,8 @@ def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, no
         holder = holders.find(actor.get("name"), actor.get("job_id"))
         in_group = bool(actor.get("placement_group_id"))  # its bundle already counts the chips
         usage.setdefault(actor["node_id"], []).append(
-            ("running", holder, 0 if in_group else res.get("TPU", 0), 0 if in_group else res.get("GPU", 0)))
+            ("running", holder, 0 if in_group else res.get("TPU", 0), 0 if in_group else res.get("GPU", 0),
+             (gpu_slots or {}).get(actor.get("actor_id") or "", [])))
 
     gpu_nodes = _gpu_nodes(nodes, usage)
     gpu_free = max((n.free for n in gpu_nodes), default=0)
@@ -298,7 +338,7 @@ def _slices(nodes: list[dict[str, Any]], usage: dict[str, list]) -> list[Slice]:
     return slices
 
 
-def _host(node: dict[str, Any], uses: list[tuple[str, Holder, float, float]]) -> Host:
+def _host(node: dict[str, Any], uses: list[tuple[str, Holder, float, float, list[int]]]) -> Host:
     labels = node.get("labels") or {}
     running = [u for u in uses if u[0] == "running"]
     chosen = (running or uses or [None])[0]
@@ -314,7 +354,8 @@ def _gpu_nodes(nodes: list[dict[str, Any]], usage: dict[str, list]) -> list[GpuN
         total = (node.get("resources_total") or {}).get("GPU", 0)
         if not total:
             continue
-        shares = [GpuShare(holder=h, amount=g, state=s) for s, h, _, g in usage.get(node["node_id"], []) if g]
+        shares = [GpuShare(holder=h, amount=g, state=s, gpus=i) for s, h, _, g, i in usage.get(node["node_id"], [])
+                  if g]
         out.append(GpuNode(node_id=node["node_id"], total=total, used=round(sum(s.amount for s in shares), 6),
                            shares=shares))
     return sorted(out, key=lambda n: n.node_id)
@@ -367,6 +408,10 @@ def _duration(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{sec:02d}s" if minutes else f"{sec}s"
 
 
+def _indices(gpus: list[int]) -> str:
+    return ",".join(map(str, gpus))
+
+
 def render(snap: Snapshot) -> Any:
     """Rich tables for `rayslice capacity`: slices, GPU nodes, then pending demand."""
     from rich.console import Group
@@ -388,7 +433,9 @@ def render(snap: Snapshot) -> Any:
         gpus.add_column(column, no_wrap=True)
     gpus.add_column("users", overflow="fold")
     for n in snap.gpu_nodes:
-        users = ", ".join(f"{share.holder.label} x{share.amount:g}" for share in n.shares)
+        users = ", ".join(f"{share.holder.label} x{share.amount:g}" + (f" on GPU {_indices(share.gpus)}"
+                                                                           if share.gpus else "")
+                          for share in n.shares)
         gpus.add_row(n.node_id[:12], f"{n.total:g}", f"{n.used:g}", f"{n.free:g}", users)
     parts: list[Any] = [slices, gpus]
     if snap.pending:

@@ -82,6 +82,33 @@ def capacity(
 
 
 @app.command()
+def reap(
+    address: Annotated[str | None, typer.Option(help="Dashboard URL; default: the local cluster's.")] = None,
+    name: Name = "default",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only say what would be stopped and removed.")] = False,
+    airflow_url: Annotated[str | None, typer.Option(envvar="RAYSLICE_AIRFLOW_URL",
+                                                    help="Airflow's URL: also stop jobs whose task has ended.")] = None,
+    airflow_token: Annotated[str | None, typer.Option(envvar="RAYSLICE_AIRFLOW_TOKEN",
+                                                      help="A bearer token for Airflow's REST API.")] = None,
+) -> None:
+    """Free what dead steps hold: jobs whose Airflow task ended, and leftovers named `rayslice:` of ended jobs."""
+    import asyncio
+
+    from rayslice import orphans
+
+    token = None
+    if address is None:
+        record = local_cluster.ClusterRecord.load(name)
+        address, token = record.dashboard_url, record.token
+    report = asyncio.run(orphans.reap(address, token=token, airflow_url=airflow_url, airflow_token=airflow_token,
+                                      dry_run=dry_run, emit=console.print))
+    verb = "would free" if dry_run else "freed"
+    console.print(f"{verb}: {len(report.stopped)} job(s) stopped, {len(report.reaped)} leftover(s) removed")
+    if not airflow_url:
+        console.print("(no --airflow-url: running jobs were not checked against Airflow)")
+
+
+@app.command()
 def demo(name: Annotated[str, typer.Option(help="Name of the demo's own local cluster.")] = "demo") -> None:
     """Start a local cluster, run the example pipeline through Airflow, show capacity, stop the cluster."""
     from rayslice.demo import run_demo

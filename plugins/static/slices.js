@@ -62,13 +62,20 @@ function sliceCard(s, ctx) {
     `<div class="hosts">${hosts}</div>${holder}</article>`;
 }
 
+function onGpus(gpus) {
+  if (!gpus || !gpus.length) return "";
+  return ' <span class="gpu-index" title="GPU index on this node (CUDA_VISIBLE_DEVICES)">' +
+    `on GPU ${gpus.map(String).join(", ")}</span>`;
+}
+
 function gpuCard(n, ctx) {
   const total = n.total || 1;
   const segments = n.shares.map((sh, i) =>
     `<span class="share p${i % 6} ${esc(sh.state)}" style="width:${(100 * sh.amount / total).toFixed(4)}%" ` +
     `title="${esc(sh.holder.label)} &#183; ${amount(sh.amount)} GPU"></span>`).join("");
   const users = n.shares.map((sh, i) =>
-    `<li><i class="swatch p${i % 6}"></i><span>${who(sh.holder, ctx)}</span><b>${amount(sh.amount)} GPU</b></li>`)
+    `<li><i class="swatch p${i % 6}"></i><span>${who(sh.holder, ctx)}</span>` +
+    `<b>${amount(sh.amount)} GPU${onGpus(sh.gpus)}</b></li>`)
     .join("");
   return `<article class="card gpu"><header><h3>GPU node <code>${esc(n.node_id.slice(0, 12))}</code></h3>` +
     `<span class="pill ${n.used ? "running" : "free"}">${amount(n.free)} free</span></header>` +

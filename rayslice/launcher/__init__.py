@@ -13,7 +13,7 @@ import ray
 
 from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.exceptions import CapacityTimeoutError, PreemptedError
-from rayslice.launcher import gang
+from rayslice.launcher import gang, reaper
 from rayslice.launcher.environments import HostPlan
 from rayslice.launcher.reservation import reserve_slices
 from rayslice.step import StepSpec
@@ -32,6 +32,7 @@ def reservation_name(spec: StepSpec) -> str:
 
 def run_step(spec: StepSpec) -> Any:
     """Run the step on every host of its capacity; per-host results, or the fraction's one result."""
+    _reap_orphans(spec)
     for attempt in range(spec.preemption_retries + 1):
         try:
             if isinstance(spec.request, TpuSliceRequest):
@@ -42,6 +43,15 @@ def run_step(spec: StepSpec) -> Any:
                 raise
             log(f"preempted: {exc}; retrying the whole gang ({attempt + 1} of {spec.preemption_retries})")
     raise AssertionError("unreachable")
+
+
+def _reap_orphans(spec: StepSpec) -> None:
+    """Before reserving, free what ended jobs left behind (cheap; it must never fail the step)."""
+    try:
+        for orphan in reaper.reap(exclude=spec.owner.submission_id or None):
+            log(f"reaped {orphan.kind} {orphan.name}: its Ray job {orphan.submission_id} is {orphan.job_status}")
+    except Exception as exc:
+        log(f"could not sweep orphaned reservations: {type(exc).__name__}: {exc}")
 
 
 def _run_on_slices(spec: StepSpec, request: TpuSliceRequest) -> list[Any]:

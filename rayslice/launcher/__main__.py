@@ -6,11 +6,21 @@ finally one marked result or error line that the Airflow side reads back.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
 from rayslice.exceptions import RaysliceError, StepFailedError
 from rayslice.step import StepSpec, format_error, format_result
+
+
+class StopRequested(BaseException):
+    """The job was stopped (SIGTERM from `ray job stop`): unwind through every release path."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise StopRequested
 
 
 def main(argv: list[str]) -> int:
@@ -34,9 +44,14 @@ def main(argv: list[str]) -> int:
     from rayslice.launcher import run_step
 
     ray.init(address="auto", logging_level="WARNING")
+    signal.signal(signal.SIGTERM, _stop)  # after ray.init, which installs its own handler
     try:
         result = run_step(spec)
         line = format_result(result)
+    except StopRequested:
+        # run_step released everything on the way out; exit now instead of in Ray's stop grace period.
+        print("[rayslice] stopped on request; capacity released", flush=True)
+        os._exit(143)
     except RaysliceError as exc:
         print(format_error(type(exc).__name__, str(exc)), flush=True)
         return 1

@@ -29,6 +29,7 @@ class HostPlan:
     num_processes: int  # size of that group (whole multislice job, or one slice)
     coordinator: str  # "ip:port" of process 0 of the group
     megascale_coordinator: str  # ip of slice 0, worker 0 (multislice only)
+    node_id: str = ""  # the Ray node the host's bundle sits on: tells a lost node from a dead process
 
     @property
     def label(self) -> str:

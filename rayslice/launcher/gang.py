@@ -25,6 +25,9 @@ from rayslice.launcher import environments
 from rayslice.launcher.environments import HostPlan
 from rayslice.step import StepSpec
 
+#: How long a lost host's node may take to be declared dead (Ray's default health checks: 3 s x 5).
+NODE_DEATH_WINDOW_S = 30.0
+
 
 @ray.remote(max_restarts=0, max_task_retries=0)
 class HostProcess:
@@ -117,6 +120,20 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec) -> list[A
                 raise StepTimeoutError(f"step exceeded step_timeout={spec.step_timeout:.0f} s; still running on {slow}")
             index = refs[ready[0]]
             results[index] = _get(ready[0], plans[index])
+    except HostLostError as exc:
+        # Cancel the rest of the gang at once; leave the lost actor's record alone until its node's fate is known.
+        kill([actor for i, actor in enumerate(actors) if i != index])
+        preempted = isinstance(exc, PreemptedError) or _node_died(plans[index].node_id, actors[index])
+        kill([actors[index]])
+        if not preempted:
+            raise
+        raise PreemptedError(
+            str(exc).replace("its process died", "its node was preempted or removed"),
+            slice_index=exc.slice_index,
+            worker_id=exc.worker_id,
+            host=exc.host,
+            cause="its node was preempted or removed",
+        ) from None
     except BaseException:
         kill(actors)  # cancel the whole gang at once
         raise
@@ -161,6 +178,27 @@ def node_was_lost(exc: BaseException) -> bool:
         or "draining" in text
         or "node was terminated" in text
     )
+
+
+def _node_died(node_id: str, actor: Any, within: float = NODE_DEATH_WINDOW_S) -> bool:
+    """Whether a lost host's node is gone, as far as the GCS can tell within `within` seconds.
+
+    A killed node first surfaces as an unreachable actor ("Socket closed"); the GCS marks the
+    node dead only after its health checks fail. A process that died on a live node is
+    reported dead by its raylet at once, so that case returns quickly.
+    """
+    if not node_id:
+        return False
+    actor_id = actor._actor_id.hex()
+    deadline = time.monotonic() + within
+    while True:
+        actor_info = ray._private.state.state.actor_table(actor_id)
+        node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+        if node is None or not node["Alive"] or "node has died" in str(actor_info.get("DeathCause", "")):
+            return True
+        if actor_info.get("State") == "DEAD" or time.monotonic() > deadline:
+            return False  # the process died on a node that is still alive
+        time.sleep(0.2)
 
 
 def _remote_traceback(exc: RayTaskError) -> str:

@@ -175,7 +175,7 @@ def _rich_snapshot() -> dict:
                 Slice(name="v6e-1-a", pod_type="v6e-1", topology="1x1", chips=1, state="free",
                       hosts=[Host(worker_id=0, node_id="k" * 20, chips=1)])],
         gpu_nodes=[GpuNode(node_id="g" * 40, total=3, used=0.75, shares=[
-            GpuShare(holder=task, amount=0.25), GpuShare(holder=foreign, amount=0.5, state="reserved")]),
+            GpuShare(holder=task, amount=0.25, gpus=[0]), GpuShare(holder=foreign, amount=0.5, state="reserved")]),
             GpuNode(node_id="h" * 40, total=1, used=0, shares=[])],
         pending=[Pending(kind="placement_group", request="v6e-16", resources={"TPU": 16}, holder=task,
                          since="2026-01-01T00:00:00Z", waiting_s=3725.5),
@@ -212,3 +212,4 @@ def test_page_links_to_the_task_instance_and_the_ray_job():
     assert 'href="http://ray:8265/#/jobs/06000000"' in html and "test-1" in html  # a plain driver: by job id
     assert "d &lt;&amp;&gt; &#x27;x&#x27;" in html and "<&>" not in html
     assert "1h 02m" in html and ">starting<" in html
+    assert html.count("on GPU 0</span>") == 1 and html.count("gpu-index") == 1  # the unknown one says nothing

@@ -17,11 +17,6 @@ from rayslice.exceptions import PreemptedError
 from rayslice.step import Owner, StepSpec
 from tests.conftest import wait_until
 
-pytestmark = pytest.mark.skip(
-    reason="not yet run to completion: written in a session whose 2-core machine was too loaded to start "
-    "the extra cluster; PreemptedError and whole-gang retries are untested until this runs"
-)
-
 
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory: pytest.TempPathFactory):
@@ -33,7 +28,10 @@ def small_cluster(tmp_path_factory: pytest.TempPathFactory):
         yield record
     finally:
         local_cluster.down("preemption")
-        os.environ["RAYSLICE_HOME"] = old or ""
+        if old is None:
+            os.environ.pop("RAYSLICE_HOME", None)
+        else:
+            os.environ["RAYSLICE_HOME"] = old
 
 
 def wait_then_report(folder: str):
@@ -72,7 +70,7 @@ def run_as_job(record, spec):
 
     from rayslice.submission import run_step_job
 
-    return asyncio.run(run_step_job(record.dashboard_url, spec, emit=lambda line: None))
+    return asyncio.run(run_step_job(record.dashboard_url, spec, emit=print))
 
 
 def free_chips_match_alive_hosts(record) -> bool:

@@ -1,0 +1,158 @@
+"""Setup/teardown operators: a KubeRay RayCluster that lives exactly as long as one DAG run.
+
+Why: a per-run cluster bills only while the run needs it. ``CreateRayClusterOperator(...).as_setup()``
+renders the cluster (``rayslice.kuberay``), creates it marked with the run as owner, waits until its
+dashboard answers to an address, and deletes it again if anything in that fails (a failed setup
+skips its teardown). ``DeleteRayClusterOperator(...).as_teardown(setups=create)`` runs even when
+steps fail, deletes only a cluster this run made (a pre-existing one is left alone), and is a no-op
+when the cluster is already gone. Both find the cluster through the `ray` connection's ``kuberay``
+extra, the same connection the steps use, so the steps reach the new cluster with no other wiring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from rayslice.hooks.ray import RayHook
+from rayslice.operators.step import is_templated
+
+from rayslice import kuberay
+from rayslice.exceptions import InvalidRequestError
+
+__all__ = ["CreateRayClusterOperator", "DeleteRayClusterOperator"]
+
+
+def _owner(context: Context) -> str:
+    from rayslice.kuberay_client import owner_for_run
+
+    return owner_for_run(context["dag_run"].dag_id, context["dag_run"].run_id)
+
+
+class _ClusterOperator(BaseOperator):
+    template_fields: Sequence[str] = ("name", "namespace")
+    ui_color = "#ede7f6"
+
+    def __init__(self, *, ray_conn_id: str = RayHook.default_conn_name, name: str | None = None,
+                 namespace: str | None = None, poll_interval: float = 5.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if name is not None and not is_templated(name):
+            kuberay._check_name(name, "RayCluster")
+        if poll_interval <= 0:
+            raise InvalidRequestError(f"poll_interval={poll_interval} of {self.task_id!r} is invalid: use > 0")
+        self.ray_conn_id = ray_conn_id
+        self.name = name
+        self.namespace = namespace
+        self.poll_interval = poll_interval
+
+    def _client(self) -> Any:
+        from rayslice.kuberay_client import KubeRayClient
+
+        ref = RayHook(self.ray_conn_id).cluster_ref(name=self.name or None, namespace=self.namespace or None)
+        return KubeRayClient(ref)
+
+
+class CreateRayClusterOperator(_ClusterOperator):
+    """Create a RayCluster for this DAG run and wait until it is ready; XCom: name, namespace, dashboard_url.
+
+    :param ray_conn_id: the `ray` connection whose ``kuberay`` extra names the cluster (and the API server).
+    :param name: / :param namespace: override the connection's (templated).
+    :param tpus: / max_slices / gpu_nodes / gpu_type / image / idle_timeout_seconds: as ``rayslice kuberay
+        manifest`` (``rayslice.kuberay.render_raycluster``), checked when the DAG file is parsed.
+    :param head_service_type: the head Service type, ``LoadBalancer`` to reach the dashboard from outside
+        the Kubernetes cluster (KubeRay's default is ClusterIP).
+    :param manifest: a complete RayCluster instead of the rendering arguments.
+    :param ready_timeout: seconds to wait for the cluster's head to be ready.
+    """
+
+    def __init__(self, *, tpus: Sequence[str] = (), max_slices: int = 1, gpu_nodes: int = 0,
+                 gpu_type: str = "nvidia-l4", image: str = kuberay.DEFAULT_IMAGE, idle_timeout_seconds: int = 60,
+                 head_service_type: str | None = None, manifest: dict[str, Any] | None = None,
+                 ready_timeout: float = 900.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if manifest is not None and (tpus or gpu_nodes):
+            raise InvalidRequestError(f"{self.task_id!r}: give either manifest or tpus/gpu_nodes, not both")
+        if head_service_type not in (None, "ClusterIP", "NodePort", "LoadBalancer"):
+            raise InvalidRequestError(f"head_service_type {head_service_type!r} of {self.task_id!r} is invalid: "
+                                      "use ClusterIP, NodePort or LoadBalancer")
+        if ready_timeout <= 0:
+            raise InvalidRequestError(f"ready_timeout={ready_timeout} of {self.task_id!r} is invalid: use > 0")
+        self.render_kwargs = {"tpus": list(tpus), "max_slices": max_slices, "gpu_nodes": gpu_nodes,
+                              "gpu_type": gpu_type, "image": image, "idle_timeout_seconds": idle_timeout_seconds}
+        self.head_service_type = head_service_type
+        self.manifest = manifest
+        self.ready_timeout = ready_timeout
+        if manifest is None:
+            self._render("rayslice")  # bad TPU types, counts... fail when the DAG file is parsed
+        elif not isinstance(manifest, dict) or manifest.get("kind") != "RayCluster":
+            raise InvalidRequestError(f"manifest of {self.task_id!r} must be a RayCluster dict (kind: RayCluster)")
+        self._kube: Any = None
+        self._owner: str | None = None
+
+    def _render(self, name: str) -> dict[str, Any]:
+        if self.manifest is not None:
+            manifest = dict(self.manifest)
+        else:
+            manifest = kuberay.render_raycluster(name, **self.render_kwargs)
+        if self.head_service_type:
+            manifest["spec"] = {**manifest["spec"], "headGroupSpec": {**manifest["spec"]["headGroupSpec"],
+                                                                       "serviceType": self.head_service_type}}
+        return manifest
+
+    def execute(self, context: Context) -> dict[str, str]:
+        owner = self._owner = _owner(context)
+        with self._client() as kube:
+            self._kube = kube
+            try:
+                kube.create(self._render(kube.ref.name), owner=owner)
+                self.log.info("[rayslice] created RayCluster %s (owner %s); waiting for its head", kube.ref, owner)
+                url = kube.wait_ready(timeout=self.ready_timeout, poll_interval=self.poll_interval)
+            except BaseException:
+                # A failed setup skips its teardown: never leave a cluster of ours behind.
+                self._delete_own(kube, owner)
+                raise
+            finally:
+                self._kube = None
+        self.log.info("[rayslice] RayCluster %s is ready; dashboard %s", kube.ref, url)
+        return {"namespace": kube.ref.namespace, "name": kube.ref.name, "dashboard_url": url}
+
+    def _delete_own(self, kube: Any, owner: str) -> None:
+        try:
+            outcome = kube.delete(owner=owner)
+        except Exception as exc:  # report the original failure, and this one
+            self.log.error("[rayslice] could not delete RayCluster %s after the failure: %s", kube.ref, exc)
+            return
+        self.log.warning("[rayslice] RayCluster %s after the failed setup: %s", kube.ref, outcome)
+
+    def on_kill(self) -> None:
+        if self._kube is not None and self._owner:
+            self._delete_own(self._kube, self._owner)
+
+
+class DeleteRayClusterOperator(_ClusterOperator):
+    """Delete the RayCluster this DAG run created; returns 'deleted', 'absent' or 'not-owned' (left alone).
+
+    :param wait: wait until the cluster (and, Foreground deletion, its pods) is gone.
+    :param delete_timeout: seconds to wait for that.
+    """
+
+    def __init__(self, *, wait: bool = True, delete_timeout: float = 600.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.wait = wait
+        self.delete_timeout = delete_timeout
+
+    def execute(self, context: Context) -> str:
+        owner = _owner(context)
+        with self._client() as kube:
+            outcome = kube.delete(owner=owner)
+            if outcome == "not-owned":
+                self.log.warning("[rayslice] RayCluster %s was not created by %s: left alone", kube.ref, owner)
+            elif outcome == "absent":
+                self.log.info("[rayslice] RayCluster %s is already gone", kube.ref)
+            else:
+                self.log.info("[rayslice] deleting RayCluster %s", kube.ref)
+                if self.wait:
+                    kube.wait_gone(timeout=self.delete_timeout, poll_interval=self.poll_interval)
+                    self.log.info("[rayslice] RayCluster %s is gone", kube.ref)
+        return outcome

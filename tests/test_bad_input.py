@@ -1,0 +1,218 @@
+"""Every bad input we tried, and the error it gets: one table, which README.md's "Bad input" section mirrors.
+
+Each case calls the real code (request models, the `ray` connection parser, the operators, the
+example pipeline's trigger form, the Jobs API client against a real HTTP server that answers
+malformed bodies) and checks the error type and the message users read. No cluster needed.
+"""
+
+from __future__ import annotations  # noqa: I001  (tests.airflow_env must come before airflow)
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import tests.airflow_env  # noqa: F401  (configures Airflow before anything imports it)
+
+import pytest
+from airflow.sdk.exceptions import ParamValidationError
+
+from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.exceptions import InvalidRequestError, RayJobsError
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SECTION = "## Bad input and the errors it gets"
+
+
+@dataclass(frozen=True)
+class Case:
+    area: str
+    given: str  # what the README shows in its "input" column
+    run: Callable[[], object]
+    error: type[BaseException]
+    message: str  # a fragment of the message, as the README shows it
+
+
+def _operator(**kwargs):
+    from rayslice.operators.tpu_slice import TpuSliceOperator
+
+    return TpuSliceOperator(task_id="train", **kwargs)
+
+
+def _step():  # a python_callable for the operator cases
+    return 1
+
+
+def _trigger(**params):
+    """Validate trigger-form values against the example pipeline's own params (what the UI's form does)."""
+    import copy
+
+    from rayslice.dags import training_pipeline
+
+    form = copy.deepcopy(training_pipeline.training_pipeline().params)  # the DAG's own trigger-form params
+    for name, value in params.items():
+        form[name] = value  # validates against the param's schema, as the trigger form does
+
+
+def _dashboard(host, schema=None, port=None):
+    from rayslice.hooks.ray import dashboard_url
+
+    return dashboard_url(host, schema, port)
+
+
+class _Malformed(BaseHTTPRequestHandler):
+    """A real HTTP server in front of "Ray" that answers with what a broken proxy or version might."""
+
+    bodies = {
+        "/api/jobs/html": (200, "text/html", "<html>proxy login</html>"),
+        "/api/jobs/no-status": (200, "application/json", json.dumps({"submission_id": "no-status"})),
+        "/api/jobs/bad-status": (200, "application/json", json.dumps({"status": "EXPLODED"})),
+        "/api/jobs/": (200, "application/json", json.dumps({"not": "a list"})),
+        "/api/jobs/x/logs": (200, "application/json", json.dumps({"text": "no logs key"})),
+    }
+
+    def do_GET(self) -> None:  # noqa: N802
+        status, kind, body = self.bodies.get(self.path, (404, "text/plain", "not found"))
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def malformed_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Malformed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _jobs(method: str, *args):
+    def call(url: str):
+        from rayslice.jobs_client import RayJobsClient
+
+        with RayJobsClient(url, retries=0) as client:
+            return getattr(client, method)(*args)
+
+    return call
+
+
+CASES = [
+    Case("request", "`TpuSliceRequest(tpu='v6e-15')`", lambda: TpuSliceRequest(tpu="v6e-15"), InvalidRequestError,
+         "'v6e-15' is not a v6e slice: v6e slices have 1, 4, 8, 16, 32, 64, 128 or 256 chips"),
+    Case("request", "`TpuSliceRequest(tpu='v9z-16')`", lambda: TpuSliceRequest(tpu="v9z-16"), InvalidRequestError,
+         "unknown TPU version 'v9z' in 'v9z-16': known versions are v2, v3, v4, v5p, v5litepod, v6e or v7x"),
+    Case("request", "`TpuSliceRequest(tpu='')`", lambda: TpuSliceRequest(tpu=""), InvalidRequestError,
+         "'' is not a TPU name: use '<version>-<size>' like 'v6e-16'"),
+    Case("request", "`TpuSliceRequest(tpu='v6e', topology='3x3')`",
+         lambda: TpuSliceRequest(tpu="v6e", topology="3x3"), InvalidRequestError,
+         "topology '3x3' is not valid for v6e: use 1x1, 2x2, 2x4, 2x8, 4x4"),
+    Case("request", "`TpuSliceRequest(tpu='v6e-16', num_slices=0)`",
+         lambda: TpuSliceRequest(tpu="v6e-16", num_slices=0), InvalidRequestError,
+         "num_slices: input should be greater than or equal to 1 (got 0)"),
+    Case("request", "`TpuSliceRequest(tpu='v6e-16', num_slices=-1)`",
+         lambda: TpuSliceRequest(tpu="v6e-16", num_slices=-1), InvalidRequestError,
+         "num_slices: input should be greater than or equal to 1 (got -1)"),
+    Case("request", "`TpuSliceRequest(tpu='v6e-4; rm -rf /')`", lambda: TpuSliceRequest(tpu="v6e-4; rm -rf /"),
+         InvalidRequestError, "'v6e-4; rm -rf /' is not a TPU name"),
+    Case("request", "`AcceleratorRequest(resource='GPU', count=1.5)`",
+         lambda: AcceleratorRequest(resource="GPU", count=1.5), InvalidRequestError,
+         "GPU count 1.5 is invalid: fractions must be ≤ 1; above 1 use whole numbers"),
+    Case("request", "`AcceleratorRequest(resource='TPU', count=0.5)`",
+         lambda: AcceleratorRequest(resource="TPU", count=0.5), InvalidRequestError,
+         "TPU count 0.5 is invalid: Ray gives tasks 1, 2, 4 or 8 whole TPU chips"),
+    Case("request", "`AcceleratorRequest(resource='HPU', count=0.25)`",
+         lambda: AcceleratorRequest(resource="HPU", count=0.25), InvalidRequestError,
+         "HPU count 0.25 is invalid: HPU takes whole numbers only"),
+    Case("request", "`AcceleratorRequest(resource='GPU', count=0)`",
+         lambda: AcceleratorRequest(resource="GPU", count=0), InvalidRequestError,
+         "count: input should be greater than 0 (got 0)"),
+    Case("request", "`AcceleratorRequest(resource='GPU', count=-1)`",
+         lambda: AcceleratorRequest(resource="GPU", count=-1), InvalidRequestError,
+         "count: input should be greater than 0 (got -1)"),
+    Case("request", "`AcceleratorRequest(resource='XPU', count=1)`",
+         lambda: AcceleratorRequest(resource="XPU", count=1), InvalidRequestError,
+         "unknown resource 'XPU': Ray accelerator resources are GPU, NPU, TPU, neuron_cores or HPU"),
+    Case("request", "`AcceleratorRequest(resource='GPU; rm -rf /', count=1)`",
+         lambda: AcceleratorRequest(resource="GPU; rm -rf /", count=1), InvalidRequestError,
+         "unknown resource 'GPU; rm -rf /'"),
+    Case("request", "`AcceleratorRequest(resource='GPU', count=0.25, accelerator_type='H100$(reboot)')`",
+         lambda: AcceleratorRequest(resource="GPU", count=0.25, accelerator_type="H100$(reboot)"),
+         InvalidRequestError, "accelerator_type 'H100$(reboot)' is not a Ray accelerator type"),
+    Case("connection", "`ray` connection without a host", lambda: _dashboard(None), InvalidRequestError,
+         "the `ray` connection has no host: set the `ray` connection's host to the Ray dashboard URL"),
+    Case("connection", "host `ftp://head:8265`", lambda: _dashboard("ftp://head:8265"), InvalidRequestError,
+         "the `ray` connection's host must be http(s)://host:port"),
+    Case("connection", "host `http://` (no host name)", lambda: _dashboard("http://"), InvalidRequestError,
+         "the `ray` connection's host 'http://' has no host name"),
+    Case("dag", "`TpuSliceOperator(entrypoint=..., python_callable=...)`",
+         lambda: _operator(tpu="v6e-4", entrypoint="pkg.mod:fn", python_callable=_step), InvalidRequestError,
+         "TpuSliceOperator 'train' needs exactly one of entrypoint='package.module:function' or python_callable"),
+    Case("dag", "`TpuSliceOperator()` (neither)", lambda: _operator(tpu="v6e-4"), InvalidRequestError,
+         "needs exactly one of entrypoint='package.module:function' or python_callable"),
+    Case("dag", "`entrypoint='pkg/train.py'`", lambda: _operator(tpu="v6e-4", entrypoint="pkg/train.py"),
+         InvalidRequestError, "entrypoint 'pkg/train.py' of 'train' must look like 'package.module:function'"),
+    Case("dag", "`python_callable='train'` (a string)", lambda: _operator(tpu="v6e-4", python_callable="train"),
+         InvalidRequestError, "python_callable of 'train' is not callable: 'train'"),
+    Case("dag", "`TpuSliceOperator(tpu='v6e-15', ...)` in a DAG file",
+         lambda: _operator(tpu="v6e-15", entrypoint="pkg.mod:fn"), InvalidRequestError,
+         "'v6e-15' is not a v6e slice"),
+    Case("trigger form", "slice type `v6e-15` (not in the list)", lambda: _trigger(slice_type="v6e-15"),
+         ParamValidationError, "'v6e-15' is not one of"),
+    Case("trigger form", "slice type `v6e-4; rm -rf /`", lambda: _trigger(slice_type="v6e-4; rm -rf /"),
+         ParamValidationError, "'v6e-4; rm -rf /' is not one of"),
+    Case("trigger form", "learning rate `5`", lambda: _trigger(learning_rate=5), ParamValidationError,
+         "5 is greater than the maximum of 1.0"),
+    Case("trigger form", "learning rate `0`", lambda: _trigger(learning_rate=0), ParamValidationError,
+         "0 is less than the minimum of 0.0001"),
+    Case("trigger form", "learning rate `\"fast\"`", lambda: _trigger(learning_rate="fast"), ParamValidationError,
+         "'fast' is not of type 'number'"),
+    Case("jobs api", "job status answered with an HTML page", _jobs("get", "html"), RayJobsError, "not JSON"),
+    Case("jobs api", "job without `status`", _jobs("get", "no-status"), RayJobsError, "status"),
+    Case("jobs api", "job with status `EXPLODED`", _jobs("get", "bad-status"), RayJobsError, "status"),
+    Case("jobs api", "job list that is not a list", _jobs("list_jobs"), RayJobsError, "not a list of jobs"),
+    Case("jobs api", "logs without `logs`", _jobs("logs", "x"), RayJobsError, "logs"),
+]
+
+
+def _id(case: Case) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", f"{case.area} {case.given}".lower()).strip("-")[:60]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_bad_input_gets_its_error(case, malformed_server):
+    run = (lambda: case.run(malformed_server)) if case.area == "jobs api" else case.run
+    with pytest.raises(case.error) as info:
+        run()
+    assert case.message in str(info.value), str(info.value)
+
+
+def readme_rows() -> list[tuple[str, str, str]]:
+    text = README.read_text()
+    assert SECTION in text, f"README.md has no '{SECTION}' section"
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| area")]
+    return [tuple(cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)[1:4])
+            for row in rows if not set(row) <= set("|- ")]
+
+
+def render_rows() -> str:
+    """The README table, generated from CASES (paste it when the table changes)."""
+    lines = ["| area | input | error (fragment of the message) |", "|---|---|---|"]
+    for c in CASES:
+        lines.append(f"| {c.area} | {c.given.replace('|', chr(92) + '|')} | "
+                     f"{c.error.__name__}: "
+                     f"{c.message.replace('|', chr(92) + '|')} |")
+    return "\n".join(lines)
+
+
+def test_readme_table_is_this_table():
+    expected = [tuple(cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)[1:4])
+                for row in render_rows().splitlines()[2:]]
+    assert readme_rows() == expected, "README.md's bad-input table differs from CASES; regenerate:\n" + render_rows()
