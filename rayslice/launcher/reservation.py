@@ -102,6 +102,8 @@ def check_satisfiable(request: TpuSliceRequest) -> None:
     groups = list(config.node_group_configs) if config else []
     if any(request.head_resource in group.resources and group.max_count != 0 for group in groups):
         return
+    if config is None and _autoscaler_running():
+        return  # its node groups are unknown (Ray 2.60's autoscaler does not report them): it may add the slice
     have = sorted(
         {node["Labels"].get(POD_TYPE_LABEL) for node in ray.nodes() if node.get("Labels", {}).get(POD_TYPE_LABEL)}
     )
@@ -109,6 +111,18 @@ def check_satisfiable(request: TpuSliceRequest) -> None:
         f"{request} can never be scheduled on this cluster: it has {len(slices)} {request.pod_type} slice(s) and no "
         f"autoscaler node group with {request.head_resource}. Slice types here: {', '.join(have) or 'none'}."
     )
+
+
+def _autoscaler_running() -> bool:
+    """Whether an autoscaler v2 has reported its state to the GCS (KubeRay's, or `ray start` with v2 on).
+
+    Not v1: every head without an autoscaling config runs a read-only v1 monitor that reports
+    the same way, so v1's report cannot tell "may add a slice" from "never will".
+    """
+    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
+
+    reply = GetClusterStatusReply.FromString(ray._private.worker.global_worker.gcs_client.get_cluster_status())
+    return reply.autoscaling_state.autoscaler_state_version > 0
 
 
 def _capacity_timeout(request: TpuSliceRequest, timeout: float) -> CapacityTimeoutError:
@@ -138,10 +152,11 @@ def _map_hosts(reservation: SliceReservation) -> None:
                 int(labels.get(WORKER_ID_LABEL, 0)),
                 nodes[node_id]["NodeManagerAddress"],
                 bundle_index,
+                node_id,
             )
         )
     located.sort()
-    reservation.bundles = {(s, w): b for s, _, w, _, b in located}
+    reservation.bundles = {(s, w): b for s, _, w, _, b, _ in located}
     reservation.hosts = [
         HostPlan(
             slice_index=s,
@@ -152,6 +167,7 @@ def _map_hosts(reservation: SliceReservation) -> None:
             num_processes=1,
             coordinator="",
             megascale_coordinator="",
+            node_id=node_id,
         )
-        for s, name, w, ip, _ in located
+        for s, name, w, ip, _, node_id in located
     ]

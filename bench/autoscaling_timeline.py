@@ -1,0 +1,153 @@
+"""Issue 6: does giving a slice back let Ray's own autoscaler shrink, and does leaking it not?
+
+Starts a cluster with no TPU hosts whose head runs Ray's autoscaler (v2) against Ray's fake
+multi-node provider (`rayslice.local_autoscaler`), then prints one timeline per scenario:
+
+1. rayslice `run_step` on a v6e-4 (one host): t=0 submit, host added, step running, step done,
+   host removed.
+2. the same on a v4-16 (2 hosts × 4 chips).
+3. baseline: a long-lived driver that reserves a v6e-4 with `ray.util.tpu.SlicePlacementGroup`,
+   runs on it with `run_on_slice`, and never removes the placement group (Ray's one-shot
+   `run_on_slice()` keeps its worker group until the driver exits). The host must still be there
+   idle-timeout + 30 s after the step; then the driver removes the group and the host goes.
+
+    .venv/bin/python bench/autoscaling_timeline.py [--idle-minutes 0.2] [--pod-types v6e-4,v4-16] [--no-baseline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from _common import ROOT, log  # noqa: F401  (puts the repo root on sys.path)
+
+from rayslice import local_autoscaler, local_cluster
+from rayslice.accelerators import TpuSliceRequest
+from rayslice.step import StepSpec
+
+GRACE = 30.0  # removal must follow within idle timeout + GRACE seconds
+
+
+def device_count_and_start() -> dict:
+    import time
+
+    import jax
+
+    started = time.time()
+    time.sleep(2)  # long enough to tell "running" from "done" on the timeline
+    return {"devices": jax.device_count(), "started": started}
+
+
+def print_timeline(title: str, rows: list[tuple[float, str]]) -> None:
+    print(f"\n{title}")
+    for t, what in sorted(rows):
+        print(f"  t={t:7.1f} s  {what}")
+
+
+def node_rows(watcher: local_autoscaler.NodeWatcher, since: float) -> list[tuple[float, str]]:
+    return [(e.t - since, f"node {e.kind}: {e.host}") for e in watcher.events if e.t >= since]
+
+
+def rayslice_scenario(ray: Any, watcher: local_autoscaler.NodeWatcher, pod_type: str, idle_s: float) -> dict:
+    from rayslice.launcher import run_step
+
+    request = TpuSliceRequest(tpu=pod_type)
+    t0, wall0 = watcher.now(), time.time()
+    results = run_step(StepSpec.for_function(device_count_and_start, request=request, capacity_timeout=240))
+    done = watcher.now() - t0
+    gone = watcher.wait(lambda alive: not alive, timeout=idle_s + GRACE + 30)
+    rows = [
+        (0.0, f"submit run_step({pod_type})"),
+        (done, f"step done: devices per host {[r['devices'] for r in results]}"),
+    ]
+    rows += [
+        (min(r["started"] for r in results) - wall0, "step function running (after the host process imported JAX)")
+    ]
+    rows += node_rows(watcher, t0)
+    print_timeline(f"rayslice run_step on {pod_type} ({request.hosts_per_slice} host(s))", rows)
+    removed = [e.t - t0 for e in watcher.events if e.t >= t0 and e.kind == "removed"]
+    added = [e.t - t0 for e in watcher.events if e.t >= t0 and e.kind == "added"]
+    after = max(removed) - done if gone and removed else None
+    verdict = "ok" if after is not None and after <= idle_s + GRACE else "FAILED"
+    print(
+        f"  hosts added: {len(added)}, removed {after if after is None else round(after, 1)} s after the step "
+        f"(bound: idle timeout {idle_s:.0f} s + {GRACE:.0f} s) -> {verdict}"
+    )
+    assert all(r["devices"] == request.chips_per_host * request.hosts_per_slice for r in results), results
+    return {"added": len(added), "removed_after_s": after}
+
+
+def leaky_baseline(ray: Any, watcher: local_autoscaler.NodeWatcher, idle_s: float) -> dict:
+    from ray.util.tpu import SlicePlacementGroup, run_on_slice
+
+    @ray.remote
+    def device_count() -> int:
+        import jax
+
+        return jax.device_count()
+
+    t0 = watcher.now()
+    handle = SlicePlacementGroup(
+        topology="2x2", accelerator_version="v6e", bundle_label_selector=[{"ray.io/tpu-pod-type": "v6e-4"}]
+    )
+    devices = ray.get(run_on_slice(device_count, tpu_slice=handle))
+    done = watcher.now() - t0
+    held = watcher.wait(lambda alive: not alive, timeout=idle_s + GRACE)
+    still = len(watcher.alive)
+    checked = watcher.now() - t0
+    handle.shutdown()  # now give it back: the autoscaler may shrink
+    freed = watcher.now() - t0
+    gone = watcher.wait(lambda alive: not alive, timeout=idle_s + GRACE + 30)
+    rows = [
+        (0.0, "submit SlicePlacementGroup(v6e 2x2) + run_on_slice (placement group never removed)"),
+        (done, f"step done: jax.device_count() per host {devices} (no simulated-TPU setup: 1 CPU device)"),
+        (checked, f"idle timeout + {GRACE:.0f} s later: {still} TPU host(s) still up"),
+        (freed, "driver removes its placement group"),
+    ]
+    rows += node_rows(watcher, t0)
+    print_timeline("baseline: leaked slice reservation", rows)
+    verdict = "ok" if not held and still and gone else "FAILED"
+    print(f"  kept while leaked: {bool(not held and still)}; removed once released: {gone} -> {verdict}")
+    return {"kept": bool(not held and still), "removed_after_release": gone}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle-minutes", type=float, default=0.2, help="autoscaler idle_timeout_minutes")
+    parser.add_argument("--pod-types", default="v6e-4,v4-16", help="rayslice scenarios, in order (default v6e-4,v4-16)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the leaked-reservation baseline")
+    args = parser.parse_args()
+    pod_types = tuple(args.pod_types.split(","))
+    if "v6e-4" not in pod_types:
+        pod_types += ("v6e-4",)  # the baseline's node type
+    name = f"bench-autoscaling-{os.getpid()}"
+    idle_s = args.idle_minutes * 60
+    log(f"starting head + autoscaler (node types: {', '.join(local_autoscaler.host_node_types(pod_types))})")
+    record = local_autoscaler.up(pod_types, name=name, idle_timeout_minutes=args.idle_minutes)
+    try:
+        for key, value in record.ray_env().items():
+            os.environ.setdefault(key, value)
+        import ray
+
+        ray.init(address=record.gcs_address, logging_level="ERROR", log_to_driver=False)
+        with local_autoscaler.NodeWatcher(record) as watcher:
+            log(f"cluster up: {len(watcher.alive)} TPU hosts; idle timeout {idle_s:.0f} s")
+            for pod_type in args.pod_types.split(","):
+                rayslice_scenario(ray, watcher, pod_type, idle_s)
+            if not args.no_baseline:
+                leaky_baseline(ray, watcher, idle_s)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if "ray" in sys.modules:
+            sys.modules["ray"].shutdown()
+        log(f"stopped {local_cluster.down(name)} processes")
+
+
+if __name__ == "__main__":
+    main()
