@@ -1,7 +1,10 @@
 """Shared helpers for the benchmarks: a private local cluster, a driver, timing and tables.
 
 Every benchmark starts its own simulated cluster (`rayslice.local_cluster`) under a private
-`RAYSLICE_HOME`, and stops it by name at the end, also on error, Ctrl-C or SIGTERM.
+`RAYSLICE_HOME`, and stops it by name at the end, also on error, Ctrl-C or SIGTERM; or, with
+`--cluster NAME` (or `RAYSLICE_BENCH_CLUSTER`), runs on that already running local cluster of the
+current `RAYSLICE_HOME` and leaves it running (a warm cluster, and no second one competing for the
+cores).
 Results are printed as a rich table and written as markdown to `bench/results/<name>.md`.
 """
 
@@ -48,11 +51,18 @@ def parse_args(
         help="start the cluster's nodes at nice -10 (then back to 0): for a machine too loaded for Ray's "
         "start-up deadlines; nothing is measured at the raised priority",
     )
+    parser.add_argument(
+        "--cluster",
+        default=os.environ.get("RAYSLICE_BENCH_CLUSTER"),
+        help="run on this running local cluster (a name recorded under RAYSLICE_HOME) instead of starting a "
+        "private one; it is left running (default: $RAYSLICE_BENCH_CLUSTER, else a private cluster)",
+    )
     if extra:
         extra(parser)
     args = parser.parse_args()
-    global BOOST_STARTUP
+    global BOOST_STARTUP, ATTACH
     BOOST_STARTUP = args.boost_startup
+    ATTACH = args.cluster
     return args
 
 
@@ -81,6 +91,8 @@ def _raise_terminated(signum, frame):  # noqa: ARG001
 
 #: `--boost-startup`: start the cluster's nodes at nice STARTUP_NICE, then set them back to 0.
 BOOST_STARTUP = False
+#: `--cluster NAME`: the running local cluster to use instead of a private one.
+ATTACH: str | None = None
 STARTUP_NICE = -10
 
 
@@ -146,9 +158,21 @@ def _renice_cluster(record: local_cluster.ClusterRecord) -> None:
 
 
 @contextlib.contextmanager
-def cluster(spec: local_cluster.ClusterSpec, name: str, attempts: int = 3) -> Iterator[local_cluster.ClusterRecord]:
-    """Start a private simulated cluster; always stop it by name (also on error or SIGTERM)."""
+def cluster(
+    spec: local_cluster.ClusterSpec, name: str, attempts: int = 3, private: bool = False
+) -> Iterator[local_cluster.ClusterRecord]:
+    """Start a private simulated cluster; always stop it by name (also on error or SIGTERM).
+
+    With `--cluster NAME` (and not `private`), yield that running cluster instead and leave it
+    running: it must hold the slices of `spec` (checked by the caller) and is not stopped here.
+    """
+    if ATTACH and not private:
+        with _attached(ATTACH) as record:
+            yield record
+        return
     home = tempfile.mkdtemp(prefix="rayslice-bench-")
+    ray_keys = local_cluster.ClusterRecord("", "", "", "").ray_env()
+    saved_env = {k: os.environ.get(k) for k in ("RAYSLICE_HOME", *ray_keys)}
     os.environ["RAYSLICE_HOME"] = home
     name = f"{name}-{os.getpid()}"
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -194,6 +218,25 @@ def cluster(spec: local_cluster.ClusterSpec, name: str, attempts: int = 3) -> It
         finally:
             signal.signal(signal.SIGTERM, previous)
             subprocess.run(["rm", "-rf", home], check=False)
+            for key, value in saved_env.items():  # e.g. back to the attached cluster's RAYSLICE_HOME
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _attached(name: str) -> Iterator[local_cluster.ClusterRecord]:
+    record = local_cluster.ClusterRecord.load(name)
+    alive = len(local_cluster.alive_nodes(record.dashboard_url, record.token))
+    log(f"using the running cluster {name!r} ({record.dashboard_url}, {alive} nodes alive); it is left running")
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # so a timeout still ends our driver cleanly
+    try:
+        for key, value in record.ray_env().items():
+            os.environ[key] = value
+        yield record
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -246,17 +289,19 @@ def warm_up_workers(ray: Any, rounds: int = 2) -> None:
 
 
 class ReleaseWatcher:
-    """Polls, in a thread, the free TPU chips and the GCS node status of some hosts.
+    """Polls, in a thread, the free TPU chips and the GCS node status of the cluster's TPU hosts.
 
     `when_free(after)`: the first poll at or after `after` at which every TPU chip of the cluster
     was available, counted only once the chips were seen in use during this watch (a stale
-    view from before the step cannot count as a release). `when_idle(after, since)`: the first
-    poll at or after `after` at which every watched host was IDLE in the GCS's cluster resource
-    state (what Ray's autoscaler reads to scale down) *and* had been idle only since `since`
-    or later (its `idle_duration_ms`), i.e. became idle after the step began.
+    view from before the step cannot count as a release). `when_idle(after, since, nodes)`: the
+    first poll at or after `after` at which every host in `nodes` (default: those given at
+    construction) was IDLE in the GCS's cluster resource state (what Ray's autoscaler reads to
+    scale down) *and* had been idle only since `since` or later (its `idle_duration_ms`), i.e.
+    became idle after the step began. Every TPU host is polled, so the hosts a step landed on
+    can be named after it ran (a cluster with two slices of one type).
     """
 
-    def __init__(self, ray: Any, node_ids: Sequence[str], interval: float = 0.01) -> None:
+    def __init__(self, ray: Any, node_ids: Sequence[str] = (), interval: float = 0.01) -> None:
         from ray.autoscaler.v2.sdk import get_cluster_resource_state
         from ray.core.generated.autoscaler_pb2 import NodeStatus
 
@@ -264,11 +309,12 @@ class ReleaseWatcher:
         self._state = get_cluster_resource_state
         self._idle = NodeStatus.IDLE
         self._gcs = ray._private.worker.global_worker.gcs_client
-        self._nodes = set(node_ids)
         self._total = total_tpu_chips(ray)
+        self._nodes = set(node_ids)
+        self._tpu_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("TPU")}
         self._interval = interval
-        # (time, all chips free, latest "idle since" over the hosts or None if one is not IDLE)
-        self.samples: list[tuple[float, bool, float | None]] = []
+        # (time, all chips free, {TPU host: "idle since" time, or None when not IDLE})
+        self.samples: list[tuple[float, bool, dict[str, float | None]]] = []
         self.activity: dict[str, list[str]] = {}  # last reported activity of non-idle hosts
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -285,17 +331,17 @@ class ReleaseWatcher:
         while not self._stop.is_set():
             free = self._ray.available_resources().get("TPU", 0.0) >= self._total
             now = time.time()
-            since: float | None = 0.0
+            idle: dict[str, float | None] = {}
             for node in self._state(self._gcs).node_states:
-                if node.node_id.hex() not in self._nodes:
+                node_id = node.node_id.hex()
+                if node_id not in self._tpu_nodes:
                     continue
                 if node.status == self._idle:
-                    if since is not None:
-                        since = max(since, now - node.idle_duration_ms / 1000)
+                    idle[node_id] = now - node.idle_duration_ms / 1000
                 else:
-                    since = None
-                    self.activity[node.node_id.hex()] = list(node.node_activity)
-            self.samples.append((now, free, since))
+                    idle[node_id] = None
+                    self.activity[node_id] = list(node.node_activity)
+            self.samples.append((now, free, idle))
             self._stop.wait(self._interval)
 
     def when_free(self, after: float) -> float | None:
@@ -307,25 +353,31 @@ class ReleaseWatcher:
                 return t
         return None
 
-    def when_idle(self, after: float, since: float) -> float | None:
-        for t, _, idle_since in list(self.samples):
-            if t >= after and idle_since is not None and idle_since >= since:
+    def when_idle(self, after: float, since: float, nodes: Sequence[str] | None = None) -> float | None:
+        wanted = set(nodes) if nodes is not None else self._nodes
+        for t, _, idle in list(self.samples):
+            if t >= after and all((idle.get(n) or -math.inf) >= since for n in wanted):
                 return t
         return None
+
+    def activity_of(self, nodes: Sequence[str]) -> set[str]:
+        return {a for n in nodes for a in self.activity.get(n, [])}
 
     def poll_interval(self) -> float:
         """Median time between two polls (the resolution of when_free / when_idle)."""
         times = [s[0] for s in list(self.samples)]
         return median([b - a for a, b in zip(times, times[1:], strict=False)]) if len(times) > 1 else math.nan
 
-    def wait(self, after: float, since: float, timeout: float) -> tuple[float | None, float | None]:
+    def wait(
+        self, after: float, since: float, timeout: float, nodes: Sequence[str] | None = None
+    ) -> tuple[float | None, float | None]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            free, idle = self.when_free(after), self.when_idle(after, since)
+            free, idle = self.when_free(after), self.when_idle(after, since, nodes)
             if free is not None and idle is not None:
                 return free, idle
             time.sleep(0.02)
-        return self.when_free(after), self.when_idle(after, since)
+        return self.when_free(after), self.when_idle(after, since, nodes)
 
 
 def slice_node_ids(ray: Any, slice_names: Sequence[str]) -> list[str]:
@@ -486,7 +538,9 @@ class Report:
 
     def write(self) -> Path | None:
         finished = dt.datetime.now().astimezone()
-        command = ".venv/bin/python " + shlex.join([f"bench/{self.name}.py", *sys.argv[1:]])
+        command = ".venv/bin/python " + shlex.join([f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+        if ATTACH and "RAYSLICE_HOME" in os.environ:
+            command = f"RAYSLICE_HOME={os.environ['RAYSLICE_HOME']} {command}"
         header = [
             f"# {self.name}",
             "",

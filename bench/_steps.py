@@ -52,14 +52,17 @@ def _proc_start() -> float:
 
 
 def now_and_return(seconds: float = 0.0) -> dict[str, Any]:
-    """Runs `seconds`, then returns the time it finished (for release latency)."""
+    """Runs `seconds`, then returns the time it finished and the Ray node it ran on (for release latency)."""
     import os
     import time
+
+    import ray
 
     start = time.time()
     if seconds:
         time.sleep(seconds)
-    return {"start": start, "end": time.time(), "pid": os.getpid()}
+    node = ray.get_runtime_context().get_node_id()
+    return {"start": start, "end": time.time(), "pid": os.getpid(), "node": node}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,18 +2,28 @@
 
 A node with 3 (logical) GPUs holds 12 quarter-GPU steps at a time. Each step sleeps
 `--step-s` seconds (default 0.5) and returns its start/end times and CUDA_VISIBLE_DEVICES.
+The baseline, in every mode: plain Ray tasks with `num_gpus=0.25` from one driver.
 
-Rows: plain Ray tasks with `num_gpus=0.25` (the baseline); rayslice `run_step` from 32 driver
-threads (one fresh host actor per step); rayslice as 32 concurrent Ray jobs through the Jobs
-REST API (`run_step_job`, what the Airflow operator does). An Airflow dynamic-task-mapping row
-is left for a teammate (marked below).
+- `--mode airflow` (the issue's question): one DAG run of `bench/airflow_dags/fraction.py`, 32
+  mapped `@task.ray_accelerator(accelerator="GPU", count=0.25, deferrable=True)` tasks, on a real
+  Airflow (`rayslice.airflow_stack.AirflowStack`, LocalExecutor); each mapped task is a Ray job.
+- `--mode driver` (default): rayslice `run_step` from 32 driver threads (one fresh host actor
+  per step), without job submission: the launcher's own cost.
+- `--mode jobs`: rayslice as 32 concurrent Ray jobs through the Jobs REST API (`run_step_job`).
 
-    .venv/bin/python bench/fraction_throughput.py [--reps 10] [--job-reps 3]
+    RAYSLICE_HOME=/tmp/rs-dev-home .venv/bin/python bench/fraction_throughput.py --cluster dev
+    RAYSLICE_HOME=/tmp/rs-dev-home .venv/bin/python bench/fraction_throughput.py --cluster dev --mode airflow
+
+32 concurrent Ray jobs cost 32 job drivers and supervisors on this 2-core machine, so the
+Airflow and jobs rows run `--job-reps` times (default 1) to keep each invocation under 10
+minutes; the plain-task baseline still runs `--reps` times in the same invocation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +39,7 @@ from rayslice.step import Owner, StepSpec
 NAME = "fraction_throughput"
 SPEC = local_cluster.ClusterSpec(gpus=3)
 STEPS = 32
+AIRFLOW_DAG = "bench_fraction_mapping"
 SHARE = 0.25
 REQUEST = AcceleratorRequest(resource="GPU", count=SHARE)
 
@@ -64,8 +75,8 @@ def peak_concurrency(steps: list[dict]) -> int:
 
 def main() -> None:
     args = parse_args(__doc__.split("\n")[0], extra=_flags)
-    report = Report(NAME, args)
-    with cluster(SPEC, NAME) as record, driver(record) as ray:
+    report = Report(NAME + ("" if args.mode == "driver" else f"_{args.mode}"), args)
+    with cluster(SPEC, NAME) as record, driver(record) as ray, contextlib.ExitStack() as stack:
         from rayslice.launcher import run_step
         from rayslice.submission import run_step_job
 
@@ -109,29 +120,91 @@ def main() -> None:
 
             return asyncio.run(all_of_them())
 
-        rows = [
-            (Row("plain Ray tasks, num_gpus=0.25, num_cpus=0"), plain_tasks, args.reps),
-            (Row("rayslice run_step, 32 driver threads"), rayslice_threads, args.reps),
-        ]
-        if args.job_reps:
-            rows.append((Row("rayslice as 32 concurrent Ray jobs (run_step_job)"), rayslice_jobs, args.job_reps))
+        def airflow_mapping() -> list[tuple[float, float, dict]]:
+            api = airflow_api()
+            run_id = f"bench-{time.time_ns()}"
+            t0 = time.time()
+            resp = api.post(f"/dags/{AIRFLOW_DAG}/dagRuns", json={"dag_run_id": run_id, "logical_date": None})
+            resp.raise_for_status()
+            deadline = time.monotonic() + 540
+            state = None
+            while state not in ("success", "failed"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"DAG run {run_id} still {state} after 540 s")
+                time.sleep(1)
+                resp = api.get(f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}")
+                state = resp.json().get("state") if resp.status_code == 200 else state
+            t1 = time.time()
+            if state != "success":
+                raise RuntimeError(f"DAG run {run_id} {state}")
+            out = []
+            for i in range(STEPS):
+                resp = api.get(f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}/taskInstances/gpu_step/xcomEntries/return_value",
+                               params={"map_index": i, "deserialize": True})
+                resp.raise_for_status()
+                value = resp.json()["value"]
+                out.append((t0, t1, json.loads(value) if isinstance(value, str) else value))
+            return out
 
-        for row, fn, _ in rows:  # warm-up, unrecorded
-            log(f"warm-up: {row.label}")
-            _measure(ray, Row("warm-up"), fn)
+        def airflow_api() -> Any:
+            if not hasattr(airflow_api, "client"):
+                import httpx
+                from airflow_concurrency import DAGS, BenchStack
+
+                log("starting Airflow")
+                af = stack.enter_context(BenchStack(record.dashboard_url, record.token, dags_folder=DAGS, steps=STEPS,
+                                                    parallelism=args.parallelism,
+                                                    extra_env={"RAYSLICE_BENCH_STEP_S": str(args.step_s)}))
+                api = stack.enter_context(httpx.Client(base_url=f"{af.url}/api/v2", timeout=60,
+                                                       headers={"Authorization": f"Bearer {af.api_token()}"}))
+                deadline = time.monotonic() + 180
+                while api.get(f"/dags/{AIRFLOW_DAG}").status_code != 200:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the DAG processor did not register {AIRFLOW_DAG}")
+                    time.sleep(1)
+                log(f"Airflow up at {af.url}")
+                airflow_api.client = api
+            return airflow_api.client
+
+        rows = []
+        if args.mode == "airflow":
+            baseline = Row("plain Ray tasks, num_gpus=0.25, num_cpus=0")
+            rows.append((baseline, plain_tasks, args.reps))
+            log(f"warm-up: {baseline.label}")
+            _measure(ray, Row("warm-up"), plain_tasks)
+            airflow_api()  # started before the clock runs
+            rows.append((Row("Airflow: 32 mapped deferrable @task.ray_accelerator tasks (one DAG run)"),
+                         airflow_mapping, args.job_reps))
+        elif args.mode == "driver":
+            rows += [
+                (Row("plain Ray tasks, num_gpus=0.25, num_cpus=0"), plain_tasks, args.reps),
+                (Row("rayslice run_step, 32 driver threads"), rayslice_threads, args.reps),
+            ]
+            for row, fn, _ in rows:  # warm-up, unrecorded
+                log(f"warm-up: {row.label}")
+                _measure(ray, Row("warm-up"), fn)
+        else:
+            baseline = Row("plain Ray tasks, num_gpus=0.25, num_cpus=0")
+            rows.append((baseline, plain_tasks, args.reps))
+            log(f"warm-up: {baseline.label}")
+            _measure(ray, Row("warm-up"), plain_tasks)
+            rows.append((Row("rayslice as 32 concurrent Ray jobs (run_step_job)"), rayslice_jobs, args.job_reps))
         started = time.monotonic()
-        for rep in range(args.reps):
+        for rep in range(max(reps for _, _, reps in rows)):
             for row, fn, reps in rows:
                 if rep < reps:
                     _measure(ray, row, fn)
-            log(f"rep {rep + 1}/{args.reps} done ({time.monotonic() - started:.0f} s)")
+            log(f"rep {rep + 1} done ({time.monotonic() - started:.0f} s)")
         report.add(_table([r for r, _, _ in rows], args))
     report.write()
 
 
 def _flags(parser) -> None:
     parser.add_argument("--step-s", type=float, default=0.5, help="how long each step runs (s)")
-    parser.add_argument("--job-reps", type=int, default=10, help="repetitions of the Ray-jobs row (0 to skip)")
+    parser.add_argument("--mode", choices=["driver", "jobs", "airflow"], default="driver",
+                        help="which rayslice row to measure against plain tasks (see the module doc)")
+    parser.add_argument("--job-reps", type=int, default=1, help="repetitions of the jobs / Airflow row (default 1)")
+    parser.add_argument("--parallelism", type=int, default=4, help="Airflow LocalExecutor worker slots (default 4)")
 
 
 def _measure(ray: Any, row: Row, fn: Any) -> None:
@@ -181,12 +254,11 @@ def _table(rows: list[Row], args: Any) -> Table:
             fmt_s(_p90(row.latency)),
             f"{min(row.peak)}–{max(row.peak)}" if row.peak else "n/a",
         )
-    # Placeholder for the teammate's Airflow dynamic-task-mapping row (Airflow → rayslice jobs).
-    table.add("AIRFLOW DYNAMIC TASK MAPPING: pending (teammate)", "", "", "", "", "", "", "", "")
     table.notes = [
         f"ideal makespan with 12 slots: {math.ceil(STEPS / (3 / SHARE))} waves × {args.step_s:g} s = {fmt_s(ideal)}",
         "per-step latency: from the step's submission to its result in the caller; makespan: first submission "
-        "to last result",
+        "to last result (Airflow: from triggering the DAG run to seeing it succeed, polled every 1 s; its "
+        "per-step latency column is that same wall time)",
         "peak concurrent: most steps whose function bodies overlapped in time (12 = every quarter-GPU slot used)",
     ]
     return table

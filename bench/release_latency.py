@@ -10,7 +10,7 @@ slice handle + `shutdown()`; and `run_on_slice` one-shot (no handle) in a long-l
 which keeps its placement group until that driver exits: measured in a separate driver process
 per repetition, waiting a bounded time for a release, then asking the driver to exit.
 
-    .venv/bin/python bench/release_latency.py [--reps 10]
+    RAYSLICE_HOME=/tmp/rs-dev-home .venv/bin/python bench/release_latency.py --cluster dev [--reps 10]
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def step(seconds):
     import time
     start = time.time()
     time.sleep(seconds)
-    return {"start": start, "end": time.time()}
+    return {"start": start, "end": time.time(), "node": ray.get_runtime_context().get_node_id()}
 
 t0 = time.time()
 hosts = ray.get(run_on_slice(step, float(sys.argv[4]), topology=sys.argv[2], accelerator_version=sys.argv[3]))
@@ -93,8 +93,8 @@ def main() -> None:
         ray.cloudpickle.register_pickle_by_value(_steps)
         hand = _steps.hand_written(ray)
         step_task = ray.remote(_steps.now_and_return)
-        hosts = slice_node_ids(ray, ["v6e-16-a"])
-        assert len(hosts) == REQUEST.hosts_per_slice, hosts
+        if len(slice_node_ids(ray, ["v6e-16-a"])) != REQUEST.hosts_per_slice:
+            raise RuntimeError("the cluster needs a v6e-16 slice named v6e-16-a (4 hosts)")
 
         def rayslice() -> list[dict]:
             spec = StepSpec.for_function(
@@ -121,13 +121,13 @@ def main() -> None:
 
         warm_up_workers(ray)
         for _row, fn in methods:  # warm-up, unrecorded
-            _measure(ray, hosts, Row("warm-up"), fn, args.cap)
+            _measure(ray, Row("warm-up"), fn, args.cap)
         started = time.monotonic()
         for rep in range(args.reps):
             for row, fn in methods:
-                _measure(ray, hosts, row, fn, args.cap)
+                _measure(ray, row, fn, args.cap)
             if rep < args.one_shot_reps:
-                _measure_one_shot(ray, record, hosts, one_shot, args.hold)
+                _measure_one_shot(ray, record, one_shot, args.hold)
             log(f"rep {rep + 1}/{args.reps} done ({time.monotonic() - started:.0f} s)")
         report.add(_table([r for r, _ in methods] + [one_shot], args))
     report.write()
@@ -141,22 +141,23 @@ def _flags(parser) -> None:
     parser.add_argument("--one-shot-reps", type=int, default=10, help="repetitions of the one-shot row")
 
 
-def _measure(ray: Any, hosts: list[str], row: Row, fn: Any, cap: float) -> None:
+def _measure(ray: Any, row: Row, fn: Any, cap: float) -> None:
     if not wait_all_free(ray):
         log("warning: TPU chips not all free before a measurement")
-    with ReleaseWatcher(ray, hosts) as watcher:
+    with ReleaseWatcher(ray) as watcher:
         submitted = time.time()
         results = fn()
         end = max(h["end"] for h in results)
-        free, idle = watcher.wait(end, submitted, cap)
+        hosts = sorted({h["node"] for h in results})  # the slice the step landed on
+        free, idle = watcher.wait(end, submitted, cap, hosts)
     row.free.add(None if free is None else max(0.0, free - end))
     row.idle.add(None if idle is None else max(0.0, idle - end))
     row.polls.append(watcher.poll_interval())
     if idle is None:
-        row.busy_because.update(a for acts in watcher.activity.values() for a in acts)
+        row.busy_because.update(watcher.activity_of(hosts))
 
 
-def _measure_one_shot(ray: Any, record: Any, hosts: list[str], row: Row, hold: float) -> None:
+def _measure_one_shot(ray: Any, record: Any, row: Row, hold: float) -> None:
     if not wait_all_free(ray):
         log("warning: TPU chips not all free before a measurement")
     proc = subprocess.Popen(
@@ -166,19 +167,20 @@ def _measure_one_shot(ray: Any, record: Any, hosts: list[str], row: Row, hold: f
         text=True,
     )
     try:
-        with ReleaseWatcher(ray, hosts) as watcher:
+        with ReleaseWatcher(ray) as watcher:
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"one-shot driver exited with {proc.wait()}")
             data = json.loads(line)
             end = max(h["end"] for h in data["hosts"])
-            free, idle = watcher.wait(end, data["t0"], hold)
+            hosts = sorted({h["node"] for h in data["hosts"]})
+            free, idle = watcher.wait(end, data["t0"], hold, hosts)
             row.free.add(None if free is None else free - end)
             row.idle.add(None if idle is None else idle - end)
             exit_asked = time.time()
             proc.stdin.close()
             proc.wait(timeout=60)
-            free_after, _ = watcher.wait(exit_asked, data["t0"], 30)
+            free_after, _ = watcher.wait(exit_asked, data["t0"], 30, hosts)
             row.after_exit.add(None if free_after is None else free_after - exit_asked)
             row.polls.append(watcher.poll_interval())
     finally:

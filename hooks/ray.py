@@ -192,6 +192,24 @@ class RayHook(BaseHook):
                                       '\'kuberay\', e.g. {"namespace": "ml", "name": "rayslice", "in_cluster": true}')
         return ClusterRef.from_extra(kuberay, **overrides)
 
+    def check_tpu_type(self, request: Any) -> None:
+        """Fail early if the zone in the connection's ``cloud_tpu`` extra does not offer the slice type.
+
+        Optional: without ``{"cloud_tpu": {"project": "...", "zone": "us-east5-b"}}`` this does nothing.
+        The zone's types are cached (``rayslice.cloud_tpu``), so calling it at every submit is cheap.
+        """
+        conn = self.get_connection(self.ray_conn_id)
+        where = (conn.extra_dejson if conn.extra else {}).get("cloud_tpu")
+        if where in (None, "", {}):
+            return
+        if not isinstance(where, dict) or not {"project", "zone"} <= set(where) \
+                or set(where) - {"project", "zone", "api_endpoint"}:
+            raise InvalidRequestError("the `ray` connection's extra 'cloud_tpu' must be "
+                                      '{"project": "...", "zone": "...", optionally "api_endpoint": "..."}')
+        from rayslice.cloud_tpu import check_accelerator_type
+
+        check_accelerator_type(request, where["project"], where["zone"], api_endpoint=where.get("api_endpoint"))
+
     def get_conn(self) -> RayJobsClient:
         return self.client()
 

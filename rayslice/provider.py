@@ -53,6 +53,7 @@ def get_provider_info() -> dict:
                     "rayslice.operators.step",
                     "rayslice.operators.tpu_slice",
                     "rayslice.operators.accelerator",
+                    "rayslice.operators.kuberay",
                 ],
             }
         ],
@@ -72,6 +73,18 @@ def get_provider_info() -> dict:
                         "label": "Extra HTTP headers",
                         "description": 'JSON object sent with every request, e.g. {"X-Proxy-Key": "..."}',
                         "schema": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+                    },
+                    "kuberay": {
+                        "label": "KubeRay cluster (instead of a URL)",
+                        "description": 'JSON naming a RayCluster whose dashboard is looked up, e.g. {"namespace": '
+                                       '"ml", "name": "rayslice", "in_cluster": true} or "kubeconfig": "/path"',
+                        "schema": {"type": ["object", "null"]},
+                    },
+                    "cloud_tpu": {
+                        "label": "Cloud TPU zone check (optional)",
+                        "description": 'JSON {"project": "...", "zone": "us-east5-b"}: TPU slice types are checked '
+                                       "against the types the zone offers",
+                        "schema": {"type": ["object", "null"]},
                     },
                 },
                 "ui-field-behaviour": {

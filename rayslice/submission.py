@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import io
 import re
+import time
 import zipfile
 from collections.abc import Callable
 from functools import cache
@@ -23,6 +24,7 @@ from rayslice.exceptions import (
     InvalidRequestError,
     PreemptedError,
     RaysliceError,
+    RayUnreachableError,
     StepFailedError,
     StepTimeoutError,
     UnsatisfiableRequestError,
@@ -31,6 +33,8 @@ from rayslice.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, zip_
 from rayslice.step import Owner, StepSpec, parse_error, parse_result
 
 ENTRYPOINT = "python -m rayslice.launcher spec.json"
+#: How long `wait_for_step` waits out an unreachable dashboard before it gives up on the job.
+UNREACHABLE_GRACE_S = 300.0
 _ERRORS: dict[str, type[RaysliceError]] = {
     cls.__name__: cls
     for cls in (
@@ -130,13 +134,35 @@ def outcome(job: JobDetails, log: str) -> Any:
 
 
 async def wait_for_step(
-    client: AsyncRayJobsClient, sid: str, *, emit: Callable[[str], None] = print, poll: float = 1.0
+    client: AsyncRayJobsClient,
+    sid: str,
+    *,
+    emit: Callable[[str], None] = print,
+    poll: float = 1.0,
+    unreachable_grace: float = UNREACHABLE_GRACE_S,
 ) -> Any:
-    """Follow the job to its end, relaying its log; return the step's result or raise its error."""
+    """Follow the job to its end, relaying its log; return the step's result or raise its error.
+
+    The job runs on without us: a dashboard outage shorter than `unreachable_grace` is waited
+    out; a longer one raises an error that names the job, which may still be running.
+    """
     follower = LogFollower(emit)
+    unreachable_since: float | None = None
     while True:
-        job = await client.get(sid)
-        log = await client.logs(sid)
+        try:
+            job = await client.get(sid)
+            log = await client.logs(sid)
+        except RayUnreachableError as exc:
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since > unreachable_grace:
+                raise RayUnreachableError(
+                    f"lost the Ray dashboard for over {unreachable_grace:.0f} s while following Ray job {sid}, "
+                    f"which may still be running (stop it with `ray job stop {sid}`): {exc}",
+                    status_code=exc.status_code,
+                ) from None
+            await asyncio.sleep(poll)
+            continue
+        unreachable_since = None
         follower.feed(log)
         if job.status.is_terminal:
             return outcome(job, log)

@@ -27,6 +27,8 @@ from rayslice.step import StepSpec
 
 #: How long a lost host's node may take to be declared dead (Ray's default health checks: 3 s x 5).
 NODE_DEATH_WINDOW_S = 30.0
+#: How long a failed collective waits for Ray to report the peer whose death caused it.
+PEER_DEATH_WINDOW_S = 2.0
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
@@ -119,7 +121,17 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec) -> list[A
                 slow = ", ".join(plans[refs[r]].label for r in pending)
                 raise StepTimeoutError(f"step exceeded step_timeout={spec.step_timeout:.0f} s; still running on {slow}")
             index = refs[ready[0]]
-            results[index] = _get(ready[0], plans[index])
+            try:
+                results[index] = _get(ready[0], plans[index])
+            except StepFailedError as exc:
+                if type(exc) is not StepFailedError:
+                    raise
+                # A peer killed mid-collective makes the survivors' collectives fail first: blame the dead host.
+                lost = _lost_peer(pending, refs, plans)
+                if lost is None:
+                    raise
+                index, error = lost
+                raise error from None
     except HostLostError as exc:
         # Cancel the rest of the gang at once; leave the lost actor's record alone until its node's fate is known.
         kill([actor for i, actor in enumerate(actors) if i != index])
@@ -138,6 +150,26 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec) -> list[A
         kill(actors)  # cancel the whole gang at once
         raise
     return results
+
+
+def _lost_peer(
+    pending: list[Any], refs: dict[Any, int], plans: list[HostPlan], within: float = PEER_DEATH_WINDOW_S
+) -> tuple[int, HostLostError] | None:
+    """The host whose process or node died, if Ray reports one within `within` seconds."""
+    deadline = time.monotonic() + within
+    pending = list(pending)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        index = refs[ready[0]]
+        try:
+            _get(ready[0], plans[index])
+        except HostLostError as exc:
+            return index, exc
+        except StepFailedError:
+            continue
+    return None
 
 
 def _get(ref: Any, plan: HostPlan) -> Any:

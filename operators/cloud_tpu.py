@@ -1,0 +1,138 @@
+"""Setup/teardown operators: TPU slices from a Cloud TPU queued resource that join a Ray cluster on GCE VMs.
+
+Why: without KubeRay nothing adds TPU hosts to a Ray cluster for a step. ``CreateTpuSliceOperator``
+(``.as_setup()``) checks the zone offers the type, asks for a queued resource whose hosts run
+``ray start --address=<head>`` at boot, and waits until it is ACTIVE, deleting it again if that
+fails (a failed setup skips its teardown). ``DeleteTpuSliceOperator`` (``.as_teardown(setups=...)``)
+deletes it after the steps, whatever they did, but only if this DAG run made it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from rayslice.hooks.ray import RayHook
+from rayslice.operators.step import is_templated
+
+from rayslice.cloud_tpu import QueuedSlice, startup_script
+from rayslice.exceptions import InvalidRequestError
+
+__all__ = ["CreateTpuSliceOperator", "DeleteTpuSliceOperator"]
+
+_TEMPLATED = ("project", "zone", "queued_resource_id")
+
+
+def _owner(context: Context) -> str:
+    return f"{context['dag_run'].dag_id}/{context['dag_run'].run_id}"
+
+
+class _QueuedOperator(BaseOperator):
+    template_fields: Sequence[str] = ("project", "zone", "queued_resource_id")
+    ui_color = "#e8f5e9"
+
+    def __init__(self, *, project: str, zone: str, queued_resource_id: str, tpu: str = "v6e-16",
+                 num_slices: int = 1, runtime_version: str | None = None, spot: bool = False,
+                 api_endpoint: str | None = None, poll_interval: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.project, self.zone, self.queued_resource_id = project, zone, queued_resource_id
+        self.tpu, self.num_slices, self.runtime_version, self.spot = tpu, num_slices, runtime_version, spot
+        self.api_endpoint = api_endpoint
+        if poll_interval <= 0:
+            raise InvalidRequestError(f"poll_interval={poll_interval} of {self.task_id!r} is invalid: use > 0")
+        self.poll_interval = poll_interval
+        if not any(is_templated(getattr(self, f, None)) for f in _TEMPLATED):
+            self._queued()  # bad project, zone, id, type or count fail when the DAG file is parsed
+
+    def _queued(self) -> QueuedSlice:
+        return QueuedSlice(project=self.project, zone=self.zone, queued_resource_id=self.queued_resource_id,
+                           tpu=self.tpu, num_slices=self.num_slices, runtime_version=self.runtime_version,
+                           spot=self.spot)
+
+    def _client(self) -> Any:
+        from rayslice.cloud_tpu import QueuedSliceClient
+
+        return QueuedSliceClient(self._queued(), api_endpoint=self.api_endpoint)
+
+
+class CreateTpuSliceOperator(_QueuedOperator):
+    """Provision ``num_slices`` slices of ``tpu`` whose hosts join the Ray cluster; wait until ACTIVE.
+
+    :param project: / zone / queued_resource_id: where, and the queued resource's id (templated).
+    :param head_address: the Ray head's GCS address ``host:6379`` (templated); default: the host of the
+        `ray` connection's dashboard URL, port 6379.
+    :param ray_version: install ``ray[default]==<version>`` at boot (None: the image has Ray).
+    :param ray_start_args: more ``ray start`` arguments.
+    :param check_zone: first check that the zone offers ``tpu`` (the list is cached per zone).
+    :param active_timeout: seconds to wait for ACTIVE (a queued resource can wait long for capacity).
+    """
+
+    template_fields: Sequence[str] = (*_QueuedOperator.template_fields, "head_address")
+
+    def __init__(self, *, head_address: str | None = None, ray_conn_id: str = RayHook.default_conn_name,
+                 ray_version: str | None = None, ray_start_args: str = "", check_zone: bool = True,
+                 active_timeout: float = 3600.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.head_address = head_address
+        self.ray_conn_id = ray_conn_id
+        self.ray_version, self.ray_start_args = ray_version, ray_start_args
+        self.check_zone = check_zone
+        if active_timeout <= 0:
+            raise InvalidRequestError(f"active_timeout={active_timeout} of {self.task_id!r} is invalid: use > 0")
+        self.active_timeout = active_timeout
+        if head_address and not is_templated(head_address):
+            startup_script(head_address, ray_version=ray_version, ray_start_args=ray_start_args)
+
+    def _head_address(self) -> str:
+        if self.head_address:
+            return self.head_address
+        import httpx
+
+        return f"{httpx.URL(RayHook(self.ray_conn_id).settings().dashboard_url).host}:6379"
+
+    def execute(self, context: Context) -> dict[str, str]:
+        from rayslice.cloud_tpu import check_accelerator_type
+
+        queued = self._queued()
+        script = startup_script(self._head_address(), ray_version=self.ray_version,
+                                ray_start_args=self.ray_start_args)
+        if self.check_zone:
+            check_accelerator_type(self.tpu, queued.project, queued.zone, api_endpoint=self.api_endpoint)
+        owner = _owner(context)
+        client = self._client()
+        try:
+            client.create(owner=owner, script=script)
+            self.log.info("[rayslice] queued %s (%d x %s); waiting for ACTIVE", queued.name, self.num_slices,
+                          self.tpu)
+            client.wait_active(timeout=self.active_timeout, poll_interval=self.poll_interval)
+        except BaseException:
+            # A failed setup skips its teardown: never leave slices of ours behind.
+            try:
+                self.log.warning("[rayslice] after the failed setup, %s: %s", queued.name,
+                                 client.delete(owner=owner, wait=False))
+            except Exception as exc:
+                self.log.error("[rayslice] could not delete %s after the failure: %s", queued.name, exc)
+            raise
+        self.log.info("[rayslice] %s is ACTIVE; its hosts join the Ray cluster as they boot", queued.name)
+        return {"name": queued.name, "tpu": self.tpu, "num_slices": str(self.num_slices)}
+
+
+class DeleteTpuSliceOperator(_QueuedOperator):
+    """Delete the queued resource (and its TPU VMs) if this DAG run made it: 'deleted', 'absent', 'not-owned'."""
+
+    def __init__(self, *, wait: bool = True, delete_timeout: float = 1800.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.wait = wait
+        self.delete_timeout = delete_timeout
+
+    def execute(self, context: Context) -> str:
+        client = self._client()
+        owner = _owner(context)
+        outcome = client.delete(owner=owner, wait=self.wait)
+        if outcome == "not-owned":
+            self.log.warning("[rayslice] %s was not made by %s: left alone", client.queued.name, owner)
+        elif outcome == "deleted" and self.wait:
+            client.wait_gone(timeout=self.delete_timeout, poll_interval=self.poll_interval)
+        self.log.info("[rayslice] %s: %s", client.queued.name, outcome)
+        return outcome

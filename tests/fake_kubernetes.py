@@ -1,0 +1,255 @@
+"""A Kubernetes API server fake for the KubeRay client: real HTTP, API-shaped JSON, KubeRay's status.
+
+No API server can run here, so this stands in at the HTTP transport: the real `kubernetes`
+client (loaded from a real kubeconfig file) talks to it. It serves RayClusters
+(``/apis/ray.io/v1/.../rayclusters``) and the head Services KubeRay would make, answers errors as
+``metav1.Status`` objects, checks the bearer token, validates every RayCluster it accepts *and*
+serves against the real KubeRay CRD (``rayslice.kuberay.validate``), honours delete preconditions
+(uid) and Foreground deletion, and plays the KubeRay operator: a cluster turns ``ready`` (status
+``head``, ``endpoints``, conditions, a head Service shaped like KubeRay's) after a few GETs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rayslice import kuberay
+
+_CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^/]+))?$")
+_SERVICE = re.compile(r"^/api/v1/namespaces/([^/]+)/services/([^/]+)$")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "details": details, "code": code}
+
+
+class FakeKubernetes:
+    """``with FakeKubernetes() as kube:`` -> ``kube.url``, ``kube.write_kubeconfig(path)``, ``kube.clusters``."""
+
+    def __init__(self, *, token: str = "fake-token", ready_after_gets: int = 2, gone_after_gets: int = 1,
+                 load_balancer_ip: str = "127.0.0.1") -> None:
+        self.token = token
+        self.ready_after_gets = ready_after_gets  # None: never ready
+        self.gone_after_gets = gone_after_gets
+        self.load_balancer_ip = load_balancer_ip
+        self.clusters: dict[tuple[str, str], dict[str, Any]] = {}
+        self.services: dict[tuple[str, str], dict[str, Any]] = {}
+        self.requests: list[tuple[str, str, Any]] = []  # method, path, JSON body
+        self.failures: list[tuple[str, re.Pattern[str], int]] = []
+        self._gets: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> FakeKubernetes:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def write_kubeconfig(self, path: Path, *, token: str | None = None) -> Path:
+        """A real kubeconfig file naming this server (context ``fake``)."""
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "fake", "user": {"token": token or self.token}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def fail_next(self, method: str, path_pattern: str, code: int) -> None:
+        """The next ``method`` request whose path matches answers ``code`` (a Status)."""
+        self.failures.append((method, re.compile(path_pattern), code))
+
+    # ---- objects
+
+    def add_cluster(self, manifest: dict[str, Any], *, ready: bool = True) -> dict[str, Any]:
+        """A RayCluster someone else created (as kubectl would), optionally already ready."""
+        with self._lock:
+            obj = json.loads(json.dumps(manifest))
+            obj["metadata"].setdefault("namespace", "default")
+            obj = self._store(obj)
+            if ready:
+                self._make_ready(obj)
+            return obj
+
+    def cluster(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.clusters.get((namespace, name))
+
+    def _store(self, obj: dict[str, Any]) -> dict[str, Any]:
+        kuberay.validate(obj)  # what the API server's CRD validation would reject
+        meta = obj["metadata"]
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1, resourceVersion="1")
+        obj["status"] = {"conditions": [{"type": "HeadPodReady", "status": "False", "reason": "HeadPodNotFound",
+                                         "message": "Head Pod not found", "lastTransitionTime": _now()}]}
+        self.clusters[(meta["namespace"], meta["name"])] = obj
+        self._gets[meta["uid"]] = 0
+        return obj
+
+    def _make_ready(self, obj: dict[str, Any]) -> None:
+        """What KubeRay writes once the head pod runs: status and a head Service from the head's ports."""
+        meta, spec = obj["metadata"], obj["spec"]
+        ns, name = meta["namespace"], meta["name"]
+        svc_name = f"{name}-head-svc"
+        head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+        ports = [{"name": p["name"], "port": p["containerPort"], "protocol": "TCP", "targetPort": p["containerPort"]}
+                 for p in head.get("ports") or [] if p.get("name")]
+        svc_type = spec["headGroupSpec"].get("serviceType") or "ClusterIP"
+        lb = {"ingress": [{"ip": self.load_balancer_ip, "ipMode": "VIP"}]} if svc_type == "LoadBalancer" else {}
+        self.services[(ns, svc_name)] = {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": svc_name, "namespace": ns, "uid": str(uuid.uuid4()), "creationTimestamp": _now(),
+                         "labels": {"ray.io/cluster": name, "ray.io/node-type": "head"},
+                         "ownerReferences": [{"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": name,
+                                              "uid": meta["uid"], "controller": True}]},
+            "spec": {"type": svc_type, "clusterIP": "10.12.0.7", "clusterIPs": ["10.12.0.7"], "ports": ports,
+                     "selector": {"ray.io/cluster": name, "ray.io/node-type": "head"},
+                     "sessionAffinity": "None", "ipFamilies": ["IPv4"]},
+            "status": {"loadBalancer": lb},
+        }
+        now = _now()
+        obj["status"] = {
+            "state": "ready", "reason": "", "observedGeneration": 1, "lastUpdateTime": now,
+            "stateTransitionTimes": {"ready": now},
+            "head": {"podIP": "10.8.0.5", "podName": f"{name}-head-x7k2p", "serviceIP": "10.12.0.7",
+                     "serviceName": svc_name},
+            "endpoints": {p["name"]: str(p["port"]) for p in ports},
+            "availableWorkerReplicas": 0, "desiredWorkerReplicas": 0, "readyWorkerReplicas": 0,
+            "minWorkerReplicas": 0, "maxWorkerReplicas": sum(g["maxReplicas"] for g in spec["workerGroupSpecs"]),
+            "desiredCPU": "8", "desiredMemory": "40G", "desiredGPU": "0", "desiredTPU": "0",
+            "conditions": [
+                {"type": "HeadPodReady", "status": "True", "reason": "HeadPodRunningAndReady",
+                 "message": "", "lastTransitionTime": now},
+                {"type": "RayClusterProvisioned", "status": "True", "reason": "AllPodRunningAndReadyFirstTime",
+                 "message": "", "lastTransitionTime": now},
+            ],
+        }
+
+    def _remove(self, obj: dict[str, Any]) -> None:
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        self.clusters.pop((ns, name), None)
+        self.services.pop((ns, f"{name}-head-svc"), None)
+
+    def _served(self, obj: dict[str, Any]) -> dict[str, Any]:
+        kuberay.validate(obj)  # the fake's own payloads keep to the CRD, status included
+        return obj
+
+    def _on_get(self, obj: dict[str, Any]) -> None:
+        """Time passes in GETs: the operator readies new clusters and finishes Foreground deletions."""
+        uid = obj["metadata"]["uid"]
+        self._gets[uid] = self._gets.get(uid, 0) + 1
+        meta = obj["metadata"]
+        if meta.get("deletionTimestamp"):
+            if self._gets[uid] > self.gone_after_gets:
+                self._remove(obj)
+        elif self.ready_after_gets is not None and obj["status"].get("state") != "ready" \
+                and self._gets[uid] >= self.ready_after_gets:
+            self._make_ready(obj)
+
+    # ---- HTTP
+
+    def _handle(self, method: str, path: str, body: Any, auth: str | None) -> tuple[int, Any]:
+        self.requests.append((method, path, body))
+        for i, (m, pattern, code) in enumerate(self.failures):
+            if m == method and pattern.search(path):
+                del self.failures[i]
+                return code, _status(code, "InternalError" if code >= 500 else "Forbidden", "injected failure")
+        if auth != f"Bearer {self.token}":
+            return 401, _status(401, "Unauthorized", "Unauthorized")
+        if m := _SERVICE.match(path):
+            if method != "GET":
+                return 405, _status(405, "MethodNotAllowed", "the fake serves GET on services")
+            svc = self.services.get((m[1], m[2]))
+            if svc is None:
+                return 404, _status(404, "NotFound", f'services "{m[2]}" not found', name=m[2], kind="services")
+            return 200, svc
+        m = _CLUSTERS.match(path)
+        if not m:
+            return 404, _status(404, "NotFound", "the server could not find the requested resource")
+        ns, name = m[1], m[2]
+        not_found = _status(404, "NotFound", f'rayclusters.ray.io "{name}" not found', name=name,
+                            group="ray.io", kind="rayclusters")
+        if method == "POST" and name is None:
+            meta = body.get("metadata") or {}
+            if meta.get("namespace", ns) != ns:
+                return 400, _status(400, "BadRequest", "the namespace of the provided object does not match "
+                                    "the namespace sent on the request")
+            if (ns, meta.get("name")) in self.clusters:
+                return 409, _status(409, "AlreadyExists", f'rayclusters.ray.io "{meta.get("name")}" already exists',
+                                    name=meta.get("name"), group="ray.io", kind="rayclusters")
+            body["metadata"]["namespace"] = ns
+            try:
+                obj = self._store(body)
+            except ValueError as exc:
+                return 422, _status(422, "Invalid", f"RayCluster.ray.io is invalid: {exc}")
+            return 201, self._served(obj)
+        obj = self.clusters.get((ns, name)) if name else None
+        if method == "GET" and name:
+            if obj is None:
+                return 404, not_found
+            self._on_get(obj)
+            obj = self.clusters.get((ns, name))
+            return (200, self._served(obj)) if obj else (404, not_found)
+        if method == "DELETE" and name:
+            if obj is None:
+                return 404, not_found
+            want_uid = ((body or {}).get("preconditions") or {}).get("uid")
+            if want_uid and want_uid != obj["metadata"]["uid"]:
+                return 409, _status(409, "Conflict", f"Precondition failed: UID in precondition: {want_uid}, "
+                                    f"UID in object meta: {obj['metadata']['uid']}")
+            if (body or {}).get("propagationPolicy") == "Foreground" and self.gone_after_gets:
+                obj["metadata"].update(deletionTimestamp=_now(), finalizers=["foregroundDeletion"])
+                self._gets[obj["metadata"]["uid"]] = 0
+            else:
+                self._remove(obj)
+            return 200, self._served(obj)
+        return 405, _status(405, "MethodNotAllowed", f"the fake does not serve {method} {path}")
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _serve(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    body = json.loads(raw) if raw else None
+                except json.JSONDecodeError:
+                    body = None
+                path = self.path.split("?", 1)[0]
+                with fake._lock:
+                    code, payload = fake._handle(self.command, path, body, self.headers.get("Authorization"))
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _serve
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        return Handler

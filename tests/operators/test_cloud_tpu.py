@@ -1,0 +1,169 @@
+"""Cloud TPU setup/teardown operators in real DAG runs (`dag.test()`), against the TPU v2 API HTTP fake.
+
+The Cloud TPU API cannot run here: tests/fake_cloud_tpu.py serves it over real HTTP to the real
+google-cloud-tpu client and checks every body against the client's protobuf messages.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from rayslice import cloud_tpu
+from tests.airflow_env import load_dag_file, task_states, write_dag_file, xcom_values
+from tests.fake_cloud_tpu import FakeCloudTpu
+
+PARENT = "projects/my-project/locations/us-east5-b"
+NAME = f"{PARENT}/queuedResources/rs-slices"
+
+DAGS = textwrap.dedent(
+    """
+    from datetime import datetime
+
+    from airflow.sdk import DAG, task
+
+    from rayslice.operators.cloud_tpu import CreateTpuSliceOperator, DeleteTpuSliceOperator
+
+    START = datetime(2026, 1, 1)
+    WHERE = dict(project="my-project", zone="us-east5-b", queued_resource_id="rs-slices", tpu="v6e-16",
+                 num_slices=2, api_endpoint="FAKE_URL", poll_interval=0.05)
+
+
+    @task
+    def train():
+        raise RuntimeError("the step failed on purpose")
+
+
+    with DAG("tpu_lifecycle", schedule=None, start_date=START):
+        create = CreateTpuSliceOperator(task_id="create", head_address="10.0.0.2:6379", active_timeout=30, **WHERE)
+        delete = DeleteTpuSliceOperator(task_id="delete", **WHERE)
+        create.as_setup() >> train() >> delete.as_teardown(setups=create)
+
+    with DAG("tpu_teardown_only", schedule=None, start_date=START):
+        DeleteTpuSliceOperator(task_id="delete", **WHERE)
+    """
+)
+
+BAD = textwrap.dedent(
+    """
+    from datetime import datetime
+    from airflow.sdk import DAG
+    from rayslice.operators.cloud_tpu import CreateTpuSliceOperator
+
+    with DAG("tpu_bad", schedule=None, start_date=datetime(2026, 1, 1)):
+        CreateTpuSliceOperator(task_id="create", **{kwargs})
+    """
+)
+GOOD = {"project": "my-project", "zone": "us-east5-b", "queued_resource_id": "rs", "tpu": "v6e-16"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeCloudTpu() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(server):
+    server.queued.clear()
+    server.requests.clear()
+    server.zones = {"us-east5-b": ("v6e-4", "v6e-16")}
+    cloud_tpu._zone_cache.clear()
+    return server
+
+
+@pytest.fixture(scope="module")
+def dags(airflow_db, server):
+    dags, errors = load_dag_file(write_dag_file("tpu_scenarios", DAGS.replace("FAKE_URL", server.url)))
+    assert not errors
+    return dags
+
+
+def test_the_slices_are_deleted_when_the_step_between_fails(fake, dags):
+    dr = dags["tpu_lifecycle"].test()
+    assert task_states(dr) == {"create": "success", "train": "failed", "delete": "success"}
+    assert xcom_values(dr, "create") == [{"name": NAME, "tpu": "v6e-16", "num_slices": "2"}]
+    assert xcom_values(dr, "delete") == ["deleted"]
+    assert NAME not in fake.queued
+    [(_, _, _, body)] = [r for r in fake.requests if r[0] == "POST"]
+    node = body["tpu"]["nodeSpec"][0]["node"]
+    assert node["labels"]["rayslice-owner"] == cloud_tpu.owner_label(f"tpu_lifecycle/{dr.run_id}")
+    assert "ray start --address=10.0.0.2:6379" in node["metadata"]["startup-script"]
+
+
+def test_a_type_the_zone_lacks_fails_before_anything_is_queued(fake, dags, capfd):
+    fake.zones = {"us-east5-b": ("v6e-4",)}
+    dr = dags["tpu_lifecycle"].test()
+    assert task_states(dr)["create"] == "failed"
+    assert "v6e-16 is not offered in zone us-east5-b" in capfd.readouterr().out
+    assert not [r for r in fake.requests if r[0] == "POST"]
+
+
+def test_a_setup_that_never_gets_capacity_deletes_its_request(fake, dags, capfd):
+    fake.fail_with = "no capacity"
+    try:
+        dr = dags["tpu_lifecycle"].test()
+    finally:
+        fake.fail_with = None
+    assert task_states(dr)["create"] == "failed"
+    assert "is FAILED: no capacity" in capfd.readouterr().out
+    assert NAME not in fake.queued
+    assert len([r for r in fake.requests if r[0] == "DELETE"]) == 1
+
+
+def test_a_pre_existing_queued_resource_is_never_deleted(fake, dags):
+    spec = {"parent": PARENT, "nodeId": "rs-slices",
+            "node": {"acceleratorType": "v6e-16", "runtimeVersion": "v2-alpha-tpuv6e"}}
+    theirs = fake.add_queued(PARENT, "rs-slices", {"tpu": {"nodeSpec": [spec]}})
+    dr = dags["tpu_lifecycle"].test()
+    assert task_states(dr)["create"] == "failed"
+    dr = dags["tpu_teardown_only"].test()
+    assert task_states(dr) == {"delete": "success"}
+    assert xcom_values(dr, "delete") == ["not-owned"]
+    assert fake.queued[NAME] is theirs
+    assert not [r for r in fake.requests if r[0] == "DELETE"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({**GOOD, "tpu": "v6e-15"}, "not a v6e slice"),
+        ({**GOOD, "zone": "useast"}, "zone 'useast' is invalid"),
+        ({**GOOD, "queued_resource_id": "RS"}, "queued_resource_id 'RS' is invalid"),
+        ({**GOOD, "head_address": "10.0.0.2"}, "host:port"),
+        ({**GOOD, "active_timeout": 0}, "active_timeout=0"),
+    ],
+)
+def test_bad_arguments_fail_the_dag_import(tmp_path, airflow_db, kwargs, message):
+    path = tmp_path / "tpu_bad.py"
+    path.write_text(BAD.format(kwargs=repr(kwargs)))
+    dags, errors = load_dag_file(path)
+    assert not dags
+    [error] = errors.values()
+    assert "InvalidRequestError" in error and message in error
+
+
+def test_the_connection_can_check_slice_types_against_its_zone(fake, monkeypatch):
+    """Optional: a `ray` connection with a `cloud_tpu` extra checks a slice type at submit time (cached)."""
+    import json
+
+    from rayslice.hooks.ray import RayHook
+
+    from rayslice.accelerators import TpuSliceRequest
+    from rayslice.exceptions import InvalidRequestError
+
+    extra = {"cloud_tpu": {"project": "my-project", "zone": "us-east5-b", "api_endpoint": fake.url}}
+    monkeypatch.setenv("AIRFLOW_CONN_TPU_ZONE", json.dumps({"conn_type": "ray", "host": "http://h:8265",
+                                                            "extra": extra}))
+    hook = RayHook("tpu_zone")
+    hook.check_tpu_type(TpuSliceRequest(tpu="v6e-16"))
+    with pytest.raises(InvalidRequestError, match="v6e-32 is not offered in zone us-east5-b"):
+        hook.check_tpu_type(TpuSliceRequest(tpu="v6e-32"))
+    assert len([r for r in fake.requests if r[1].endswith("/acceleratorTypes")]) == 1  # cached
+    monkeypatch.setenv("AIRFLOW_CONN_NO_ZONE", json.dumps({"conn_type": "ray", "host": "http://h:8265"}))
+    RayHook("no_zone").check_tpu_type(TpuSliceRequest(tpu="v6e-32"))  # no extra: no check
+    bad = {"cloud_tpu": {"zone": "us-east5-b"}}
+    monkeypatch.setenv("AIRFLOW_CONN_BAD_ZONE", json.dumps({"conn_type": "ray", "host": "http://h", "extra": bad}))
+    with pytest.raises(InvalidRequestError, match="must be"):
+        RayHook("bad_zone").check_tpu_type(TpuSliceRequest(tpu="v6e-16"))

@@ -1,0 +1,237 @@
+"""KubeRay through Airflow: the `ray` connection naming a RayCluster, and the setup/teardown operators.
+
+Real Airflow (`dag.test()`) and the real `kubernetes` client; the Kubernetes API server is the HTTP
+fake of tests/fake_kubernetes.py (no API server can run here), which validates every RayCluster
+against the real KubeRay CRD. In the lifecycle test the fake's head Service load balancer points
+at the real local Ray cluster's dashboard, so the step in the middle is a real Ray job reached
+through the KubeRay lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import textwrap
+
+import httpx
+import pytest
+
+from rayslice import kuberay
+from rayslice.exceptions import InvalidRequestError
+from rayslice.kuberay_client import OWNER_ANNOTATION, KubeRayError
+from tests.airflow_env import load_dag_file, task_states, write_dag_file, xcom_values
+from tests.fake_kubernetes import FakeKubernetes
+
+CONN = "kuberay_fake"
+
+COMMON = textwrap.dedent(
+    """
+    from datetime import datetime
+
+    from airflow.sdk import DAG, task
+
+    from rayslice.kuberay import render_raycluster
+    from rayslice.operators.accelerator import AcceleratorOperator
+    from rayslice.operators.kuberay import CreateRayClusterOperator, DeleteRayClusterOperator
+
+    START = datetime(2026, 1, 1)
+    """
+)
+
+LIFECYCLE = COMMON + textwrap.dedent(
+    """
+    # KubeRay's head Service mirrors the head container's named ports: here the local Ray dashboard's.
+    MANIFEST = render_raycluster("ignored", tpus=[], gpu_nodes=1)
+    MANIFEST["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"] = [
+        {"containerPort": DASHBOARD_PORT, "name": "dashboard"}]
+
+
+    def fail():
+        raise RuntimeError("the step failed on purpose")
+
+
+    with DAG("kr_lifecycle", schedule=None, start_date=START):
+        create = CreateRayClusterOperator(task_id="create", ray_conn_id="kuberay_fake", manifest=MANIFEST,
+                                          head_service_type="LoadBalancer", poll_interval=0.05, ready_timeout=60)
+        step = AcceleratorOperator(task_id="step", ray_conn_id="kuberay_fake", accelerator="GPU", count=0.25,
+                                   python_callable=fail, poll_interval=0.5)
+        delete = DeleteRayClusterOperator(task_id="delete", ray_conn_id="kuberay_fake", poll_interval=0.05)
+        create.as_setup() >> step >> delete.as_teardown(setups=create)
+    """
+)
+
+NO_RAY = COMMON + textwrap.dedent(
+    """
+    @task
+    def use_cluster():
+        return "ran"
+
+
+    with DAG("kr_setup_teardown", schedule=None, start_date=START):
+        create = CreateRayClusterOperator(task_id="create", ray_conn_id="kuberay_fake", tpus=["v6e-16"],
+                                          head_service_type="LoadBalancer", poll_interval=0.05, ready_timeout=0.5)
+        delete = DeleteRayClusterOperator(task_id="delete", ray_conn_id="kuberay_fake", poll_interval=0.05)
+        create.as_setup() >> use_cluster() >> delete.as_teardown(setups=create)
+
+    with DAG("kr_teardown_only", schedule=None, start_date=START):
+        use_cluster() >> DeleteRayClusterOperator(task_id="delete", ray_conn_id="kuberay_fake", poll_interval=0.05)
+    """
+)
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    with FakeKubernetes() as server:
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+        extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": str(kubeconfig)}}
+        monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
+        yield server
+
+
+@pytest.fixture(scope="module")
+def no_ray_dags(airflow_db):
+    dags, errors = load_dag_file(write_dag_file("kr_no_ray", NO_RAY))
+    assert not errors
+    return dags
+
+
+def ready_cluster(fake: FakeKubernetes, *, exposed: bool = True) -> dict:
+    manifest = kuberay.render_raycluster("rs", tpus=["v6e-4"], namespace="ml")
+    if exposed:
+        manifest["spec"]["headGroupSpec"]["serviceType"] = "LoadBalancer"
+    return fake.add_cluster(manifest)
+
+
+# --- the hook
+
+
+def test_the_hook_finds_the_dashboard_of_the_named_raycluster(fake):
+    from rayslice.hooks.ray import RayHook
+
+    fake.load_balancer_ip = "198.51.100.4"
+    ready_cluster(fake)
+    assert RayHook(CONN).settings().dashboard_url == "http://198.51.100.4:8265"
+    settings = asyncio.run(RayHook(CONN).asettings())
+    assert settings.dashboard_url == "http://198.51.100.4:8265"
+    assert RayHook(CONN).cluster_ref().namespace == "ml"
+
+
+def test_the_hook_says_when_the_cluster_is_missing_or_not_ready(fake):
+    from rayslice.hooks.ray import RayHook
+
+    ok, message = RayHook(CONN).test_connection()
+    assert not ok and "no RayCluster ml/rs" in message
+    fake.add_cluster(kuberay.render_raycluster("rs", tpus=["v6e-4"], namespace="ml"), ready=False)
+    with pytest.raises(KubeRayError, match="RayCluster ml/rs is not ready"):
+        RayHook(CONN).settings()
+
+
+def test_host_and_kuberay_together_are_refused(monkeypatch):
+    from rayslice.hooks.ray import RayHook
+
+    both = {"conn_type": "ray", "host": "http://127.0.0.1:8265", "extra": {"kuberay": {"name": "rs"}}}
+    monkeypatch.setenv("AIRFLOW_CONN_KR_BOTH", json.dumps(both))
+    with pytest.raises(InvalidRequestError, match="both a host and a 'kuberay' extra"):
+        RayHook("kr_both").settings()
+    monkeypatch.setenv("AIRFLOW_CONN_KR_HOST", json.dumps({"conn_type": "ray", "host": "http://h:8265"}))
+    with pytest.raises(InvalidRequestError, match="names no RayCluster"):
+        RayHook("kr_host").cluster_ref()
+
+
+def test_the_connection_form_has_the_kuberay_field():
+    from rayslice.provider import get_provider_info
+
+    [conn_type] = get_provider_info()["connection-types"]
+    assert "kuberay" in conn_type["conn-fields"]
+    assert "rayslice.operators.kuberay" in get_provider_info()["operators"][0]["python-modules"]
+
+
+# --- operator arguments, checked when the DAG file is parsed
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ('tpus=["v6e-15"]', "'v6e-15' is not a v6e slice"),
+        ('tpus=["v3-32"]', "no GKE node pools"),
+        ("tpus=[]", "can run nothing"),
+        ('tpus=["v6e-16"], name="Bad_Name"', "DNS-1035"),
+        ('tpus=["v6e-16"], head_service_type="Ingress"', "use ClusterIP, NodePort or LoadBalancer"),
+        ('tpus=["v6e-16"], manifest={"kind": "RayCluster"}', "either manifest or tpus"),
+        ('manifest={"kind": "Pod"}', "must be a RayCluster"),
+        ('tpus=["v6e-16"], ready_timeout=0', "ready_timeout=0"),
+    ],
+)
+def test_bad_arguments_fail_the_dag_import(tmp_path, airflow_db, args, message):
+    path = tmp_path / "kr_bad.py"
+    path.write_text(COMMON + f'\nwith DAG("kr_bad", schedule=None, start_date=START):\n'
+                             f'    CreateRayClusterOperator(task_id="create", {args})\n')
+    dags, errors = load_dag_file(path)
+    assert not dags
+    [error] = errors.values()
+    assert "InvalidRequestError" in error and message in error
+
+
+def test_a_templated_name_is_checked_at_run_time():
+    from rayslice.operators.kuberay import CreateRayClusterOperator
+
+    op = CreateRayClusterOperator(task_id="c", tpus=["v6e-16"], name="rs-{{ ds_nodash }}")
+    assert "name" in op.template_fields and op.name == "rs-{{ ds_nodash }}"
+
+
+# --- setup/teardown in real DAG runs
+
+
+def test_a_setup_that_never_gets_ready_deletes_its_own_cluster(fake, no_ray_dags, capfd):
+    fake.ready_after_gets = None
+    fake.gone_after_gets = 0
+    dr = no_ray_dags["kr_setup_teardown"].test()
+    out = capfd.readouterr().out
+    assert task_states(dr)["create"] == "failed"
+    assert "not ready after 0.5 s" in out
+    assert fake.cluster("ml", "rs") is None  # the failed setup removed what it created
+    posts = [r for r in fake.requests if r[0] == "POST"]
+    deletes = [r for r in fake.requests if r[0] == "DELETE"]
+    assert len(posts) == 1 and len(deletes) == 1
+
+
+def test_a_pre_existing_cluster_is_never_deleted(fake, no_ray_dags, capfd):
+    theirs = ready_cluster(fake)
+    dr = no_ray_dags["kr_setup_teardown"].test()
+    out = capfd.readouterr().out
+    assert task_states(dr)["create"] == "failed"
+    assert "already exists and was made by someone else" in out
+    dr = no_ray_dags["kr_teardown_only"].test()
+    assert task_states(dr) == {"use_cluster": "success", "delete": "success"}
+    assert xcom_values(dr, "delete") == ["not-owned"]
+    assert fake.cluster("ml", "rs") is theirs
+    assert not [r for r in fake.requests if r[0] == "DELETE"]
+
+
+def test_teardown_of_a_missing_cluster_succeeds(fake, no_ray_dags):
+    dr = no_ray_dags["kr_teardown_only"].test()
+    assert task_states(dr) == {"use_cluster": "success", "delete": "success"}
+    assert xcom_values(dr, "delete") == ["absent"]
+
+
+def test_the_cluster_is_deleted_when_the_step_between_fails(fake, airflow_db, ray_default, monkeypatch, capfd):
+    """create (setup) -> a real Ray step that fails, through the KubeRay lookup -> delete (teardown)."""
+    url = httpx.URL(ray_default.dashboard_url)
+    fake.load_balancer_ip = url.host
+    if ray_default.token:  # a token-auth test cluster: the connection carries it as for a host
+        var = f"AIRFLOW_CONN_{CONN.upper()}"
+        monkeypatch.setenv(var, json.dumps({**json.loads(os.environ[var]), "password": ray_default.token}))
+    dags, errors = load_dag_file(write_dag_file("kr_lifecycle", LIFECYCLE.replace("DASHBOARD_PORT", str(url.port))))
+    assert not errors
+    dr = dags["kr_lifecycle"].test()
+    out = capfd.readouterr().out
+    assert task_states(dr) == {"create": "success", "step": "failed", "delete": "success"}
+    assert "the step failed on purpose" in out  # the step really ran on the Ray cluster behind the lookup
+    [created] = xcom_values(dr, "create")
+    assert created == {"namespace": "ml", "name": "rs", "dashboard_url": f"http://{url.host}:{url.port}"}
+    assert xcom_values(dr, "delete") == ["deleted"]
+    assert fake.cluster("ml", "rs") is None
+    [(_, _, body)] = [r for r in fake.requests if r[0] == "POST"]
+    assert body["metadata"]["annotations"][OWNER_ANNOTATION] == f"kr_lifecycle/{dr.run_id}"
+    assert body["spec"]["headGroupSpec"]["serviceType"] == "LoadBalancer"
