@@ -66,6 +66,8 @@ class RayStepOperator(BaseOperator):
     :param ray_conn_id: the `ray` connection (the Ray dashboard URL and token).
     :param capacity_timeout: seconds to wait for free capacity before failing.
     :param step_timeout: seconds the step may run once started (None: no limit).
+    :param preemption_retries: times the whole gang is retried on a fresh slice when a host's node is
+        lost (preemption), separately from Airflow's ``retries`` (which also cover the step's own errors).
     :param deferrable: wait in the triggerer instead of holding a worker slot.
     :param poll_interval: seconds between polls of the job's status and log.
     """
@@ -86,6 +88,7 @@ class RayStepOperator(BaseOperator):
         ray_conn_id: str = RayHook.default_conn_name,
         capacity_timeout: float = 600,
         step_timeout: float | None = None,
+        preemption_retries: int = 0,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         poll_interval: float = 2,
         **kwargs: Any,
@@ -104,12 +107,17 @@ class RayStepOperator(BaseOperator):
             raise InvalidRequestError(
                 f"entrypoint {entrypoint!r} of {self.task_id!r} must look like 'package.module:function'"
             )
+        if isinstance(preemption_retries, bool) or not isinstance(preemption_retries, int) or preemption_retries < 0:
+            raise InvalidRequestError(
+                f"preemption_retries of {self.task_id!r} must be a whole number >= 0, got {preemption_retries!r}"
+            )
         self.entrypoint = entrypoint
         self.python_callable = python_callable
         self.op_kwargs = dict(op_kwargs or {})
         self.ray_conn_id = ray_conn_id
         self.capacity_timeout = capacity_timeout
         self.step_timeout = step_timeout
+        self.preemption_retries = preemption_retries
         self.deferrable = deferrable
         self.poll_interval = poll_interval
         self._submission_id: str | None = None
@@ -203,7 +211,8 @@ class RayStepOperator(BaseOperator):
         try:
             fields = {"request": request, "kwargs": self.step_kwargs(context), "owner": owner,
                       "capacity_timeout": float(self.capacity_timeout),
-                      "step_timeout": None if self.step_timeout is None else float(self.step_timeout)}
+                      "step_timeout": None if self.step_timeout is None else float(self.step_timeout),
+                      "preemption_retries": self.preemption_retries}
             if self.entrypoint is not None:
                 spec = StepSpec(entrypoint=self.entrypoint, **fields)
             else:

@@ -43,3 +43,12 @@ def test_callable_or_entrypoint_but_not_both():
         TpuSliceOperator(task_id="t", tpu="v6e-4")
     with pytest.raises(InvalidRequestError, match="package.module:function"):
         TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="train.py")
+
+
+def test_preemption_retries_reach_the_step_and_bad_values_fail_at_parse_time():
+    from rayslice.step import Owner
+
+    op = TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn", preemption_retries=2)
+    assert op._spec(op.build_request(), Owner(), context={}).preemption_retries == 2
+    with pytest.raises(InvalidRequestError, match="preemption_retries of 't' must be a whole number >= 0"):
+        TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn", preemption_retries=-1)
