@@ -210,7 +210,7 @@ def main() -> None:
                         report.add(_table(samples, window, proxy, probe_path, args, stack))
                 finally:
                     Path(str(probe_path) + ".stop").touch()
-                    _stop_jobs(record)
+                    stop_jobs(record)
         finally:
             for reservation in held:
                 reservation.release()
@@ -355,10 +355,10 @@ def _get(api: httpx.Client, path: str) -> dict | None:
     return resp.json() if resp.status_code == 200 else None
 
 
-def _stop_jobs(record: local_cluster.ClusterRecord) -> None:
-    """Stop this DAG's Ray jobs (straight to the dashboard) and wait for their ends."""
+def stop_jobs(record: local_cluster.ClusterRecord, dag_id: str = DAG_ID) -> None:
+    """Stop a DAG's Ray jobs (straight to the dashboard) and wait for their ends."""
     headers = {"Authorization": f"Bearer {record.token}"} if record.token else {}
-    prefix = f"rayslice-{DAG_ID}--"
+    prefix = f"rayslice-{dag_id}--"
     with httpx.Client(base_url=record.dashboard_url, headers=headers, timeout=60) as client:
         def ours() -> list[dict]:
             return [j for j in client.get("/api/jobs/").json() if (j.get("submission_id") or "").startswith(prefix)]

@@ -149,9 +149,10 @@ def main() -> None:
         def airflow_api() -> Any:
             if not hasattr(airflow_api, "client"):
                 import httpx
-                from airflow_concurrency import DAGS, BenchStack
+                from airflow_concurrency import DAGS, BenchStack, stop_jobs
 
                 log("starting Airflow")
+                stack.callback(stop_jobs, record, AIRFLOW_DAG)  # runs after the stack stopped, also on error
                 af = stack.enter_context(BenchStack(record.dashboard_url, record.token, dags_folder=DAGS, steps=STEPS,
                                                     parallelism=args.parallelism,
                                                     extra_env={"RAYSLICE_BENCH_STEP_S": str(args.step_s)}))
