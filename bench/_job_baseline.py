@@ -5,7 +5,8 @@
 (a) the hand-written head-targeted pattern of Ray's TPU docs: one task on each slice's
 `TPU-<type>-head` that launches one task per host with `{<slice name>: 1, "TPU": <chips>}`;
 (b) `ray.util.tpu.run_on_slice`, one-shot (a job driver is short-lived, so its placement group
-goes when the driver exits). The last log line is `::bench-result::<json host results>`.
+goes when the driver exits); for a single-host pod type through a slice handle, the only form
+that takes the pod-type label selector. The last log line is `::bench-result::<json host results>`.
 Self-contained (only `ray`), so it ships as a one-file working_dir.
 """
 
@@ -49,12 +50,18 @@ def main() -> None:
                 for _ in range(shape["num_slices"])]
         hosts = [h for per_slice in ray.get(refs) for h in per_slice]
     else:
-        from ray.util.tpu import run_on_slice
+        from ray.util.tpu import run_on_slice, slice_placement_group
 
-        # A single-host pod type needs its label: without it Ray's helper may take one host of a bigger slice.
-        selector = None if shape["hosts"] > 1 else [{"ray.io/tpu-pod-type": shape["pod_type"]}] * shape["num_slices"]
-        hosts = ray.get(run_on_slice(step, topology=shape["topology"], accelerator_version=shape["version"],
-                                     num_slices=shape["num_slices"], bundle_label_selector=selector))
+        if shape["hosts"] > 1:  # one-shot: the job driver is short-lived, its placement group goes with it
+            hosts = ray.get(run_on_slice(step, topology=shape["topology"], accelerator_version=shape["version"],
+                                         num_slices=shape["num_slices"]))
+        else:
+            # A single-host pod type needs its pod-type label, which only the handle form takes: without
+            # it Ray's helper may take one host of a bigger slice of the same generation.
+            handle = slice_placement_group(
+                topology=shape["topology"], accelerator_version=shape["version"], num_slices=shape["num_slices"],
+                bundle_label_selector=[{"ray.io/tpu-pod-type": shape["pod_type"]}] * shape["num_slices"])
+            hosts = ray.get(run_on_slice(step, tpu_slice=handle))
     print("::bench-result::" + json.dumps(hosts), flush=True)
 
 

@@ -146,14 +146,16 @@ class RayStepOperator(BaseOperator):
 
     def execute(self, context: Context) -> Any:
         started = time.time()  # Airflow's execution_timeout counts from here, too
+        hook = RayHook(self.ray_conn_id)
         try:
             request = self.build_request()  # the rendered values, before anything is submitted
+            self._check_zone_offers(hook, request)
         except InvalidRequestError as exc:
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
         owner = self._owner(context)
         spec = self._spec(request, owner, context)
         self._submission_id = sid = owner.submission_id
-        self._settings = RayHook(self.ray_conn_id).settings()
+        self._settings = hook.settings()
         context["ti"].xcom_push(key=SUBMISSION_ID_KEY, value=sid)
         try:
             result = _run_coroutine(self._submit_and_follow(spec))
@@ -170,6 +172,21 @@ class RayStepOperator(BaseOperator):
                 method_name="execute_complete",
             )
         return result
+
+    def _check_zone_offers(self, hook: RayHook, request: Any) -> None:
+        """A slice type the connection's Cloud TPU zone lacks fails here (optional `cloud_tpu` extra).
+
+        Advisory: if the Cloud TPU API cannot answer, say so and submit anyway; Ray's own wait
+        for capacity (`capacity_timeout`) still bounds the step.
+        """
+        if not isinstance(request, TpuSliceRequest):
+            return
+        from rayslice.cloud_tpu import CloudTpuError
+
+        try:
+            hook.check_tpu_type(request)
+        except CloudTpuError as exc:
+            self.log.warning("[rayslice] could not check %s against the connection's zone: %s", request.pod_type, exc)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         """Resume after the trigger: relay what the trigger did not, return the result or fail."""

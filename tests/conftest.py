@@ -7,8 +7,11 @@ by PID, at the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -25,18 +28,50 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         yield local_cluster.ClusterRecord.load(reuse)
         return
     home = tmp_path_factory.mktemp("rayslice-home")
-    old = os.environ.get("RAYSLICE_HOME")
-    os.environ["RAYSLICE_HOME"] = str(home)
     name = f"pytest-{os.getpid()}"
-    record = local_cluster.up(TEST_SPEC, name=name)
+    with rayslice_home(home):
+        record = local_cluster.up(TEST_SPEC, name=name)
+    os.environ["RAYSLICE_HOME"] = str(home)  # for the whole session: the CLI tests find it there
     try:
         yield record
     finally:
-        local_cluster.down(name)
+        with rayslice_home(home):  # whatever a module fixture did to the variable, stop *this* cluster
+            local_cluster.down(name)
+        os.environ.pop("RAYSLICE_HOME", None)
+
+
+@contextlib.contextmanager
+def rayslice_home(home: str | Path) -> Iterator[None]:
+    """`RAYSLICE_HOME` set to `home` inside the block, and restored after it, even on errors."""
+    old = os.environ.get("RAYSLICE_HOME")
+    os.environ["RAYSLICE_HOME"] = str(home)
+    try:
+        yield
+    finally:
         if old is None:
             os.environ.pop("RAYSLICE_HOME", None)
         else:
             os.environ["RAYSLICE_HOME"] = old
+
+
+@contextlib.contextmanager
+def private_cluster(home: Path, name: str, start: Callable[[], local_cluster.ClusterRecord]) -> Iterator:
+    """A test module's own cluster under its own `RAYSLICE_HOME`, stopped by PID at the end.
+
+    The start is tried twice: a second cluster on a loaded 2-core machine can miss a node's
+    start-up deadline once (`up` stops what it started before raising).
+    """
+    with rayslice_home(home):
+        try:
+            record = start()
+        except Exception:
+            with contextlib.suppress(Exception):
+                local_cluster.down(name)
+            record = start()
+        try:
+            yield record
+        finally:
+            local_cluster.down(name)
 
 
 @pytest.fixture(scope="session")

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import uuid
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from google.cloud import tpu_v2
 from google.protobuf import json_format
+
+from tests.http_fake import JsonHttpFake, Request
 
 _TYPES = re.compile(r"^/v2/projects/([^/]+)/locations/([^/]+)/acceleratorTypes$")
 _QUEUED = re.compile(r"^/v2/(projects/([^/]+)/locations/([^/]+))/queuedResources(?:/([^/:]+))?$")
@@ -42,7 +41,7 @@ def checked(message_type: Any, payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
-class FakeCloudTpu:
+class FakeCloudTpu(JsonHttpFake):
     """``with FakeCloudTpu() as tpu:`` -> ``tpu.url`` (the ``api_endpoint``), ``tpu.queued``, ``tpu.requests``."""
 
     def __init__(self, *, zones: dict[str, tuple[str, ...]] | None = None, active_after_gets: int | None = 2,
@@ -55,21 +54,7 @@ class FakeCloudTpu:
         self.requests: list[tuple[str, str, dict[str, list[str]], Any]] = []  # method, path, query, body
         self._gets: dict[str, int] = {}
         self._operations: dict[str, dict[str, Any]] = {}
-        self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def __enter__(self) -> FakeCloudTpu:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__()
 
     def add_queued(self, parent: str, queued_id: str, body: dict[str, Any], state: str = "ACTIVE") -> dict:
         """A queued resource someone else made (e.g. with gcloud)."""
@@ -168,30 +153,5 @@ class FakeCloudTpu:
             return 200, self._operation(parent, "delete", name, {}, "type.googleapis.com/google.protobuf.Empty")
         return 405, _error(405, "UNIMPLEMENTED", f"the fake does not serve {method} {path}")
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _serve(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                try:
-                    body = json.loads(raw) if raw else None
-                except json.JSONDecodeError:
-                    body = None
-                url = urlsplit(self.path)
-                with fake._lock:
-                    code, payload = fake._handle(self.command, url.path, parse_qs(url.query), body)
-                data = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_DELETE = do_PATCH = _serve
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        return Handler
+    def answer(self, request: Request) -> tuple[int, Any]:
+        return self._handle(request.method, request.path, request.query, request.body)

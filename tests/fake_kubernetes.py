@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import uuid
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from rayslice import kuberay
+from tests.http_fake import JsonHttpFake, Request
 
 _CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^/]+))?$")
 _SERVICE = re.compile(r"^/api/v1/namespaces/([^/]+)/services/([^/]+)$")
@@ -37,7 +36,7 @@ def _status(code: int, reason: str, message: str, **details: Any) -> dict[str, A
             "reason": reason, "details": details, "code": code}
 
 
-class FakeKubernetes:
+class FakeKubernetes(JsonHttpFake):
     """``with FakeKubernetes() as kube:`` -> ``kube.url``, ``kube.write_kubeconfig(path)``, ``kube.clusters``."""
 
     def __init__(self, *, token: str = "fake-token", ready_after_gets: int = 2, gone_after_gets: int = 1,
@@ -51,13 +50,7 @@ class FakeKubernetes:
         self.requests: list[tuple[str, str, Any]] = []  # method, path, JSON body
         self.failures: list[tuple[str, re.Pattern[str], int]] = []
         self._gets: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        super().__init__()
 
     def __enter__(self) -> FakeKubernetes:
         try:  # the fake validates against the real CRDs: without them it cannot stand in for the API server
@@ -66,12 +59,7 @@ class FakeKubernetes:
             import pytest
 
             pytest.skip(f"KubeRay CRDs not available: {exc}")
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        return super().__enter__()
 
     def write_kubeconfig(self, path: Path, *, token: str | None = None) -> Path:
         """A real kubeconfig file naming this server (context ``fake``)."""
@@ -232,30 +220,5 @@ class FakeKubernetes:
             return 200, self._served(obj)
         return 405, _status(405, "MethodNotAllowed", f"the fake does not serve {method} {path}")
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _serve(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                try:
-                    body = json.loads(raw) if raw else None
-                except json.JSONDecodeError:
-                    body = None
-                path = self.path.split("?", 1)[0]
-                with fake._lock:
-                    code, payload = fake._handle(self.command, path, body, self.headers.get("Authorization"))
-                data = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _serve
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        return Handler
+    def answer(self, request: Request) -> tuple[int, Any]:
+        return self._handle(request.method, request.path, request.body, request.authorization)

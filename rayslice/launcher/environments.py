@@ -80,10 +80,10 @@ class SimulatedTpuSlice:
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={request.chips_per_host}",
         }
         os.environ.update(env)
-        import jax
+        if plan.num_processes > 1:  # one process needs no wiring: a step that uses JAX imports it itself
+            import jax
 
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        if plan.num_processes > 1:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
             jax.distributed.initialize(
                 coordinator_address=plan.coordinator,
                 num_processes=plan.num_processes,

@@ -29,6 +29,10 @@ from rayslice.step import StepSpec
 NODE_DEATH_WINDOW_S = 30.0
 #: How long a failed collective waits for Ray to report the peer whose death caused it.
 PEER_DEATH_WINDOW_S = 2.0
+#: Failures that may be a peer's death: JAX/XLA runtime errors, and what a broken link says.
+RUNTIME_ERRORS = ("JaxRuntimeError", "XlaRuntimeError")
+PEER_LOSS_SIGNS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "UNAVAILABLE",
+                   "DEADLINE_EXCEEDED", "heartbeat")
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
@@ -124,7 +128,7 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec) -> list[A
             try:
                 results[index] = _get(ready[0], plans[index])
             except StepFailedError as exc:
-                if type(exc) is not StepFailedError:
+                if type(exc) is not StepFailedError or not _may_be_a_peers_death(exc):
                     raise
                 # A peer killed mid-collective makes the survivors' collectives fail first: blame the dead host.
                 lost = _lost_peer(pending, refs, plans)
@@ -150,6 +154,16 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec) -> list[A
         kill(actors)  # cancel the whole gang at once
         raise
     return results
+
+
+def _may_be_a_peers_death(exc: StepFailedError) -> bool:
+    """A failure inside JAX's runtime (a collective, the coordination service) may be a peer's death.
+
+    Only those are worth waiting up to PEER_DEATH_WINDOW_S for Ray to name a dead host; the
+    step's own exceptions (a ValueError in user code) fail the gang at once.
+    """
+    cause = exc.cause or ""
+    return cause.startswith(RUNTIME_ERRORS) or any(sign in cause for sign in PEER_LOSS_SIGNS)
 
 
 def _lost_peer(

@@ -12,53 +12,30 @@ Every wait is for a condition, with a generous deadline: this runs on loaded two
 from __future__ import annotations
 
 import re
-import shutil
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
 
-from rayslice.airflow_stack import REPO, AirflowStack, _alive
+from rayslice.airflow_stack import AirflowStack
+from tests.e2e.conftest import ARTIFACTS, browser_page, needs_chromium
 
-CHROMIUM = "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else shutil.which("chromium")
-ARTIFACTS = REPO / "artifacts"
 DAG_ID = "rayslice_training_pipeline"
 SLICE_TYPE, LEARNING_RATE = "v6e-4", "0.05"
 RUN_TIMEOUT_S = 240
 
-pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Chromium is not installed (no /usr/bin/chromium, none on "
-                                "PATH); `apt-get install chromium` to run the browser tests")
+pytestmark = needs_chromium
 _BUSY = re.compile(r"\b(running|reserved)\b")
 _FREE = re.compile(r"\bfree\b")
 
 
-@pytest.mark.timeout(720)  # Airflow starts in ~90 s, but in up to 4 min on an overloaded two-core machine
-def test_trigger_from_the_ui_and_watch_the_slice(cluster):
-    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
-    ARTIFACTS.mkdir(exist_ok=True)
-    with AirflowStack(cluster.dashboard_url, cluster.token) as airflow:
-        components = dict(airflow.sessions)
-        api = httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=45,
-                           headers={"Authorization": f"Bearer {airflow.api_token()}"})
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM,
-                                        args=["--headless", "--no-sandbox", "--disable-gpu",
-                                              "--disable-background-networking"])
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)
-            try:
-                _run_pipeline_from_the_ui(page, airflow, api)
-            except Exception as exc:
-                page.screenshot(path=ARTIFACTS / "e2e-failure.png", full_page=True)
-                exc.add_note(f"screenshot: {ARTIFACTS / 'e2e-failure.png'}; Airflow logs (kept): {airflow.home}/logs")
-                raise
-            finally:
-                browser.close()
-    left = {name: pid for name, pid in components.items() if _alive(pid)}
-    assert not left, f"Airflow components still running after stop(): {left}"
-    assert not airflow.pids(), f"processes of the Airflow stack left behind: {sorted(airflow.pids())}"
+@pytest.mark.timeout(720)  # the first e2e test also pays for Airflow's start: ~90 s, up to 4 min on a loaded machine
+def test_trigger_from_the_ui_and_watch_the_slice(airflow):
+    api = httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=45,
+                       headers={"Authorization": f"Bearer {airflow.api_token()}"})
+    with browser_page("e2e-failure.png", f"; Airflow logs: {airflow.home}/logs") as page:
+        _run_pipeline_from_the_ui(page, airflow, api)
 
 
 def _run_pipeline_from_the_ui(page, airflow: AirflowStack, api: httpx.Client) -> None:

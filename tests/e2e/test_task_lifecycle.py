@@ -41,13 +41,6 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def airflow(cluster):
-    with AirflowStack(cluster.dashboard_url, cluster.token, dags_folder=DAGS) as stack:
-        yield stack
-    assert not stack.pids(), f"processes of the Airflow stack left behind: {sorted(stack.pids())}"
-
-
-@pytest.fixture(scope="module")
 def api(airflow):
     with httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=60,
                       headers={"Authorization": f"Bearer {airflow.api_token()}"}) as client:

@@ -38,7 +38,7 @@ from rayslice.exceptions import (
 from rayslice.jobs_client import AsyncRayJobsClient, JobStatus, RayJobsClient
 from rayslice.step import Owner, StepSpec
 from rayslice.submission import submission_id, submit_step, wait_for_step
-from tests.conftest import TOTAL_TPU_CHIPS, wait_until
+from tests.conftest import TOTAL_TPU_CHIPS, rayslice_home, wait_until
 from tests.faults.proxy import FaultProxy
 
 FAULT_BOUND_S = 30.0  # the must-hold: the step ends, and everything is free, this soon after the fault
@@ -330,25 +330,16 @@ async def test_followers_give_up_on_a_dashboard_that_stays_down_naming_the_job(c
 @pytest.fixture(scope="module")
 def token_cluster(tmp_path_factory):
     """A head and one v6e-4 host with Ray token auth, under its own RAYSLICE_HOME; stopped by PID at the end."""
-    home = str(tmp_path_factory.mktemp("rayslice-token-home"))
+    home = tmp_path_factory.mktemp("rayslice-token-home")
     name = f"faults-token-{os.getpid()}"
-    old = os.environ.get("RAYSLICE_HOME")
-
-    def with_home(fn, *args, **kwargs):
-        os.environ["RAYSLICE_HOME"] = home
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if old is None:
-                os.environ.pop("RAYSLICE_HOME", None)
-            else:
-                os.environ["RAYSLICE_HOME"] = old
-
+    with rayslice_home(home):
+        record = local_cluster.up(local_cluster.ClusterSpec(tpus=("v6e-4",)), name=name,
+                                  token=f"rs-faults-{uuid.uuid4().hex}")
     try:
-        yield with_home(local_cluster.up, local_cluster.ClusterSpec(tpus=("v6e-4",)), name=name,
-                        token=f"rs-faults-{uuid.uuid4().hex}")
+        yield record
     finally:
-        with_home(local_cluster.down, name)
+        with rayslice_home(home):
+            local_cluster.down(name)
 
 
 @pytest.fixture(scope="module")

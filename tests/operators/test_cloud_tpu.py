@@ -167,3 +167,36 @@ def test_the_connection_can_check_slice_types_against_its_zone(fake, monkeypatch
     monkeypatch.setenv("AIRFLOW_CONN_BAD_ZONE", json.dumps({"conn_type": "ray", "host": "http://h", "extra": bad}))
     with pytest.raises(InvalidRequestError, match="must be"):
         RayHook("bad_zone").check_tpu_type(TpuSliceRequest(tpu="v6e-16"))
+
+
+ZONE_CHECKED = textwrap.dedent(
+    """
+    from datetime import datetime
+    from airflow.sdk import DAG
+    from rayslice.operators.tpu_slice import TpuSliceOperator
+
+
+    def train():
+        return 1
+
+
+    with DAG("tpu_zone_checked", schedule=None, start_date=datetime(2026, 1, 1)):
+        TpuSliceOperator(task_id="train", tpu="v6e-32", python_callable=train, ray_conn_id="tpu_zone", retries=0)
+    """
+)
+
+
+def test_a_slice_operator_fails_on_a_type_its_zone_lacks_before_asking_ray(fake, airflow_db, monkeypatch, capfd):
+    """The connection's zone has no v6e-32: the task fails naming what the zone has; Ray is never asked."""
+    import json
+
+    # One server plays both the Cloud TPU API and the Ray dashboard: every request lands in fake.requests.
+    extra = {"cloud_tpu": {"project": "my-project", "zone": "us-east5-b", "api_endpoint": fake.url}}
+    monkeypatch.setenv("AIRFLOW_CONN_TPU_ZONE", json.dumps({"conn_type": "ray", "host": fake.url, "extra": extra}))
+    dags, errors = load_dag_file(write_dag_file("tpu_zone_checked", ZONE_CHECKED))
+    assert not errors
+    dr = dags["tpu_zone_checked"].test()
+    assert task_states(dr) == {"train": "failed"}
+    out = capfd.readouterr().out
+    assert "v6e-32 is not offered in zone us-east5-b: v6e there comes as v6e-16, v6e-4" in out, out[-3000:]
+    assert [r[1] for r in fake.requests] == [f"/v2/{PARENT}/acceleratorTypes"]

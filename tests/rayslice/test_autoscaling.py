@@ -10,17 +10,17 @@ it with `run_on_slice` and never removes the group: the autoscaler must keep tha
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import textwrap
 import time
 
 import pytest
 
-from rayslice import local_autoscaler, local_cluster
+from rayslice import local_autoscaler
 from rayslice.accelerators import TpuSliceRequest
 from rayslice.jobs_client import RayJobsClient
 from rayslice.step import Owner, StepSpec
+from tests.conftest import private_cluster
 
 IDLE_MINUTES = 0.2
 IDLE_S = IDLE_MINUTES * 60
@@ -49,18 +49,11 @@ LEAKY_DRIVER = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def autoscaling_cluster(tmp_path_factory: pytest.TempPathFactory):
-    home = tmp_path_factory.mktemp("autoscaling-home")
-    old = os.environ.get("RAYSLICE_HOME")
-    os.environ["RAYSLICE_HOME"] = str(home)
-    record = local_autoscaler.up(("v6e-4", "v4-16"), name="autoscaling", idle_timeout_minutes=IDLE_MINUTES)
-    try:
+    def start():
+        return local_autoscaler.up(("v6e-4", "v4-16"), name="autoscaling", idle_timeout_minutes=IDLE_MINUTES)
+
+    with private_cluster(tmp_path_factory.mktemp("autoscaling-home"), "autoscaling", start) as record:
         yield record
-    finally:
-        local_cluster.down("autoscaling")
-        if old is None:
-            os.environ.pop("RAYSLICE_HOME", None)
-        else:
-            os.environ["RAYSLICE_HOME"] = old
 
 
 def count_devices():

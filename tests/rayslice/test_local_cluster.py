@@ -26,16 +26,17 @@ def home(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_down_stops_exactly_its_own_processes(home: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("RAYSLICE_HOME", str(home))
-    bystander = local_cluster.up(local_cluster.ClusterSpec(), name="bystander")  # "another Ray on this machine"
-    try:
-        started = cli("local", "up", "--tpu", "v6e-4", "--token", "--name", "mine", home=home)
-        assert started.returncode == 0, started.stdout + started.stderr
+def test_down_stops_exactly_its_own_processes(cluster, home: Path):
+    """The session's cluster is the bystander: "another Ray on this machine", which must be untouched."""
+    started = cli("local", "up", "--tpu", "v6e-4", "--token", "--name", "mine", home=home)
+    assert started.returncode == 0, started.stdout + started.stderr
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYSLICE_HOME", str(home))
         record = local_cluster.ClusterRecord.load("mine")
+    try:
         assert record.dashboard_url in started.stdout
         mine = local_cluster.owned_pids(record)
-        theirs = local_cluster.owned_pids(bystander)
+        theirs = local_cluster.owned_pids(cluster)
         assert mine and theirs and not (mine & theirs)
 
         # Ray's own detection made the node a TPU host of a v6e-4 slice.
@@ -48,15 +49,13 @@ def test_down_stops_exactly_its_own_processes(home: Path, monkeypatch: pytest.Mo
         # --token turns on Ray token auth: the Jobs API refuses a request without it.
         assert httpx.get(f"{record.dashboard_url}/api/version", timeout=10).status_code == 401
         assert record.token not in started.stdout
-
-        stopped = cli("local", "down", "--name", "mine", home=home)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        assert not [pid for pid in mine if local_cluster._alive(pid)]
-        assert all(local_cluster._alive(node.pid) for node in bystander.nodes)  # the other cluster is untouched ...
-        assert httpx.get(f"{bystander.dashboard_url}/api/version", timeout=10).status_code == 200  # ... and serving
     finally:
-        local_cluster.down("bystander")
-    assert not local_cluster.owned_pids(bystander)
+        stopped = cli("local", "down", "--name", "mine", home=home)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert not [pid for pid in mine if local_cluster._alive(pid)]
+    assert all(local_cluster._alive(node.pid) for node in cluster.nodes)  # the other cluster is untouched ...
+    headers = {"Authorization": f"Bearer {cluster.token}"} if cluster.token else {}
+    assert httpx.get(f"{cluster.dashboard_url}/api/version", timeout=10, headers=headers).status_code == 200  # serving
 
 
 def test_capacity_command_lists_every_slice(cluster, home: Path):

@@ -236,3 +236,20 @@ def test_a_request_no_node_could_hold_fails_at_once(ray_driver, request_):
         run(request_, device_count_and_allgather)
     assert time.monotonic() - started < 30  # not the 600 s capacity_timeout
     assert_all_released(ray_driver)
+
+
+@pytest.mark.parametrize(
+    ("cause", "may_be_a_death"),
+    [
+        ("ValueError: bad batch on host 2", False),
+        ("RuntimeError: Closing over jax.Array that spans non-addressable devices is not allowed", False),
+        ("JaxRuntimeError: UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error: Connection reset by peer", True),
+        ("XlaRuntimeError: DEADLINE_EXCEEDED: Barrier timed out", True),
+        ("RuntimeError: UNAVAILABLE: failed to connect to all addresses (coordination service)", True),
+    ],
+)
+def test_only_runtime_failures_wait_to_blame_a_dead_peer(cause, may_be_a_death):
+    """A step's own exception fails the gang at once; a broken collective first asks Ray who died."""
+    from rayslice.launcher.gang import _may_be_a_peers_death
+
+    assert _may_be_a_peers_death(StepFailedError("step failed", cause=cause)) is may_be_a_death

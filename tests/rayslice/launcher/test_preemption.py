@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import tempfile
@@ -16,29 +15,15 @@ from rayslice import local_cluster
 from rayslice.accelerators import TpuSliceRequest
 from rayslice.exceptions import PreemptedError
 from rayslice.step import Owner, StepSpec
-from tests.conftest import wait_until
+from tests.conftest import private_cluster, wait_until
 
 
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory: pytest.TempPathFactory):
-    home = tmp_path_factory.mktemp("preemption-home")
-    old = os.environ.get("RAYSLICE_HOME")
-    os.environ["RAYSLICE_HOME"] = str(home)
     spec = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-4"))
-    try:
-        record = local_cluster.up(spec, name="preemption")
-    except Exception:  # a second cluster on a loaded 2-core machine can miss a node's start-up deadline once
-        with contextlib.suppress(Exception):  # up() already stopped what it started; this is belt and braces
-            local_cluster.down("preemption")
-        record = local_cluster.up(spec, name="preemption")
-    try:
+    home = tmp_path_factory.mktemp("preemption-home")
+    with private_cluster(home, "preemption", lambda: local_cluster.up(spec, name="preemption")) as record:
         yield record
-    finally:
-        local_cluster.down("preemption")
-        if old is None:
-            os.environ.pop("RAYSLICE_HOME", None)
-        else:
-            os.environ["RAYSLICE_HOME"] = old
 
 
 def wait_then_report(folder: str):
