@@ -26,10 +26,10 @@ from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
 from rayslice.operators.triggers import EXECUTION_TIMEOUT, UNREACHABLE_GRACE_S, RayStepTrigger
 
 from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, RayUnreachableError
+from rayslice.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError
 from rayslice.jobs_client import AsyncRayJobsClient
 from rayslice.step import Owner, StepSpec
-from rayslice.submission import LogFollower, outcome, submission_id, submit_step
+from rayslice.submission import LogFollower, submission_id, submit_step, wait_for_step
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -253,24 +253,8 @@ class RayStepOperator(BaseOperator):
 
     async def _follow(self, client: AsyncRayJobsClient, sid: str) -> Any:
         """Poll to the end, relaying new log lines; a short dashboard outage is waited out."""
-        follower = LogFollower(self.log.info)
-        unreachable_since: float | None = None
-        while True:
-            try:
-                job = await client.get(sid)
-                log = await client.logs(sid)
-            except RayUnreachableError as exc:
-                unreachable_since = unreachable_since or time.monotonic()
-                if time.monotonic() - unreachable_since > UNREACHABLE_GRACE_S:
-                    raise
-                self.log.warning("[rayslice] Ray dashboard not answering (%s); still following %s", exc, sid)
-                await asyncio.sleep(self.poll_interval)
-                continue
-            unreachable_since = None
-            follower.feed(log)
-            if job.is_terminal:
-                return outcome(job, log)
-            await asyncio.sleep(self.poll_interval)
+        return await wait_for_step(client, sid, emit=self.log.info, poll=self.poll_interval,
+                                   unreachable_grace=UNREACHABLE_GRACE_S)
 
     async def _stop_previous_try(self, client: AsyncRayJobsClient, owner: Owner) -> None:
         """A retry must not run next to the try it replaces: stop that job and wait for its end."""

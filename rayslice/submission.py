@@ -160,6 +160,7 @@ async def wait_for_step(
                     f"which may still be running (stop it with `ray job stop {sid}`): {exc}",
                     status_code=exc.status_code,
                 ) from None
+            emit(f"[rayslice] Ray dashboard not answering ({exc}); still following {sid}")
             await asyncio.sleep(poll)
             continue
         unreachable_since = None

@@ -245,16 +245,21 @@ async def test_submit_to_a_dashboard_that_stays_down_names_it_and_submits_nothin
 # ---------------------------------------------------------------- 4: the dashboard unreachable while the step runs
 
 
+def _held_step_behind_a_proxy(cluster, monkeypatch, tmp_path, name: str) -> tuple[FaultProxy, str, StepSpec]:
+    """A quarter-GPU step that holds until released, and a `ray_faults_proxy` connection through a cuttable proxy."""
+    proxy = FaultProxy(cluster.dashboard_url).up()
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_FAULTS_PROXY", json.dumps({"conn_type": "ray", "host": proxy.url}))
+    owner = _owner(name)
+    spec = StepSpec.for_function(hold_until_released, request=AcceleratorRequest(resource="GPU", count=0.25),
+                                 kwargs={"folder": str(tmp_path), "name": "step"}, owner=owner)
+    return proxy, owner.submission_id, spec
+
+
 async def test_followers_wait_out_a_dashboard_outage_during_the_step(cluster, ray_driver, tmp_path, monkeypatch):
     """The Airflow trigger and `wait_for_step` both follow one job through a proxy that is cut for 8 s."""
     from rayslice.operators.triggers import RayStepTrigger
 
-    proxy = FaultProxy(cluster.dashboard_url).up()
-    monkeypatch.setenv("AIRFLOW_CONN_RAY_FAULTS_PROXY", json.dumps({"conn_type": "ray", "host": proxy.url}))
-    owner = _owner("follow-outage")
-    sid = owner.submission_id
-    spec = StepSpec.for_function(hold_until_released, request=AcceleratorRequest(resource="GPU", count=0.25),
-                                 kwargs={"folder": str(tmp_path), "name": "step"}, owner=owner)
+    proxy, sid, spec = _held_step_behind_a_proxy(cluster, monkeypatch, tmp_path, "follow-outage")
     try:
         async with AsyncRayJobsClient(proxy.url) as client:
             await submit_step(client, spec)
@@ -288,12 +293,7 @@ async def test_followers_give_up_on_a_dashboard_that_stays_down_naming_the_job(c
     from rayslice.operators import triggers
 
     monkeypatch.setattr(triggers, "UNREACHABLE_GRACE_S", 4.0)
-    proxy = FaultProxy(cluster.dashboard_url).up()
-    monkeypatch.setenv("AIRFLOW_CONN_RAY_FAULTS_PROXY", json.dumps({"conn_type": "ray", "host": proxy.url}))
-    owner = _owner("follow-down")
-    sid = owner.submission_id
-    spec = StepSpec.for_function(hold_until_released, request=AcceleratorRequest(resource="GPU", count=0.25),
-                                 kwargs={"folder": str(tmp_path), "name": "step"}, owner=owner)
+    proxy, sid, spec = _held_step_behind_a_proxy(cluster, monkeypatch, tmp_path, "follow-down")
     try:
         async with AsyncRayJobsClient(proxy.url) as client:
             await submit_step(client, spec)
