@@ -15,7 +15,7 @@ from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.exceptions import CapacityTimeoutError, PreemptedError
 from rayslice.launcher import gang, reaper
 from rayslice.launcher.environments import HostPlan
-from rayslice.launcher.reservation import reserve_slices
+from rayslice.launcher.reservation import check_accelerator_satisfiable, reserve_slices
 from rayslice.step import StepSpec
 
 __all__ = ["run_step", "reservation_name"]
@@ -71,23 +71,33 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest) -> list[Any]:
                     num_cpus=1,
                     resources={"TPU": request.chips_per_host},
                     scheduling_strategy=strategy(
-                        reservation.placement_group,
+                        reservation.hosts_group,
                         placement_group_bundle_index=reservation.bundles[(host.slice_index, host.worker_id)],
                     ),
                 ).remote(host.label)
             )
+        ports = gang.await_started(actors, reservation.hosts)
         leaders = gang.group_leaders(reservation.hosts, multislice=request.multislice)
-        ports = dict(zip(leaders, ray.get([actors[i].free_port.remote() for i in leaders]), strict=True))
-        plans = gang.plan_processes(reservation.hosts, multislice=request.multislice, ports=ports)
+        plans = gang.plan_processes(reservation.hosts, multislice=request.multislice,
+                                    ports={i: ports[i] for i in leaders})
         log(f"running on {', '.join(slices)}: {len(plans)} hosts x {request.chips_per_host} chips")
         return gang.run_gang(actors, plans, spec)
     finally:
         gang.kill(actors)
-        reservation.release()
-        log(f"released {request} after {time.monotonic() - started:.1f} s")
+        _log_release(str(request), started, reservation.release())
+
+
+def _log_release(what: str, started: float, still_held: list[str]) -> None:
+    if still_held:
+        log(f"released {what} after {time.monotonic() - started:.1f} s, but Ray has not freed "
+            f"{', '.join(still_held)} yet (a busy GCS): their removal is requested, and the sweep of ended "
+            "jobs removes them if Ray never does")
+    else:
+        log(f"released {what} after {time.monotonic() - started:.1f} s")
 
 
 def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest) -> Any:
+    check_accelerator_satisfiable(request)
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
     started = time.monotonic()
     actor = gang.HostProcess.options(

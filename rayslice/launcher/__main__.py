@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from rayslice.exceptions import RaysliceError, StepFailedError
@@ -47,7 +48,6 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _stop)  # after ray.init, which installs its own handler
     try:
         result = run_step(spec)
-        line = format_result(result)
     except StopRequested:
         # run_step released everything on the way out; exit now instead of in Ray's stop grace period.
         print("[rayslice] stopped on request; capacity released", flush=True)
@@ -55,7 +55,15 @@ def main(argv: list[str]) -> int:
     except RaysliceError as exc:
         print(format_error(type(exc).__name__, str(exc)), flush=True)
         return 1
-    except TypeError as exc:  # json.dumps
+    except Exception as exc:  # not the step's failure (that is a StepFailedError): the launcher's or Ray's
+        traceback.print_exc()
+        message = (f"the rayslice launcher itself failed ({type(exc).__name__}: {exc}); this is a bug in "
+                   "rayslice or an unexpected Ray error, not your step's: the traceback is in the Ray job's log")
+        print(format_error("LauncherError", message), flush=True)
+        return 1
+    try:
+        line = format_result(result)
+    except (TypeError, ValueError) as exc:  # json.dumps: the step's value only, never the launcher's own bugs
         err = StepFailedError(
             f"the step returned a value that is not JSON ({exc}); return lists, dicts, "
             "numbers, strings or None (e.g. `float(loss)`, `array.tolist()`)"

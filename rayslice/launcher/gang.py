@@ -27,6 +27,8 @@ from rayslice.step import StepSpec
 
 #: How long a lost host's node may take to be declared dead (Ray's default health checks: 3 s x 5).
 NODE_DEATH_WINDOW_S = 30.0
+#: How long host processes may take to start (a worker process and the job's runtime env, on a loaded node).
+HOST_START_TIMEOUT_S = 300.0
 #: How long a failed collective waits for Ray to report the peer whose death caused it.
 PEER_DEATH_WINDOW_S = 2.0
 #: Failures that may be a peer's death: JAX/XLA runtime errors, and what a broken link says.
@@ -137,23 +139,71 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec) -> list[A
                 index, error = lost
                 raise error from None
     except HostLostError as exc:
-        # Cancel the rest of the gang at once; leave the lost actor's record alone until its node's fate is known.
-        kill([actor for i, actor in enumerate(actors) if i != index])
-        preempted = isinstance(exc, PreemptedError) or _node_died(plans[index].node_id, actors[index])
-        kill([actors[index]])
-        if not preempted:
-            raise
-        raise PreemptedError(
-            str(exc).replace("its process died", "its node was preempted or removed"),
-            slice_index=exc.slice_index,
-            worker_id=exc.worker_id,
-            host=exc.host,
-            cause="its node was preempted or removed",
-        ) from None
+        raise _lost_host(exc, index, actors, plans) from None
     except BaseException:
         kill(actors)  # cancel the whole gang at once
         raise
     return results
+
+
+def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOST_START_TIMEOUT_S) -> list[int]:
+    """Wait until every host process runs; each returns a free port (the group leaders' become coordinators).
+
+    Bounded, and watching the hosts' nodes: a node lost before the step starts is a
+    preemption exactly like one lost mid-step (whole-gang retry), never a hang.
+    """
+    refs = {actor.free_port.remote(): i for i, actor in enumerate(actors)}
+    ports = [0] * len(actors)
+    pending = list(refs)
+    deadline = time.monotonic() + timeout
+    index = 0
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending),
+                                      timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            for ref in ready:
+                index = refs[ref]
+                ports[index] = _get(ref, plans[index])
+            if not pending:
+                break
+            dead = _dead_nodes({plans[refs[ref]].node_id for ref in pending})
+            for ref in pending:
+                index = refs[ref]
+                if plans[index].node_id in dead:
+                    plan = plans[index]
+                    raise PreemptedError(
+                        f"host {_where(plan)} was lost before the step started: its node was preempted or removed",
+                        slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip,
+                        cause="its node was preempted or removed",
+                    )
+            if time.monotonic() >= deadline:
+                slow = ", ".join(plans[refs[ref]].label for ref in pending)
+                raise HostLostError(f"the host processes on {slow} did not start within {timeout:.0f} s")
+    except HostLostError as exc:
+        raise _lost_host(exc, index, actors, plans) from None
+    return ports
+
+
+def _lost_host(exc: HostLostError, index: int, actors: list[Any], plans: list[HostPlan]) -> HostLostError:
+    """Cancel the rest of the gang at once, then tell a preempted node from a process that died on a live one."""
+    kill([actor for i, actor in enumerate(actors) if i != index])  # the lost actor's record tells its node's fate
+    preempted = isinstance(exc, PreemptedError) or _node_died(plans[index].node_id, actors[index])
+    kill([actors[index]])
+    if not preempted:
+        return exc
+    return PreemptedError(
+        str(exc).replace("its process died", "its node was preempted or removed"),
+        slice_index=exc.slice_index,
+        worker_id=exc.worker_id,
+        host=exc.host,
+        cause="its node was preempted or removed",
+    )
+
+
+def _dead_nodes(node_ids: set[str]) -> set[str]:
+    """Which of these nodes the GCS has declared dead (or no longer knows)."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    return {node_id for node_id in node_ids if node_id and node_id not in alive}
 
 
 def _may_be_a_peers_death(exc: StepFailedError) -> bool:
@@ -186,8 +236,12 @@ def _lost_peer(
     return None
 
 
+def _where(plan: HostPlan) -> str:
+    return f"{plan.label} (slice {plan.slice_index}, worker {plan.worker_id}, {plan.ip})"
+
+
 def _get(ref: Any, plan: HostPlan) -> Any:
-    where = f"{plan.label} (slice {plan.slice_index}, worker {plan.worker_id}, {plan.ip})"
+    where = _where(plan)
     try:
         return ray.get(ref)
     except RayTaskError as exc:

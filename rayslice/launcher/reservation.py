@@ -1,13 +1,21 @@
 """Reserve whole TPU slices all-or-nothing, and give them back the moment the step ends.
 
-Built on `ray.util.tpu.SlicePlacementGroup` (a head placement group on worker 0 to claim a
-slice, then one bundle per host pinned to that slice), with two fixes around it:
+Two placement groups, each placed by Ray atomically (all bundles or none):
 
-- Single-host slices get a pod-type label selector; Ray's helper leaves them unpinned, so
-  a `v6e-4` request could land on one host of a `v6e-16`.
-- The head placement groups are held until release instead of dropped once the hosts
-  are ready. Ray's own advice to drop them lets a second request claim a busy slice's
-  head and then wait forever for its hosts while another slice sits idle.
+1. **heads**: one bundle per slice asking for `TPU-<pod type>-head` (worker 0 of a slice),
+   spread over distinct nodes. It claims every slice of the request in one step: a request
+   holds all of its slice heads or none, so two multi-slice requests can never each hold
+   part of what the other needs.
+2. **hosts**: one bundle per host (`{"TPU": chips, "CPU": 1}`), each pinned by label to the
+   slice name its head landed on and to its worker id.
+
+One deadline (`capacity_timeout`) bounds both waits together, whatever the number of
+slices. Ray's `SlicePlacementGroup` is not used: it claims the heads one after another,
+each with the full timeout, and keeps the heads it has while it waits for the rest.
+
+What we keep from the fixes around it: heads are held until release (dropping them lets a
+second request claim a busy slice's head), single-host slices are pinned to their pod type
+(a `v6e-4` never takes one host of a `v6e-16`), and slices that lost a host are skipped.
 """
 
 from __future__ import annotations
@@ -16,101 +24,174 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group_table
-from ray.util.tpu import SlicePlacementGroup
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.exceptions import CapacityTimeoutError, RaysliceError, UnsatisfiableRequestError
+from rayslice.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest, TpuSliceRequest
+from rayslice.exceptions import CapacityTimeoutError, UnsatisfiableRequestError
 from rayslice.launcher.environments import HostPlan
 
 POD_TYPE_LABEL = "ray.io/tpu-pod-type"
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+#: How long release waits for Ray to confirm the groups are gone before it leaves them to Ray.
+RELEASE_TIMEOUT_S = 10.0
+#: Longest single blocking wait, so a SIGTERM (`ray job stop`) is handled within this time.
+_WAIT_SLICE_S = 0.5
 
 
 @dataclass
 class SliceReservation:
-    """Placement groups held for one step, and the hosts they landed on."""
+    """The placement groups held for one step, and the hosts they landed on."""
 
     request: TpuSliceRequest
-    handle: SlicePlacementGroup
+    heads: PlacementGroup
+    hosts_group: PlacementGroup | None = None
     hosts: list[HostPlan] = field(default_factory=list)
-    bundles: dict[tuple[int, int], int] = field(default_factory=dict)  # (slice, worker) -> bundle
+    bundles: dict[tuple[int, int], int] = field(default_factory=dict)  # (slice, worker) -> bundle index
 
     @property
-    def placement_group(self) -> PlacementGroup:
-        return self.handle.placement_group
+    def groups(self) -> list[PlacementGroup]:
+        return [self.heads, *([self.hosts_group] if self.hosts_group is not None else [])]
 
-    def release(self, timeout: float = 10.0) -> None:
-        """Remove every placement group of this reservation and wait until Ray has freed them."""
-        groups = [
-            *self.handle.head_placement_groups,
-            *([self.placement_group] if self.handle.placement_group else []),
-        ]
-        self.handle.shutdown()
+    def release(self, timeout: float | None = None) -> list[str]:
+        """Remove every group and wait (bounded) until Ray frees them; never raises.
+
+        Returns the names of the groups Ray had not freed within `timeout`: their removal was
+        requested, so Ray frees them when it catches up, and the launcher's sweep of ended jobs
+        removes them if it never does. A slow GCS must not replace the step's outcome.
+        """
+        timeout = RELEASE_TIMEOUT_S if timeout is None else timeout
+        pending = []
+        for group in self.groups:
+            try:
+                remove_placement_group(group)
+                pending.append(group)
+            except Exception:  # already removed
+                pass
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(placement_group_table(pg).get("state") in ("REMOVED", None) for pg in groups):
-                return
-            time.sleep(0.05)
-        raise RaysliceError(f"placement groups of {self.request} were not removed within {timeout:.0f} s")
+        while pending:
+            pending = [group for group in pending if not _removed(group)]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        return [_name(group) for group in pending]
 
 
 def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str) -> SliceReservation:
     """Reserve `request.num_slices` whole slices within `timeout` seconds, or hold nothing."""
-    check_satisfiable(request)
     deadline = time.monotonic() + timeout
+    broken = check_satisfiable(request)
+    head_selector = {POD_TYPE_LABEL: request.pod_type, WORKER_ID_LABEL: "0"}
+    if broken:  # a slice that lost a host could take the head and then never get its hosts
+        head_selector[SLICE_NAME_LABEL] = f"!in({','.join(sorted(broken))})"
+    heads = placement_group(
+        [{request.head_resource: 1}] * request.num_slices,
+        strategy="STRICT_SPREAD",
+        name=f"{name}/heads",
+        bundle_label_selector=[head_selector] * request.num_slices,
+    )
+    reservation = SliceReservation(request=request, heads=heads)
     try:
-        handle = SlicePlacementGroup(
-            topology=request.topology,
-            accelerator_version=request.version,
-            num_slices=request.num_slices,
-            chips_per_vm=request.chips_per_host,
-            resources_per_bundle={"TPU": request.chips_per_host, "CPU": 1},
-            bundle_label_selector=[{POD_TYPE_LABEL: request.pod_type}] * request.total_hosts,
-            head_reservation_timeout_s=timeout,
-            name=name,
+        if not wait_ready(heads, deadline):
+            raise _capacity_timeout(request, timeout, "no free slice heads")
+        slices = _slice_names(heads)
+        plan = [(s, slice_name, w) for s, slice_name in enumerate(slices) for w in range(request.hosts_per_slice)]
+        reservation.hosts_group = placement_group(
+            [{"TPU": request.chips_per_host, "CPU": 1} for _ in plan],
+            strategy="STRICT_SPREAD",
+            name=f"{name}/hosts",
+            bundle_label_selector=[
+                {SLICE_NAME_LABEL: slice_name, WORKER_ID_LABEL: str(w), POD_TYPE_LABEL: request.pod_type}
+                for _, slice_name, w in plan
+            ],
         )
-    except TimeoutError as exc:  # no free slice head in time; Ray removed the pending head group
-        raise _capacity_timeout(request, timeout) from exc
-    reservation = SliceReservation(request=request, handle=handle)
-    try:
-        ready, _ = ray.wait([handle.placement_group.ready()], timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise _capacity_timeout(request, timeout)
-        _map_hosts(reservation)
+        if not wait_ready(reservation.hosts_group, deadline):
+            busy = f"held the heads of {', '.join(slices)}, but their hosts stayed busy"
+            raise _capacity_timeout(request, timeout, busy)
+        _map_hosts(reservation, plan)
     except BaseException:
         reservation.release()
         raise
     return reservation
 
 
-def check_satisfiable(request: TpuSliceRequest) -> None:
+def wait_ready(group: PlacementGroup, deadline: float) -> bool:
+    """Wait for Ray to place the whole group until `deadline`, in short waits that let signals in.
+
+    `ray.wait` on the group's ready future, not `PlacementGroup.wait`: that one takes whole seconds.
+    """
+    ready = group.ready()
+    while True:
+        remaining = deadline - time.monotonic()
+        done, _ = ray.wait([ready], timeout=max(0.0, min(_WAIT_SLICE_S, remaining)))
+        if done:
+            return True
+        if remaining <= _WAIT_SLICE_S:
+            return False
+
+
+def check_satisfiable(request: TpuSliceRequest) -> set[str]:
     """Fail at once, instead of after capacity_timeout, when no slice could ever appear.
 
-    Enough slices of the pod type exist (busy or not), or an autoscaler node group declares
-    the slice head resource: then waiting makes sense. Otherwise it never will.
+    Enough intact slices of the pod type exist (busy or not), or an autoscaler may add them:
+    then waiting makes sense. Returns the names of broken slices (alive, but missing hosts),
+    which the reservation avoids.
     """
-    slices = {
-        node["Labels"].get(SLICE_NAME_LABEL)
-        for node in ray.nodes()
-        if node["Alive"] and node.get("Labels", {}).get(POD_TYPE_LABEL) == request.pod_type
-    }
-    if len(slices) >= request.num_slices:
+    alive = [node for node in ray.nodes() if node["Alive"]]
+    hosts: dict[str, int] = {}
+    for node in alive:
+        labels = node.get("Labels", {})
+        if labels.get(POD_TYPE_LABEL) == request.pod_type and labels.get(SLICE_NAME_LABEL):
+            hosts[labels[SLICE_NAME_LABEL]] = hosts.get(labels[SLICE_NAME_LABEL], 0) + 1
+    broken = {name for name, count in hosts.items() if count < request.hosts_per_slice}
+    intact = len(hosts) - len(broken)
+    if intact >= request.num_slices or _autoscaler_may_add(request.head_resource):
+        return broken
+    have = sorted({node["Labels"][POD_TYPE_LABEL] for node in alive if node.get("Labels", {}).get(POD_TYPE_LABEL)})
+    raise UnsatisfiableRequestError(
+        f"{request} can never be scheduled on this cluster: it has {intact} intact {request.pod_type} slice(s)"
+        f"{f' ({len(broken)} more missing hosts)' if broken else ''} and no autoscaler that could add "
+        f"{request.head_resource}. Slice types here: {', '.join(have) or 'none'}."
+    )
+
+
+def check_accelerator_satisfiable(request: AcceleratorRequest) -> None:
+    """The same fail-fast rule for an accelerator (fraction): some node, present or autoscalable, must fit it."""
+    needed = {request.resource: request.count}
+    if request.accelerator_type:
+        needed[f"accelerator_type:{request.accelerator_type}"] = 0.001
+    alive = [node for node in ray.nodes() if node["Alive"]]
+    if any(all(node["Resources"].get(k, 0) >= v for k, v in needed.items()) for node in alive):
         return
+    if _autoscaler_may_add(request.resource):
+        return
+    have = _accelerators_here(alive)
+    raise UnsatisfiableRequestError(
+        f"{request} can never be scheduled on this cluster: no node has "
+        f"{' and '.join(f'{k} >= {v:g}' for k, v in needed.items())}, and no autoscaler could add one. "
+        f"Accelerators here: {', '.join(have) or 'none'}."
+    )
+
+
+def _accelerators_here(nodes: list[dict]) -> list[str]:
+    """`GPU x3 (H100)`, `TPU x4 (TPU-V6E)`: each kind of accelerator node, for error messages."""
+    found = set()
+    for node in nodes:
+        resources = node["Resources"]
+        types = ", ".join(sorted(k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")))
+        for resource in VISIBLE_DEVICES_ENV:
+            if resources.get(resource):
+                found.add(f"{resource} x{resources[resource]:g}" + (f" ({types})" if types else ""))
+    return sorted(found)
+
+
+def _autoscaler_may_add(resource: str) -> bool:
+    """Whether an autoscaler node group declares `resource`, or an autoscaler whose groups we cannot see runs."""
     config = ray._private.state.state.get_cluster_config()
     groups = list(config.node_group_configs) if config else []
-    if any(request.head_resource in group.resources and group.max_count != 0 for group in groups):
-        return
-    if config is None and _autoscaler_running():
-        return  # its node groups are unknown (Ray 2.60's autoscaler does not report them): it may add the slice
-    have = sorted(
-        {node["Labels"].get(POD_TYPE_LABEL) for node in ray.nodes() if node.get("Labels", {}).get(POD_TYPE_LABEL)}
-    )
-    raise UnsatisfiableRequestError(
-        f"{request} can never be scheduled on this cluster: it has {len(slices)} {request.pod_type} slice(s) and no "
-        f"autoscaler node group with {request.head_resource}. Slice types here: {', '.join(have) or 'none'}."
-    )
+    if any(resource in group.resources and group.max_count != 0 for group in groups):
+        return True
+    return config is None and _autoscaler_running()  # Ray 2.60's autoscaler does not report its node groups
 
 
 def _autoscaler_running() -> bool:
@@ -125,49 +206,52 @@ def _autoscaler_running() -> bool:
     return reply.autoscaling_state.autoscaler_state_version > 0
 
 
-def _capacity_timeout(request: TpuSliceRequest, timeout: float) -> CapacityTimeoutError:
+def _capacity_timeout(request: TpuSliceRequest, timeout: float, why: str) -> CapacityTimeoutError:
     free = ray.available_resources().get("TPU", 0)
     return CapacityTimeoutError(
-        f"no capacity for {request} within capacity_timeout={timeout:.0f} s "
-        f"({request.total_hosts} hosts x {request.chips_per_host} chips needed, {free:.0f} TPU chips free "
+        f"no capacity for {request} within capacity_timeout={timeout:g} s ({why}; "
+        f"{request.total_hosts} hosts x {request.chips_per_host} chips needed, {free:.0f} TPU chips free "
         "in the cluster); nothing was left reserved. Raise capacity_timeout or add slices."
     )
 
 
-def _map_hosts(reservation: SliceReservation) -> None:
-    """Learn which slice and worker id each bundle landed on, from Ray's node labels."""
-    request = reservation.request
-    bundles = placement_group_table(reservation.placement_group)["bundles_to_node_id"]
-    nodes = {node["NodeID"]: node for node in ray.nodes() if node["Alive"]}
-    slice_names = [selector.get(SLICE_NAME_LABEL) for selector in reservation.handle.bundle_label_selector]
-    per_slice = request.hosts_per_slice
-    located = []
-    for bundle_index, node_id in sorted(bundles.items()):
-        labels = nodes[node_id].get("Labels", {})
-        slice_index = bundle_index // per_slice
-        located.append(
-            (
-                slice_index,
-                labels.get(SLICE_NAME_LABEL) or slice_names[bundle_index] or f"slice{slice_index}",
-                int(labels.get(WORKER_ID_LABEL, 0)),
-                nodes[node_id]["NodeManagerAddress"],
-                bundle_index,
-                node_id,
-            )
-        )
-    located.sort()
-    reservation.bundles = {(s, w): b for s, _, w, _, b, _ in located}
+def _slice_names(heads: PlacementGroup) -> list[str]:
+    """The slice of each head bundle, from the labels of the node it landed on."""
+    on = placement_group_table(heads)["bundles_to_node_id"]
+    labels = {node["NodeID"]: node.get("Labels", {}) for node in ray.nodes()}
+    return [labels[on[index]][SLICE_NAME_LABEL] for index in sorted(on)]
+
+
+def _map_hosts(reservation: SliceReservation, plan: list[tuple[int, str, int]]) -> None:
+    """Record each host's node and address: bundle i is (slice, worker) plan[i], pinned by label."""
+    on = placement_group_table(reservation.hosts_group)["bundles_to_node_id"]
+    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    reservation.bundles = {(s, w): index for index, (s, _, w) in enumerate(plan)}
     reservation.hosts = [
         HostPlan(
             slice_index=s,
-            slice_name=name,
+            slice_name=slice_name,
             worker_id=w,
-            ip=ip,
+            ip=addresses[on[index]],
             process_id=0,
             num_processes=1,
             coordinator="",
             megascale_coordinator="",
-            node_id=node_id,
+            node_id=on[index],
         )
-        for s, name, w, ip, _, node_id in located
+        for index, (s, slice_name, w) in enumerate(plan)
     ]
+
+
+def _removed(group: PlacementGroup) -> bool:
+    try:
+        return placement_group_table(group).get("state") in ("REMOVED", None)
+    except Exception:
+        return False
+
+
+def _name(group: PlacementGroup) -> str:
+    try:
+        return placement_group_table(group).get("name") or group.id.hex()
+    except Exception:
+        return group.id.hex()

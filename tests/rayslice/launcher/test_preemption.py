@@ -1,4 +1,8 @@
-"""Losing a host's whole node mid-step (preemption) on a cluster of its own: two single-host v6e-4 slices."""
+"""Losing a host's whole node (preemption) on a cluster of its own: three single-host v6e-4 slices.
+
+The tests run in file order and each removes one slice's node: mid-step with a retry, between
+reservation and step start with a retry, then mid-step without one.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from tests.conftest import private_cluster, wait_until
 
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory: pytest.TempPathFactory):
-    spec = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-4"))
+    spec = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-4", "v6e-4"))
     home = tmp_path_factory.mktemp("preemption-home")
     with private_cluster(home, "preemption", lambda: local_cluster.up(spec, name="preemption")) as record:
         yield record
@@ -45,15 +49,20 @@ def remove_node_under_the_step(record, folder: str) -> str:
     while not os.listdir(folder) and time.monotonic() < deadline:
         time.sleep(0.1)
     victim = os.listdir(folder)[0]
-    node = next(n for n in record.nodes if n.slice_name == victim)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == node.pid:
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+    remove_node(next(n.pid for n in record.nodes if n.slice_name == victim))
     return victim
+
+
+def remove_node(session: int) -> None:
+    """SIGKILL every process of one node's `ray start` session, as a preempted VM would vanish."""
+    import psutil
+
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == session:
+                process.send_signal(signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            pass
 
 
 def run_as_job(record, spec):
@@ -94,8 +103,75 @@ def test_a_lost_node_is_a_preemption_and_the_gang_retries_on_a_fresh_slice(small
         result = run_as_job(small_cluster, spec)
         killer.join()
         releaser.join()
-    survivor = next(n for n in ("v6e-4-a", "v6e-4-b") if n != victim["name"])
-    assert result == [survivor]
+    assert len(result) == 1 and result[0] != victim["name"]
+    assert wait_until(lambda: free_chips_match_alive_hosts(small_cluster), timeout=10)
+
+
+#: A Ray driver that removes the reserved slice's node the moment the reservation is done, before
+#: any host process has started: the window in which the launcher starts processes, picks the
+#: coordinator port and wires JAX. It patches only *when* the node dies; Ray and the launcher are real.
+KILL_BEFORE_START = """
+import json, sys
+from pathlib import Path
+
+import ray
+
+from rayslice.launcher import gang, run_step
+from rayslice.step import StepSpec
+from tests.rayslice.launcher.test_preemption import remove_node
+
+spec = StepSpec.model_validate_json(Path(sys.argv[1]).read_text())
+sessions = json.loads(sys.argv[2])
+ray.init(address=sys.argv[3], logging_level="ERROR")
+start, removed = gang.await_started, []
+
+
+def remove_then_start(actors, plans, **kwargs):
+    if not removed:
+        removed.append(plans[0].slice_name)
+        remove_node(sessions[plans[0].slice_name])
+    return start(actors, plans, **kwargs)
+
+
+gang.await_started = remove_then_start
+print("OUTCOME " + json.dumps({"result": run_step(spec), "removed": removed}), flush=True)
+"""
+
+
+def test_a_node_lost_before_the_step_starts_is_a_preemption_too(small_cluster, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    alive = {n["labels"].get("ray.io/tpu-slice-name") for n in local_cluster.alive_nodes(small_cluster.dashboard_url)}
+    sessions = {n.slice_name: n.pid for n in small_cluster.nodes if n.slice_name in alive}
+    assert len(sessions) >= 2, f"needs two intact slices, has {sorted(sessions)}"
+    spec = StepSpec.for_function(
+        wait_then_report,
+        request=TpuSliceRequest(tpu="v6e-4"),
+        kwargs={"folder": str(tmp_path)},
+        preemption_retries=1,
+        owner=Owner(submission_id=f"test-before-start-{time.time_ns()}"),
+    )
+    (tmp_path / "done").touch()  # the step returns as soon as it runs
+    spec_file = tmp_path.parent / f"{tmp_path.name}-spec.json"
+    spec_file.write_text(spec.model_dump_json())
+    env = {**os.environ, **small_cluster.ray_env()}
+    started = time.monotonic()
+    driver = subprocess.run(
+        [sys.executable, "-c", KILL_BEFORE_START, str(spec_file), json.dumps(sessions), small_cluster.gcs_address],
+        capture_output=True, text=True, timeout=240, env=env, cwd=Path(__file__).parents[3],
+    )
+    took = time.monotonic() - started
+    assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
+    outcome = json.loads(driver.stdout.split("OUTCOME ", 1)[1])
+    [removed] = outcome["removed"]
+    survivor = outcome["result"][0]
+    assert survivor != removed and outcome["result"] == [survivor]
+    assert "was lost before the step started: its node was preempted or removed" in driver.stdout
+    assert "retrying the whole gang (1 of 1)" in driver.stdout
+    assert not (tmp_path / removed).exists(), "the step started on the removed host"
+    print(f"\n[preemption] node of {removed} removed before the step started; retried on {survivor} in {took:.1f} s")
     assert wait_until(lambda: free_chips_match_alive_hosts(small_cluster), timeout=10)
 
 
@@ -110,7 +186,7 @@ def test_without_retries_a_lost_node_fails_the_step_naming_the_host(small_cluste
         killer = threading.Thread(target=remove_node_under_the_step, args=(small_cluster, folder))
         killer.start()
         started = time.monotonic()
-        with pytest.raises(PreemptedError, match=r"v6e-4-[ab]/host0 .*node was preempted or removed"):
+        with pytest.raises(PreemptedError, match=r"v6e-4-[abc]/host0 .*node was preempted or removed"):
             run_as_job(small_cluster, spec)
         killer.join()
     assert time.monotonic() - started < 60

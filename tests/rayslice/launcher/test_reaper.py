@@ -26,7 +26,7 @@ from rayslice import capacity
 from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.jobs_client import RayJobsClient
 from rayslice.step import Owner, StepSpec
-from rayslice.submission import submission_id, submit_step
+from rayslice.submission import jobs_of_task, submit_step
 from tests.conftest import wait_until
 
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))  # the installed console script
@@ -55,6 +55,14 @@ def submit(cluster, request, folder: str, name: str, dag_id: str = "reaper_test"
             return await submit_step(client, spec)
 
     return asyncio.run(go())
+
+
+def task_job_id(cluster, dag_id: str, run_id: str, task_id: str) -> str:
+    """The submission id of a task's one Ray job, found by metadata (ids hold each try's task-instance id)."""
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+        found = jobs_of_task(client.list_jobs(), Owner(dag_id=dag_id, run_id=run_id, task_id=task_id))
+    assert len(found) == 1, f"{dag_id}/{run_id}/{task_id}: expected one Ray job, found {found}"
+    return found[0].submission_id
 
 
 def v6e4_free(cluster) -> bool:
@@ -173,8 +181,7 @@ def test_reap_frees_the_slice_of_a_killed_airflow_worker(cluster, tmp_path, monk
                               dag_id="not_in_this_airflow")
             assert wait_until(lambda: {"hold", "live", "stranger"} <= set(os.listdir(folder)), timeout=300), \
                 os.listdir(folder)
-            sids = {t: submission_id(Owner(dag_id="reaper_orphan", run_id=run_id, task_id=t, try_number=1))
-                    for t in ("hold", "live")}
+            sids = {t: task_job_id(cluster, "reaper_orphan", run_id, t) for t in ("hold", "live")}
             ti = api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/hold").json()
             _kill_worker_of(ti["id"])
 
