@@ -4,8 +4,9 @@ Subclasses only say what capacity they want (`build_request`). Everything else i
 
 - literal request arguments are validated in ``__init__`` (so a bad ``tpu`` fails the DAG
   import), templated ones right after rendering, before anything is submitted;
-- the Ray submission id is derived from (dag, run, task, map index, try): running the same
-  try again reattaches to its job, and a new try first stops the previous try's job;
+- the Ray submission id holds the try's task-instance id (new for every try in Airflow 3): the
+  same try run again (a resumed deferral, a restarted worker) reattaches to its job, anything
+  else submits afresh; a new try first stops every earlier try's job that still runs;
 - the id goes to XCom before any waiting, for ``on_kill`` and the "Ray job" link;
 - the job's log is relayed line by line to the task log (by the trigger when deferred).
 """
@@ -29,14 +30,14 @@ from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError
 from rayslice.jobs_client import AsyncRayJobsClient
 from rayslice.step import Owner, StepSpec
-from rayslice.submission import LogFollower, submission_id, submit_step, wait_for_step
+from rayslice.submission import LogFollower, running_earlier_tries, submission_id, submit_step, wait_for_step
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
 __all__ = ["RayStepOperator", "is_templated"]
 
-#: How long a new try waits for the previous try's stopped job to end before giving up.
+#: How long a new try waits for the earlier tries' stopped jobs to end before giving up.
 PREVIOUS_TRY_STOP_TIMEOUT_S = 120.0
 
 
@@ -221,7 +222,7 @@ class RayStepOperator(BaseOperator):
         ti = context["ti"]
         map_index = ti.map_index if ti.map_index is not None else -1
         owner = Owner(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, map_index=map_index,
-                      try_number=ti.try_number)
+                      try_number=ti.try_number, ti_id=str(ti.id))
         return owner.model_copy(update={"submission_id": submission_id(owner)})
 
     def _spec(self, request: Any, owner: Owner, context: Context) -> StepSpec:
@@ -243,10 +244,9 @@ class RayStepOperator(BaseOperator):
         assert self._settings is not None
         async with self._settings.async_client() as client:
             if spec.owner.try_number > 1:
-                await self._stop_previous_try(client, spec.owner)
-            sid = await submit_step(client, spec)
-            self.log.info("[rayslice] submitted %s as Ray job %s: %s", spec.request, sid,
-                          self._settings.job_url(sid))
+                await self._stop_earlier_tries(client, spec.owner)
+            sid = await submit_step(client, spec, emit=self.log.info)
+            self.log.info("[rayslice] Ray job %s in the dashboard: %s", sid, self._settings.job_url(sid))
             if self.deferrable:
                 return None
             return await self._follow(client, sid)
@@ -256,30 +256,37 @@ class RayStepOperator(BaseOperator):
         return await wait_for_step(client, sid, emit=self.log.info, poll=self.poll_interval,
                                    unreachable_grace=UNREACHABLE_GRACE_S)
 
-    async def _stop_previous_try(self, client: AsyncRayJobsClient, owner: Owner) -> None:
-        """A retry must not run next to the try it replaces: stop that job and wait for its end."""
-        previous = submission_id(owner.model_copy(update={"try_number": owner.try_number - 1}))
-        try:
-            job = await client.get(previous)
-        except JobNotFoundError:
-            return
-        if job.is_terminal:
-            return
-        self.log.info("[rayslice] stopping Ray job %s of try %d before this try starts", previous,
-                      owner.try_number - 1)
-        await client.stop(previous)
+    async def _stop_earlier_tries(self, client: AsyncRayJobsClient, owner: Owner) -> None:
+        """A retry must not run next to the tries it replaces: stop every one still running, wait for their ends.
+
+        Not only try - 1: try 3 also stops try 1 when try 2 never got to submit. Earlier tries are
+        found by their jobs' metadata, since their ids hold task-instance ids this try cannot know.
+        """
+        tries = running_earlier_tries(await client.list_jobs(), owner)
+        for sid, try_number in sorted(tries.items(), key=lambda item: item[1]):
+            self.log.info("[rayslice] stopping Ray job %s of try %d before this try starts", sid, try_number)
+            await client.stop(sid)
+        waiting = dict(tries)
         deadline = time.monotonic() + PREVIOUS_TRY_STOP_TIMEOUT_S
-        while not job.is_terminal:
+        while waiting:
+            for sid, try_number in list(waiting.items()):
+                try:
+                    status = (await client.get(sid)).status
+                except JobNotFoundError:  # deleted meanwhile: it runs no more
+                    status = None
+                if status is None or status.is_terminal:
+                    del waiting[sid]
+                    self.log.info("[rayslice] Ray job %s of try %d is %s", sid, try_number,
+                                  status.value if status else "gone")
+            if not waiting:
+                return
             if time.monotonic() > deadline:
                 raise AirflowException(
-                    f"Ray job {previous} of the previous try is still {job.status.value} "
-                    f"{PREVIOUS_TRY_STOP_TIMEOUT_S:.0f} s after it was stopped; stop it in the Ray dashboard "
+                    f"Ray job(s) {', '.join(sorted(waiting))} of earlier tries still run "
+                    f"{PREVIOUS_TRY_STOP_TIMEOUT_S:.0f} s after they were stopped; stop them in the Ray dashboard "
                     "and retry the task"
                 )
             await asyncio.sleep(0.5)
-            job = await client.get(previous)
-        self.log.info("[rayslice] Ray job %s of try %d is %s", previous, owner.try_number - 1,
-                      job.status.value)
 
     def _relay_rest(self, sid: str, offset: int) -> None:
         follower = LogFollower(self.log.info)

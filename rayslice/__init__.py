@@ -15,6 +15,7 @@ from rayslice.exceptions import (
     RayUnreachableError,
     StepFailedError,
     StepTimeoutError,
+    SubmissionConflictError,
     UnsatisfiableRequestError,
 )
 from rayslice.step import Owner, StepSpec
@@ -35,6 +36,7 @@ __all__ = [
     "StepFailedError",
     "StepSpec",
     "StepTimeoutError",
+    "SubmissionConflictError",
     "TpuSliceRequest",
     "UnsatisfiableRequestError",
     "request_from_json",

@@ -12,6 +12,7 @@ Messages are composed by whoever raises.
      │    └── HostLostError(StepFailedError)
      │         └── PreemptedError(HostLostError)   the host's node died or was drained
      ├── StepTimeoutError(RaysliceError, TimeoutError)
+     ├── SubmissionConflictError(RaysliceError)   a submission id already taken by another submitter
      └── RayJobsError(RaysliceError)         status_code
           ├── RayUnreachableError(RayJobsError)
           ├── RayAuthError(RayJobsError)
@@ -69,6 +70,10 @@ class PreemptedError(HostLostError):
 
 class StepTimeoutError(RaysliceError, TimeoutError):
     """Raised when a running step exceeded its execution timeout."""
+
+
+class SubmissionConflictError(RaysliceError):
+    """Raised when a submission id is already taken by a job that another try or caller submitted."""
 
 
 class RayJobsError(RaysliceError):

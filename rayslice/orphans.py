@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 import httpx
 
+from rayslice import submission
 from rayslice.exceptions import RaysliceError
 from rayslice.jobs_client import AsyncRayJobsClient, JobDetails
 from rayslice.step import Owner
@@ -67,21 +68,21 @@ class AirflowTasks:
 
 def owner_of(job: JobDetails) -> Owner | None:
     """The Airflow task instance a rayslice job was submitted for (from the job's metadata)."""
-    meta = job.metadata or {}
-    if meta.get("rayslice") != "1" or not meta.get("dag_id"):
-        return None
-    try:
-        return Owner(dag_id=meta["dag_id"], run_id=meta.get("run_id", ""), task_id=meta.get("task_id", ""),
-                     map_index=int(meta.get("map_index", -1)), try_number=int(meta.get("try_number", 0)),
-                     submission_id=job.submission_id or "")
-    except ValueError:
-        return None
+    owner = submission.owner_of(job)
+    return owner if owner is not None and owner.dag_id else None
 
 
 def task_has_ended(owner: Owner, task_instance: dict[str, Any]) -> bool:
-    """Whether Airflow no longer follows this try: the instance finished, or a later try replaced it."""
+    """Whether Airflow no longer follows this try: the instance finished, or a later try replaced it.
+
+    A different task-instance id at the same try number is another instance altogether (the run was
+    deleted and created again): this try has ended too.
+    """
     later_try = task_instance.get("try_number")
     if isinstance(later_try, int) and later_try > owner.try_number:
+        return True
+    current_id = task_instance.get("id")
+    if owner.ti_id and current_id and str(current_id) != owner.ti_id:
         return True
     return task_instance.get("state") not in LIVE_TASK_STATES
 
@@ -117,13 +118,11 @@ async def stop_abandoned_jobs(client: AsyncRayJobsClient, airflow: AirflowTasks,
 
 async def sweep(client: AsyncRayJobsClient, *, dry_run: bool) -> list[dict[str, Any]]:
     """Run the cluster-side sweep (`rayslice.launcher.reaper`) as a Ray job; the orphans it reaped."""
-    from rayslice.submission import launcher_packages, wait_for_step
-
-    py_modules = [await client.ensure_package(package) for package in launcher_packages()]
+    py_modules = [await client.ensure_package(package) for package in submission.launcher_packages()]
     sid = await client.submit(SWEEP_ENTRYPOINT + (" --dry-run" if dry_run else ""),
                               submission_id=f"rayslice-reap-{time.time_ns()}",
                               runtime_env={"py_modules": py_modules}, metadata={"rayslice-reap": "1"})
-    return await wait_for_step(client, sid, emit=lambda line: None, poll=0.5)
+    return await submission.wait_for_step(client, sid, emit=lambda line: None, poll=0.5)
 
 
 async def reap(address: str, *, token: str | None = None, airflow_url: str | None = None,

@@ -23,7 +23,11 @@ ERROR_MARKER = "::rayslice-error::"
 
 
 class Owner(BaseModel):
-    """Who a reservation belongs to, so it can be traced back to its Airflow task (and reaped)."""
+    """Who a reservation belongs to, so it can be traced back to its Airflow task (and reaped).
+
+    `ti_id` is the Airflow task instance's id: Airflow 3 gives every try its own UUID, so it tells
+    one try apart from a re-created run's try of the same number, or another Airflow's.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -32,6 +36,7 @@ class Owner(BaseModel):
     task_id: str = ""
     map_index: int = -1
     try_number: int = 0
+    ti_id: str = ""
     submission_id: str = ""
 
 

@@ -12,8 +12,9 @@ import hashlib
 import io
 import re
 import time
+import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -22,17 +23,21 @@ from rayslice.exceptions import (
     CapacityTimeoutError,
     HostLostError,
     InvalidRequestError,
+    JobNotFoundError,
     PreemptedError,
     RaysliceError,
     RayUnreachableError,
     StepFailedError,
     StepTimeoutError,
+    SubmissionConflictError,
     UnsatisfiableRequestError,
 )
 from rayslice.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, zip_directory
 from rayslice.step import Owner, StepSpec, parse_error, parse_result
 
 ENTRYPOINT = "python -m rayslice.launcher spec.json"
+#: Ad-hoc steps (no Airflow task instance) get this prefix and a fresh UUID per submission.
+ADHOC_PREFIX = "rayslice-adhoc-"
 #: How long `wait_for_step` waits out an unreachable dashboard before it gives up on the job.
 UNREACHABLE_GRACE_S = 300.0
 _ERRORS: dict[str, type[RaysliceError]] = {
@@ -50,12 +55,86 @@ _ERRORS: dict[str, type[RaysliceError]] = {
 
 
 def submission_id(owner: Owner) -> str:
-    """Stable per (dag, run, task, map index, try): a resumed or restarted try reattaches to its job."""
+    """A Ray submission id that only the same submitter finds again.
+
+    An Airflow try's id holds a hash of its task-instance id, which Airflow 3 makes new for every
+    try: the same try (a resumed deferral, a restarted worker or triggerer) finds its own job again
+    and reattaches, while a re-created run reusing its run_id, or another Airflow on the same
+    cluster, gets an id of its own. Without a task-instance id (an ad-hoc step) every call gives a
+    fresh id; a caller that wants to reattach sets `owner.submission_id` itself.
+    """
+    if not owner.ti_id:
+        return f"{ADHOC_PREFIX}{uuid.uuid4().hex}"
     key = f"{owner.dag_id}\0{owner.run_id}\0{owner.task_id}\0{owner.map_index}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    ti_digest = hashlib.sha1(owner.ti_id.encode()).hexdigest()[:8]
     readable = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{owner.dag_id}--{owner.task_id}")[:80].strip("-")
     index = f"-m{owner.map_index}" if owner.map_index >= 0 else ""
-    return f"rayslice-{readable}{index}-{digest}-try{owner.try_number}"
+    return f"rayslice-{readable}{index}-{digest}-try{owner.try_number}-{ti_digest}"
+
+
+def owner_of(job: JobDetails) -> Owner | None:
+    """The owner a rayslice job was submitted for, read back from its metadata; None for other jobs."""
+    meta = job.metadata or {}
+    if meta.get("rayslice") != "1":
+        return None
+    try:
+        return Owner(dag_id=meta.get("dag_id", ""), run_id=meta.get("run_id", ""), task_id=meta.get("task_id", ""),
+                     map_index=int(meta.get("map_index", -1)), try_number=int(meta.get("try_number", 0)),
+                     ti_id=meta.get("ti_id", ""), submission_id=job.submission_id or "")
+    except ValueError:
+        return None
+
+
+def jobs_of_task(jobs: Iterable[JobDetails], owner: Owner) -> list[JobDetails]:
+    """The rayslice jobs of `owner`'s (dag, run, task, map index), of every try and status.
+
+    Found by metadata, not by id: ids hold each try's task-instance id, which only that try knows.
+    """
+    return [job for job, _ in _with_task_owners(jobs, owner)]
+
+
+def running_earlier_tries(jobs: Iterable[JobDetails], owner: Owner) -> dict[str, int]:
+    """Submission id -> try number of each still-running job of `owner`'s task from a try before its own."""
+    return {job.submission_id or "": theirs.try_number for job, theirs in _with_task_owners(jobs, owner)
+            if not job.is_terminal and theirs.try_number < owner.try_number and job.submission_id}
+
+
+def _with_task_owners(jobs: Iterable[JobDetails], owner: Owner) -> list[tuple[JobDetails, Owner]]:
+    task = (owner.dag_id, owner.run_id, owner.task_id, owner.map_index)
+    found = []
+    for job in jobs:
+        theirs = owner_of(job)
+        if theirs is not None and theirs.dag_id and (theirs.dag_id, theirs.run_id, theirs.task_id,
+                                                     theirs.map_index) == task:
+            found.append((job, theirs))
+    return found
+
+
+def _identity(owner: Owner) -> tuple[str, str, str, int, int, str]:
+    return owner.dag_id, owner.run_id, owner.task_id, owner.map_index, owner.try_number, owner.ti_id
+
+
+def _describe(owner: Owner | None) -> str:
+    if owner is None:
+        return "a job that rayslice did not submit"
+    if not owner.dag_id:
+        return "an ad-hoc step" + (f" (task instance {owner.ti_id})" if owner.ti_id else "")
+    index = f"[{owner.map_index}]" if owner.map_index >= 0 else ""
+    return (f"Airflow task {owner.dag_id}.{owner.task_id}{index} of run {owner.run_id}, try {owner.try_number} "
+            f"(task instance {owner.ti_id or 'unknown'})")
+
+
+def _check_reattachable(job: JobDetails, owner: Owner) -> None:
+    """A job is reattached only by the submitter that made it: same owner, task-instance id included."""
+    theirs = owner_of(job)
+    if theirs is not None and _identity(theirs) == _identity(owner):
+        return
+    raise SubmissionConflictError(
+        f"Ray job {job.submission_id} already exists and belongs to {_describe(theirs)}, not to {_describe(owner)}: "
+        "only the submitter of a job reattaches to it. Leave the submission id empty to get a fresh one, "
+        "or choose an id that no job on this cluster has"
+    )
 
 
 @cache
@@ -78,16 +157,32 @@ def spec_package(spec: StepSpec) -> bytes:
     return buf.getvalue()
 
 
-async def submit_step(client: AsyncRayJobsClient, spec: StepSpec) -> str:
-    """Submit the step as a Ray job (or find the one already submitted under its id)."""
+async def submit_step(
+    client: AsyncRayJobsClient, spec: StepSpec, *, emit: Callable[[str], None] = print
+) -> str:
+    """Submit the step as a Ray job, or reattach to the job this same try (or caller) submitted before.
+
+    The job's metadata names its owner, task-instance id included; that is what decides whether an
+    existing job of the same id may be reattached (see `submission_id`). Returns the submission id.
+    """
     if not spec.owner.submission_id:
         owner = spec.owner.model_copy(update={"submission_id": submission_id(spec.owner)})
         spec = spec.model_copy(update={"owner": owner})
     sid = spec.owner.submission_id
+    try:
+        existing: JobDetails | None = await client.get(sid)
+    except JobNotFoundError:
+        existing = None
+    if existing is not None:
+        _check_reattachable(existing, spec.owner)
+        submitter = "this try" if spec.owner.ti_id else "this caller"
+        emit(f"[rayslice] reattaching to Ray job {sid} that {submitter} submitted ({existing.status.value})")
+        return sid
     py_modules = [await client.ensure_package(package) for package in launcher_packages()]
     working_dir = await client.ensure_package(spec_package(spec))
     owner = spec.owner.model_dump(mode="json")
-    return await client.submit(
+    # Idempotent by id: a retried POST whose first answer was lost finds its own job.
+    await client.submit(
         ENTRYPOINT,
         submission_id=sid,
         # Every host's lines in the task log, not Ray's "[repeated 3x across cluster]" digest.
@@ -98,6 +193,8 @@ async def submit_step(client: AsyncRayJobsClient, spec: StepSpec) -> str:
         },
         metadata={"rayslice": "1", "request": str(spec.request), **{k: str(v) for k, v in owner.items()}},
     )
+    emit(f"[rayslice] submitted {spec.request} as Ray job {sid}")
+    return sid
 
 
 class LogFollower:
@@ -171,11 +268,22 @@ async def wait_for_step(
 
 
 async def run_step_job(
-    address: str, spec: StepSpec, *, token: str | None = None, emit: Callable[[str], None] = print
+    address: str,
+    spec: StepSpec,
+    *,
+    token: str | None = None,
+    emit: Callable[[str], None] = print,
+    submission_id: str | None = None,
 ) -> Any:
-    """Submit, follow and return: the whole round trip, for the CLI and non-deferred operators."""
+    """Submit, follow and return: the whole round trip, for the CLI and non-deferred operators.
+
+    Each call runs the step afresh, unless `submission_id` (or `spec.owner.submission_id`) names a
+    job this caller submitted before: then it follows that job to its result.
+    """
+    if submission_id:
+        spec = spec.model_copy(update={"owner": spec.owner.model_copy(update={"submission_id": submission_id})})
     async with AsyncRayJobsClient(address, token=token) as client:
-        sid = await submit_step(client, spec)
+        sid = await submit_step(client, spec, emit=emit)
         try:
             return await wait_for_step(client, sid, emit=emit)
         except asyncio.CancelledError:

@@ -93,6 +93,12 @@ def xcom_values(dag_run, task_id: str, key: str = "return_value") -> list:
         return [XComModel.deserialize_value(r) for r in sorted(rows, key=lambda r: r.map_index)]
 
 
+def task_instance(dag_run, task_id: str, map_index: int = -1):
+    """The task instance as the metadata DB holds it now: its `id` is the current try's."""
+    [ti] = [ti for ti in dag_run.get_task_instances() if ti.task_id == task_id and ti.map_index == map_index]
+    return ti
+
+
 def task_states(dag_run) -> dict[str, str]:
     return {f"{ti.task_id}[{ti.map_index}]" if ti.map_index >= 0 else ti.task_id: str(ti.state)
             for ti in dag_run.get_task_instances()}

@@ -27,7 +27,7 @@ from rayslice.airflow_stack import AirflowStack
 from rayslice.exceptions import RaysliceError
 from rayslice.jobs_client import JobStatus, RayJobsClient
 from rayslice.step import Owner
-from rayslice.submission import submission_id
+from rayslice.submission import jobs_of_task
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 
 DAGS = Path(__file__).with_name("dags")
@@ -79,7 +79,8 @@ def test_a_deferred_step_waits_for_capacity_then_completes(airflow, api, jobs, r
     try:
         run = _trigger(api, "lc_wait")
         _wait_state(api, "lc_wait", run, {"deferred"}, STEP_START_S)
-        sid = _sid("lc_wait", run)
+        sid = _sid(jobs, "lc_wait", run)
+        assert sid, f"lc_wait/{run} is deferred but no Ray job of it is listed"
         # Parked: the task is in the triggerer, its job waits for the slice we hold, for as long as we hold it.
         assert wait_until(lambda: "waiting for capacity" in jobs.logs(sid), timeout=60, interval=0.5), jobs.logs(sid)
         for _ in range(10):  # 5 s, ten trigger polls
@@ -154,8 +155,8 @@ def test_a_retry_resubmits_exactly_once(airflow, api, jobs):
     ti = _wait_state(api, "lc_retry", run, {"success", "failed"}, 240)
     assert ti["state"] == "success" and ti["try_number"] == 2, _diagnose(airflow, api, "lc_retry", run)
     assert _xcom(api, "lc_retry", run) == ["try 2"]
-    ours = {j.submission_id: j.status for j in jobs.list_jobs() if (j.metadata or {}).get("run_id") == run}
-    assert ours == {_sid("lc_retry", run, 1): JobStatus.FAILED, _sid("lc_retry", run, 2): JobStatus.SUCCEEDED}
+    ours = sorted((int((j.metadata or {})["try_number"]), j.status) for j in _jobs(jobs, "lc_retry", run))
+    assert ours == [(1, JobStatus.FAILED), (2, JobStatus.SUCCEEDED)]
 
 
 # ---------------------------------------------------------------- helpers
@@ -165,8 +166,17 @@ def _tpu_free(ray_driver) -> bool:
     return ray_driver.available_resources().get("TPU", 0) == TOTAL_TPU_CHIPS
 
 
-def _sid(dag_id: str, run: str, try_number: int = 1) -> str:
-    return submission_id(Owner(dag_id=dag_id, run_id=run, task_id="step", try_number=try_number))
+def _jobs(jobs: RayJobsClient, dag_id: str, run: str) -> list:
+    """The run's step jobs, every try: found by metadata, since ids hold each try's task-instance id."""
+    return jobs_of_task(jobs.list_jobs(), Owner(dag_id=dag_id, run_id=run, task_id="step"))
+
+
+def _sid(jobs: RayJobsClient, dag_id: str, run: str, try_number: int = 1) -> str | None:
+    """The submission id of one try's job; None before that try submitted it."""
+    found = [j.submission_id for j in _jobs(jobs, dag_id, run)
+             if (j.metadata or {}).get("try_number") == str(try_number)]
+    assert len(found) <= 1, f"{dag_id}/{run} try {try_number} has several jobs: {found}"
+    return found[0] if found else None
 
 
 def _get(api: httpx.Client, path: str) -> dict | None:
@@ -197,17 +207,21 @@ def _wait_state(api: httpx.Client, dag_id: str, run: str, states: set[str], time
 
 def _wait_holding(airflow, api, jobs, ray_driver, dag_id: str, run: str, states: set[str]) -> str:
     """Wait until the step runs on its slice (chips held) while the task is in one of `states`."""
-    sid = _sid(dag_id, run)
+    sids: list[str] = []
 
     def holding() -> bool:
         try:
-            started = "running on" in jobs.logs(sid)
+            sid = _sid(jobs, dag_id, run)
+            started = sid is not None and "running on" in jobs.logs(sid)
         except RaysliceError:
+            return False
+        if not started:
             return False  # not submitted yet
-        return started and not _tpu_free(ray_driver) and _ti(api, dag_id, run)["state"] in states
+        sids[:] = [sid]
+        return not _tpu_free(ray_driver) and _ti(api, dag_id, run)["state"] in states
 
     assert wait_until(holding, timeout=STEP_START_S, interval=0.5), _diagnose(airflow, api, dag_id, run)
-    return sid
+    return sids[0]
 
 
 def _mark_failed(api: httpx.Client, dag_id: str, run: str) -> None:

@@ -86,7 +86,9 @@ def hold_until_released(folder: str, name: str):
 
 
 def _owner(task_id: str) -> Owner:
-    owner = Owner(dag_id="faults", run_id=f"r{time.time_ns()}", task_id=task_id, try_number=1)
+    """An Airflow-like try (its own task-instance id), with the submission id it will get."""
+    owner = Owner(dag_id="faults", run_id=f"r{time.time_ns()}", task_id=task_id, try_number=1,
+                  ti_id=str(uuid.uuid4()))
     return owner.model_copy(update={"submission_id": submission_id(owner)})
 
 
@@ -430,7 +432,6 @@ def _run_jobs(cluster, run: str) -> list:
 def test_a_triggerer_crash_mid_step_neither_resubmits_nor_loses_the_step(token_cluster, airflow, api, tmp_path):
     dag_id = "faults_triggerer_restart"
     run = _trigger(api, dag_id, {"folder": str(tmp_path)})
-    sid = submission_id(Owner(dag_id=dag_id, run_id=run, task_id="step", try_number=1))
     held = wait_until(lambda: (tmp_path / "started").exists() and _ti(api, dag_id, run, "step")["state"] == "deferred",
                       timeout=STEP_START_S, interval=0.5)
     assert held, f"step not deferred and holding its slice: {_ti(api, dag_id, run, 'step')}"
@@ -446,7 +447,9 @@ def test_a_triggerer_crash_mid_step_neither_resubmits_nor_loses_the_step(token_c
     print(f"\n[faults] triggerer SIGKILLed and restarted; step released -> task {ti['state']} in {took:.1f} s")
     assert ti["state"] == "success" and ti["try_number"] == 1, (ti, _task_log(airflow, dag_id, run))
     assert _xcom(api, dag_id, run, "step") == ["released"]  # one entry per host
-    assert [(j.submission_id, j.status) for j in _run_jobs(token_cluster, run)] == [(sid, JobStatus.SUCCEEDED)]
+    ours = [(j.submission_id, j.status) for j in _run_jobs(token_cluster, run)]
+    assert len(ours) == 1 and ours[0][1] == JobStatus.SUCCEEDED, ours  # one job: the new triggerer resubmitted nothing
+    sid = ours[0][0]
     assert wait_until(lambda: _token_chips_free(token_cluster)
                       and not leftovers(token_cluster.dashboard_url, token_cluster.token, sid), timeout=FAULT_BOUND_S)
 

@@ -12,16 +12,19 @@ import signal
 import textwrap
 import threading
 import time
+import uuid
 from datetime import UTC, datetime
 
 import pytest
 from rayslice.operators.step import is_templated
 from rayslice.operators.tpu_slice import TpuSliceOperator
 
-from rayslice.jobs_client import JobStatus, RayJobsClient
+from rayslice.accelerators import AcceleratorRequest
+from rayslice.exceptions import SubmissionConflictError
+from rayslice.jobs_client import AsyncRayJobsClient, JobStatus, RayJobsClient
 from rayslice.step import Owner, StepSpec
-from rayslice.submission import submission_id, submit_step
-from tests.airflow_env import load_dag_file, task_states, write_dag_file, xcom_values
+from rayslice.submission import jobs_of_task, submission_id, submit_step, wait_for_step
+from tests.airflow_env import load_dag_file, task_instance, task_states, write_dag_file, xcom_values
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 
 # A loaded 2-core machine can slow a multi-host step several-fold: a guard, not a budget.
@@ -50,9 +53,10 @@ DAGS = textwrap.dedent(
         time.sleep(120)  # the peers are cancelled as soon as host 1 fails
 
 
-    def crash_first_try(context):
-        if context["ti"].try_number == 1:
-            raise RuntimeError("simulated crash of the worker running try 1")
+    def crash_before_try_3(context):
+        try_number = context["ti"].try_number
+        if try_number < 3:
+            raise RuntimeError(f"simulated crash of the worker running try {try_number}")
 
 
     def token():
@@ -75,8 +79,11 @@ DAGS = textwrap.dedent(
 
     with DAG("rt_retry", schedule=None, start_date=START):
         AcceleratorOperator(task_id="step", accelerator="GPU", count=0.25, python_callable=token,
-                            retries=1, retry_delay=timedelta(0), pre_execute=crash_first_try,
+                            retries=2, retry_delay=timedelta(0), pre_execute=crash_before_try_3,
                             deferrable=True, poll_interval=0.5)
+
+    with DAG("rt_rerun", schedule=None, start_date=START):
+        AcceleratorOperator(task_id="step", accelerator="GPU", count=0.25, python_callable=token, poll_interval=0.5)
 
     with DAG("rt_kill", schedule=None, start_date=START):
         TpuSliceOperator(task_id="sleep", tpu="v6e-16", python_callable=sleep_long, poll_interval=0.5)
@@ -107,9 +114,16 @@ def jobs(ray_default):
         yield client
 
 
-def sid_of(dag_run, task_id: str, try_number: int) -> str:
-    return submission_id(Owner(dag_id=dag_run.dag_id, run_id=dag_run.run_id, task_id=task_id,
-                               try_number=try_number))
+def task_jobs(jobs: RayJobsClient, dag_id: str, run_id: str, task_id: str) -> list:
+    """Every rayslice job of a task instance, any try: found by metadata, as ids hold each try's TI id."""
+    return jobs_of_task(jobs.list_jobs(), Owner(dag_id=dag_id, run_id=run_id, task_id=task_id))
+
+
+def owner_of_ti(dag_run, task_id: str) -> Owner:
+    """The Owner the operator builds for the task instance's current try."""
+    ti = task_instance(dag_run, task_id)
+    return Owner(dag_id=dag_run.dag_id, run_id=dag_run.run_id, task_id=task_id, try_number=ti.try_number,
+                 ti_id=str(ti.id))
 
 
 def test_templated_values_are_checked_at_run_time_not_parse_time():
@@ -123,7 +137,7 @@ def test_a_bad_rendered_value_fails_before_anything_is_submitted(dags, jobs, cap
     out = capfd.readouterr().out
     assert task_states(dr) == {"step": "failed"}
     assert "'v6e-15' is not a v6e slice" in out
-    assert sid_of(dr, "step", 1) not in {j.submission_id for j in jobs.list_jobs()}
+    assert task_jobs(jobs, "rt_templated", dr.run_id, "step") == []
 
 
 def test_a_failing_host_fails_the_task_with_its_error(dags, jobs, ray_default, capfd):
@@ -132,59 +146,96 @@ def test_a_failing_host_fails_the_task_with_its_error(dags, jobs, ray_default, c
     assert task_states(dr) == {"fail": "failed"}
     assert "step failed on v6e-16-" in out and "/host1 (slice 0, worker 1" in out
     assert "RuntimeError: boom on host 1" in out
-    sid = sid_of(dr, "fail", 1)
+    sid = submission_id(owner_of_ti(dr, "fail"))  # the id holds the try's task-instance id, set under dag.test()
+    assert sid.endswith("-try1-" + sid.rsplit("-", 1)[1]) and "rayslice-adhoc" not in sid
     assert xcom_values(dr, "fail", key="ray_submission_id") == [sid]
     assert xcom_values(dr, "fail", key="_link_RayJobLink") == [f"{ray_default.dashboard_url}/#/jobs/{sid}"]
-    assert jobs.get(sid_of(dr, "fail", 1)).status == JobStatus.FAILED
+    assert jobs.get(sid).status == JobStatus.FAILED
 
 
-async def _submit_as_try_1_async(cluster, dag_run_owner: Owner) -> str:
-    from rayslice.accelerators import AcceleratorRequest
-    from rayslice.jobs_client import AsyncRayJobsClient
-
-    spec = StepSpec.for_function(sleeper, request=AcceleratorRequest(resource="GPU", count=0.25),
-                                 owner=dag_run_owner)
+async def _submit(cluster, owner: Owner, fn=sleeper, emit=print) -> str:
+    spec = StepSpec.for_function(fn, request=AcceleratorRequest(resource="GPU", count=0.25), owner=owner)
     async with AsyncRayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
-        return await submit_step(client, spec)
+        return await submit_step(client, spec, emit=emit)
 
 
-def test_a_retry_stops_the_previous_try_and_a_rerun_reattaches(dags, jobs, ray_default):
+def test_a_retry_stops_every_earlier_try_that_still_runs(dags, jobs, ray_default, capfd):
+    """Try 1's job outlived its worker; try 2 crashed before submitting; try 3 stops try 1's job, then runs."""
     dag = dags["rt_retry"]
-    when = datetime.now(UTC)  # fixed run_after: both runs below get the same run_id
+    when = datetime.now(UTC)  # fixed run_after: we know the run_id before the run exists
     run_id = f"manual__{when.isoformat()}"
-    try1 = asyncio.run(_submit_as_try_1_async(ray_default, Owner(dag_id="rt_retry", run_id=run_id, task_id="step",
-                                                                 try_number=1)))
+    try1 = asyncio.run(_submit(ray_default, Owner(dag_id="rt_retry", run_id=run_id, task_id="step", try_number=1,
+                                                  ti_id=str(uuid.uuid4()))))
     assert wait_until(lambda: jobs.get(try1).status == JobStatus.RUNNING, timeout=60)
 
-    # try 1's worker "crashes" (pre_execute), Airflow retries: try 2 stops try 1's job, then submits.
-    dr = dag.test(logical_date=when, run_after=when)
+    dr = dag.test(logical_date=when, run_after=when)  # tries 1 and 2 crash in pre_execute
+    out = capfd.readouterr().out
     assert dr.run_id == run_id and task_states(dr) == {"step": "success"}
-    try2 = sid_of(dr, "step", 2)
-    first, second = jobs.get(try1), jobs.get(try2)
-    assert first.status == JobStatus.STOPPED
-    assert first.end_time <= second.start_time
-    [result] = xcom_values(dr, "step")
+    assert task_instance(dr, "step").try_number == 3
+    [try3] = xcom_values(dr, "step", key="ray_submission_id")
+    assert try3 == submission_id(owner_of_ti(dr, "step"))
+    first, third = jobs.get(try1), jobs.get(try3)
+    assert first.status == JobStatus.STOPPED and third.status == JobStatus.SUCCEEDED
+    assert first.end_time <= third.start_time
+    assert f"stopping Ray job {try1} of try 1 before this try starts" in out
+    assert sorted(j.submission_id for j in task_jobs(jobs, "rt_retry", run_id, "step")) == sorted([try1, try3])
 
-    # The same try again (a restarted worker): it reattaches to its finished job, no new job.
-    dr = dag.test(logical_date=when, run_after=when)
-    assert task_states(dr) == {"step": "success"}
-    assert xcom_values(dr, "step") == [result]
-    ids = [j.submission_id for j in jobs.list_jobs()]
-    assert ids.count(try1) == 1 and ids.count(try2) == 1
+
+def test_a_recreated_run_runs_its_own_step_and_only_the_same_try_reattaches(dags, jobs, ray_default, capfd):
+    dag = dags["rt_rerun"]
+    when = datetime.now(UTC)
+    first = dag.test(logical_date=when, run_after=when)
+    [first_result] = xcom_values(first, "step")
+    [first_sid] = xcom_values(first, "step", key="ray_submission_id")
+
+    # dag.test() again with the same logical date deletes the run and creates it again: the same run_id
+    # and try 1 again, but a new task instance, so it runs its own step instead of inheriting the old result.
+    second = dag.test(logical_date=when, run_after=when)
+    out = capfd.readouterr().out
+    assert second.run_id == first.run_id and task_states(second) == {"step": "success"}
+    [second_result] = xcom_values(second, "step")
+    [second_sid] = xcom_values(second, "step", key="ray_submission_id")
+    assert second_sid != first_sid and second_result["token"] != first_result["token"]
+    assert f"[rayslice] submitted GPU x0.25 as Ray job {second_sid}" in out and "reattaching" not in out
+    ours = {j.submission_id: j.status for j in task_jobs(jobs, "rt_rerun", second.run_id, "step")}
+    assert ours == {first_sid: JobStatus.SUCCEEDED, second_sid: JobStatus.SUCCEEDED}
+
+    # The same try submitted again (a worker running it once more): it reattaches to its own job and
+    # gets that job's result; the step given here never runs.
+    owner = owner_of_ti(second, "step")
+    lines: list[str] = []
+
+    async def submit_again() -> tuple[str, object]:
+        spec = StepSpec.for_function(sleeper, request=AcceleratorRequest(resource="GPU", count=0.25), owner=owner)
+        async with AsyncRayJobsClient(ray_default.dashboard_url, token=ray_default.token) as client:
+            sid = await submit_step(client, spec, emit=lines.append)
+            return sid, await wait_for_step(client, sid, emit=lines.append)
+
+    assert asyncio.run(submit_again()) == (second_sid, second_result)
+    assert lines[0] == f"[rayslice] reattaching to Ray job {second_sid} that this try submitted (SUCCEEDED)"
+    assert len(task_jobs(jobs, "rt_rerun", second.run_id, "step")) == 2
+
+    # Another task instance naming that id is refused, not handed this try's result.
+    stranger = owner.model_copy(update={"ti_id": str(uuid.uuid4()), "submission_id": second_sid})
+    with pytest.raises(SubmissionConflictError, match=f"Ray job {second_sid} already exists and belongs to "
+                                                      "Airflow task rt_rerun.step of run"):
+        asyncio.run(_submit(ray_default, stranger))
+    assert len(task_jobs(jobs, "rt_rerun", second.run_id, "step")) == 2
 
 
 def test_on_kill_stops_the_job_and_frees_every_chip(dags, jobs, ray_driver, capfd):
     """SIGTERM to the task process (what Airflow sends to kill a task) runs on_kill."""
     dag = dags["rt_kill"]
     when = datetime.now(UTC)
-    sid = submission_id(Owner(dag_id="rt_kill", run_id=f"manual__{when.isoformat()}", task_id="sleep",
-                              try_number=1))
+    run_id = f"manual__{when.isoformat()}"
     killed = threading.Event()
+    sids: list[str] = []
 
     def kill_when_running():
         def running():
             try:
-                return "sleeping" in jobs.logs(sid)
+                sids[:] = [j.submission_id for j in task_jobs(jobs, "rt_kill", run_id, "sleep")]
+                return len(sids) == 1 and "sleeping" in jobs.logs(sids[0])
             except Exception:
                 return False
 
@@ -203,6 +254,7 @@ def test_on_kill_stops_the_job_and_frees_every_chip(dags, jobs, ray_driver, capf
     stopped_at = time.monotonic()
     assert killed.is_set(), capfd.readouterr().out[-3000:]
     assert task_states(dr) == {"sleep": "failed"}
+    [sid] = sids
     assert wait_until(lambda: jobs.get(sid).status == JobStatus.STOPPED, timeout=5)
     free = wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=5)
     assert free, f"TPU chips still busy {time.monotonic() - stopped_at:.1f} s after on_kill"
