@@ -545,6 +545,7 @@ class Report:
             f"# {self.name}",
             "",
             f"- command: `{command}`",
+            f"- commit: {commit()}",
             f"- date: {self.started:%Y-%m-%d %H:%M %Z} ({(finished - self.started).total_seconds():.0f} s)",
             f"- machine: {machine()}",
             f"- load average (1, 5, 15 min): {self.load_start} at start, {loadavg()} at end",
@@ -558,6 +559,15 @@ class Report:
         path.write_text(body)
         log(f"wrote {path.relative_to(ROOT)}")
         return path
+
+
+def commit() -> str:
+    """The commit measured, and whether the working tree differed from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True)
+    name = head.stdout.strip() or "unknown"
+    return f"{name} (with uncommitted changes)" if dirty.stdout.strip() else name
 
 
 @contextlib.contextmanager

@@ -1,8 +1,12 @@
 """A daily pipeline: prepare on the worker, train on a TPU slice, evaluate on a quarter GPU, report.
 
 The trigger form chooses the slice type (``tpu="{{ params.slice_type }}"`` is rendered, then
-validated, before anything is submitted) and the learning rate, which the steps read
-from the ``params`` context key.
+validated, before anything is submitted), the learning rate and the number of steps, which the
+steps read from the ``params`` context key.
+
+Training checkpoints with orbax into the step's ``checkpoint_dir`` and resumes from it after a
+preemption (``preemption_retries=1``) or an Airflow retry; XCom carries only the checkpoint's
+URL to the evaluation step, which restores it on a quarter GPU.
 """
 
 from __future__ import annotations
@@ -15,32 +19,114 @@ from airflow.sdk import Param, dag, task
 SLICE_TYPES = ["v6e-4", "v6e-8", "v6e-16", "v6e-32"]
 
 
-def fit(dataset: dict, learning_rate: float, steps: int) -> float:
-    """Plain gradient descent on y = x @ w, data-parallel over every device of the slice."""
+#: The weights the synthetic data is drawn from; evaluation reports how close training got.
+TRUE_WEIGHTS = [1.0, 2.0, 3.0, 4.0]
+
+
+def batch(dataset: dict, step: int, rows: int, process: int):
+    """This process's share of step `step`'s batch: a function of (seed, step, process) only.
+
+    So a run resumed from a checkpoint at step N sees exactly the batches an uninterrupted
+    run sees from step N on, and ends with the same parameters.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([dataset["seed"], step, process])
+    x = rng.normal(size=(rows, dataset["features"])).astype(np.float32)
+    return x, x @ np.asarray(TRUE_WEIGHTS[: dataset["features"]], dtype=np.float32)
+
+
+def fit(dataset: dict, learning_rate: float, steps: int, checkpoint_every: int = 2,
+        seconds_per_step: float = 0.0) -> dict:
+    """Gradient descent on y = x @ w, data-parallel over every device of the slice, checkpointed with orbax.
+
+    Every `checkpoint_every` steps (and at the end) the parameters go to the step's
+    `checkpoint_dir` (`rayslice.get_step_context()`); a start that finds a checkpoint there
+    (a preemption retry, an Airflow retry) resumes from the newest complete one.
+    """
+    import time
+
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from rayslice import get_step_context
+
+    context = get_step_context()
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rows = dataset["rows_per_device"] * jax.local_device_count()
-    rng = np.random.default_rng(dataset["seed"] + jax.process_index())
-    x_local = rng.normal(size=(rows, dataset["features"])).astype(np.float32)
-    y_local = x_local @ np.ones(dataset["features"], dtype=np.float32)
-    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), x_local)
-    y = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), y_local)
+    by_row, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+
+    def global_batch(i: int):
+        x, y = batch(dataset, i, rows, jax.process_index())
+        return (jax.make_array_from_process_local_data(by_row, x),
+                jax.make_array_from_process_local_data(by_row, y))
+
+    def loss_of(w, x, y):
+        return jnp.mean((x @ w - y) ** 2)
 
     @jax.jit
-    def step(w, x, y):  # the global arrays are arguments: a jit may not close over non-local shards
-        loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    def train_step(w, x, y):  # the global arrays are arguments: a jit may not close over non-local shards
+        loss, grad = jax.value_and_grad(loss_of)(w, x, y)
         return w - learning_rate * grad, loss
 
-    w = jnp.zeros(dataset["features"])
-    for i in range(steps):
-        w, loss = step(w, x, y)
-        print(f"step {i}: loss {float(loss):.4f}", flush=True)
-    return float(loss)
+    w = jax.device_put(jnp.zeros(dataset["features"], dtype=jnp.float32), replicated)
+    manager = None
+    start = 0
+    if context.checkpoint_path:
+        manager = ocp.CheckpointManager(
+            context.checkpoint_path,
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False),
+        )
+        if manager.latest_step() is not None:  # only complete checkpoints count; half-written ones are ignored
+            start = manager.latest_step()
+            w = manager.restore(start, args=ocp.args.StandardRestore({"w": w}))["w"]
+            print(f"resumed from step {start} (preemption attempt {context.preemption_attempt}, "
+                  f"try {context.try_number})", flush=True)
+    for i in range(start, steps):
+        w, loss = train_step(w, *global_batch(i))
+        print(f"step {i}: loss {float(loss):.6f}", flush=True)
+        if manager and (i + 1) % checkpoint_every == 0:
+            manager.save(i + 1, args=ocp.args.StandardSave({"w": w}))
+        time.sleep(seconds_per_step)
+    if manager:
+        if manager.latest_step() != steps:
+            manager.save(steps, args=ocp.args.StandardSave({"w": w}), force=True)
+        manager.wait_until_finished()
+    final = float(jax.jit(loss_of)(w, *global_batch(steps)))
+    return {
+        "loss": final,
+        "weights": [float(v) for v in np.asarray(jax.device_get(w))],
+        "checkpoint": f"{context.checkpoint_dir}/{steps}" if context.checkpoint_dir else None,
+    }
+
+
+def evaluate_checkpoint(checkpoint: str, dataset: dict) -> dict:
+    """Restore the trained parameters from storage (orbax) on this one device and score them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from rayslice import as_path
+
+    if not checkpoint:
+        raise ValueError("training wrote no checkpoint: this pipeline hands the model over through storage, so give "
+                         "the cluster a checkpoint root (RAYSLICE_CHECKPOINT_ROOT, the `ray` connection's "
+                         "'checkpoint_root' extra, or checkpoint_root= on the task)")
+    device = jax.devices()[0]
+    target = {"w": jax.ShapeDtypeStruct((dataset["features"],), jnp.float32,
+                                        sharding=jax.sharding.SingleDeviceSharding(device))}
+    w = ocp.StandardCheckpointer().restore(f"{as_path(checkpoint)}/default", target)["w"]
+    x, y = batch(dataset, step=10**6, rows=256, process=0)  # held out: no training step draws it
+    return {
+        "checkpoint": checkpoint,
+        "heldout_loss": float(jnp.mean((jnp.asarray(x) @ w - jnp.asarray(y)) ** 2)),
+        "weight_error": float(np.max(np.abs(np.asarray(w) - np.asarray(TRUE_WEIGHTS[: dataset["features"]])))),
+    }
 
 
 @dag(
@@ -53,6 +139,7 @@ def fit(dataset: dict, learning_rate: float, steps: int) -> float:
         "slice_type": Param("v6e-4", enum=SLICE_TYPES, title="TPU slice type",
                             description="The slice the training step reserves."),
         "learning_rate": Param(0.1, type="number", minimum=0.0001, maximum=1.0, title="Learning rate"),
+        "steps": Param(6, type="integer", minimum=1, maximum=1000, title="Training steps"),
     },
 )
 def training_pipeline():
@@ -60,22 +147,23 @@ def training_pipeline():
     def prepare() -> dict:
         return {"features": 4, "rows_per_device": 8, "seed": 0}
 
-    @task.tpu_slice(tpu="{{ params.slice_type }}")
-    def train(dataset: dict, params: dict | None = None) -> float:
-        return fit(dataset, float(params["learning_rate"]), steps=3)
+    @task.tpu_slice(tpu="{{ params.slice_type }}", preemption_retries=1)
+    def train(dataset: dict, params: dict | None = None) -> dict:
+        return fit(dataset, float(params["learning_rate"]), steps=int(params["steps"]))
 
     @task.ray_accelerator(accelerator="GPU", count=0.25)
-    def evaluate(losses: list) -> dict:
-        import jax.numpy as jnp
-
-        return {"hosts": len(losses), "final_loss": float(jnp.mean(jnp.asarray(losses)))}
+    def evaluate(trained: list, dataset: dict) -> dict:  # one result per host; they agree
+        return {"hosts": len(trained), "train_loss": trained[0]["loss"],
+                **evaluate_checkpoint(trained[0]["checkpoint"], dataset)}
 
     @task
     def report(metrics: dict, params: dict | None = None) -> str:
         return (f"{params['slice_type']} trained on {metrics['hosts']} host(s) at "
-                f"lr={params['learning_rate']}: loss {metrics['final_loss']:.4f}")
+                f"lr={params['learning_rate']}: loss {metrics['train_loss']:.4f}, "
+                f"held-out loss {metrics['heldout_loss']:.4f} from {metrics['checkpoint']}")
 
-    report(evaluate(train(prepare())))
+    dataset = prepare()
+    report(evaluate(train(dataset), dataset))
 
 
 training_pipeline()

@@ -7,6 +7,7 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
   ``schema`` and the port from ``port``, as URI-style connections split them);
 - password: the cluster's auth token (``RAY_AUTH_MODE=token``), optional;
 - extras: ``verify`` (bool, or a CA bundle path) and ``headers`` (a dict), e.g. for a proxy;
+  ``checkpoint_root`` (a URL such as ``gs://bucket/ckpt``): where steps' checkpoint folders go;
   ``kuberay`` (a dict) names a KubeRay RayCluster instead of a host,
   ``{"namespace": "ml", "name": "rayslice", "in_cluster": true}`` or ``..., "kubeconfig": "/path"``:
   the dashboard URL is then looked up through the Kubernetes API (``rayslice.kuberay_client``)
@@ -44,6 +45,7 @@ class RayConnectionSettings:
     headers: dict[str, str] = field(default_factory=dict, repr=False)
     timeout: float = 10.0
     retries: int = 3
+    checkpoint_root: str | None = None  # extra ``checkpoint_root``: the steps' checkpoint folders live under it
 
     def _kwargs(self) -> dict[str, Any]:
         return {"token": self.token, "verify": self.verify, "headers": dict(self.headers),
@@ -135,7 +137,17 @@ def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int =
         headers=_headers(extra.get("headers")),
         timeout=timeout,
         retries=retries,
+        checkpoint_root=_checkpoint_root(extra.get("checkpoint_root")),
     )
+
+
+def _checkpoint_root(value: Any) -> str | None:
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str) or "://" not in value:
+        raise InvalidRequestError(f"the `ray` connection's extra 'checkpoint_root' must be a URL like "
+                                  f"'gs://bucket/checkpoints' or 'file:///shared/checkpoints', got {value!r}")
+    return value
 
 
 class RayHook(BaseHook):

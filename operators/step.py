@@ -69,11 +69,14 @@ class RayStepOperator(BaseOperator):
     :param step_timeout: seconds the step may run once started (None: no limit).
     :param preemption_retries: times the whole gang is retried on a fresh slice when a host's node is
         lost (preemption), separately from Airflow's ``retries`` (which also cover the step's own errors).
+    :param checkpoint_root: root URL of the step's checkpoint folder (``gs://…``, ``s3://…``, ``file://…``;
+        templated); else the `ray` connection's ``checkpoint_root`` extra, else the cluster's
+        ``RAYSLICE_CHECKPOINT_ROOT``. The step finds its folder in ``rayslice.get_step_context()``.
     :param deferrable: wait in the triggerer instead of holding a worker slot.
-    :param poll_interval: seconds between polls of the job's status and log.
+    :param poll_interval: seconds between polls of the job's status (its log is streamed as it is written).
     """
 
-    template_fields: Sequence[str] = ("entrypoint", "op_kwargs")
+    template_fields: Sequence[str] = ("entrypoint", "op_kwargs", "checkpoint_root")
     template_fields_renderers = {"op_kwargs": "py"}
     operator_extra_links = (RayJobLink(),)
     ui_color = "#e3f2fd"
@@ -90,6 +93,7 @@ class RayStepOperator(BaseOperator):
         capacity_timeout: float = 600,
         step_timeout: float | None = None,
         preemption_retries: int = 0,
+        checkpoint_root: str | None = None,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         poll_interval: float = 2,
         **kwargs: Any,
@@ -119,6 +123,8 @@ class RayStepOperator(BaseOperator):
         self.capacity_timeout = capacity_timeout
         self.step_timeout = step_timeout
         self.preemption_retries = preemption_retries
+        self.checkpoint_root = checkpoint_root
+        self._check_checkpoint_root(checkpoint_root)
         self.deferrable = deferrable
         self.poll_interval = poll_interval
         self._submission_id: str | None = None
@@ -151,12 +157,13 @@ class RayStepOperator(BaseOperator):
         try:
             request = self.build_request()  # the rendered values, before anything is submitted
             self._check_zone_offers(hook, request)
+            self._settings = hook.settings()
+            self._check_checkpoint_root(self.checkpoint_root)
         except InvalidRequestError as exc:
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
         owner = self._owner(context)
         spec = self._spec(request, owner, context)
         self._submission_id = sid = owner.submission_id
-        self._settings = hook.settings()
         context["ti"].xcom_push(key=SUBMISSION_ID_KEY, value=sid)
         try:
             result = _run_coroutine(self._submit_and_follow(spec))
@@ -173,6 +180,15 @@ class RayStepOperator(BaseOperator):
                 method_name="execute_complete",
             )
         return result
+
+    def _check_checkpoint_root(self, root: Any) -> None:
+        if root is None or is_templated(root):
+            return
+        if not isinstance(root, str) or "://" not in root:
+            raise InvalidRequestError(
+                f"checkpoint_root of {self.task_id!r} must be a URL like 'gs://bucket/checkpoints', "
+                f"'s3://bucket/checkpoints' or 'file:///shared/checkpoints', got {root!r}"
+            )
 
     def _check_zone_offers(self, hook: RayHook, request: Any) -> None:
         """A slice type the connection's Cloud TPU zone lacks fails here (optional `cloud_tpu` extra).
@@ -193,7 +209,8 @@ class RayStepOperator(BaseOperator):
         """Resume after the trigger: relay what the trigger did not, return the result or fail."""
         sid = event.get("submission_id") or self._owner(context).submission_id
         self._submission_id = sid
-        self._relay_rest(sid, int(event.get("log_offset") or 0))
+        if not event.get("log_complete"):  # the trigger relayed the whole log unless it says otherwise
+            self._relay_rest(sid, int(event.get("log_offset") or 0))
         if event.get("status") == "success":
             self.log.info("[rayslice] Ray job %s succeeded", sid)
             return event.get("result")
@@ -230,7 +247,8 @@ class RayStepOperator(BaseOperator):
             fields = {"request": request, "kwargs": self.step_kwargs(context), "owner": owner,
                       "capacity_timeout": float(self.capacity_timeout),
                       "step_timeout": None if self.step_timeout is None else float(self.step_timeout),
-                      "preemption_retries": self.preemption_retries}
+                      "preemption_retries": self.preemption_retries,
+                      "checkpoint_root": self.checkpoint_root or (self._settings and self._settings.checkpoint_root)}
             if self.entrypoint is not None:
                 spec = StepSpec(entrypoint=self.entrypoint, **fields)
             else:
@@ -289,11 +307,11 @@ class RayStepOperator(BaseOperator):
             await asyncio.sleep(0.5)
 
     def _relay_rest(self, sid: str, offset: int) -> None:
-        follower = LogFollower(self.log.info)
-        follower.seen = offset
+        follower = LogFollower(self.log.info, offset=offset)
         try:
             with RayHook(self.ray_conn_id).client() as client:
                 follower.feed(client.logs(sid))
+            follower.flush()
         except RaysliceError as exc:
             self.log.warning("[rayslice] could not read the rest of Ray job %s's log: %s", sid, exc)
 

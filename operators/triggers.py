@@ -1,8 +1,14 @@
 """The trigger that follows a deferred step's Ray job from the triggerer.
 
-It only polls: every call is awaited on the async Jobs client, each bounded by a
-client-side timeout, so one slow dashboard cannot stall the triggerer's event loop.
-Job log lines go to the trigger's logger, which Airflow 3 routes to the task's log.
+It polls the job's small status and streams its log over the dashboard's log-tail websocket
+(`rayslice.submission.JobFollow`): every call is awaited on the async Jobs client, each bounded
+by a timeout, so one slow dashboard cannot stall the triggerer's event loop. Job log lines go
+to the trigger's logger, which Airflow 3 routes to the task's log.
+
+`log_offset` (characters of the job's log) is where relaying starts: the operator defers with
+0, so a trigger restarted with the triggerer relays the log again from its start (lines the old
+triggerer relayed appear twice; none is lost). Events carry the offset relayed up to and
+`log_complete`, so `execute_complete` reads the log again only when the trigger could not finish it.
 
 `cleanup()` runs on every trigger exit, triggerer restarts included, so it never
 touches the job; `on_kill()` (Airflow 3.3+: the user marked the deferred task failed,
@@ -17,6 +23,7 @@ waits for its end, and reports `EXECUTION_TIMEOUT`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,8 +31,8 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from rayslice.hooks.ray import RayHook
 
-from rayslice.exceptions import JobNotFoundError, RaysliceError, RayUnreachableError
-from rayslice.submission import LogFollower, outcome
+from rayslice.exceptions import JobNotFoundError, RaysliceError
+from rayslice.submission import JobFollow, LogFollower
 
 __all__ = ["RayStepTrigger"]
 
@@ -36,7 +43,7 @@ EXECUTION_TIMEOUT = "ExecutionTimeout"
 
 
 class RayStepTrigger(BaseTrigger):
-    """Poll one Ray job to its end; yield ``{"status": "success"|"error", ...}`` once."""
+    """Follow one Ray job to its end; yield ``{"status": "success"|"error", ...}`` once."""
 
     def __init__(
         self,
@@ -74,46 +81,37 @@ class RayStepTrigger(BaseTrigger):
         return RayHook(self.ray_conn_id, timeout=min(10.0, self.call_timeout), retries=2)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        follower = LogFollower(self.log.info)
-        follower.seen = self.log_offset
+        lines = LogFollower(self.log.info, offset=self.log_offset)
         sid = self.submission_id
-        unreachable_since: float | None = None
         try:
             settings = await self._hook().asettings()
             async with settings.async_client() as client:
-                while True:
-                    try:
-                        job, log = await asyncio.wait_for(self._poll(client), self.call_timeout)
-                    except (RayUnreachableError, TimeoutError) as exc:
-                        unreachable_since = unreachable_since or time.monotonic()
-                        if time.monotonic() - unreachable_since > UNREACHABLE_GRACE_S:
-                            raise
-                        self.log.warning("Ray job %s: dashboard not answering (%s); still polling", sid, exc)
-                        await asyncio.sleep(self.poll_interval)
-                        continue
-                    unreachable_since = None
-                    follower.feed(log)
-                    if job.status.is_terminal:
-                        break
-                    if self.deadline is not None and time.time() >= self.deadline:
-                        await self._stop_at_deadline(client)
-                        yield self._event("error", follower.seen, error_type=EXECUTION_TIMEOUT,
-                                          message=f"Ray job {sid} stopped: the task's execution_timeout passed")
-                        return
-                    pause = self.poll_interval
-                    if self.deadline is not None:
-                        pause = max(0.0, min(pause, self.deadline - time.time()))
-                    await asyncio.sleep(pause)
-            try:
-                result = outcome(job, log)
-            except RaysliceError as exc:
-                yield self._event("error", follower.seen, error_type=type(exc).__name__, message=str(exc))
+                follow = JobFollow(client, sid, lines, poll=self.poll_interval, call_timeout=self.call_timeout,
+                                   unreachable_grace=UNREACHABLE_GRACE_S,
+                                   warn=lambda message: self.log.warning("%s", message))
+                timed_out = False
+                async with contextlib.aclosing(follow.statuses()) as statuses:
+                    async for job in statuses:
+                        if not job.is_terminal and self.deadline is not None and time.time() >= self.deadline:
+                            timed_out = True
+                            break
+                if timed_out:
+                    await self._stop_at_deadline(client)
+            if timed_out:
+                yield self._event("error", lines.offset, error_type=EXECUTION_TIMEOUT,
+                                  message=f"Ray job {sid} stopped: the task's execution_timeout passed")
                 return
-            yield self._event("success", follower.seen, result=result)
+            try:
+                result = follow.outcome()
+            except RaysliceError as exc:
+                yield self._event("error", lines.offset, log_complete=True, error_type=type(exc).__name__,
+                                  message=str(exc))
+                return
+            yield self._event("success", lines.offset, log_complete=True, result=result)
         except (RaysliceError, TimeoutError) as exc:
             gone = isinstance(exc, JobNotFoundError)
             what = "is unknown to the dashboard" if gone else "could not be followed"
-            yield self._event("error", follower.seen, error_type=type(exc).__name__,
+            yield self._event("error", lines.offset, error_type=type(exc).__name__,
                               message=f"Ray job {sid} {what}: {exc}")
 
     async def _stop_at_deadline(self, client: Any) -> None:
@@ -130,13 +128,9 @@ class RayStepTrigger(BaseTrigger):
         self.log.warning("Ray job %s did not end within %.0f s of being stopped", self.submission_id,
                          self.call_timeout)
 
-    async def _poll(self, client: Any) -> tuple[Any, str]:
-        job = await client.get(self.submission_id)
-        return job, await client.logs(self.submission_id)
-
-    def _event(self, status: str, log_offset: int, **fields: Any) -> TriggerEvent:
+    def _event(self, status: str, log_offset: int, *, log_complete: bool = False, **fields: Any) -> TriggerEvent:
         return TriggerEvent({"status": status, "submission_id": self.submission_id,
-                             "log_offset": log_offset, **fields})
+                             "log_offset": log_offset, "log_complete": log_complete, **fields})
 
     async def cleanup(self) -> None:
         """Nothing to release: run() closes its client, and the job must outlive triggerer restarts."""

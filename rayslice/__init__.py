@@ -4,6 +4,7 @@ The public API. Nothing here imports ray, jax or airflow.
 """
 
 from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest, request_from_json, request_to_json
+from rayslice.context import StepContext, as_path, get_step_context
 from rayslice.exceptions import (
     CapacityTimeoutError,
     HostLostError,
@@ -34,11 +35,14 @@ __all__ = [
     "RayUnreachableError",
     "RaysliceError",
     "StepFailedError",
+    "StepContext",
     "StepSpec",
     "StepTimeoutError",
     "SubmissionConflictError",
     "TpuSliceRequest",
     "UnsatisfiableRequestError",
+    "as_path",
+    "get_step_context",
     "request_from_json",
     "request_to_json",
 ]

@@ -43,6 +43,7 @@ def local_up(
         record = local_cluster.up(spec, name=name, token=local_cluster.new_token() if token else None)
     console.print(f"dashboard: [bold]{record.dashboard_url}[/bold]")
     console.print(f"gcs:       {record.gcs_address}")
+    console.print(f"checkpoints: {record.checkpoint_root}")
     if record.token:
         console.print(f"token:     stored in {record.path} (mode 600)")
 

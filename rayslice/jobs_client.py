@@ -20,12 +20,19 @@ REST shapes, as served by Ray 2.60 (``ray/dashboard/modules/job/job_head.py``):
 ``POST /api/jobs/{id}/stop``                ``{"stopped": bool}`` (False: not running)
 ``DELETE /api/jobs/{id}``                   ``{"deleted": true}``; 500 while not terminal
 ``GET /api/jobs/{id}/logs``                 ``{"logs": str}``
+``GET /api/jobs/{id}/logs/tail``            websocket: the log so far, then new chunks as text
+                                            messages; closed (1000) once the job ended
 ``GET /api/packages/{protocol}/{name}``     200 (exists; also pins the URI for 10 min), 404
 ``PUT /api/packages/{protocol}/{name}``     the raw package bytes; 200 with an empty body
 ==========================================  =============================================
 
 With ``RAY_AUTH_MODE=token`` every path above answers 401 without an
 ``Authorization: Bearer`` header and 403 with a wrong token.
+
+The log tail (``AsyncRayJobsClient.tail_logs``, async only: its followers all run in an event
+loop) opens without permessage-deflate: Ray 2.60's dashboard proxies the websocket from a
+subprocess and passes the client's extension header through, and a compressed stream then
+closes at once with nothing (measured).
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ import ssl
 import stat
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -49,6 +57,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+import websockets
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rayslice.exceptions import (
@@ -63,6 +72,7 @@ __all__ = [
     "AsyncRayJobsClient",
     "JobDetails",
     "JobStatus",
+    "LogTail",
     "RayJobsClient",
     "package_name_for",
     "zip_directory",
@@ -299,6 +309,8 @@ class _BaseJobsClient:
         self.timeout = float(timeout)
         self.retries = max(1, int(retries))
         self.backoff = float(backoff)
+        #: Bytes of log text received over log-tail websockets, for measuring what following costs.
+        self.bytes_streamed = 0
 
     def __repr__(self) -> str:
         auth = "token" if self._secrets else "none"
@@ -536,6 +548,42 @@ class _BaseJobsClient:
         self._raise_for_status(call, resp, not_found=submission_id)
         return self._field(call, resp, "logs", str)
 
+    def _tail_call(self, submission_id: str) -> _Call:
+        return _Call("GET", f"/api/jobs/{_quote(submission_id, 'submission_id')}/logs/tail")
+
+    def _ws_url(self, call: _Call) -> str:
+        scheme = "wss" if self._base_url.scheme == "https" else "ws"
+        return str(self._base_url.copy_with(scheme=scheme, path=self._base_url.path.rstrip("/") + call.path))
+
+    def _ws_ssl(self) -> ssl.SSLContext | None:
+        """The TLS settings of the HTTP calls, for ``wss://``: the same CA bundle, or no verification."""
+        if self._base_url.scheme != "https":
+            return None
+        if isinstance(self._verify, ssl.SSLContext):
+            return self._verify
+        context = ssl.create_default_context()
+        if not self._verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+    def _tail_refused(self, call: _Call, exc: websockets.InvalidStatus, submission_id: str) -> Exception:
+        """The HTTP answer that refused the websocket, as the error a plain call would raise."""
+        code = exc.response.status_code
+        resp = httpx.Response(code, content=bytes(exc.response.body or b""))
+        if code in RETRY_STATUSES:
+            return RayUnreachableError(
+                f"the Ray dashboard at {self.address} answered {call.label} with HTTP {code}", status_code=code
+            )
+        try:
+            self._raise_for_status(call, resp, not_found=submission_id)
+        except RayJobsError as err:
+            return err
+        return RayJobsError(
+            f"the Ray dashboard at {self.address} answered {call.label} with HTTP {code}, not a websocket",
+            status_code=code,
+        )
+
     def _list_call(self) -> _Call:
         return _Call("GET", "/api/jobs/")
 
@@ -572,6 +620,40 @@ class _BaseJobsClient:
 
     def _parse_upload(self, call: _Call, resp: httpx.Response) -> None:
         self._raise_for_status(call, resp, not_found=None)
+
+
+# --------------------------------------------------------------------------- log tail
+
+
+class LogTail:
+    """One open log-tail websocket of a job (from ``AsyncRayJobsClient.tail_logs``)."""
+
+    def __init__(self, client: _BaseJobsClient, ws: Any, submission_id: str) -> None:
+        self._client = client
+        self._ws = ws
+        self.submission_id = submission_id
+
+    async def next(self) -> str | None:
+        """The next chunk of log text; None once the server closed the stream normally (code 1000).
+
+        Safe to cancel (e.g. by ``asyncio.wait_for``): a chunk that arrives meanwhile is kept for
+        the next call. Any other end (a cut connection, a dashboard going away) raises
+        ``RayUnreachableError``: the stream may have stopped short of the log's end.
+        """
+        try:
+            message = await self._ws.recv()
+        except websockets.ConnectionClosed as exc:
+            if exc.rcvd is not None and exc.rcvd.code == 1000:
+                return None
+            raise RayUnreachableError(
+                f"the log stream of Ray job {self.submission_id} from {self._client.address} broke off: "
+                f"{self._client._scrub(str(exc))}"
+            ) from None
+        if isinstance(message, bytes):
+            self._client.bytes_streamed += len(message)
+            return message.decode("utf-8", "replace")
+        self._client.bytes_streamed += len(message.encode("utf-8", "replace"))
+        return message
 
 
 # --------------------------------------------------------------------------- async client
@@ -680,6 +762,38 @@ class AsyncRayJobsClient(_BaseJobsClient):
         """The job's driver log so far (``""`` before the driver started)."""
         call = self._logs_call(submission_id)
         return self._parse_logs(call, await self._send(call), submission_id)
+
+    @asynccontextmanager
+    async def tail_logs(self, submission_id: str) -> AsyncIterator[LogTail]:
+        """Open the job's log tail websocket: ``async with client.tail_logs(sid) as tail``.
+
+        Each stream starts again at the log's first character. Opening is one attempt bounded by
+        ``timeout``: a dashboard that does not answer gives ``RayUnreachableError``; 401/403/404
+        give the errors the other calls give. The token, extra headers and TLS settings are the
+        HTTP calls' own.
+        """
+        call = self._tail_call(submission_id)
+        try:
+            ws = await websockets.connect(
+                self._ws_url(call),
+                additional_headers=self._headers,
+                ssl=self._ws_ssl(),
+                open_timeout=self.timeout,
+                close_timeout=min(self.timeout, 2.0),
+                compression=None,  # see the module docstring: Ray's proxy drops compressed streams
+                max_size=None,  # the server sends up to 20,000 characters, or one whole long line
+            )
+        except websockets.InvalidStatus as exc:
+            raise self._tail_refused(call, exc, submission_id) from None
+        except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
+            cause = self._scrub(f"{type(exc).__name__}: {exc}")
+            raise RayUnreachableError(
+                f"could not open the log stream {call.label} at {self.address}: {cause}"
+            ) from None
+        try:
+            yield LogTail(self, ws, submission_id)
+        finally:
+            await ws.close()
 
     async def list_jobs(self) -> list[JobDetails]:
         """Every job the cluster knows: submission jobs and plain driver jobs (``type``)."""

@@ -20,6 +20,7 @@ import typer
 import yaml
 
 from rayslice.accelerators import TpuSliceRequest
+from rayslice.context import CHECKPOINT_ROOT_ENV
 from rayslice.exceptions import InvalidRequestError
 
 DEFAULT_IMAGE = "rayproject/ray:2.60.0-py311"
@@ -111,12 +112,17 @@ def render_raycluster(
     image: str = DEFAULT_IMAGE,
     idle_timeout_seconds: int = 60,
     namespace: str | None = None,
+    checkpoint_root: str | None = None,
 ) -> dict[str, Any]:
     """A ``ray.io/v1`` RayCluster: a CPU-less head, autoscaler v2, and groups that start at zero.
 
     Nothing runs on the head (``num-cpus: "0"``), so every step lands on a TPU or GPU group the
-    autoscaler adds on demand and removes after ``idle_timeout_seconds``.
+    autoscaler adds on demand and removes after ``idle_timeout_seconds``. ``checkpoint_root``
+    (a bucket URL) becomes ``RAYSLICE_CHECKPOINT_ROOT`` on every pod: the steps' checkpoint folders.
     """
+    if checkpoint_root is not None and "://" not in checkpoint_root:
+        raise InvalidRequestError(f"checkpoint_root must be a URL every pod reaches, like 'gs://bucket/checkpoints', "
+                                  f"got {checkpoint_root!r}")
     _check_name(name, "RayCluster")
     tpus = [tpus] if isinstance(tpus, str) else list(tpus)
     _at_least(1, max_slices=max_slices)
@@ -156,6 +162,10 @@ def render_raycluster(
         },
         "workerGroupSpecs": groups,
     }
+    if checkpoint_root:
+        for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in groups)]:
+            for container in template["spec"]["containers"]:
+                container.setdefault("env", []).append({"name": CHECKPOINT_ROOT_ENV, "value": checkpoint_root})
     return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": _metadata(name, namespace),
             "spec": spec}
 
@@ -321,6 +331,8 @@ def manifest(
     rayjob: Annotated[bool, typer.Option("--rayjob", help="Print a RayJob bringing the cluster up.")] = False,
     entrypoint: Annotated[str | None, typer.Option("--entrypoint", help="The RayJob's command.")] = None,
     check: Annotated[bool, typer.Option("--validate/--no-validate", help="Check against the CRDs.")] = True,
+    checkpoint_root: Annotated[str | None, typer.Option(
+        "--checkpoint-root", help="RAYSLICE_CHECKPOINT_ROOT on every pod, e.g. gs://bucket/checkpoints.")] = None,
 ) -> None:
     """Print the RayCluster (or RayJob) YAML, validated against the KubeRay CRDs first."""
     try:
@@ -328,7 +340,7 @@ def manifest(
             raise InvalidRequestError("--rayjob needs --entrypoint, e.g. --entrypoint 'python train.py'")
         result = render_raycluster(name, tpus=tpu, max_slices=max_slices, gpu_nodes=gpu_nodes,
                                    gpu_type=gpu_type, image=image, idle_timeout_seconds=idle_timeout,
-                                   namespace=namespace)
+                                   namespace=namespace, checkpoint_root=checkpoint_root)
         if rayjob:
             result = render_rayjob(name, entrypoint=entrypoint or "", cluster=result)
         if check:

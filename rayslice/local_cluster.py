@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from rayslice.accelerators import TpuSliceRequest
+from rayslice.context import CHECKPOINT_ROOT_ENV
 from rayslice.exceptions import RaysliceError
 
 #: Every node advertises this loopback address. Not 127.0.0.1: Ray swaps that for the
@@ -56,6 +57,8 @@ class NodeRecord:
     slice_name: str | None = None
     worker_id: int | None = None
     pod_type: str | None = None
+    args: list[str] = field(default_factory=list)  # how to start it again (`restart_node`), worker nodes only
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class ClusterRecord:
     temp_dir: str
     token: str | None = None
     nodes: list[NodeRecord] = field(default_factory=list)
+    checkpoint_root: str = ""  # RAYSLICE_CHECKPOINT_ROOT on every node: where steps' checkpoint folders go
 
     @property
     def path(self) -> Path:
@@ -99,6 +103,8 @@ class ClusterRecord:
         }
         if self.token:  # explicit either way: Ray turns token auth on by itself if a token file exists
             env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+        if self.checkpoint_root:  # every node's, and so every job driver's, default checkpoint root
+            env[CHECKPOINT_ROOT_ENV] = self.checkpoint_root
         return env
 
 
@@ -179,7 +185,9 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
         temp_dir=temp_dir,
         token=token,
     )
-    # Job drivers run `python`: make it this interpreter, which has ray and jax.
+    # Job drivers run `python`: make it this interpreter, which has ray and jax. Every simulated
+    # host reaches the same local folder, so it is the cluster's default checkpoint root.
+    record.checkpoint_root = f"file://{state_dir().parent / 'checkpoints' / name}"
     env = record.ray_env() | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     log = state_dir() / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -196,7 +204,6 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
         "--dashboard-agent-listen-port",
     ]
     deadline = time.monotonic() + timeout
-    launches: dict[int, tuple[list[str], dict[str, str]]] = {}  # node index -> how to start it again
     try:
         head = _launch(
             [
@@ -253,7 +260,6 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
                     "--resources",
                     json.dumps({"TPU": request.chips_per_host}),
                 ]
-                launches[len(record.nodes)] = (args, tpu_env)
                 pid = _launch(args, tpu_env, log, sockets)
                 record.nodes.append(
                     NodeRecord(
@@ -262,23 +268,44 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
                         slice_name=slice_name,
                         worker_id=worker_id,
                         pod_type=request.pod_type,
+                        args=args,
+                        env=tpu_env,
                     )
                 )
         if spec.gpus:
             args = [*join, str(free_port()), "--num-cpus", "4", "--num-gpus", str(spec.gpus)]
-            launches[len(record.nodes)] = (args, env)
-            record.nodes.append(NodeRecord(role="gpu", pid=_launch(args, env, log, sockets)))
+            record.nodes.append(NodeRecord(role="gpu", pid=_launch(args, env, log, sockets), args=args, env=env))
         record.save()
 
         def relaunch(index: int) -> int:
-            args, node_env = launches[index]
-            return _launch(args, node_env, log, sockets)
+            return _launch(record.nodes[index].args, record.nodes[index].env, log, sockets)
 
         _wait_for_nodes(record, deadline, relaunch)
     except BaseException:
         down(name)
         raise
     return record
+
+
+def kill_node(record: ClusterRecord, index: int) -> None:
+    """SIGKILL every process of one worker node's session at once, as a preempted VM vanishes."""
+    node = record.nodes[index]
+    if node.role == "head":
+        raise RaysliceError("the head is not a host: kill a TPU or GPU node")
+    _kill_session(node.pid)
+
+
+def restart_node(record: ClusterRecord, index: int, timeout: float = 180) -> None:
+    """Start a killed worker node again with its own TPU identity (a replaced VM); wait until it joins."""
+    node = record.nodes[index]
+    if not node.args:
+        raise RaysliceError(f"node {index} of {record.name!r} has no recorded start command")
+    if _alive(node.pid):
+        raise RaysliceError(f"node {index} of {record.name!r} is still running (pid {node.pid})")
+    sockets = Path(record.temp_dir) / "session_latest" / "sockets"
+    node.pid = _launch(node.args, node.env, state_dir() / f"{record.name}.log", sockets)
+    record.save()
+    _wait_for_nodes(record, time.monotonic() + timeout)
 
 
 def _wait_for_nodes(record: ClusterRecord, deadline: float, relaunch=None, attempts: int = 2) -> None:

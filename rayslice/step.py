@@ -20,6 +20,8 @@ from rayslice.exceptions import InvalidRequestError
 
 RESULT_MARKER = "::rayslice-result::"
 ERROR_MARKER = "::rayslice-error::"
+#: The most JSON a step may return: the result travels as one line of the job's log, and then as an XCom.
+RESULT_LIMIT_BYTES = 1024 * 1024
 
 
 class Owner(BaseModel):
@@ -53,6 +55,9 @@ class StepSpec(BaseModel):
     capacity_timeout: float = 600.0
     step_timeout: float | None = None
     preemption_retries: int = Field(0, ge=0, description="whole-gang retries when a host's node is lost")
+    checkpoint_root: str | None = Field(
+        None, description="root URL of checkpoint folders (else the cluster's RAYSLICE_CHECKPOINT_ROOT)"
+    )
     owner: Owner = Field(default_factory=Owner)
 
     @model_validator(mode="after")
@@ -86,9 +91,21 @@ def _is_installed(module: Any) -> bool:
     return "site-packages" in path or "dist-packages" in path
 
 
+class ResultTooLargeError(ValueError):
+    """The step's value is JSON, but more than the result line carries."""
+
+
 def format_result(value: Any) -> str:
-    """The marked result line; raises TypeError for a value that is not JSON."""
-    return RESULT_MARKER + json.dumps(value, allow_nan=True)
+    """The marked result line; TypeError for a value that is not JSON, ResultTooLargeError past the limit."""
+    text = json.dumps(value, allow_nan=True)
+    if len(text.encode()) > RESULT_LIMIT_BYTES:
+        raise ResultTooLargeError(
+            f"the step's result is {len(text.encode()) / 1024 / 1024:.1f} MiB of JSON, over the "
+            f"{RESULT_LIMIT_BYTES // 1024 // 1024} MiB a step may return (it travels as one log line and an XCom): "
+            "write large outputs (models, arrays, tables) to storage, e.g. rayslice.get_step_context().checkpoint_dir, "
+            "and return their path"
+        )
+    return RESULT_MARKER + text
 
 
 def format_error(kind: str, message: str) -> str:

@@ -8,13 +8,14 @@ as `py_modules`, and the step's `spec.json` as its `working_dir`, so a cluster w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import re
 import time
 import uuid
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,8 @@ from rayslice.exceptions import (
     SubmissionConflictError,
     UnsatisfiableRequestError,
 )
-from rayslice.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, zip_directory
-from rayslice.step import Owner, StepSpec, parse_error, parse_result
+from rayslice.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, LogTail, zip_directory
+from rayslice.step import ERROR_MARKER, RESULT_MARKER, Owner, StepSpec, parse_error, parse_result
 
 ENTRYPOINT = "python -m rayslice.launcher spec.json"
 #: Ad-hoc steps (no Airflow task instance) get this prefix and a fresh UUID per submission.
@@ -198,17 +199,69 @@ async def submit_step(
 
 
 class LogFollower:
-    """Hands each new line of a job's log to `emit`, once, across polls."""
+    """Hands each line of a job's log to `emit` once, across streams that each start at the log's beginning.
 
-    def __init__(self, emit: Callable[[str], None]) -> None:
+    `offset` is the number of characters of the log up to the end of the last whole line handled
+    (relayed, or skipped as a marker or blank): a new stream skips that much, and a restarted
+    trigger resumes from it. A line is relayed once its newline has arrived (or the log ended), so
+    a line a chunk cut in two is relayed whole. The step's marker lines are kept, not relayed.
+    """
+
+    def __init__(self, emit: Callable[[str], None], offset: int = 0) -> None:
         self.emit = emit
-        self.seen = 0
+        self.offset = int(offset)
+        self._partial = ""  # the current stream's text past `offset` that has no newline yet
+        self._received = 0  # characters of the current stream seen so far
+        self._markers: dict[str, str] = {}  # the last line carrying each marker
+
+    @property
+    def seen(self) -> int:  # the name the trigger's events and older callers use
+        return self.offset
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        self.offset = int(value)
+
+    @property
+    def markers(self) -> str:
+        """The last result and error marker lines seen: all `outcome` needs of the log."""
+        return "\n".join(self._markers.values())
+
+    def restart(self) -> None:
+        """A new stream begins, from the log's first character."""
+        self._partial, self._received = "", 0
+
+    def chunk(self, text: str) -> None:
+        """The next piece of the current stream."""
+        start, self._received = self._received, self._received + len(text)
+        skip = self.offset + len(self._partial) - start  # what this follower already holds
+        if skip >= len(text):
+            return
+        pending = self._partial + text[max(0, skip):]
+        *lines, self._partial = pending.split("\n")
+        for line in lines:
+            self.offset += len(line) + 1
+            self._handle(line)
 
     def feed(self, log: str) -> None:
-        new, self.seen = log[self.seen :], len(log)
-        for line in new.splitlines():
-            if line.strip() and not line.startswith(("::rayslice-result::", "::rayslice-error::")):
-                self.emit(_strip_ansi(line))
+        """The whole log so far, as `GET .../logs` returns it."""
+        self.restart()
+        self.chunk(log)
+
+    def flush(self) -> None:
+        """The log ended: relay its last line even without a newline."""
+        line, self._partial = self._partial, ""
+        self.offset += len(line)
+        self._received = self.offset
+        self._handle(line)
+
+    def _handle(self, line: str) -> None:
+        for piece in line.splitlines():  # "\r" progress bars and the like: one line each, as before
+            for marker in (RESULT_MARKER, ERROR_MARKER):
+                if marker in piece:
+                    self._markers[marker] = piece
+            if piece.strip() and not piece.startswith((RESULT_MARKER, ERROR_MARKER)):
+                self.emit(_strip_ansi(piece))
 
 
 def _strip_ansi(text: str) -> str:
@@ -216,7 +269,10 @@ def _strip_ansi(text: str) -> str:
 
 
 def outcome(job: JobDetails, log: str) -> Any:
-    """The step's result for a finished job, or the error that says why it did not succeed."""
+    """The step's result for a finished job, or the error that says why it did not succeed.
+
+    `log` needs only the marker lines (`LogFollower.markers`); the whole log works too.
+    """
     if job.status == JobStatus.SUCCEEDED:
         found, value = parse_result(log)
         if not found:
@@ -230,6 +286,161 @@ def outcome(job: JobDetails, log: str) -> Any:
     raise StepFailedError(f"Ray job {job.submission_id} {job.status.value}: {job.message or 'no message'}")
 
 
+class JobFollow:
+    """Follows one job to its end: polls its (small) status, streams its log over the websocket tail.
+
+    The log is never re-downloaded per poll. A stream (`client.tail_logs`) is opened once the job
+    left PENDING (Ray may close one opened earlier at once, with nothing) and reopened, at most
+    once per `poll`, whenever it ends before the log is known complete; each stream re-sends the
+    log from its start, and `lines` skips what it already holds. The job's end is seen by polling
+    `client.get` every `poll` seconds.
+
+    The log is complete once a stream closed normally after the job ended: a stream open when a
+    poll saw the end, or one opened after the end, or one that delivered the step's marker line.
+    A stream that breaks off (a cut connection) is reopened at the next poll; one that stays open
+    `END_GRACE_S` after the end is closed and the rest read with one `client.logs`. Status polls
+    that fail for longer than `unreachable_grace` raise `RayUnreachableError` naming the job;
+    stream failures alone never do (the job's end is known from its status).
+    """
+
+    #: How long a stream may stay open after the job ended before the rest is read with one GET.
+    END_GRACE_S = 15.0
+
+    def __init__(
+        self,
+        client: AsyncRayJobsClient,
+        sid: str,
+        lines: LogFollower,
+        *,
+        poll: float = 1.0,
+        call_timeout: float = 30.0,
+        unreachable_grace: float = UNREACHABLE_GRACE_S,
+        warn: Callable[[str], None] = print,
+    ) -> None:
+        self.client, self.sid, self.lines = client, sid, lines
+        self.poll, self.call_timeout, self.unreachable_grace = poll, call_timeout, unreachable_grace
+        self.warn = warn
+        self.job: JobDetails | None = None  # the last status read
+        self.complete = False  # the whole log went through `lines`
+        self.streams = 0  # log streams opened
+        self._unreachable_since: float | None = None
+        self._stream_trouble = False  # warned about the stream; warned again only after it worked
+
+    def outcome(self) -> Any:
+        """The step's result or error, from the marker lines (once `statuses()` has ended)."""
+        if self.job is None or not self.complete:
+            raise RuntimeError(f"Ray job {self.sid} is still being followed")
+        return outcome(self.job, self.lines.markers)
+
+    async def statuses(self) -> AsyncIterator[JobDetails]:
+        """Yield each status read, until the job ended and its whole log went through `lines`.
+
+        Then `self.job` is the final status. A caller may stop iterating at any time (a deadline):
+        the open stream, if any, is closed.
+        """
+        async with contextlib.AsyncExitStack() as stack:
+            tail: LogTail | None = None
+            closed_normally = opened_after_end = ended_while_open = False
+            ended_at = opened_at = 0.0
+            next_poll = next_open = 0.0
+            while True:
+                now = time.monotonic()
+                if tail is None or now >= next_poll:
+                    next_poll = now + self.poll
+                    job = await self._get()
+                    if job is not None:
+                        self.job = job
+                        if job.is_terminal:
+                            ended_at = ended_at or time.monotonic()
+                            ended_while_open = ended_while_open or tail is not None
+                        yield job
+                    ended = self.job is not None and self.job.is_terminal
+                    if tail is None and ended and closed_normally and (
+                            opened_after_end or ended_while_open or self.lines.markers):
+                        break
+                    waiting = self.job is None or self.job.status == JobStatus.PENDING
+                    if tail is None and not waiting and time.monotonic() >= next_open:
+                        next_open = time.monotonic() + self.poll
+                        tail = await self._open(stack)
+                        if tail is not None:
+                            opened_after_end, opened_at = ended, time.monotonic()
+                            closed_normally = ended_while_open = False
+                    if tail is None:
+                        await asyncio.sleep(max(0.0, next_poll - time.monotonic()))
+                        continue
+                    if ended and time.monotonic() - max(ended_at, opened_at) > self.END_GRACE_S:
+                        await stack.aclose()  # the server kept the stream open past the end
+                        tail = None
+                        if await self._read_rest():
+                            break
+                        continue
+                try:
+                    text = await asyncio.wait_for(tail.next(), max(0.0, next_poll - time.monotonic()))
+                except TimeoutError:
+                    continue  # time to poll the status
+                except RayUnreachableError as exc:
+                    await stack.aclose()
+                    tail, closed_normally = None, False
+                    self._stream_failed(exc)
+                    continue
+                if text is None:  # a normal close: at the job's end, or early; the status tells
+                    await stack.aclose()
+                    tail, closed_normally, next_poll = None, True, 0.0
+                    continue
+                self._stream_trouble = False
+                self.lines.chunk(text)
+        self.lines.flush()
+        self.complete = True
+
+    async def _get(self) -> JobDetails | None:
+        """The job's status; None while the dashboard does not answer (within the grace)."""
+        try:
+            job = await asyncio.wait_for(self.client.get(self.sid), self.call_timeout)
+        except (RayUnreachableError, TimeoutError) as exc:
+            cause = str(exc) or type(exc).__name__
+            now = time.monotonic()
+            self._unreachable_since = self._unreachable_since or now
+            if now - self._unreachable_since > self.unreachable_grace:
+                raise RayUnreachableError(
+                    f"lost the Ray dashboard for over {self.unreachable_grace:.0f} s while following Ray job "
+                    f"{self.sid}, which may still be running (stop it with `ray job stop {self.sid}`): {cause}",
+                    status_code=getattr(exc, "status_code", None),
+                ) from None
+            self.warn(f"Ray dashboard not answering ({cause}); still following {self.sid}")
+            return None
+        self._unreachable_since = None
+        return job
+
+    async def _open(self, stack: contextlib.AsyncExitStack) -> LogTail | None:
+        try:
+            tail = await asyncio.wait_for(stack.enter_async_context(self.client.tail_logs(self.sid)),
+                                          self.call_timeout)
+        except (RayUnreachableError, JobNotFoundError, TimeoutError) as exc:
+            # A 404 here is not the job's end: Ray's log route can miss a job its status route
+            # already shows (seen right after it starts); the status poll decides whether it is gone.
+            self._stream_failed(exc)
+            return None
+        self.streams += 1
+        self.lines.restart()
+        return tail
+
+    def _stream_failed(self, exc: BaseException) -> None:
+        if not self._stream_trouble:
+            self.warn(f"the log stream of Ray job {self.sid} failed ({str(exc) or type(exc).__name__}); "
+                      "reopening it at the next poll")
+        self._stream_trouble = True
+
+    async def _read_rest(self) -> bool:
+        """Read the ended job's log once with a plain GET; False if the dashboard did not answer."""
+        try:
+            log = await asyncio.wait_for(self.client.logs(self.sid), self.call_timeout)
+        except (RayUnreachableError, TimeoutError) as exc:
+            self._stream_failed(exc)
+            return False
+        self.lines.feed(log)
+        return True
+
+
 async def wait_for_step(
     client: AsyncRayJobsClient,
     sid: str,
@@ -237,34 +448,18 @@ async def wait_for_step(
     emit: Callable[[str], None] = print,
     poll: float = 1.0,
     unreachable_grace: float = UNREACHABLE_GRACE_S,
+    call_timeout: float = 30.0,
 ) -> Any:
     """Follow the job to its end, relaying its log; return the step's result or raise its error.
 
     The job runs on without us: a dashboard outage shorter than `unreachable_grace` is waited
     out; a longer one raises an error that names the job, which may still be running.
     """
-    follower = LogFollower(emit)
-    unreachable_since: float | None = None
-    while True:
-        try:
-            job = await client.get(sid)
-            log = await client.logs(sid)
-        except RayUnreachableError as exc:
-            unreachable_since = unreachable_since or time.monotonic()
-            if time.monotonic() - unreachable_since > unreachable_grace:
-                raise RayUnreachableError(
-                    f"lost the Ray dashboard for over {unreachable_grace:.0f} s while following Ray job {sid}, "
-                    f"which may still be running (stop it with `ray job stop {sid}`): {exc}",
-                    status_code=exc.status_code,
-                ) from None
-            emit(f"[rayslice] Ray dashboard not answering ({exc}); still following {sid}")
-            await asyncio.sleep(poll)
-            continue
-        unreachable_since = None
-        follower.feed(log)
-        if job.status.is_terminal:
-            return outcome(job, log)
-        await asyncio.sleep(poll)
+    follow = JobFollow(client, sid, LogFollower(emit), poll=poll, call_timeout=call_timeout,
+                       unreachable_grace=unreachable_grace, warn=lambda message: emit(f"[rayslice] {message}"))
+    async for _ in follow.statuses():
+        pass
+    return follow.outcome()
 
 
 async def run_step_job(

@@ -6,14 +6,16 @@ JAX is imported only inside the host processes.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import ray
 
 from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
 from rayslice.exceptions import CapacityTimeoutError, PreemptedError
-from rayslice.launcher import gang, reaper
+from rayslice.launcher import checkpoints, gang, reaper
 from rayslice.launcher.environments import HostPlan
 from rayslice.launcher.reservation import check_accelerator_satisfiable, reserve_slices
 from rayslice.step import StepSpec
@@ -33,11 +35,16 @@ def reservation_name(spec: StepSpec) -> str:
 def run_step(spec: StepSpec) -> Any:
     """Run the step on every host of its capacity; per-host results, or the fraction's one result."""
     _reap_orphans(spec)
+    checkpoint_dir = checkpoint_dir_for(spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV), spec.owner)
     for attempt in range(spec.preemption_retries + 1):
+        if checkpoint_dir:
+            log(checkpoints.describe_and_record(checkpoint_dir, try_number=spec.owner.try_number,
+                                                preemption_attempt=attempt, submission_id=spec.owner.submission_id))
+        step = gang.Attempt(preemption_attempt=attempt, checkpoint_dir=checkpoint_dir)
         try:
             if isinstance(spec.request, TpuSliceRequest):
-                return _run_on_slices(spec, spec.request)
-            return _run_on_fraction(spec, spec.request)
+                return _run_on_slices(spec, spec.request, step)
+            return _run_on_fraction(spec, spec.request, step)
         except PreemptedError as exc:
             if attempt == spec.preemption_retries:
                 raise
@@ -54,7 +61,7 @@ def _reap_orphans(spec: StepSpec) -> None:
         log(f"could not sweep orphaned reservations: {type(exc).__name__}: {exc}")
 
 
-def _run_on_slices(spec: StepSpec, request: TpuSliceRequest) -> list[Any]:
+def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt) -> list[Any]:
     name = reservation_name(spec)
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
     started = time.monotonic()
@@ -81,7 +88,7 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest) -> list[Any]:
         plans = gang.plan_processes(reservation.hosts, multislice=request.multislice,
                                     ports={i: ports[i] for i in leaders})
         log(f"running on {', '.join(slices)}: {len(plans)} hosts x {request.chips_per_host} chips")
-        return gang.run_gang(actors, plans, spec)
+        return gang.run_gang(actors, plans, spec, attempt)
     finally:
         gang.kill(actors)
         _log_release(str(request), started, reservation.release())
@@ -96,7 +103,7 @@ def _log_release(what: str, started: float, still_held: list[str]) -> None:
         log(f"released {what} after {time.monotonic() - started:.1f} s")
 
 
-def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest) -> Any:
+def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt) -> Any:
     check_accelerator_satisfiable(request)
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
     started = time.monotonic()
@@ -121,7 +128,7 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest) -> Any:
             megascale_coordinator="",
         )
         log(f"running on {request}")
-        return gang.run_gang([actor], [plan], spec)[0]
+        return gang.run_gang([actor], [plan], spec, attempt)[0]
     finally:
         gang.kill([actor])
         log(f"released {request} after {time.monotonic() - started:.1f} s")

@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 from rayslice.exceptions import RaysliceError, StepFailedError
-from rayslice.step import StepSpec, format_error, format_result
+from rayslice.step import ResultTooLargeError, StepSpec, format_error, format_result
 
 
 class StopRequested(BaseException):
@@ -63,6 +63,9 @@ def main(argv: list[str]) -> int:
         return 1
     try:
         line = format_result(result)
+    except ResultTooLargeError as exc:
+        print(format_error("StepFailedError", str(exc)), flush=True)
+        return 1
     except (TypeError, ValueError) as exc:  # json.dumps: the step's value only, never the launcher's own bugs
         err = StepFailedError(
             f"the step returned a value that is not JSON ({exc}); return lists, dicts, "

@@ -14,12 +14,13 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from rayslice.context import StepContext, set_step_context
 from rayslice.exceptions import HostLostError, PreemptedError, StepFailedError, StepTimeoutError
 from rayslice.launcher import environments
 from rayslice.launcher.environments import HostPlan
@@ -52,12 +53,31 @@ class HostProcess:
             sock.bind(("", 0))
             return sock.getsockname()[1]
 
-    def run(self, spec_json: str, plan: HostPlan) -> Any:
+    def run(self, spec_json: str, plan: HostPlan, attempt: Attempt) -> Any:
         spec = StepSpec.model_validate_json(spec_json)
         environments.detect(spec.request).setup(spec.request, plan)
-        result = load_step(spec)(**spec.kwargs)
+        owner = spec.owner
+        set_step_context(StepContext(
+            dag_id=owner.dag_id, run_id=owner.run_id, task_id=owner.task_id, map_index=owner.map_index,
+            try_number=owner.try_number, submission_id=owner.submission_id,
+            preemption_attempt=attempt.preemption_attempt, slice_index=plan.slice_index,
+            slice_name=plan.slice_name, worker_id=plan.worker_id, process_index=plan.process_id,
+            num_processes=plan.num_processes, checkpoint_dir=attempt.checkpoint_dir,
+        ))
+        try:
+            result = load_step(spec)(**spec.kwargs)
+        finally:
+            set_step_context(None)
         _leave_jax_group()
         return result
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One gang attempt of a step: which whole-gang retry it is, and the step's checkpoint folder."""
+
+    preemption_attempt: int = 0
+    checkpoint_dir: str | None = None
 
 
 def _leave_jax_group() -> None:
@@ -112,10 +132,12 @@ def group_leaders(hosts: list[HostPlan], *, multislice: bool) -> list[int]:
     return sorted({h.slice_index: i for i, h in reversed(list(enumerate(hosts)))}.values())
 
 
-def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec) -> list[Any]:
+def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: Attempt | None = None) -> list[Any]:
     """Run the step on every actor; return results in host order, or fail on the first error."""
     spec_json = spec.model_dump_json()
-    refs = {actor.run.remote(spec_json, plan): i for i, (actor, plan) in enumerate(zip(actors, plans, strict=True))}
+    attempt = attempt or Attempt()
+    refs = {actor.run.remote(spec_json, plan, attempt): i
+            for i, (actor, plan) in enumerate(zip(actors, plans, strict=True))}
     results: list[Any] = [None] * len(plans)
     pending = list(refs)
     deadline = None if spec.step_timeout is None else time.monotonic() + spec.step_timeout

@@ -6,6 +6,7 @@ import math
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,11 +86,20 @@ def test_training_pipeline_renders_the_slice_from_params(example_dags, capfd):
     assert dag.params["slice_type"] == "v6e-4"
     for slice_type in dag.params.get_param("slice_type").schema["enum"]:
         TpuSliceRequest(tpu=slice_type)  # every choice in the trigger form is a valid slice
-    dr = dag.test(run_conf={"slice_type": "v6e-16", "learning_rate": 0.05})  # what the trigger form sends
+    dr = dag.test(run_conf={"slice_type": "v6e-16", "learning_rate": 0.05, "steps": 4})  # as the trigger form sends
     out = capfd.readouterr().out
-    assert set(task_states(dr).values()) == {"success"}
+    assert set(task_states(dr).values()) == {"success"}, out[-3000:]
     assert "[rayslice] submitted v6e-16 as Ray job" in out  # "{{ params.slice_type }}", rendered from the run conf
-    [losses] = xcom_values(dr, "train")
-    assert len(losses) == 4 and max(losses) - min(losses) < 1e-5  # v6e-16: four hosts, one data-parallel model
+    [hosts] = xcom_values(dr, "train")
+    assert len(hosts) == 4  # v6e-16: four hosts, one data-parallel model: the same loss, weights and checkpoint
+    assert len({(h["loss"], tuple(h["weights"]), h["checkpoint"]) for h in hosts}) == 1
+    # The model goes from the TPU step to the GPU step through storage: XCom carries only its URL.
+    checkpoint = hosts[0]["checkpoint"]
+    assert checkpoint.startswith("file://") and "/rayslice_training_pipeline/" in checkpoint
+    assert checkpoint.endswith("/train/4")
+    assert Path(checkpoint.removeprefix("file://"), "default").is_dir()
+    [metrics] = xcom_values(dr, "evaluate")
+    assert metrics["checkpoint"] == checkpoint and metrics["hosts"] == 4
+    assert math.isfinite(metrics["heldout_loss"]) and metrics["weight_error"] < 4
     [report] = xcom_values(dr, "report")
-    assert report.startswith("v6e-16 trained on 4 host(s) at lr=0.05: loss ")
+    assert report.startswith("v6e-16 trained on 4 host(s) at lr=0.05: loss ") and checkpoint in report

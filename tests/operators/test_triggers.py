@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 
 from airflow.sdk.serde import deserialize, serialize
 from airflow.triggers.base import TriggerEvent
@@ -13,6 +15,7 @@ from rayslice.accelerators import AcceleratorRequest
 from rayslice.jobs_client import AsyncRayJobsClient, JobStatus
 from rayslice.step import Owner, StepSpec
 from rayslice.submission import submit_step
+from tests.rayslice.test_log_stream import chatty_job, expected, payload
 
 
 def chatty_sleeper():
@@ -63,3 +66,42 @@ async def test_run_relays_the_log_and_on_kill_stops_the_job(ray_default, capfd):
     assert event.payload["status"] == "error" and event.payload["submission_id"] == sid
     assert "stopped before the step finished" in event.payload["message"]
     assert event.payload["log_offset"] > 0
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _relayed_by(trigger: RayStepTrigger) -> _Lines:
+    """What the trigger relays, caught by a plain logger in place of its structlog one (LoggingMixin's `_log`)."""
+    handler = _Lines()
+    logger = logging.getLogger(f"rayslice.tests.trigger.{uuid.uuid4().hex[:8]}")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    trigger._log = logger
+    return handler
+
+
+async def test_run_streams_every_line_once_and_a_restarted_trigger_resumes_at_its_offset(ray_default):
+    """The log is streamed (not re-read per poll): every line once, in order; the event's offset is the log's end."""
+    async with AsyncRayJobsClient(ray_default.dashboard_url, token=ray_default.token) as client:
+        sid = await client.submit(chatty_job(), submission_id=f"rsls-trigger-{uuid.uuid4().hex[:8]}")
+        trigger = RayStepTrigger(ray_conn_id="ray_default", submission_id=sid, poll_interval=0.5)
+        handler = _relayed_by(trigger)
+        event = await asyncio.wait_for(anext(trigger.run()), 120)
+        log = await client.logs(sid)
+    assert event.payload["status"] == "success" and event.payload["result"] == 42, event.payload
+    assert payload(handler.lines) == expected()
+    assert event.payload["log_complete"] is True and event.payload["log_offset"] == len(log)
+
+    # A trigger deferred (or restarted) with an offset relays only what follows it.
+    cut = log.index("payload-0200")
+    again = RayStepTrigger(ray_conn_id="ray_default", submission_id=sid, poll_interval=0.5, log_offset=cut)
+    resumed = _relayed_by(again)
+    event = await asyncio.wait_for(anext(again.run()), 60)
+    assert event.payload["result"] == 42 and payload(resumed.lines) == expected()[200:]

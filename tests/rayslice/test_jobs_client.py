@@ -576,3 +576,25 @@ async def test_token_auth(ray_head_with_token, cls):
         await close(client)
     for e in errors:
         assert token not in str(e) and token not in repr(e)
+
+
+async def test_log_tail_streams_with_the_token_and_refuses_without(ray_head_with_token):
+    url, token = ray_head_with_token.dashboard_url, ray_head_with_token.token
+    async with AsyncRayJobsClient(url, token=token) as client:
+        sid = await client.submit("python -c \"print('streamed-line')\"", submission_id=new_id("tail"))
+        await wait_status(client, sid, JobStatus.SUCCEEDED)
+        text = ""
+        async with client.tail_logs(sid) as tail:  # opened after the end: the whole log, then a normal close
+            while (chunk := await asyncio.wait_for(tail.next(), 30)) is not None:
+                text += chunk
+        assert "streamed-line" in text and client.bytes_streamed == len(text.encode())
+        assert text == await client.logs(sid)
+        with pytest.raises(JobNotFoundError):
+            async with client.tail_logs("no-such-job"):
+                pass
+    for kwargs, status in (({}, 401), ({"token": "wrong-token"}, 403)):
+        async with AsyncRayJobsClient(url, **kwargs) as client:
+            with pytest.raises(RayAuthError, match="set the `ray` connection's password") as err:
+                async with client.tail_logs(sid):
+                    pass
+        assert err.value.status_code == status and token not in str(err.value)

@@ -357,3 +357,15 @@ def test_cli_without_crds_says_how_to_go_on(monkeypatch, tmp_path):
 def test_cli_help_lists_manifest():
     result = runner.invoke(kuberay.app, ["--help"])
     assert result.exit_code == 0 and "manifest" in result.stdout
+
+
+def test_a_checkpoint_root_reaches_every_pod_and_still_validates():
+    manifest = kuberay.render_raycluster("rs", tpus=["v6e-16"], gpu_nodes=1, checkpoint_root="gs://bucket/ckpt")
+    kuberay.validate(manifest)
+    templates = [manifest["spec"]["headGroupSpec"]["template"],
+                 *(g["template"] for g in manifest["spec"]["workerGroupSpecs"])]
+    for template in templates:
+        [container] = template["spec"]["containers"]
+        assert {"name": "RAYSLICE_CHECKPOINT_ROOT", "value": "gs://bucket/ckpt"} in container["env"]
+    with pytest.raises(InvalidRequestError, match="must be a URL every pod reaches"):
+        kuberay.render_raycluster("rs", tpus=["v6e-16"], checkpoint_root="/local/only")

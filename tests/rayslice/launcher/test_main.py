@@ -67,3 +67,13 @@ def test_a_json_value_is_the_result_line(spec_file, no_cluster, monkeypatch, cap
     monkeypatch.setattr("rayslice.launcher.run_step", lambda spec: [[4, 0]])
     assert driver.main(["launcher", spec_file]) == 0
     assert last_marked_line(capsys.readouterr().out) == (RESULT_MARKER, [[4, 0]])
+
+
+def test_a_result_too_large_for_the_result_line_says_the_limit_and_what_to_do(spec_file, no_cluster, monkeypatch,
+                                                                               capsys):
+    monkeypatch.setattr("rayslice.launcher.run_step", lambda spec: ["x" * 1024] * 2048)  # 2 MiB of JSON
+    assert driver.main(["launcher", spec_file]) == 1
+    marker, error = last_marked_line(capsys.readouterr().out)
+    assert marker == ERROR_MARKER and error["type"] == "StepFailedError"
+    assert "over the 1 MiB a step may return" in error["message"]
+    assert "checkpoint_dir" in error["message"] and "return their path" in error["message"]

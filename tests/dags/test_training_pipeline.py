@@ -1,0 +1,180 @@
+"""The training pipeline's checkpoints: resumed after a lost host and after an Airflow retry, exactly.
+
+The preemption test removes one host's node of a v6e-16 in the middle of training (after a
+checkpoint) and starts that node again afterwards, so the session cluster keeps its two slices.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rayslice import local_cluster
+from rayslice.accelerators import TpuSliceRequest
+from rayslice.context import checkpoint_dir_for
+from rayslice.step import Owner, StepSpec
+from tests.airflow_env import load_dag_file, task_instance, task_states, write_dag_file, xcom_values
+from tests.conftest import wait_until
+from tests.rayslice.launcher.test_launcher import assert_all_released
+
+pytestmark = pytest.mark.timeout(600)
+
+DATASET = {"features": 4, "rows_per_device": 8, "seed": 7}
+
+
+def _node_of(cluster, slice_name: str, worker_id: int) -> int:
+    return next(i for i, n in enumerate(cluster.nodes) if n.slice_name == slice_name and n.worker_id == worker_id)
+
+
+def _checkpointed_slice(folder: Path, hosts_group: str, ray) -> str | None:
+    """Once a complete checkpoint exists, the slice the training runs on (from its hosts' placement group)."""
+    from ray.util.placement_group import placement_group_table
+
+    if not any(p.name.isdigit() for p in folder.glob("*")):
+        return None
+    groups = [g for g in placement_group_table().values() if g["name"] == hosts_group and g["state"] == "CREATED"]
+    if not groups:
+        return None
+    nodes = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
+    return nodes[groups[0]["bundles_to_node_id"][0]]["ray.io/tpu-slice-name"]
+
+
+def test_training_preempted_mid_run_resumes_and_ends_exactly_where_an_uninterrupted_run_ends(
+    airflow_db, cluster, ray_driver, tmp_path, capsys
+):
+    from rayslice.dags.training_pipeline import fit
+
+    from rayslice.launcher import run_step
+
+    steps = 8
+
+    def spec(name: str, **limits):
+        return StepSpec.for_function(
+            fit, request=TpuSliceRequest(tpu="v6e-16"), checkpoint_root=f"file://{tmp_path / name}",
+            kwargs={"dataset": DATASET, "learning_rate": 0.05, "steps": steps, "checkpoint_every": 2, **limits},
+            owner=Owner(submission_id=f"test-{name}-{time.time_ns()}"), preemption_retries=1,
+        )
+
+    uninterrupted = run_step(spec("uninterrupted"))
+    preempted = spec("preempted", seconds_per_step=2.0)
+    folder = Path(checkpoint_dir_for(f"file://{tmp_path / 'preempted'}", preempted.owner).removeprefix("file://"))
+    victim: dict[str, int] = {}
+
+    def remove_host_2_after_a_checkpoint():
+        name = wait_until(lambda: _checkpointed_slice(folder, f"rayslice:{preempted.owner.submission_id}/hosts",
+                                                      ray_driver), timeout=300, interval=0.2)
+        if name:
+            victim["index"] = _node_of(cluster, name, 2)
+            local_cluster.kill_node(cluster, victim["index"])
+
+    killer = threading.Thread(target=remove_host_2_after_a_checkpoint)
+    killer.start()
+    try:
+        resumed = run_step(preempted)
+    finally:
+        killer.join()
+        if "index" in victim:
+            local_cluster.restart_node(cluster, victim["index"])
+    out = capsys.readouterr().out
+    assert "index" in victim, "the step ended before a checkpoint was written"
+    assert "retrying the whole gang (1 of 1)" in out
+    resumed_from = [int(line.split("holds checkpoints of step(s) ")[1].split(";")[0].split(", ")[-1])
+                    for line in out.splitlines() if "resuming: checkpoint_dir" in line]
+    assert resumed_from and resumed_from[-1] > 0, out
+    print(f"\n[training] host 2 of {cluster.nodes[victim['index']].slice_name} removed; resumed from step "
+          f"{resumed_from[-1]} of {steps}")
+    assert len(resumed) == 4 and len(uninterrupted) == 4
+    for after_preemption, without in zip(resumed, uninterrupted, strict=True):
+        assert after_preemption["loss"] == pytest.approx(without["loss"], abs=1e-6)
+        assert after_preemption["weights"] == pytest.approx(without["weights"], abs=1e-6)
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU-v6e-16-head") == 2, timeout=60)
+    assert_all_released(ray_driver)
+
+
+RETRY_DAG = textwrap.dedent(
+    '''
+    """A step that checkpoints, then crashes on try 1; try 2 must find that checkpoint."""
+    from datetime import datetime, timedelta
+
+    from airflow.sdk import DAG
+
+    from rayslice.operators.accelerator import AcceleratorOperator
+
+
+    def checkpoint_then_crash_on_try_1():
+        import jax.numpy as jnp
+        import orbax.checkpoint as ocp
+
+        from rayslice import get_step_context
+
+        context = get_step_context()
+        manager = ocp.CheckpointManager(context.checkpoint_path,
+                                        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+        if context.try_number == 1:
+            manager.save(3, args=ocp.args.StandardSave({"w": jnp.arange(4.0)}))
+            manager.wait_until_finished()
+            raise RuntimeError("crashed after the checkpoint of step 3")
+        step = manager.latest_step()
+        w = manager.restore(step, args=ocp.args.StandardRestore({"w": jnp.zeros(4)}))["w"]
+        return {"resumed_from": step, "w": [float(v) for v in w], "try": context.try_number,
+                "checkpoint_dir": context.checkpoint_dir}
+
+
+    with DAG("ckpt_retry", schedule=None, start_date=datetime(2026, 1, 1)):
+        AcceleratorOperator(task_id="train", accelerator="GPU", count=0.25,
+                            python_callable=checkpoint_then_crash_on_try_1, retries=1, retry_delay=timedelta(0))
+    '''
+)
+
+
+def test_a_step_that_fails_after_a_checkpoint_resumes_from_it_on_the_next_airflow_try(airflow_db, ray_default,
+                                                                                         capfd):
+    dags, errors = load_dag_file(write_dag_file("ckpt_retry", RETRY_DAG))
+    assert not errors
+    dr = dags["ckpt_retry"].test()
+    out = capfd.readouterr().out
+    assert task_states(dr) == {"train": "success"}
+    [result] = xcom_values(dr, "train")
+    folder = checkpoint_dir_for(ray_default.checkpoint_root, Owner(dag_id="ckpt_retry", run_id=dr.run_id,
+                                                                   task_id="train"))
+    assert result == {"resumed_from": 3, "w": [0.0, 1.0, 2.0, 3.0], "try": 2, "checkpoint_dir": folder}
+    assert "crashed after the checkpoint of step 3" in out
+    assert "holds no checkpoint: the step starts fresh" in out  # try 1
+    assert f"resuming: checkpoint_dir {folder} holds checkpoints of step(s) 3" in out and "by try 1" in out
+    assert task_instance(dr, "train").try_number == 2
+
+
+def test_an_unfinished_checkpoint_left_by_a_lost_attempt_never_breaks_the_resume(airflow_db, ray_driver, tmp_path,
+                                                                                   capsys):
+    """A host lost mid-save leaves orbax's `<step>.orbax-checkpoint-tmp-*`: the next attempt resumes before it."""
+    from rayslice.dags.training_pipeline import fit
+
+    from rayslice.launcher import run_step
+
+    owner = Owner(submission_id=f"test-unfinished-{time.time_ns()}")
+
+    def train(steps: int):
+        return run_step(StepSpec.for_function(
+            fit, request=TpuSliceRequest(tpu="v6e-4"), checkpoint_root=f"file://{tmp_path}", owner=owner,
+            kwargs={"dataset": DATASET, "learning_rate": 0.05, "steps": steps, "checkpoint_every": 2},
+        ))
+
+    train(4)
+    folder = Path(checkpoint_dir_for(f"file://{tmp_path}", owner).removeprefix("file://"))
+    unfinished = folder / "6.orbax-checkpoint-tmp-1764540000"
+    (unfinished / "default").mkdir(parents=True)
+    (unfinished / "default" / "half-written").write_bytes(b"\0" * 10)
+    capsys.readouterr()
+    [resumed] = train(8)
+    out = capsys.readouterr().out
+    assert "holds checkpoints of step(s) 2, 4; the newest, step 4," in out
+    [without] = run_step(StepSpec.for_function(
+        fit, request=TpuSliceRequest(tpu="v6e-4"), checkpoint_root=f"file://{tmp_path / 'fresh'}",
+        kwargs={"dataset": DATASET, "learning_rate": 0.05, "steps": 8, "checkpoint_every": 2},
+        owner=Owner(submission_id=f"test-fresh-{time.time_ns()}")))
+    assert resumed["weights"] == pytest.approx(without["weights"], abs=1e-6)
+    assert resumed["checkpoint"].endswith("/8")
