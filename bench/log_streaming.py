@@ -133,7 +133,7 @@ async def follow_by_stream(sid: str, emit_logger: logging.Logger, poll: float) -
     from rayslice.operators.triggers import RayStepTrigger
 
     trigger = RayStepTrigger(ray_conn_id="ray_bench", submission_id=sid, poll_interval=poll)
-    trigger.log = emit_logger  # the triggerer routes a trigger's logger to the task log; here: to the counter
+    trigger._log = emit_logger  # LoggingMixin's logger; the triggerer sends it to the task log, here to the counter
     event = await anext(trigger.run())
     return event.payload.get("result")
 

@@ -80,6 +80,12 @@ def get_provider_info() -> dict:
                                        '"ml", "name": "rayslice", "in_cluster": true} or "kubeconfig": "/path"',
                         "schema": {"type": ["object", "null"]},
                     },
+                    "checkpoint_root": {
+                        "label": "Checkpoint root (optional)",
+                        "description": "URL under which every step gets its checkpoint folder, e.g. "
+                                       "gs://bucket/checkpoints (else the cluster's RAYSLICE_CHECKPOINT_ROOT)",
+                        "schema": {"type": ["string", "null"]},
+                    },
                     "cloud_tpu": {
                         "label": "Cloud TPU zone check (optional)",
                         "description": 'JSON {"project": "...", "zone": "us-east5-b"}: TPU slice types are checked '

@@ -178,3 +178,45 @@ def test_an_unfinished_checkpoint_left_by_a_lost_attempt_never_breaks_the_resume
         owner=Owner(submission_id=f"test-fresh-{time.time_ns()}")))
     assert resumed["weights"] == pytest.approx(without["weights"], abs=1e-6)
     assert resumed["checkpoint"].endswith("/8")
+
+
+ROOTS_DAG = '''
+"""Where checkpoint roots come from: the task's (templated) argument first, then the connection."""
+from datetime import datetime
+
+from airflow.sdk import DAG
+
+from rayslice.operators.accelerator import AcceleratorOperator
+
+
+def where():
+    from rayslice import get_step_context
+
+    return get_step_context().checkpoint_dir
+
+
+with DAG("ckpt_roots", schedule=None, start_date=datetime(2026, 1, 1)):
+    AcceleratorOperator(task_id="from_task", accelerator="GPU", count=0.25, python_callable=where,
+                        checkpoint_root="file://__TMP__/task-root/{{ dag.dag_id }}")
+    AcceleratorOperator(task_id="from_connection", accelerator="GPU", count=0.25, python_callable=where)
+'''
+
+
+def test_the_tasks_templated_root_wins_then_the_connections_extra(airflow_db, ray_default, tmp_path, monkeypatch):
+    import json
+
+    from tests.airflow_env import ray_connection_json
+
+    conn = json.loads(ray_connection_json(ray_default.dashboard_url, ray_default.token))
+    conn["extra"] = {"checkpoint_root": f"file://{tmp_path}/connection-root"}
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_DEFAULT", json.dumps(conn))
+    dags, errors = load_dag_file(write_dag_file("ckpt_roots", ROOTS_DAG.replace("__TMP__", str(tmp_path))))
+    assert not errors
+    dr = dags["ckpt_roots"].test()
+    assert set(task_states(dr).values()) == {"success"}
+    [from_task] = xcom_values(dr, "from_task")
+    [from_connection] = xcom_values(dr, "from_connection")
+    for task_id, root in (("from_task", f"file://{tmp_path}/task-root/ckpt_roots"),
+                          ("from_connection", f"file://{tmp_path}/connection-root")):
+        assert {"from_task": from_task, "from_connection": from_connection}[task_id] == checkpoint_dir_for(
+            root, Owner(dag_id="ckpt_roots", run_id=dr.run_id, task_id=task_id))

@@ -65,6 +65,17 @@ def test_extras_and_token_stay_out_of_reprs():
     assert TOKEN not in repr(RayHook())
 
 
+def test_the_checkpoint_root_extra_is_a_url_or_nothing():
+    def settings(extra):
+        return settings_from_connection(Connection(conn_id="r", conn_type="ray", host="http://h:1",
+                                                   extra=json.dumps(extra)))
+
+    assert settings({"checkpoint_root": "gs://bucket/ckpt"}).checkpoint_root == "gs://bucket/ckpt"
+    assert settings({}).checkpoint_root is None and settings({"checkpoint_root": ""}).checkpoint_root is None
+    with pytest.raises(InvalidRequestError, match="'checkpoint_root' must be a URL like 'gs://bucket/checkpoints'"):
+        settings({"checkpoint_root": "/local/ckpt"})
+
+
 def test_missing_host_names_the_fix():
     with pytest.raises(InvalidRequestError, match="host to the Ray dashboard URL"):
         dashboard_url("")
