@@ -779,7 +779,9 @@ class AsyncRayJobsClient(_BaseJobsClient):
                 additional_headers=self._headers,
                 ssl=self._ws_ssl(),
                 open_timeout=self.timeout,
-                close_timeout=min(self.timeout, 2.0),
+                # Leaving a stream must be quick (a timeout or a kill stops the job right after): Ray's
+                # tail handler only writes, so it never answers our close frame; do not wait for it.
+                close_timeout=0.1,
                 compression=None,  # see the module docstring: Ray's proxy drops compressed streams
                 max_size=None,  # the server sends up to 20,000 characters, or one whole long line
                 # No keepalive pings: Ray's dashboard, busy relaying a chatty log, answers them late,

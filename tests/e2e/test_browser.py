@@ -67,7 +67,7 @@ def _run_pipeline_from_the_ui(page, airflow: AirflowStack, api: httpx.Client) ->
 
     run = _wait_for(lambda: _get(api, f"/dags/{DAG_ID}/dagRuns/{run_id}"), 120,
                     f"the trigger form did not create run {run_id}")
-    assert run["conf"] == {"slice_type": SLICE_TYPE, "learning_rate": float(LEARNING_RATE)}, run["conf"]
+    assert run["conf"] == {"slice_type": SLICE_TYPE, "learning_rate": float(LEARNING_RATE), "steps": 6}, run["conf"]
 
     # The Slices page (inside Airflow's UI) while `train` runs: our run holds a v6e-4 slice.
     page.get_by_role("link", name="Slices").click()  # the plugin's nav entry: /rayslice/ in an iframe
