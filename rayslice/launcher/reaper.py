@@ -16,7 +16,6 @@ is left alone: Ray frees those when their driver exits.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import asdict, dataclass
 
@@ -25,7 +24,6 @@ from ray.util.placement_group import PlacementGroup, placement_group_table
 
 PREFIX = "rayslice:"
 LIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
-_SLICE_SUFFIX = re.compile(r"_slice_\d+$")  # SlicePlacementGroup's per-slice group names
 
 
 @dataclass(frozen=True)
@@ -37,11 +35,11 @@ class Orphan:
 
 
 def submission_id_of(name: str) -> str | None:
-    """`rayslice:<sid>[/slice/hostN]` or `rayslice:<sid>[_slice_N]` -> `<sid>`; None for other names."""
+    """`rayslice:<sid>[/heads|/hosts|/slice/hostN]` -> `<sid>`; None for other names."""
     if not name.startswith(PREFIX):
         return None
     sid = name[len(PREFIX) :].split("/", 1)[0]
-    return _SLICE_SUFFIX.sub("", sid) or None
+    return sid or None
 
 
 def job_status(sid: str) -> str | None:
