@@ -3,7 +3,7 @@
 One run, one warm private cluster (a v6e-4 and two v6e-16), three sizes: 1 host (v6e-4), 4 hosts
 (v6e-16) and 8 hosts (2 × v6e-16 as one multislice JAX job). The step is `jax.device_count()`
 with JAX wired across the gang. Every Ray method is a Ray job submitted through the Jobs REST API
-and followed by the same follower (`rayslice.submission.wait_for_step`):
+and followed by the same follower (`rayslice.client.submission.wait_for_step`):
 
 - rayslice (`run_step_job`);
 - (a) the hand-written head-targeted pattern of Ray's TPU docs (a task on `TPU-<type>-head` that
@@ -15,7 +15,7 @@ and followed by the same follower (`rayslice.submission.wait_for_step`):
 - with `--nojax-rows`: (a) and (b) without JAX (the step only reports its start time).
 
 Repetitions are interleaved (rep 1 of every method, then rep 2, ...). Each rayslice job prints its
-phase times (`rayslice.launcher.phases`); the phase table gives their medians next to the floor's.
+phase times (`rayslice.cluster.phases`); the phase table gives their medians next to the floor's.
 
     .venv/bin/python bench/dispatch.py [--reps 5] [--shape v6e-4 --shape v6e-16 --shape 2xv6e-16]
 """
@@ -53,10 +53,10 @@ from _common import (
     warm_up_workers,
 )
 
-from rayslice import local_cluster
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.launcher.phases import PHASES, parse_phases
-from rayslice.step import Owner, StepSpec
+from rayslice.cluster.phases import PHASES, parse_phases
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
 
 NAME = "dispatch"
 SPEC = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-16", "v6e-16"))
@@ -163,8 +163,8 @@ def _flags(parser) -> None:
 
 
 def _rows(record: Any, slice_names: list[str], args: Any) -> list[Row]:
-    from rayslice.jobs_client import AsyncRayJobsClient
-    from rayslice.submission import run_step_job, wait_for_step
+    from rayslice.client.jobs_client import AsyncRayJobsClient
+    from rayslice.client.submission import run_step_job, wait_for_step
 
     package = zip_file(Path(__file__).with_name("_job_baseline.py"))
 
@@ -293,8 +293,8 @@ def _table(results: dict[str, list[Row]]) -> Table:
         "total wall: submission until the caller has every host's result; rayslice's includes releasing its "
         "placement groups (waiting until Ray marks them REMOVED) before its driver exits",
         "Ray rows: a Ray job submitted through the Jobs REST API from this process and followed by "
-        "rayslice.submission.wait_for_step (status polled every 1 s, the log streamed); the baselines print their "
-        "result as rayslice's result line so the same follower reads it",
+        "rayslice.client.submission.wait_for_step (status polled every 1 s, the log streamed); the baselines print "
+        "their result as rayslice's result line so the same follower reads it",
         "floor: the same number of JAX processes (one JAX group) started with subprocess from this process, "
         "coordinator on 127.0.0.2; total = until all exited",
         "− floor: the method's median minus the floor's median (same size, same run)",
