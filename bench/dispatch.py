@@ -144,9 +144,10 @@ def main() -> None:
         for label, request in (SHAPES[s] for s in shapes):
             shape_rows = [Row(r.label, r.run) for r in rows]
             results[label] = shape_rows
-            log(f"{label}: warm-up (one unrecorded run of each method)")
-            for row in shape_rows:
-                _measure(ray, row, request, record=False)
+            if len(results) == 1:  # the first shape: one unrecorded run of each method
+                log(f"{label}: warm-up (one unrecorded run of each method)")
+                for row in shape_rows:
+                    _measure(ray, row, request, record=False)
             for rep in range(args.reps):
                 for row in shape_rows:  # interleaved, so load changes hit every method alike
                     _measure(ray, row, request)
