@@ -257,7 +257,13 @@ def _measure(ray: Any, row: Row, request: TpuSliceRequest, record: bool = True) 
     if "relative" in phases:
         row.phases.append(phases["relative"] | {"result": t1 - t0})
     elif phases:
-        row.phases.append({k: v - t0 for k, v in phases.items() if k in PHASES} | {"result": t1 - t0})
+        relative = {k: v - t0 for k, v in phases.items() if k in PHASES} | {"result": t1 - t0}
+        detail, per_host = phases.get("detail", {}), phases.get("hosts", [])
+        if "reserving" in detail and "reserved" in phases:
+            relative["reservation"] = phases["reserved"] - detail["reserving"]
+        if "released" in phases and per_host and all("left_group" in h for h in per_host):
+            relative["release"] = phases["released"] - max(h["left_group"] for h in per_host)
+        row.phases.append(relative)
 
 
 def _table(results: dict[str, list[Row]]) -> Table:
@@ -304,8 +310,9 @@ def _table(results: dict[str, list[Row]]) -> Table:
 
 
 def _phase_table(results: dict[str, list[Row]]) -> Table:
-    shown = [*PHASES, "result"]
-    names = {**{p: p.replace("_", " ") for p in PHASES}, "result": "result in caller"}
+    shown = [*PHASES, "result", "reservation", "release"]
+    names = {**{p: p.replace("_", " ") for p in PHASES}, "result": "result in caller",
+             "reservation": "reservation took", "release": "release after the last host returned"}
     table = Table("Where the time goes: seconds after submission (median per phase)",
                   ["method", *[names[p] for p in shown]])
     for label, rows in results.items():
@@ -316,12 +323,18 @@ def _phase_table(results: dict[str, list[Row]]) -> Table:
             cells = []
             for phase in shown:
                 values = [p[phase] for p in row.phases if phase in p]
-                cells.append(f"{median(values):.2f}" if values else "")
+                if phase in ("reservation", "release"):
+                    cells.append(f"{median(values) * 1000:.0f} ms" if values else "")
+                else:
+                    cells.append(f"{median(values):.2f}" if values else "")
             table.add(f"{row.label.split(' (')[0].split(':')[0]} (n={len(row.phases)})", *cells)
     table.notes = [
         "accepted: the job's start_time in Ray's job table; driver started: the job driver's process start; "
         "reserved: the launcher's placement groups ready; host phases: the latest host's time (hosts started = "
         "its process start, from /proc); released: rayslice's placement groups REMOVED; result: the caller has it",
+        "reservation took: from reserve_slices() called to both placement groups ready (free slices); release after "
+        "the last host returned: from the last host's return (after leaving its JAX group) to every placement "
+        "group REMOVED",
         "floor: hosts started = the latest process's first Python line, JAX ready = jax.distributed wired, "
         "step started = device_count() returned; result = every process exited",
     ]
