@@ -34,7 +34,7 @@ from rayslice.core.exceptions import (
     SubmissionConflictError,
     UnsatisfiableRequestError,
 )
-from rayslice.core.step import ERROR_MARKER, RESULT_MARKER, Owner, StepSpec, parse_error, parse_result
+from rayslice.core.step import ERROR_MARKER, HOST_DONE_MARKER, RESULT_MARKER, Owner, StepSpec, parse_error, parse_result
 
 ENTRYPOINT = "python -m rayslice.cluster spec.json"
 #: Ad-hoc steps (no Airflow task instance) get this prefix and a fresh UUID per submission.
@@ -272,7 +272,7 @@ class LogFollower:
             for marker in (RESULT_MARKER, ERROR_MARKER):
                 if marker in piece:
                     self._markers[marker] = piece
-            if piece.strip() and not piece.startswith((RESULT_MARKER, ERROR_MARKER)):
+            if piece.strip() and not piece.startswith((RESULT_MARKER, ERROR_MARKER)) and HOST_DONE_MARKER not in piece:
                 self.emit(_strip_ansi(piece))
 
 

@@ -88,6 +88,7 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
     timeline.mark("reserved")
     actors: list[Any] = []
     spec_json = spec.model_dump_json()
+    drain, drain_from = gang.LogDrain(), []
     try:
         slices = sorted({h.slice_name for h in reservation.hosts})
         log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")
@@ -113,13 +114,17 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
         plans = gang.plan_processes(reservation.hosts, multislice=request.multislice,
                                     ports={i: ports[i] for i in leaders})
         log(f"running on {', '.join(slices)}: {len(plans)} hosts x {request.chips_per_host} chips")
-        return gang.run_gang(actors, plans, spec, attempt, timeline)
+        results = gang.run_gang(actors, plans, spec, attempt, timeline)
+        drain_from = [plan.label for plan in plans]
+        return results
     finally:
         timeline.note("gang_returned")
         gang.kill(actors)
         still_held = reservation.release()
         timeline.mark("released")
         _log_release(str(request), started, still_held)
+        drain.wait(drain_from)  # after the release: the chips are free while the last host lines arrive
+        drain.close()
 
 
 def _log_release(what: str, started: float, still_held: list[str]) -> None:
@@ -149,6 +154,7 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
     actor = gang.HostProcess.options(
         name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, **request.ray_options()
     ).remote(str(request), spec.model_dump_json(), plan)
+    drain, drain_from = gang.LogDrain(), []
     try:
         ready, _ = ray.wait([actor.free_port.remote()], timeout=spec.capacity_timeout)
         if not ready:
@@ -157,8 +163,12 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
                 "nothing was left reserved. Raise capacity_timeout or add nodes with that accelerator."
             )
         log(f"running on {request}")
-        return gang.run_gang([actor], [plan], spec, attempt, timeline)[0]
+        result = gang.run_gang([actor], [plan], spec, attempt, timeline)[0]
+        drain_from = [str(request)]  # the actor's label
+        return result
     finally:
         gang.kill([actor])
         timeline.mark("released")
         log(f"released {request} after {time.monotonic() - started:.1f} s")
+        drain.wait(drain_from)
+        drain.close()

@@ -26,7 +26,7 @@ from rayslice.cluster import environments, phases
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.context import StepContext, set_step_context
 from rayslice.core.exceptions import HostLostError, PreemptedError, StepFailedError, StepTimeoutError
-from rayslice.core.step import StepSpec
+from rayslice.core.step import HOST_DONE_MARKER, StepSpec
 
 #: How long a lost host's node may take to be declared dead (Ray's default health checks: 3 s x 5).
 NODE_DEATH_WINDOW_S = 30.0
@@ -109,6 +109,8 @@ class HostProcess:
         self._times["step_done"] = time.time()
         _leave_jax_group()
         self._times["left_group"] = time.time()
+        sys.stderr.flush()
+        print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
         return result, self._times
 
 
@@ -378,6 +380,42 @@ def _remote_traceback(exc: RayTaskError) -> str:
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return lines[0][:300] if lines else type(exc).__name__
+
+
+class LogDrain:
+    """Sees each host's last line arrive in this driver's log, so the driver's own last line comes after it.
+
+    Ray forwards host output to the driver asynchronously; a driver that printed its result and
+    exited at once could lose a host's final lines. Only where this driver prints host output.
+    """
+
+    def __init__(self) -> None:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        self._dispatcher = dispatcher
+        self.active = any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
+        self._done: set[str] = set()
+        self._seen = threading.Condition()
+        self._name = f"rayslice-drain-{id(self)}"
+        if self.active:
+            dispatcher.add_handler(self._name, self._handle)
+
+    def _handle(self, data: dict) -> None:
+        for line in data.get("lines", ()):
+            at = line.find(HOST_DONE_MARKER)
+            if at >= 0:
+                with self._seen:
+                    self._done.add(line[at + len(HOST_DONE_MARKER):].strip())
+                    self._seen.notify_all()
+
+    def wait(self, labels: list[str], timeout: float = 2.0) -> None:
+        if self.active:
+            with self._seen:
+                self._seen.wait_for(lambda: self._done.issuperset(labels), timeout)
+
+    def close(self) -> None:
+        if self.active:
+            self._dispatcher.remove_handler(self._name)
 
 
 def kill(actors: list[Any]) -> None:
