@@ -14,7 +14,8 @@ and followed by the same follower (`rayslice.client.submission.wait_for_step`):
   over gloo, the step), no Ray;
 - with `--nojax-rows`: (a) and (b) without JAX (the step only reports its start time).
 
-Repetitions are interleaved (rep 1 of every method, then rep 2, ...). Each rayslice job prints its
+Repetitions are interleaved (rep 1 of every method, then rep 2, ...); the largest shape runs first,
+after one unrecorded run of every method (the run stops if one of those fails). Each rayslice job prints its
 phase times (`rayslice.cluster.phases`); the phase table gives their medians next to the floor's.
 
     .venv/bin/python bench/dispatch.py [--reps 5] [--shape v6e-4 --shape v6e-16 --shape 2xv6e-16]
@@ -140,14 +141,15 @@ def main() -> None:
         rows = _rows(record, slice_names, args)
         warm_up_workers(ray)
         started = time.monotonic()
-        results: dict[str, list[Row]] = {}
-        for label, request in (SHAPES[s] for s in shapes):
+        results: dict[str, list[Row]] = {SHAPES[s][0]: [] for s in shapes}  # reported smallest first
+        for label, request in (SHAPES[s] for s in reversed(shapes)):  # the largest, most involved shape first
             shape_rows = [Row(r.label, r.run) for r in rows]
             results[label] = shape_rows
-            if len(results) == 1:  # the first shape: one unrecorded run of each method
+            if label == SHAPES[shapes[-1]][0]:  # the first shape measured: one unrecorded run of each method
                 log(f"{label}: warm-up (one unrecorded run of each method)")
                 for row in shape_rows:
-                    _measure(ray, row, request, record=False)
+                    if not _measure(ray, row, request, record=False):
+                        raise SystemExit(f"warm-up of {row.label!r} failed: not measuring")
             for rep in range(args.reps):
                 for row in shape_rows:  # interleaved, so load changes hit every method alike
                     _measure(ray, row, request)
@@ -232,7 +234,7 @@ def floor(request: TpuSliceRequest) -> tuple[float, list[dict], float, dict]:
     return t0, hosts * (request.total_hosts // processes), t1, {"relative": phases}
 
 
-def _measure(ray: Any, row: Row, request: TpuSliceRequest, record: bool = True) -> None:
+def _measure(ray: Any, row: Row, request: TpuSliceRequest, record: bool = True) -> bool:
     if not wait_all_free(ray):
         log("warning: TPU chips not all free before a measurement")
     try:
@@ -243,7 +245,7 @@ def _measure(ray: Any, row: Row, request: TpuSliceRequest, record: bool = True) 
             row.errors.append(type(exc).__name__)
             row.running.add(None)
             row.total.add(None)
-        return
+        return False
     if len(hosts) != request.total_hosts:
         raise RuntimeError(f"{row.label}: {len(hosts)} host results for {request}")
     wanted = request.chips_per_host * (request.total_hosts if request.multislice else request.hosts_per_slice)
@@ -251,7 +253,7 @@ def _measure(ray: Any, row: Row, request: TpuSliceRequest, record: bool = True) 
         raise RuntimeError(f"{row.label}: JAX saw {[h.get('devices') for h in hosts]} devices, wanted {wanted}")
     log(f"  {row.label[:40]}: running {max(h['t'] for h in hosts) - t0:.2f} s, total {t1 - t0:.2f} s")
     if not record:
-        return
+        return True
     row.running.add(max(h["t"] for h in hosts) - t0)
     row.total.add(t1 - t0)
     if "relative" in phases:
@@ -264,6 +266,7 @@ def _measure(ray: Any, row: Row, request: TpuSliceRequest, record: bool = True) 
         if "released" in phases and per_host and all("left_group" in h for h in per_host):
             relative["release"] = phases["released"] - max(h["left_group"] for h in per_host)
         row.phases.append(relative)
+    return True
 
 
 def _table(results: dict[str, list[Row]]) -> Table:
