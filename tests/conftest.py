@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,6 +103,37 @@ def ray_driver(cluster):
     ray.init(address=cluster.gcs_address, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+#: The scheduler gives up on a task whose worker stopped heartbeating after this long (default 300 s):
+#: short, so the reaper test's killed worker is noticed; long enough for a loaded two-core machine.
+HEARTBEAT_TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="session")
+def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
+    """One real Airflow (api-server, scheduler, dag-processor, triggerer) for every test that needs one.
+
+    Each start costs ~90 s of a two-core machine, so the end-to-end, browser and reaper tests share
+    it. Its DAG folder holds the repo's example DAGs and the end-to-end DAGs; a test may add a DAG
+    file of its own there (the dag-processor looks every 5 s). The teardown checks that every
+    process it started is gone.
+    """
+    from rayslice.local.airflow_stack import AirflowStack, _alive
+    from tests.airflow_env import REPO
+
+    dags = tmp_path_factory.mktemp("airflow-dags")
+    for source in [*(REPO / "dags").glob("[!_]*.py"), REPO / "tests/e2e/dags/lifecycle.py"]:
+        shutil.copy(source, dags / source.name)
+    settings = {"AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3"}
+    with AirflowStack(cluster.dashboard_url, cluster.token, dags_folder=dags, extra_env=settings) as stack:
+        components = dict(stack.sessions)
+        assert {"scheduler", "triggerer", "api-server", "dag-processor"} <= set(components)
+        yield stack
+    left = {name: pid for name, pid in components.items() if _alive(pid)}
+    assert not left, f"Airflow components still running after stop(): {left}"
+    assert not stack.pids(), f"processes of the Airflow stack left behind: {sorted(stack.pids())}"
 
 
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.05):

@@ -56,8 +56,9 @@ class AirflowStack:
 
     def __init__(self, dashboard_url: str, token: str | None = None, *, dags_folder: Path = EXAMPLE_DAGS,
                  username: str = "admin", password: str = "admin", parallelism: int = 2,
-                 startup_timeout: float = 300) -> None:
+                 startup_timeout: float = 300, extra_env: dict[str, str] | None = None) -> None:
         self.dashboard_url, self.token, self.dags_folder = dashboard_url, token, Path(dags_folder)
+        self.extra_env = dict(extra_env or {})  # Airflow settings for this stack only (AIRFLOW__...)
         self.username, self.password = username, password
         self.parallelism, self.startup_timeout = parallelism, startup_timeout
         self.home: Path | None = None
@@ -107,6 +108,7 @@ class AirflowStack:
             # call can take ~50 s, and the 5 s default then kills the task (its retry conflicts).
             "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "120",
             "AIRFLOW_CONN_RAY_DEFAULT": json.dumps(conn),
+            **self.extra_env,
         }
 
     def start(self) -> AirflowStack:

@@ -89,6 +89,26 @@ class ClusterRecord:
         data["nodes"] = [NodeRecord(**node) for node in data["nodes"]]
         return cls(**data)
 
+    def driver_env(self) -> dict[str, str]:
+        """What a user's shell needs to reach this cluster (`rayslice local env`): `ray.init()`,
+        the README's examples and `dag.test()` connect with it and nothing else."""
+        conn: dict[str, str] = {"conn_type": "ray", "host": self.dashboard_url}
+        if self.token:
+            conn["password"] = self.token
+        env = {
+            "RAY_ADDRESS": self.gcs_address,  # ray.init() connects here instead of starting a Ray of its own
+            # Explicit either way: with RAY_AUTH_MODE unset, Ray turns token auth on by itself when
+            # ~/.ray/auth_token exists, and a token driver cannot start workers on a cluster without auth.
+            "RAY_AUTH_MODE": "token" if self.token else "disabled",
+            "RAYSLICE_DASHBOARD_URL": self.dashboard_url,
+            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps(conn),
+        }
+        if self.token:
+            env["RAY_AUTH_TOKEN"] = self.token
+        if self.checkpoint_root:
+            env[CHECKPOINT_ROOT_ENV] = self.checkpoint_root
+        return env
+
     def ray_env(self) -> dict[str, str]:
         """Environment for anything that talks to this cluster (drivers, `ray` CLI)."""
         # Ten nodes starting at once on two cores need longer than Ray's default 10 s.
