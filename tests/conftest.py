@@ -38,6 +38,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.airflow)
         if needs & BROWSER_FIXTURES or item.get_closest_marker("browser"):
             item.add_marker(pytest.mark.browser)
+    # The tests that use the session's Airflow run one after another (in their files' order), so it
+    # can stop after the last of them instead of idling through the rest of the session.
+    users = [item for item in items if _uses_session_airflow(item)]
+    if users:
+        first = items.index(users[0])
+        rest = [item for item in items if item not in users]
+        items[:] = rest[:first] + users + rest[first:]
+
+
+def _uses_session_airflow(item: pytest.Item) -> bool:
+    fixture = getattr(item, "_fixtureinfo", None)
+    defs = fixture.name2fixturedefs.get("airflow", ()) if fixture else ()
+    return bool(defs) and defs[-1].scope == "session"
+
+
+_session_airflow: list = []  # the running stack, so the last test that uses it can stop it
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _session_airflow and _uses_session_airflow(item) and (nextitem is None or not _uses_session_airflow(nextitem)):
+        _session_airflow.pop().stop()
 
 
 @pytest.fixture(scope="session")
@@ -127,10 +149,15 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
         shutil.copy(source, dags / source.name)
     settings = {"AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
                 "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3"}
-    with AirflowStack(cluster.dashboard_url, cluster.token, dags_folder=dags, extra_env=settings) as stack:
-        components = dict(stack.sessions)
+    stack = AirflowStack(cluster.dashboard_url, cluster.token, dags_folder=dags, extra_env=settings).start()
+    _session_airflow.append(stack)  # stopped by pytest_runtest_teardown after the last test that uses it
+    components = dict(stack.sessions)
+    try:
         assert {"scheduler", "triggerer", "api-server", "dag-processor"} <= set(components)
         yield stack
+    finally:
+        if _session_airflow:  # the run stopped early (-x, Ctrl-C, an error before its last user)
+            _session_airflow.pop().stop(keep_logs=True)
     left = {name: pid for name, pid in components.items() if _alive(pid)}
     assert not left, f"Airflow components still running after stop(): {left}"
     assert not stack.pids(), f"processes of the Airflow stack left behind: {sorted(stack.pids())}"
