@@ -81,8 +81,8 @@ NO_RAY = COMMON + textwrap.dedent(
 
 
 @pytest.fixture
-def fake(monkeypatch, tmp_path):
-    with FakeKubernetes() as server:
+def fake(monkeypatch, tmp_path, reference_crds):
+    with FakeKubernetes(crds=reference_crds) as server:
         kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
         extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": str(kubeconfig)}}
         monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
