@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rayslice.local.airflow_stack import AirflowStack, _alive
+from rayslice.local.airflow_stack import AirflowStack
+from rayslice.local.processes import alive
 from tests.airflow_env import REPO
 
 E2E_DAGS = Path(__file__).with_name("dags")
@@ -34,7 +35,7 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
         components = dict(stack.sessions)
         assert {"scheduler", "triggerer", "api-server", "dag-processor"} <= set(components)
         yield stack
-    left = {name: pid for name, pid in components.items() if _alive(pid)}
+    left = {name: pid for name, pid in components.items() if alive(pid)}
     assert not left, f"Airflow components still running after stop(): {left}"
     assert not stack.pids(), f"processes of the Airflow stack left behind: {sorted(stack.pids())}"
 
