@@ -438,15 +438,23 @@ class _BaseJobsClient:
             status_code=code,
         )
 
-    def _json(self, call: _Call, resp: httpx.Response) -> Any:
+    def _json(self, call: _Call, resp: httpx.Response, kind: type | None = None, what: str = "") -> Any:
+        """The JSON body; with ``kind``, one of that type (``what`` names it in the error)."""
         try:
-            return resp.json()
+            body = resp.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RayJobsError(
                 f"the Ray dashboard at {self.address} answered {call.label} with a body that is "
                 f"not JSON (HTTP {resp.status_code}): {self._summary(resp.text)!r}",
                 status_code=resp.status_code,
             ) from None
+        if kind is not None and not isinstance(body, kind):
+            raise RayJobsError(
+                f"the Ray dashboard at {self.address} answered {call.label} with "
+                f"{type(body).__name__} {self._summary(resp.text)!r}, not {what}",
+                status_code=resp.status_code,
+            )
+        return body
 
     def _field(self, call: _Call, resp: httpx.Response, key: str, kind: type) -> Any:
         body = self._json(call, resp)
@@ -513,14 +521,7 @@ class _BaseJobsClient:
                 status_code=404,
             )
         self._raise_for_status(call, resp, not_found=None)
-        body = self._json(call, resp)
-        if not isinstance(body, dict):
-            raise RayJobsError(
-                f"the Ray dashboard at {self.address} answered {call.label} with "
-                f"{self._summary(resp.text)!r}, not an object",
-                status_code=resp.status_code,
-            )
-        return body
+        return self._json(call, resp, dict, "an object")
 
     @_operation
     def submit(
@@ -611,14 +612,7 @@ class _BaseJobsClient:
         call = _Call("GET", "/api/jobs/")
         resp = yield from self._exchange(call)
         self._raise_for_status(call, resp, not_found=None)
-        body = self._json(call, resp)
-        if not isinstance(body, list):
-            raise RayJobsError(
-                f"the Ray dashboard at {self.address} answered {call.label} with "
-                f"{type(body).__name__}, not a list of jobs",
-                status_code=resp.status_code,
-            )
-        return [self._details(call, resp, item) for item in body]
+        return [self._details(call, resp, item) for item in self._json(call, resp, list, "a list of jobs")]
 
     @_operation
     def get_json(self, path: str, params: dict[str, str] | None = None) -> _Op[Any]:
