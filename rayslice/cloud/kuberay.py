@@ -261,6 +261,27 @@ def _cluster_crds(kubeconfig: str | None, context: str | None) -> tuple[KubeRayC
     return KubeRayCrds.from_cluster(api), api.close
 
 
+def _validate_as_told(manifest: dict[str, Any], crd: list[Path], kubeconfig: str | None, context: str | None, *,
+                      require: bool) -> str:
+    """Validate against the CRD the options name (or the default cluster's); the line saying against what.
+
+    A source the user named that cannot be used raises, and so does a missing one with ``require``;
+    otherwise the line says that the manifest was not validated, why, and how to validate it.
+    """
+    close: Callable[[], None] = lambda: None  # noqa: E731
+    try:
+        crds = KubeRayCrds.from_files(crd) if crd else None
+        if crds is None:
+            crds, close = _cluster_crds(kubeconfig, context)
+        return f"validated against {validate(manifest, crds)}"
+    except CrdUnavailableError as exc:
+        if crd or kubeconfig or context or require:
+            raise
+        return f"NOT validated against a KubeRay CRD: {exc}. To validate, {HOW_TO_VALIDATE}"
+    finally:
+        close()
+
+
 app = typer.Typer(help="KubeRay manifests: a GKE Ray cluster with whole-TPU-slice worker groups.",
                   no_args_is_help=True)
 
@@ -301,7 +322,6 @@ def manifest(
     --context that fails is an error; without them, a manifest that could not be validated is still
     printed, with the reason on stderr.
     """
-    close: Callable[[], None] = lambda: None  # noqa: E731
     try:
         if rayjob and not entrypoint:
             raise InvalidRequestError("--rayjob needs --entrypoint, e.g. --entrypoint 'python train.py'")
@@ -311,23 +331,10 @@ def manifest(
         if rayjob:
             result = render_rayjob(name, entrypoint=entrypoint or "", cluster=result)
         check_rules(result)
-        explicit = bool(crd or kubeconfig or context)
-        if check is False:
-            note = "not validated against a KubeRay CRD (--no-validate)"
-        else:
-            try:
-                crds = KubeRayCrds.from_files(crd) if crd else None
-                if crds is None:
-                    crds, close = _cluster_crds(kubeconfig, context)
-                note = f"validated against {validate(result, crds)}"
-            except CrdUnavailableError as exc:
-                if explicit or check:
-                    raise
-                note = f"NOT validated against a KubeRay CRD: {exc}. To validate, {HOW_TO_VALIDATE}"
+        note = ("not validated against a KubeRay CRD (--no-validate)" if check is False
+                else _validate_as_told(result, crd, kubeconfig, context, require=bool(check)))
     except (InvalidRequestError, CrdUnavailableError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    finally:
-        close()
     typer.echo(yaml.safe_dump(result, sort_keys=False), nl=False)
     typer.echo(note, err=True)
