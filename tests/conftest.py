@@ -141,7 +141,8 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
     file of its own there (the dag-processor looks every 5 s). The teardown checks that every
     process it started is gone.
     """
-    from rayslice.local.airflow_stack import AirflowStack, _alive
+    from rayslice.local.airflow_stack import AirflowStack
+    from rayslice.local.processes import alive
     from tests.airflow_env import REPO
 
     dags = tmp_path_factory.mktemp("airflow-dags")
@@ -158,7 +159,7 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
     finally:
         if _session_airflow:  # the run stopped early (-x, Ctrl-C, an error before its last user)
             _session_airflow.pop().stop(keep_logs=True)
-    left = {name: pid for name, pid in components.items() if _alive(pid)}
+    left = {name: pid for name, pid in components.items() if alive(pid)}
     assert not left, f"Airflow components still running after stop(): {left}"
     assert not stack.pids(), f"processes of the Airflow stack left behind: {sorted(stack.pids())}"
 
