@@ -17,7 +17,7 @@ from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, reserve_slices
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
-from rayslice.core.exceptions import CapacityTimeoutError, PreemptedError
+from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError
 from rayslice.core.step import StepSpec
 
 __all__ = ["run_step", "reservation_name"]
@@ -35,9 +35,11 @@ def reservation_name(spec: StepSpec) -> str:
 def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -> Any:
     """Run the step on every host of its capacity; per-host results, or the fraction's one result.
 
+    Call it in a Ray driver connected to the cluster (`ray.init(address=...)`); it never starts a Ray.
     `driver_phases` are the job's first phase times (accepted, driver started), known to the job's
     driver: every attempt logs its phase times (`rayslice.cluster.phases`) once its capacity is released.
     """
+    _require_connected_driver()
     first = phases.Timeline()
     first.note("run_step")
     _reap_orphans(spec)
@@ -67,6 +69,19 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
             for line in timeline.lines():
                 print(line, flush=True)
     raise AssertionError("unreachable")
+
+
+def _require_connected_driver() -> None:
+    """Refuse to run where Ray would reserve nothing real: no driver, or a Ray this process started itself."""
+    connect = ("connect this process to the cluster first: ray.init(address=...) with its GCS address, or "
+               "ray.init() with RAY_ADDRESS set (for the local cluster: eval \"$(rayslice local env)\")")
+    if not ray.is_initialized():
+        raise InvalidRequestError(f"run_step needs a Ray driver connected to a cluster, and none is: {connect}")
+    node = getattr(ray._private.worker, "_global_node", None)
+    if getattr(node, "head", False):  # ray.init() found no cluster to join and started one in this process
+        raise InvalidRequestError(
+            "run_step needs a Ray driver connected to a cluster, but ray.init() started a new local Ray in this "
+            f"process (it found no RAY_ADDRESS), which has no slices: {connect}")
 
 
 def _reap_orphans(spec: StepSpec) -> None:
