@@ -55,12 +55,17 @@ class AirflowStack:
 
     def __init__(self, dashboard_url: str, token: str | None = None, *, dags_folder: Path = REPO / "dags",
                  username: str = "admin", password: str = "admin", parallelism: int = 2,
-                 startup_timeout: float = 300) -> None:
+                 startup_timeout: float = 300, home: Path | None = None, port: int = 0) -> None:
+        """`home` given: that AIRFLOW_HOME is used and kept (its DB survives a stop); else a throwaway one.
+
+        `port` 0: a free one.
+        """
         self.dashboard_url, self.token, self.dags_folder = dashboard_url, token, Path(dags_folder)
         self.username, self.password = username, password
         self.parallelism, self.startup_timeout = parallelism, startup_timeout
-        self.home: Path | None = None
-        self.port = 0
+        self.home: Path | None = Path(home) if home else None
+        self._keep_home = home is not None
+        self.port = port
         self.sessions: dict[str, int] = {}  # component -> PID of its session leader
         self._procs: dict[int, subprocess.Popen] = {}  # kept, so we (not the GC) reap them
         self._started: set[int] = set()  # every session ever started, for pids() after stop()
@@ -112,10 +117,14 @@ class AirflowStack:
         """Migrate a fresh SQLite DB, start the four components, return once all report healthy."""
         if self.sessions:
             raise RaysliceError("this AirflowStack is already started")
-        self.home = Path(tempfile.mkdtemp(prefix="rayslice-airflow-stack-"))
-        (self.home / "logs").mkdir()
-        (self.home / "passwords.json").write_text(json.dumps({self.username: self.password}))
-        self.port, self._log_ports = free_port(), (free_port(), free_port())
+        if not self._keep_home:
+            self.home = Path(tempfile.mkdtemp(prefix="rayslice-airflow-stack-"))
+        assert self.home is not None
+        (self.home / "logs").mkdir(parents=True, exist_ok=True)
+        passwords = self.home / "passwords.json"
+        passwords.write_text(json.dumps({self.username: self.password}))
+        passwords.chmod(0o600)
+        self.port, self._log_ports = self.port or free_port(), (free_port(), free_port())
         self._secret = secrets.token_hex(32)
         try:
             self._run_once(["db", "migrate"], "db-migrate", timeout=self.startup_timeout)
@@ -225,7 +234,7 @@ class AirflowStack:
             raise RaysliceError(f"Airflow processes {sorted(left)} did not exit")
         self.sessions.clear()
         self._procs.clear()
-        if self.home and not keep_logs:
+        if self.home and not keep_logs and not self._keep_home:
             shutil.rmtree(self.home, ignore_errors=True)
 
     def _end_sessions(self, sessions: set[int], grace: float = 20) -> None:
