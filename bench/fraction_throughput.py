@@ -6,7 +6,7 @@ The baseline, in every mode: plain Ray tasks with `num_gpus=0.25` from one drive
 
 - `--mode airflow` (the issue's question): one DAG run of `bench/airflow_dags/fraction.py`, 32
   mapped `@task.ray_accelerator(accelerator="GPU", count=0.25, deferrable=True)` tasks, on a real
-  Airflow (`rayslice.airflow_stack.AirflowStack`, LocalExecutor); each mapped task is a Ray job.
+  Airflow (`rayslice.local.airflow_stack.AirflowStack`, LocalExecutor); each mapped task is a Ray job.
 - `--mode driver` (default): rayslice `run_step` from 32 driver threads (one fresh host actor
   per step), without job submission: the launcher's own cost.
 - `--mode jobs`: rayslice as 32 concurrent Ray jobs through the Jobs REST API (`run_step_job`).
@@ -32,9 +32,9 @@ from typing import Any
 
 from _common import ROOT, Report, Series, Table, cluster, driver, fmt_ratio, fmt_s, log, median, parse_args, quiet
 
-from rayslice import local_cluster
-from rayslice.accelerators import AcceleratorRequest
-from rayslice.step import Owner, StepSpec
+from rayslice.core.accelerators import AcceleratorRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
 
 NAME = "fraction_throughput"
 SPEC = local_cluster.ClusterSpec(gpus=3)
@@ -77,8 +77,8 @@ def main() -> None:
     args = parse_args(__doc__.split("\n")[0], extra=_flags)
     report = Report(NAME + ("" if args.mode == "driver" else f"_{args.mode}"), args)
     with cluster(SPEC, NAME) as record, driver(record) as ray, contextlib.ExitStack() as stack:
-        from rayslice.launcher import run_step
-        from rayslice.submission import run_step_job
+        from rayslice.client.submission import run_step_job
+        from rayslice.cluster import run_step
 
         task = ray.remote(num_gpus=SHARE, num_cpus=0)(gpu_step)  # like rayslice's host actor
 

@@ -12,7 +12,7 @@ Only a user allowed to read connections may point the page at another connection
 (`?conn_id=`); anyone else asking for one gets the same refusal whether it exists or not.
 
 Below the live view, a usage timeline of the last hours (`?hours=`) and the accelerator-hours
-per DAG and task over it (`rayslice.usage`), drawn on the server too.
+per DAG and task over it (`rayslice.client.usage`), drawn on the server too.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the route signatures' real types,
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from rayslice.hooks.ray import RayConnectionSettings
 
-    from rayslice.capacity import Snapshot
-    from rayslice.usage import Usage
+    from rayslice.client.capacity import Snapshot
+    from rayslice.client.usage import Usage
 
 URL_PREFIX = "/rayslice"
 DEFAULT_CONN_ID = "ray_default"
@@ -74,7 +74,7 @@ def ray_connection(conn_id: str) -> "RayConnectionSettings":
     from airflow.sdk import BaseHook
     from rayslice.hooks.ray import settings_from_connection
 
-    from rayslice.exceptions import RaysliceError
+    from rayslice.core.exceptions import RaysliceError
 
     if not _CONN_ID.match(conn_id):
         raise _Problem(400, f"{conn_id!r} is not a connection id")
@@ -110,8 +110,8 @@ async def read_usage(conn_id: str, hours: float) -> "Usage":
     """The usage over the last `hours` for `conn_id` (cached for USAGE_CACHE_S)."""
     from starlette.concurrency import run_in_threadpool
 
-    from rayslice import usage
-    from rayslice.exceptions import RaysliceError
+    from rayslice.client import usage
+    from rayslice.core.exceptions import RaysliceError
 
     ray = await run_in_threadpool(ray_connection, conn_id)
     key = f"{conn_id} {ray.dashboard_url} {hours}"
@@ -132,7 +132,7 @@ def visible_usage(found: "Usage", user: Any) -> dict[str, Any]:
     """The usage as JSON with steps of DAGs this user may not read unnamed, and the per-DAG/task tables."""
     from airflow.api_fastapi.app import get_auth_manager
 
-    from rayslice import usage
+    from rayslice.client import usage
 
     dag_ids = {b.dag_id for b in found.bars if b.dag_id}
     allowed = get_auth_manager().filter_authorized_dag_ids(dag_ids=dag_ids, user=user) if dag_ids else set()
@@ -147,7 +147,7 @@ def visible_usage(found: "Usage", user: Any) -> dict[str, Any]:
 
 def window(hours: float | None) -> float:
     """The timeline's window: one of usage.WINDOWS_H (anything else: the default)."""
-    from rayslice import usage
+    from rayslice.client import usage
 
     return hours if hours in usage.WINDOWS_H else usage.DEFAULT_WINDOW_H
 
@@ -156,8 +156,8 @@ async def read(conn_id: str) -> "tuple[Snapshot, str]":
     """The cluster's capacity for `conn_id` (cached for CACHE_S) and its dashboard URL (no credentials)."""
     from starlette.concurrency import run_in_threadpool
 
-    from rayslice import capacity
-    from rayslice.exceptions import RaysliceError
+    from rayslice.client import capacity
+    from rayslice.core.exceptions import RaysliceError
 
     ray = await run_in_threadpool(ray_connection, conn_id)
     key = f"{conn_id} {ray.dashboard_url}"

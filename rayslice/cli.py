@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from rayslice import local_cluster
-from rayslice.exceptions import RaysliceError
+from rayslice.core.exceptions import RaysliceError
+from rayslice.local import local_cluster
 
 app = typer.Typer(help="Run accelerator steps of Airflow pipelines on Ray.", no_args_is_help=True)
 local = typer.Typer(help="A local Ray cluster whose nodes look like TPU hosts and GPU machines.", no_args_is_help=True)
@@ -23,7 +23,7 @@ console = Console()
 
 def _kuberay() -> None:
     try:
-        from rayslice.kuberay import app as kuberay_app
+        from rayslice.cloud.kuberay import app as kuberay_app
     except ImportError:  # pragma: no cover - module is part of the package
         return
     app.add_typer(kuberay_app, name="kuberay")
@@ -81,7 +81,7 @@ def airflow_up(
                                                      help="Another DAG folder (tests).")] = None,
 ) -> None:
     """Start Airflow (api-server, scheduler, dag-processor, triggerer) with the example DAGs; print URL and login."""
-    from rayslice import airflow_ui
+    from rayslice.local import airflow_ui
 
     record, already = airflow_ui.up(name, cluster=cluster, port=port, adopt_cluster=adopt_cluster,
                                     dags_folder=dags_folder,
@@ -96,7 +96,7 @@ def airflow_up(
 @airflow.command("down")
 def airflow_down(name: UiName = "default") -> None:
     """Stop exactly what `up` started (by PID): Airflow, and the local cluster if `up` started it."""
-    from rayslice import airflow_ui
+    from rayslice.local import airflow_ui
 
     record = airflow_ui.UiRecord.load(name)
     stopped = airflow_ui.down(name)
@@ -106,7 +106,7 @@ def airflow_down(name: UiName = "default") -> None:
 
 @airflow.command("status")
 def airflow_status(name: UiName = "default") -> None:
-    from rayslice import airflow_ui
+    from rayslice.local import airflow_ui
 
     record = airflow_ui.UiRecord.load(name)
     if record is None:
@@ -124,7 +124,7 @@ def capacity(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Every TPU slice (free/busy, who holds it) and GPU node (free share)."""
-    from rayslice import capacity as cap
+    from rayslice.client import capacity as cap
 
     token = None
     if address is None:
@@ -150,7 +150,7 @@ def reap(
     """Free what dead steps hold: jobs whose Airflow task ended, and leftovers named `rayslice:` of ended jobs."""
     import asyncio
 
-    from rayslice import orphans
+    from rayslice.client import orphans
 
     token = None
     if address is None:
@@ -172,7 +172,7 @@ def demo(
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="The UI's port, with --ui.")] = 8080,
 ) -> None:
     """Start a local cluster, run the example pipeline through Airflow, show capacity, stop the cluster."""
-    from rayslice.demo import run_demo
+    from rayslice.local.demo import run_demo
 
     raise typer.Exit(run_demo(name, ui_port=port if ui else None))
 

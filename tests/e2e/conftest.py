@@ -21,14 +21,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rayslice import airflow_ui, local_cluster
-from rayslice.airflow_stack import REPO
+from rayslice.local import airflow_ui, local_cluster
+from tests.airflow_env import REPO
 
 E2E_DAGS = Path(__file__).with_name("dags")
 CHROMIUM = "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else shutil.which("chromium")
 ARTIFACTS = REPO / "artifacts"  # screenshots, for humans and CI to look at
-needs_chromium = pytest.mark.skipif(not CHROMIUM, reason="Chromium is not installed (no /usr/bin/chromium, none "
-                                    "on PATH); `apt-get install chromium` to run the browser tests")
+needs_chromium = [pytest.mark.browser, pytest.mark.skipif(
+    not CHROMIUM, reason="Chromium is not installed (no /usr/bin/chromium, none on PATH); "
+    "`apt-get install chromium` to run the browser tests")]
 
 
 def rayslice(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import httpx
 
-from rayslice import airflow_ui, local_cluster
-from rayslice.airflow_stack import _alive
+from rayslice.local import airflow_ui, local_cluster
+from rayslice.local.airflow_stack import _alive
 from tests.e2e.conftest import rayslice
 
 

@@ -1,0 +1,247 @@
+"""`rayslice.client.capacity` and `.usage` against the real local cluster: real Ray jobs hold slices and GPU shares.
+
+Assertions look for this test's own holders (a fresh run id), so other steps on a shared
+development cluster (RAYSLICE_TEST_CLUSTER) don't break them; only the idle checks wait for
+the whole cluster to drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from rich.console import Console
+
+from rayslice.client import capacity, usage
+from rayslice.client.jobs_client import AsyncRayJobsClient
+from rayslice.client.submission import submit_step
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.exceptions import RayUnreachableError
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local.local_cluster import free_port
+from tests.conftest import wait_until
+
+DAG = "capacity_test"
+
+
+def hold_until(flag: str, limit: float = 240.0) -> int:
+    """The step: keep its capacity until the test drops the flag file (or `limit` passes)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + limit
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return 1
+
+
+def idle_snapshot(cluster) -> capacity.Snapshot | None:
+    snap = capacity.snapshot(cluster.dashboard_url, token=cluster.token)
+    quiet = all(s.state == "free" for s in snap.slices) and all(n.used == 0 for n in snap.gpu_nodes)
+    return snap if quiet and not snap.pending else None
+
+
+def test_idle_cluster_is_all_free(cluster):
+    snap = wait_until(lambda: idle_snapshot(cluster), timeout=120, interval=1)
+    assert snap, "the cluster never drained; other steps still hold capacity"
+    assert [(s.name, s.pod_type, s.topology, len(s.hosts), s.chips) for s in snap.slices] == [
+        ("v6e-16-a", "v6e-16", "4x4", 4, 16), ("v6e-16-b", "v6e-16", "4x4", 4, 16), ("v6e-4-a", "v6e-4", "2x2", 1, 4)]
+    assert [h.worker_id for h in snap.slices[0].hosts] == [0, 1, 2, 3]
+    assert all(h.state == "free" and h.holder is None and h.chips == 4 for s in snap.slices for h in s.hosts)
+    assert [(n.total, n.used, n.free, n.shares) for n in snap.gpu_nodes] == [(3, 0, 3, [])]
+    # The CLI prints it, and --json round-trips.
+    console = Console(record=True, width=140, file=io.StringIO())
+    console.print(capacity.render(snap))
+    text = console.export_text()
+    assert "v6e-16-b" in text and "No pending demand" in text
+    assert capacity.Snapshot.model_validate(snap.model_dump(mode="json")).slices == snap.slices
+
+
+async def _submit(url: str, token: str | None, specs: list[StepSpec]) -> list[str]:
+    async with AsyncRayJobsClient(url, token=token) as client:
+        return [await submit_step(client, spec) for spec in specs]
+
+
+async def _stop(url: str, token: str | None, ids: list[str]) -> None:
+    async with AsyncRayJobsClient(url, token=token) as client:
+        for sid in ids:
+            await client.stop(sid)
+
+
+@pytest.mark.timeout(600)
+def test_busy_slices_shared_gpu_and_pending_demand(cluster, tmp_path: Path):
+    """Two v6e-16 steps hold both slices, a third waits, two 0.25 GPU steps share one GPU."""
+    run_id = f"capacity-{uuid.uuid4().hex[:8]}"
+    flag = tmp_path / "release"
+    requests = {"tpu0": TpuSliceRequest(tpu="v6e-16"), "tpu1": TpuSliceRequest(tpu="v6e-16"),
+                "tpu2": TpuSliceRequest(tpu="v6e-16"),
+                "gpu0": AcceleratorRequest(resource="GPU", count=0.25),
+                "gpu1": AcceleratorRequest(resource="GPU", count=0.25)}
+    specs = [StepSpec.for_function(hold_until, request=request, kwargs={"flag": str(flag)}, capacity_timeout=400,
+                                   owner=Owner(dag_id=DAG, run_id=run_id, task_id=task_id))
+             for task_id, request in requests.items()]
+    url, token = cluster.dashboard_url, cluster.token
+    ids = asyncio.run(_submit(url, token, specs))
+
+    def ours(holder: capacity.Holder | None) -> bool:
+        return holder is not None and holder.dag_id == DAG and holder.run_id == run_id
+
+    def settled() -> capacity.Snapshot | None:
+        snap = capacity.snapshot(url, token=token)
+        running = [s for s in snap.slices if s.state == "running" and ours(s.holder)
+                   and all(h.state == "running" for h in s.hosts)]
+        waiting = [p for p in snap.pending if ours(p.holder)]
+        shares = [sh for n in snap.gpu_nodes for sh in n.shares if ours(sh.holder)]
+        held = {s.holder.task_id for s in running} | {p.holder.task_id for p in waiting}
+        return snap if running and waiting and held == {"tpu0", "tpu1", "tpu2"} and len(shares) == 2 else None
+
+    try:
+        snap = wait_until(settled, timeout=400, interval=2)
+        assert snap, f"capacity never showed our steps: {capacity.snapshot(url, token=token).model_dump_json()}"
+        # Ours and running on every host; on a shared cluster another of ours may be part-way in.
+        running = [s for s in snap.slices if ours(s.holder) and all(h.state == "running" for h in s.hosts)]
+        for s in running:
+            assert s.pod_type == "v6e-16" and s.chips == 16
+            assert {h.holder.submission_id for h in s.hosts} == {s.holder.submission_id} <= set(ids)
+            assert s.holder.request == "v6e-16" and s.holder.job_status == "RUNNING" and s.holder.map_index == -1
+            assert s.holder.label == f"{DAG}/{s.holder.task_id} ({run_id})"
+            assert s.since is not None and s.held_s is not None and 0 <= s.held_s < 400  # held since when
+            assert snap.taken_at.timestamp() - s.since.timestamp() == pytest.approx(s.held_s, abs=1)
+        assert not any(ours(s.holder) for s in snap.slices if s.pod_type == "v6e-4")  # pinned by pod type
+
+        [gpu] = snap.gpu_nodes
+        mine = [sh for sh in gpu.shares if ours(sh.holder)]
+        assert sorted((sh.holder.task_id, sh.amount, sh.state) for sh in mine) == [
+            ("gpu0", 0.25, "running"), ("gpu1", 0.25, "running")]
+        assert gpu.used >= 0.5 and gpu.free == pytest.approx(gpu.total - gpu.used)
+        assert all(sh.since is not None and sh.held_s is not None for sh in mine)
+
+        waits = [p for p in snap.pending if ours(p.holder)]
+        assert all(p.request == "v6e-16" and p.kind == "placement_group" for p in waits)
+        assert all(p.waiting_s is not None and 0 <= p.waiting_s < 400 and p.since for p in waits)
+        if len(running) == 2:  # a fresh cluster: both slices ours, the third request waits
+            assert len(waits) == 1 and waits[0].holder.task_id not in {s.holder.task_id for s in running}
+
+        console = Console(record=True, width=1000, file=io.StringIO())  # no folding: the assertions read whole labels
+        console.print(capacity.render(snap))
+        text = console.export_text()
+        assert f"{DAG}/tpu0 ({run_id})" in text and "Pending demand" in text and "x0.25" in text
+    finally:
+        flag.touch()
+
+    def released() -> bool:
+        snap = capacity.snapshot(url, token=token)
+        return not (any(ours(s.holder) for s in snap.slices) or any(ours(p.holder) for p in snap.pending)
+                    or any(ours(sh.holder) for n in snap.gpu_nodes for sh in n.shares))
+
+    try:
+        assert wait_until(released, timeout=180, interval=1), "our steps still hold capacity after release"
+        if not os.environ.get("RAYSLICE_TEST_CLUSTER"):  # our own cluster: everything is free again
+            assert wait_until(lambda: idle_snapshot(cluster), timeout=60, interval=1)
+        assert wait_until(lambda: _ended(url, token, ids), timeout=120, interval=1), "our jobs did not end"
+        _check_usage(url, token, dict(zip(requests, ids, strict=True)))
+    finally:
+        asyncio.run(_stop(url, token, ids))
+
+
+def _ended(url: str, token: str | None, ids: list[str]) -> bool:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    jobs = {j["submission_id"]: j for j in httpx.get(f"{url}/api/jobs/", headers=headers, timeout=30).json()}
+    return all(jobs[sid]["status"] in ("SUCCEEDED", "FAILED", "STOPPED") for sid in ids)
+
+
+def _check_usage(url: str, token: str | None, ids: dict[str, str]) -> None:
+    """The timeline's bars and accelerator-hours for the steps above, checked against Ray's own actor records."""
+    found = usage.usage(url, token=token, hours=1)
+    bars = {b.task_id: b for b in found.bars if b.submission_id in ids.values()}
+    assert set(bars) == set(ids), [b.model_dump() for b in found.bars]
+    nodes = capacity.snapshot(url, token=token)
+    [gpu_node] = nodes.gpu_nodes
+    for task, bar in bars.items():
+        assert (bar.dag_id, bar.submission_id, bar.job_status, bar.end is not None) == (
+            DAG, ids[task], "SUCCEEDED", True), bar
+        if task.startswith("tpu"):
+            assert (bar.kind, bar.amount, bar.request) == ("tpu", 16, "v6e-16") and bar.lane in ("v6e-16-a", "v6e-16-b")
+        else:
+            assert (bar.kind, bar.amount, bar.lane) == ("gpu", 0.25, gpu_node.node_id), bar
+    assert bars["tpu2"].waited_s > max(bars["tpu0"].waited_s, bars["tpu1"].waited_s)  # it waited for a slice
+    assert [lane.key for lane in found.lanes] == ["v6e-16-a", "v6e-16-b", "v6e-4-a", gpu_node.node_id]
+
+    # The arithmetic, from the raw actor records: amount x (end - start) of every host process, summed.
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    actors = httpx.get(f"{url}/logical/actors", headers=headers, timeout=30).json()["data"]["actors"].values()
+    for task, sid in ids.items():
+        mine = [a for a in actors if (a.get("name") or "").startswith(f"rayslice:{sid}/")]
+        assert len(mine) == (4 if task.startswith("tpu") else 1), mine
+        expected = sum((a["endTime"] - a["startTime"]) / 1000 * next(iter(
+            v for k, v in a["requiredResources"].items() if k in ("TPU", "GPU"))) for a in mine) / 3600
+        assert bars[task].hours == pytest.approx(expected, abs=1e-6) and expected > 0
+        assert bars[task].start.timestamp() == pytest.approx(min(a["startTime"] for a in mine) / 1000, abs=1e-3)
+        assert bars[task].end.timestamp() == pytest.approx(max(a["endTime"] for a in mine) / 1000, abs=1e-3)
+    by_dag, by_task = usage.totals(found.bars)
+    [dag_row] = [r for r in by_dag if r.dag_id == DAG]
+    tpu_hours = sum(b.hours for t, b in bars.items() if t.startswith("tpu"))
+    assert dag_row.tpu_chip_hours >= round(tpu_hours, 6) - 1e-6 and dag_row.steps >= 5
+    rows = {r.task_id: r for r in by_task if r.dag_id == DAG}  # other runs of this DAG may add to them
+    for task, bar in bars.items():
+        billed = rows[task].tpu_chip_hours if task.startswith("tpu") else rows[task].gpu_hours
+        assert billed >= bar.hours - 1e-6 and bar.hours > 0
+
+    # A window that starts half-way through a bar bills only the part inside it.
+    bar = bars["tpu0"]
+    start, end = bar.start.timestamp(), bar.end.timestamp()
+    middle = (start + end) / 2
+    bodies = [httpx.get(f"{url}{path}", params=params, headers=headers, timeout=30).json()
+              for path, params in (usage._NODES, usage._ACTORS, usage._JOBS)]
+    clipped = usage.parse(*bodies, now=end, hours=(end - middle) / 3600)
+    [half] = [b for b in clipped.bars if b.submission_id == bar.submission_id]
+    in_window = [a for a in actors if (a.get("name") or "").startswith(f"rayslice:{bar.submission_id}/")]
+    expected = sum(16 / 4 * max(0.0, a["endTime"] / 1000 - max(a["startTime"] / 1000, middle)) for a in in_window)
+    assert half.hours == pytest.approx(expected / 3600, abs=1e-6) and half.hours < bar.hours
+
+
+def test_unreachable_dashboard_says_what_to_check():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RayUnreachableError, match="check the `ray` connection's host"):
+        capacity.snapshot(url, timeout=2)
+    with pytest.raises(RayUnreachableError, match=url) as raised:
+        asyncio.run(capacity.asnapshot(url, token="secret-token", timeout=2))
+    assert "secret-token" not in str(raised.value)
+
+
+def test_async_and_sync_agree(cluster):
+    sync = capacity.snapshot(cluster.dashboard_url, token=cluster.token)
+    async_ = asyncio.run(capacity.asnapshot(cluster.dashboard_url, token=cluster.token))
+    assert [(s.name, len(s.hosts)) for s in sync.slices] == [(s.name, len(s.hosts)) for s in async_.slices]
+    assert [n.total for n in sync.gpu_nodes] == [n.total for n in async_.gpu_nodes]
+
+
+def _state(rows: list[dict]) -> dict:
+    """A state API body, as `/api/v0/<kind>?detail=1` wraps it."""
+    return {"result": True, "data": {"result": {"total": len(rows), "num_after_truncation": len(rows),
+                                                "num_filtered": len(rows), "result": rows}}}
+
+
+def test_a_gpu_actor_that_fits_is_starting_not_waiting():
+    """PENDING_CREATION covers both "no capacity" and "worker still starting"; free GPU share tells them apart."""
+    gpu = {"node_id": "g", "state": "ALIVE", "resources_total": {"GPU": 1.0, "CPU": 4.0}, "labels": {}}
+    job = {"type": "SUBMISSION", "job_id": "02000000", "submission_id": "sid", "status": "RUNNING",
+           "start_time": 1_000_000, "metadata": {"dag_id": "d", "run_id": "r", "task_id": "t", "request": "GPU x0.5"}}
+
+    def actor(name: str, state: str, node: str | None, gpus: float) -> dict:
+        return {"name": f"rayslice:{name}/GPU", "state": state, "node_id": node, "job_id": "02000000",
+                "placement_group_id": None, "required_resources": {"GPU": gpus}}
+
+    def parse(*actors: dict) -> capacity.Snapshot:
+        return capacity._parse(_state([gpu]), _state([]), _state(list(actors)), [job], now=1_060.0)
+
+    starting = parse(actor("sid", "PENDING_CREATION", None, 0.5))
+    assert [(p.kind, p.request, p.starting, p.waiting_s) for p in starting.pending] == [("actor", "GPU x0.5", True, 60)]
+    full = parse(actor("other", "ALIVE", "g", 0.75), actor("sid", "PENDING_CREATION", None, 0.5))
+    assert [(p.starting, p.holder.task_id) for p in full.pending] == [(False, "t")]
+    assert [(n.used, n.free) for n in full.gpu_nodes] == [(0.75, 0.25)]
