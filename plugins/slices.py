@@ -136,9 +136,11 @@ def visible_usage(found: "Usage", user: Any) -> dict[str, Any]:
 
     dag_ids = {b.dag_id for b in found.bars if b.dag_id}
     allowed = get_auth_manager().filter_authorized_dag_ids(dag_ids=dag_ids, user=user) if dag_ids else set()
+    steps: dict[str, str] = {}  # a hidden step keeps a number of its own (its bars on two lanes: one step)
     bars = [b if not b.dag_id or b.dag_id in allowed else b.model_copy(update={
-        "submission_id": "", "dag_id": "", "run_id": "", "task_id": "", "map_index": -1, "request": "",
-        "job_id": None, "job_status": None, "hidden": True}) for b in found.bars]
+        "submission_id": steps.setdefault(b.submission_id, f"hidden-{len(steps) + 1}"), "dag_id": "", "run_id": "",
+        "task_id": "", "map_index": -1, "request": "", "job_id": None, "job_status": None, "hidden": True})
+        for b in found.bars]
     by_dag, by_task = usage.totals(bars)
     data = found.model_copy(update={"bars": bars}).model_dump(mode="json")
     return {**data, "by_dag": [r.model_dump(mode="json") for r in by_dag],

@@ -180,7 +180,7 @@ def test_usage_json_and_the_page_section(client, airflow):
     assert (airflow[1].token or TOKEN) not in page + fragment.text
 
 
-def test_usage_of_unreadable_dags_is_counted_without_names(monkeypatch):
+def test_usage_of_unreadable_dags_is_counted_without_names(client, monkeypatch):
     from airflow.api_fastapi.app import get_auth_manager
     from rayslice.plugins import slices, slices_page
 
