@@ -104,6 +104,8 @@ def healthy(record: UiRecord) -> bool:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as sock:
+        # As the API server binds (SO_REUSEADDR): a port our last `down` left in TIME_WAIT is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
