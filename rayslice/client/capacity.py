@@ -37,6 +37,7 @@ SLICE_LABEL, WORKER_LABEL = "ray.io/tpu-slice-name", "ray.io/tpu-worker-id"
 POD_TYPE_LABEL, TOPOLOGY_LABEL = "ray.io/tpu-pod-type", "ray.io/tpu-topology"
 _STATE = "/api/v0/{}"
 _LOGICAL_ACTORS = "/logical/actors"  # the dashboard's actor view: has each worker's GPU slots
+# `nocache=1`: the dashboard otherwise answers an expired cached reply (and refreshes it for the next caller).
 _LIMIT = "10000"  # the state API answers 100 rows unless told otherwise
 # Skip what cannot hold capacity, server-side: dead actors and removed groups pile up.
 _QUERIES = {
@@ -208,7 +209,7 @@ def snapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 1
             slots: dict[str, tuple[list[int], float | None]] = {}
             if ids := _gpu_actor_ids(bodies[2]):
                 try:
-                    slots = _gpu_slots(client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids)}))
+                    slots = _gpu_slots(client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids), "nocache": "1"}))
                 except httpx.HTTPError:
                     pass  # best effort: the shares stay without their GPU index
     except httpx.HTTPError as exc:
@@ -227,7 +228,7 @@ async def asnapshot(dashboard_url: str, token: str | None = None, *, timeout: fl
             slots: dict[str, tuple[list[int], float | None]] = {}
             if ids := _gpu_actor_ids(bodies[2]):
                 try:
-                    slots = _gpu_slots(await client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids)}))
+                    slots = _gpu_slots(await client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids), "nocache": "1"}))
                 except httpx.HTTPError:
                     pass  # best effort: the shares stay without their GPU index
     except httpx.HTTPError as exc:

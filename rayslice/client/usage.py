@@ -43,7 +43,8 @@ __all__ = ["Bar", "Lane", "Usage", "UsageRow", "ausage", "parse", "totals", "usa
 WINDOWS_H = (1, 3, 6, 12, 24, 72)
 DEFAULT_WINDOW_H = 6
 _NODES = ("/api/v0/nodes", {"detail": "1", "limit": "10000"})  # dead nodes too: their slices had steps
-_ACTORS = ("/logical/actors", {})
+# `nocache=1`: otherwise the dashboard answers an expired cached reply, maybe minutes old, and refreshes it after.
+_ACTORS = ("/logical/actors", {"nocache": "1"})
 _JOBS = ("/api/jobs/", {})
 
 

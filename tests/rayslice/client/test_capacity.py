@@ -174,7 +174,8 @@ def _check_usage(url: str, token: str | None, ids: dict[str, str]) -> None:
 
     # The arithmetic, from the raw actor records: amount x (end - start) of every host process, summed.
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    actors = httpx.get(f"{url}/logical/actors", headers=headers, timeout=30).json()["data"]["actors"].values()
+    actors = httpx.get(f"{url}/logical/actors", params={"nocache": "1"}, headers=headers,
+                       timeout=30).json()["data"]["actors"].values()
     for task, sid in ids.items():
         mine = [a for a in actors if (a.get("name") or "").startswith(f"rayslice:{sid}/")]
         assert len(mine) == (4 if task.startswith("tpu") else 1), mine
