@@ -191,6 +191,7 @@ function start() {
   });
 
   setInterval(tick, 1000);
+  if (!cfg.api) return;  // a refused page (another connection, not allowed): nothing to refresh
   setInterval(refresh, cfg.refreshS * 1000);
   setInterval(refreshUsage, USAGE_REFRESH_S * 1000);
   document.addEventListener("visibilitychange", () => { if (!document.hidden) refresh(); });
