@@ -88,7 +88,6 @@ def _run_pipeline_from_the_ui(page, airflow: AirflowStack, api: httpx.Client) ->
         time.sleep(0.5)
     expect(held).to_have_class(_BUSY)
     expect(held.locator(".meta")).to_contain_text(SLICE_TYPE)
-    expect(held.locator(".holder .since")).to_contain_text("UTC")  # held since when
     slice_name = held.locator("h3").inner_text()
     page.screenshot(path=ARTIFACTS / "e2e-slices-busy.png", full_page=True)
 
