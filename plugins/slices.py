@@ -8,6 +8,11 @@ only the API server does.
 Every route takes the same credentials as Airflow's own API (the UI's `_token` cookie or an
 `Authorization: Bearer` JWT) and needs the "cluster activity" view; holders in DAGs the user
 may not read are shown as hidden. The `ray` connection's token never leaves the server.
+Only a user allowed to read connections may point the page at another connection
+(`?conn_id=`); anyone else asking for one gets the same refusal whether it exists or not.
+
+Below the live view, a usage timeline of the last hours (`?hours=`) and the accelerator-hours
+per DAG and task over it (`rayslice.client.usage`), drawn on the server too.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the route signatures' real types,
@@ -24,10 +29,14 @@ if TYPE_CHECKING:
     from rayslice.hooks.ray import RayConnectionSettings
 
     from rayslice.client.capacity import Snapshot
+    from rayslice.client.usage import Usage
 
 URL_PREFIX = "/rayslice"
 DEFAULT_CONN_ID = "ray_default"
 CACHE_S = 2.0  # many open pages share one reading of the cluster
+USAGE_CACHE_S = 10.0  # the usage reading lists every ended actor: read it less often
+NOT_YOURS = ("only users allowed to read Airflow connections may choose the page's connection; "
+             "open the page without ?conn_id= for the default one")
 _CONN_ID = re.compile(r"^[\w.-]{1,250}$")
 _ICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" fill="none" stroke="#5b5bd6" stroke-width="2">'
          + "".join(f'<rect x="{x}" y="{y}" width="7" height="7" rx="1"/>' for x in (3, 14) for y in (3, 14))
@@ -83,6 +92,66 @@ def ray_connection(conn_id: str) -> "RayConnectionSettings":
 
 
 _readings: "dict[str, tuple[float, Snapshot]]" = {}
+_usages: "dict[str, tuple[float, Usage]]" = {}
+
+
+def may_choose(conn_id: str, user: Any) -> bool:
+    """The default connection is everyone's; another one only for users who may read connections."""
+    if conn_id == DEFAULT_CONN_ID:
+        return True
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import ConnectionDetails
+
+    return get_auth_manager().is_authorized_connection(method="GET", details=ConnectionDetails(conn_id=conn_id),
+                                                       user=user)
+
+
+async def read_usage(conn_id: str, hours: float) -> "Usage":
+    """The usage over the last `hours` for `conn_id` (cached for USAGE_CACHE_S)."""
+    from starlette.concurrency import run_in_threadpool
+
+    from rayslice.client import usage
+    from rayslice.core.exceptions import RaysliceError
+
+    ray = await run_in_threadpool(ray_connection, conn_id)
+    key = f"{conn_id} {ray.dashboard_url} {hours}"
+    cached = _usages.get(key)
+    if cached and time.monotonic() - cached[0] < USAGE_CACHE_S:
+        return cached[1]
+    try:
+        found = await usage.ausage(ray.dashboard_url, token=ray.token, hours=hours, verify=ray.verify,
+                                   headers=ray.headers)
+    except RaysliceError as exc:
+        message = str(exc).replace(ray.token, "***") if ray.token else str(exc)
+        raise _Problem(502, message) from None
+    _usages[key] = (time.monotonic(), found)
+    return found
+
+
+def visible_usage(found: "Usage", user: Any) -> dict[str, Any]:
+    """The usage as JSON with steps of DAGs this user may not read unnamed, and the per-DAG/task tables."""
+    from airflow.api_fastapi.app import get_auth_manager
+
+    from rayslice.client import usage
+
+    dag_ids = {b.dag_id for b in found.bars if b.dag_id}
+    allowed = get_auth_manager().filter_authorized_dag_ids(dag_ids=dag_ids, user=user) if dag_ids else set()
+    steps: dict[str, str] = {}  # a hidden step keeps a number of its own (its bars on two lanes: one step)
+    bars = [b if not b.dag_id or b.dag_id in allowed else b.model_copy(update={
+        "submission_id": steps.setdefault(b.submission_id, f"hidden-{len(steps) + 1}"), "dag_id": "", "run_id": "",
+        "task_id": "", "map_index": -1, "request": "", "job_id": None, "job_status": None, "hidden": True})
+        for b in found.bars]
+    by_dag, by_task = usage.totals(bars)
+    data = found.model_copy(update={"bars": bars}).model_dump(mode="json")
+    return {**data, "by_dag": [r.model_dump(mode="json") for r in by_dag],
+            "by_task": [r.model_dump(mode="json") for r in by_task]}
+
+
+def window(hours: float | None) -> float:
+    """The timeline's window: one of usage.WINDOWS_H (anything else: the default)."""
+    from rayslice.client import usage
+
+    return hours if hours in usage.WINDOWS_H else usage.DEFAULT_WINDOW_H
 
 
 async def read(conn_id: str) -> "tuple[Snapshot, str]":
@@ -146,6 +215,8 @@ def build_app() -> "FastAPI":
     @app.get("/api/capacity")
     async def capacity_json(user: GetUserDep, conn_id: str = DEFAULT_CONN_ID) -> Response:
         """The capacity snapshot as JSON, plus the (credential-free) dashboard URL for job links."""
+        if not await run_in_threadpool(may_choose, conn_id, user):
+            return JSONResponse({"detail": NOT_YOURS}, status_code=403)
         try:
             snap, dashboard = await read(conn_id)
         except _Problem as exc:
@@ -154,18 +225,57 @@ def build_app() -> "FastAPI":
         return JSONResponse({**data, "conn_id": conn_id, "dashboard_url": dashboard},
                             headers={"Cache-Control": "no-store"})
 
-    @app.get("/", response_class=HTMLResponse)
-    async def slices(request: Request, user: GetUserDep, conn_id: str = DEFAULT_CONN_ID) -> Response:
-        """The page, drawn on the server; its script then refreshes it from /api/capacity."""
+    @app.get("/api/usage")
+    async def usage_json(user: GetUserDep, conn_id: str = DEFAULT_CONN_ID, hours: float | None = None) -> Response:
+        """The usage timeline's bars and lanes and the accelerator-hours tables over the last `hours`."""
+        if not await run_in_threadpool(may_choose, conn_id, user):
+            return JSONResponse({"detail": NOT_YOURS}, status_code=403)
+        try:
+            found = await read_usage(conn_id, window(hours))
+        except _Problem as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+        data = await run_in_threadpool(visible_usage, found, user)
+        return JSONResponse({**data, "conn_id": conn_id}, headers={"Cache-Control": "no-store"})
+
+    @app.get("/usage", response_class=HTMLResponse)
+    async def usage_fragment(request: Request, user: GetUserDep, conn_id: str = DEFAULT_CONN_ID,
+                             hours: float | None = None) -> Response:
+        """The usage section's HTML, which the page's script swaps in to refresh it."""
+        if not await run_in_threadpool(may_choose, conn_id, user):
+            return HTMLResponse(slices_page.error_box(NOT_YOURS), status_code=403)
         root = request.scope.get("root_path", "")
+        body = await _usage_html(conn_id, window(hours), user, airflow_base(root))
+        return HTMLResponse(body, headers={"Cache-Control": "no-store"})
+
+    async def _usage_html(conn_id: str, hours: float, user: Any, base: str) -> str:
+        try:
+            found = await read_usage(conn_id, hours)
+            _, dashboard = await read(conn_id)
+        except _Problem as exc:
+            return slices_page.error_box(str(exc))
+        data = await run_in_threadpool(visible_usage, found, user)
+        return slices_page.usage_section(data, {"airflow_base": base, "dashboard_url": dashboard})
+
+    @app.get("/", response_class=HTMLResponse)
+    async def slices(request: Request, user: GetUserDep, conn_id: str = DEFAULT_CONN_ID,
+                     hours: float | None = None) -> Response:
+        """The page, drawn on the server; its script then refreshes it from /api/capacity and /usage."""
+        root = request.scope.get("root_path", "")
+        if not await run_in_threadpool(may_choose, conn_id, user):
+            body = slices_page.page(None, conn_id=DEFAULT_CONN_ID, api_url="", airflow_base=airflow_base(root),
+                                    dashboard_url="", error=NOT_YOURS)
+            return HTMLResponse(body, status_code=403, headers={"Cache-Control": "no-store"})
         data, dashboard, error = None, "", None
         try:
             snap, dashboard = await read(conn_id)
             data = await run_in_threadpool(visible, snap, user)
         except _Problem as exc:
             error = str(exc)
+        hours = window(hours)
+        usage_html = await _usage_html(conn_id, hours, user, airflow_base(root)) if data else ""
         body = slices_page.page(data, conn_id=conn_id, api_url=f"{root}/api/capacity", airflow_base=airflow_base(root),
-                                dashboard_url=dashboard, error=error)
+                                dashboard_url=dashboard, error=error, usage_html=usage_html, hours=hours,
+                                usage_url=f"{root}/usage")
         return HTMLResponse(body, headers={"Cache-Control": "no-store"})
 
     @app.get("/icon.svg")

@@ -2,13 +2,17 @@
 
 `fleet()` draws the part that changes (summary, slices, GPU nodes, waiting demand);
 `static/slices.js` redraws exactly this markup from `GET <prefix>/api/capacity`, so the
-two must change together. Everything from Ray or Airflow is escaped; no external assets.
+two must change together. `usage_section()` draws the timeline and the accelerator-hours
+tables; the script refreshes it by fetching this same HTML (`GET <prefix>/usage`).
+Everything from Ray or Airflow is escaped; no external assets.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
+from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -75,6 +79,14 @@ def who(holder: dict[str, Any] | None, ctx: dict[str, str]) -> str:
     return name
 
 
+def held(x: dict[str, Any]) -> str:
+    """Since when a holder holds it (UTC) and for how long; the script keeps the duration ticking."""
+    if not x.get("since") or x.get("held_s") is None:
+        return ""
+    return (f' <span class="since" data-held="{amount(x["held_s"])}" title="held since {esc(x["since"])}">since '
+            f'{esc(x["since"][11:19])} UTC &#183; <span class="held">{esc(duration(x["held_s"]))}</span></span>')
+
+
 def _chips(count: int) -> str:
     return "".join('<i class="chip"></i>' for _ in range(max(1, count)))
 
@@ -86,7 +98,7 @@ def slice_card(s: dict[str, Any], ctx: dict[str, str]) -> str:
         f'{_chips(h["chips"])}</div><span>host {h["worker_id"]}</span></div>'
         for h in s["hosts"])
     per_host = s["hosts"][0]["chips"] if s["hosts"] else 0
-    holder = (f'<div class="holder">{who(s["holder"], ctx)}</div>' if s["holder"]
+    holder = (f'<div class="holder">{who(s["holder"], ctx)}{held(s)}</div>' if s["holder"]
               else '<div class="holder muted">free for the next step</div>')
     return (f'<article class="card slice {esc(s["state"])}"><header><h3>{esc(s["name"])}</h3>'
             f'<span class="pill {esc(s["state"])}">{esc(s["state"])}</span></header>'
@@ -110,7 +122,7 @@ def gpu_card(node: dict[str, Any], ctx: dict[str, str]) -> str:
         f'title="{esc(sh["holder"]["label"])} &#183; {amount(sh["amount"])} GPU"></span>'
         for i, sh in enumerate(node["shares"]))
     users = "".join(
-        f'<li><i class="swatch p{i % 6}"></i><span>{who(sh["holder"], ctx)}</span>'
+        f'<li><i class="swatch p{i % 6}"></i><span>{who(sh["holder"], ctx)}{held(sh)}</span>'
         f'<b>{amount(sh["amount"])} GPU{on_gpus(sh.get("gpus"))}</b></li>'
         for i, sh in enumerate(node["shares"]))
     return (f'<article class="card gpu"><header><h3>GPU node <code>{esc(node["node_id"][:12])}</code></h3>'
@@ -160,19 +172,161 @@ def fleet(data: dict[str, Any] | None, ctx: dict[str, str], error: str | None = 
             f'<h2>Waiting for capacity</h2><section>{waiting(data["pending"], ctx)}</section>')
 
 
+def error_box(message: str) -> str:
+    return f'<div class="error">{esc(message)}</div>'
+
+
+# --------------------------------------------------------------------------- usage over time
+
+_TICKS_MIN = {1: 10, 3: 30, 6: 60, 12: 120, 24: 240, 72: 720}
+
+
+def dag_color(dag_id: str) -> str:
+    """A stable colour per DAG (the same on every page and every refresh)."""
+    hue = int(hashlib.sha1(dag_id.encode()).hexdigest()[:4], 16) % 360
+    return f"hsl({hue} 62% 47%)"
+
+
+def hours_text(value: float) -> str:
+    if not value:
+        return "0"
+    return "&lt;0.0001" if value < 0.0001 else f"{value:,.4f}" if value < 1 else f"{value:,.2f}"
+
+
+def _ts(value: str | None) -> float | None:
+    return datetime.fromisoformat(value).timestamp() if value else None
+
+
+def _hm(value: float) -> str:
+    return datetime.fromtimestamp(value, UTC).strftime("%H:%M")
+
+
+def _hms(value: float) -> str:
+    return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _step_name(bar: dict[str, Any]) -> str:
+    if bar["hidden"]:
+        return "a task in a DAG you cannot read"
+    index = f"[{bar['map_index']}]" if bar.get("map_index", -1) >= 0 else ""
+    return f"{bar['dag_id'] or 'ad-hoc'} / {bar['task_id'] or bar['submission_id']}{index}"
+
+
+def _unit(bar: dict[str, Any]) -> tuple[str, str]:
+    return ("chips", "chip-hours") if bar["kind"] == "tpu" else ("GPU", "GPU-hours")
+
+
+def timeline(data: dict[str, Any], ctx: dict[str, str]) -> str:
+    """One lane per slice and GPU node; a bar per step that held it, coloured by DAG, linked to its details."""
+    since, until = _ts(data["since"]), _ts(data["until"])
+    assert since is not None and until is not None
+    span = max(1.0, until - since)
+    step_min = _TICKS_MIN.get(int(data["hours"]), 60)
+    first = (int(since) // (step_min * 60) + 1) * step_min * 60
+    ticks = "".join(f'<span class="tick" style="left:{100 * (t - since) / span:.3f}%">{_hm(t)}</span>'
+                    for t in range(first, int(until) + 1, step_min * 60))
+    rows, details = [], []
+    bars_by_lane: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for i, bar in enumerate(data["bars"]):
+        bars_by_lane.setdefault(bar["lane"], []).append((i, bar))
+    for lane in data["lanes"]:
+        cells = []
+        for i, bar in bars_by_lane.get(lane["key"], []):
+            start, end = _ts(bar["start"]) or since, _ts(bar["end"]) or until
+            left = max(0.0, start - since) / span * 100
+            width = max(0.4, (min(end, until) - max(start, since)) / span * 100)
+            unit, hours_unit = _unit(bar)
+            color = "" if bar["hidden"] else f' style="--dag:{dag_color(bar["dag_id"])}"'
+            tip = (f'{_step_name(bar)} &#183; {_hm(start)}&#8211;{"now" if not bar["end"] else _hm(end)} UTC &#183; '
+                   f'{amount(bar["amount"])} {unit} &#183; {hours_text(bar["hours"])} {hours_unit}')
+            cells.append(f'<a class="step{" hidden" if bar["hidden"] else ""}{"" if bar["end"] else " open"}" '
+                         f'href="#step-{i}" data-step="{i}" style="left:{left:.3f}%;width:{width:.3f}%"'
+                         f'><i{color}></i><span class="tip">{tip}</span></a>')
+            details.append(_step_detail(i, bar, lane, ctx))
+        title = f'{esc(lane["title"])}<small>{esc(lane["detail"])}</small>'
+        rows.append(f'<div class="lane {esc(lane["kind"])}"><span class="lane-name">{title}</span>'
+                    f'<div class="track">{"".join(cells)}</div></div>')
+    legend = "".join(f'<span><i style="background:{dag_color(d)}"></i>{esc(d)}</span>'
+                     for d in sorted({b["dag_id"] for b in data["bars"] if not b["hidden"] and b["dag_id"]}))
+    if any(b["hidden"] for b in data["bars"]):
+        legend += '<span><i class="hidden"></i>DAGs you cannot read</span>'
+    empty = ("" if data["bars"] else
+             f'<p class="muted">No step held a slice or a GPU in the last {amount(data["hours"])} h.</p>')
+    return (f'<div class="timeline"><div class="lane axis"><span class="lane-name">UTC</span>'
+            f'<div class="track">{ticks}</div></div>{"".join(rows)}</div>'
+            f'<div class="dag-legend">{legend}</div>{empty}<div class="steps">{"".join(details)}</div>')
+
+
+def _step_detail(i: int, bar: dict[str, Any], lane: dict[str, Any], ctx: dict[str, str]) -> str:
+    start, end = _ts(bar["start"]), _ts(bar["end"])
+    unit, hours_unit = _unit(bar)
+    name = (f'<span class="task">{_step_name(bar)}</span>' if bar["hidden"] else who(bar, ctx))
+    waited = f' &#183; waited {esc(duration(bar["waited_s"]))} before it started' if bar.get("waited_s") else ""
+    until = _hms(end) if end else "now (still holding it)"
+    return (f'<div class="step-detail" id="step-{i}"><a class="close" href="#usage" title="Close">&#215;</a>'
+            f'<div>{name}</div><p class="meta">{esc(lane["title"])} &#183; {esc(bar.get("request") or "")} '
+            f'&#183; {amount(bar["amount"])} {unit} &#183; {_hms(start or 0)} &#8594; {until} UTC'
+            f'{waited} &#183; <b>{hours_text(bar["hours"])} {hours_unit}</b> in this window</p></div>')
+
+
+def usage_tables(data: dict[str, Any]) -> str:
+    def row(r: dict[str, Any], with_task: bool) -> str:
+        dag = ('<span class="muted">DAGs you cannot read</span>' if r["hidden"] else
+               f'<i class="swatch" style="background:{dag_color(r["dag_id"])}"></i>{esc(r["dag_id"])}')
+        task = f'<td>{esc(r["task_id"] or "")}</td>' if with_task else ""
+        return (f'<tr><td>{dag}</td>{task}<td class="num">{r["steps"]}</td>'
+                f'<td class="num">{hours_text(r["tpu_chip_hours"])}</td><td class="num">{hours_text(r["gpu_hours"])}'
+                f'</td></tr>')
+
+    def table(rows: list[dict[str, Any]], with_task: bool, css: str) -> str:
+        head = "<th>task</th>" if with_task else ""
+        total = (f'<tr class="total"><td>total</td>{"<td></td>" if with_task else ""}'
+                 f'<td class="num">{sum(r["steps"] for r in rows)}</td>'
+                 f'<td class="num">{hours_text(sum(r["tpu_chip_hours"] for r in rows))}</td>'
+                 f'<td class="num">{hours_text(sum(r["gpu_hours"] for r in rows))}</td></tr>')
+        return (f'<table class="usage {css}"><tr><th>DAG</th>{head}<th class="num">steps</th>'
+                f'<th class="num">TPU chip-hours</th><th class="num">GPU-hours</th></tr>'
+                f'{"".join(row(r, with_task) for r in rows)}{total if rows else ""}</table>')
+
+    return (f'<div class="tables"><div><h3>By DAG</h3>{table(data["by_dag"], False, "by-dag")}</div>'
+            f'<div><h3>By task</h3>{table(data["by_task"], True, "by-task")}</div></div>')
+
+
+def usage_section(data: dict[str, Any], ctx: dict[str, str]) -> str:
+    """The timeline and the tables over the window, as the page's `#usage` holds them."""
+    oldest = (f"the oldest step Ray still lists started {_hms(_ts(data['oldest']) or 0)} UTC"
+              if data.get("oldest") else "Ray lists no step yet")
+    return (f'{timeline(data, ctx)}'
+            f'<p class="meta">{_hms(_ts(data["since"]) or 0)} &#8594; {_hms(_ts(data["until"]) or 0)} UTC; '
+            f'{oldest}. Accelerator-hours: chips (or GPU share) &#215; hours each step\'s host processes ran '
+            f'inside this window; time spent waiting for capacity is not counted.</p>{usage_tables(data)}')
+
+
 @cache
 def _asset(name: str) -> str:
     return (STATIC / name).read_text()
 
 
+def window_form(conn_id: str, hours: float, default_conn_id: str = "ray_default") -> str:
+    """The window picker: a plain GET form (works without JavaScript; the script submits it on change)."""
+    options = "".join(f'<option value="{h}"{" selected" if h == hours else ""}>last {h} h</option>'
+                      for h in (1, 3, 6, 12, 24, 72))
+    keep = f'<input type="hidden" name="conn_id" value="{esc(conn_id)}">' if conn_id != default_conn_id else ""
+    return (f'<form class="window" method="get" action="">{keep}<label>Window <select name="hours">{options}'
+            f'</select></label> <button type="submit">Show</button></form>')
+
+
 def page(data: dict[str, Any] | None, *, conn_id: str, api_url: str, airflow_base: str, dashboard_url: str,
-         error: str | None = None) -> str:
+         error: str | None = None, usage_html: str = "", hours: float = 6, usage_url: str = "") -> str:
     ctx = {"airflow_base": airflow_base, "dashboard_url": dashboard_url}
     config = json.dumps({"api": api_url, "connId": conn_id, "airflowBase": airflow_base,
-                         "dashboardUrl": dashboard_url, "refreshS": REFRESH_S}).replace("</", "<\\/")
+                         "dashboardUrl": dashboard_url, "refreshS": REFRESH_S, "usage": usage_url,
+                         "hours": hours}).replace("</", "<\\/")
     legend = "".join(f'<span><i class="chip {s}"></i>{s}</span>' for s in STATES)
     dashboard = f'<a {NEW_TAB} href="{esc(dashboard_url)}/">Ray dashboard &#8599;</a> &#183; ' if dashboard_url else ""
     taken = esc(data["taken_at"]) if data else ""
+    usage = (f'<header class="usage-head"><h2>Usage over time</h2>{window_form(conn_id, hours)}</header>\n'
+             f'<section id="usage">{usage_html}</section>') if usage_html else ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>Slices &#183; rayslice</title><style>{_asset("slices.css")}</style></head>
@@ -180,5 +334,6 @@ def page(data: dict[str, Any] | None, *, conn_id: str, api_url: str, airflow_bas
 &#183; <span id="updated" data-taken="{taken}">updated just now</span></p></div>
 <div class="legend">{legend}</div></header>
 <main id="fleet">{fleet(data, ctx, error)}</main>
+{usage}
 <script id="config" type="application/json">{config}</script><script>{_asset("slices.js")}</script>
 </body></html>"""

@@ -1,9 +1,10 @@
-"""The `rayslice` command: a local simulated cluster, capacity, the demo, and KubeRay manifests."""
+"""The `rayslice` command: a local simulated cluster, the Airflow UI over it, capacity, the demo, KubeRay manifests."""
 
 from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -15,6 +16,9 @@ from rayslice.local import local_cluster
 app = typer.Typer(help="Run accelerator steps of Airflow pipelines on Ray.", no_args_is_help=True)
 local = typer.Typer(help="A local Ray cluster whose nodes look like TPU hosts and GPU machines.", no_args_is_help=True)
 app.add_typer(local, name="local")
+airflow = typer.Typer(help="A real Airflow 3 UI on this machine, over the local simulated cluster.",
+                      no_args_is_help=True)
+app.add_typer(airflow, name="airflow")
 console = Console()
 
 
@@ -73,6 +77,57 @@ def local_status(name: Name = "default") -> None:
     console.print(f"{name}: {record.dashboard_url} ({len(record.nodes)} nodes recorded, {alive} processes alive)")
 
 
+UiName = Annotated[str, typer.Option("--name", help="Which local Airflow (several can coexist).")]
+
+
+@airflow.command("up")
+def airflow_up(
+    name: UiName = "default",
+    cluster: Annotated[str, typer.Option("--cluster", help="The local cluster to use; started if it is not up.")]
+    = "default",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="The UI's port (0: any free port).")] = 8080,
+    adopt_cluster: Annotated[bool, typer.Option("--adopt-cluster", hidden=True,
+                                                help="`down` also stops a reused cluster.")] = False,
+    dags_folder: Annotated[Path | None, typer.Option("--dags-folder", hidden=True,
+                                                     help="Another DAG folder (tests).")] = None,
+) -> None:
+    """Start Airflow (api-server, scheduler, dag-processor, triggerer) with the example DAGs; print URL and login."""
+    from rayslice.local import airflow_ui
+
+    record, already = airflow_ui.up(name, cluster=cluster, port=port, adopt_cluster=adopt_cluster,
+                                    dags_folder=dags_folder,
+                                    emit=lambda line: console.print(f"[dim]{line}[/dim]"))
+    if already:
+        console.print(f"Airflow {name!r} is already up.")
+    console.print(airflow_ui.describe(record), highlight=False)
+    console.print(f"stop it with: rayslice airflow down{'' if name == 'default' else f' --name {name}'}",
+                  highlight=False)
+
+
+@airflow.command("down")
+def airflow_down(name: UiName = "default") -> None:
+    """Stop exactly what `up` started (by PID): Airflow, and the local cluster if `up` started it."""
+    from rayslice.local import airflow_ui
+
+    record = airflow_ui.UiRecord.load(name)
+    stopped = airflow_ui.down(name)
+    cluster = f" and the local cluster {record.cluster!r}" if record and record.started_cluster else ""
+    console.print(f"stopped Airflow {name!r} ({stopped} processes){cluster}")
+
+
+@airflow.command("status")
+def airflow_status(name: UiName = "default") -> None:
+    from rayslice.local import airflow_ui
+
+    record = airflow_ui.UiRecord.load(name)
+    if record is None:
+        console.print(f"Airflow {name!r} is not up")
+        raise typer.Exit(1)
+    alive = len(airflow_ui.processes(record))
+    state = "healthy" if alive and airflow_ui.healthy(record) else "not healthy"
+    console.print(f"{name}: {state}, {alive} processes\n{airflow_ui.describe(record)}", highlight=False)
+
+
 @app.command()
 def capacity(
     address: Annotated[str | None, typer.Option(help="Dashboard URL; default: the local cluster's.")] = None,
@@ -121,11 +176,16 @@ def reap(
 
 
 @app.command()
-def demo(name: Annotated[str, typer.Option(help="Name of the demo's own local cluster.")] = "demo") -> None:
+def demo(
+    name: Annotated[str, typer.Option(help="Name of the demo's own local cluster.")] = "demo",
+    ui: Annotated[bool, typer.Option("--ui", help="End with the Airflow UI running on the demo's cluster "
+                                     "(`rayslice airflow down` stops both).")] = False,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="The UI's port, with --ui.")] = 8080,
+) -> None:
     """Start a local cluster, run the example pipeline through Airflow, show capacity, stop the cluster."""
     from rayslice.local.demo import run_demo
 
-    raise typer.Exit(run_demo(name))
+    raise typer.Exit(run_demo(name, ui_port=port if ui else None))
 
 
 def main() -> None:

@@ -53,13 +53,13 @@ def _uses_session_airflow(item: pytest.Item) -> bool:
     return bool(defs) and defs[-1].scope == "session"
 
 
-_session_airflow: list = []  # the running stack, so the last test that uses it can stop it
+_session_airflow: list = []  # how to stop the running stack, so the last test that uses it can
 
 
 @pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if _session_airflow and _uses_session_airflow(item) and (nextitem is None or not _uses_session_airflow(nextitem)):
-        _session_airflow.pop().stop()
+        _session_airflow.pop()()
 
 
 @pytest.fixture(scope="session")
@@ -134,15 +134,16 @@ HEARTBEAT_TIMEOUT_S = 30
 
 @pytest.fixture(scope="session")
 def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
-    """One real Airflow (api-server, scheduler, dag-processor, triggerer) for every test that needs one.
+    """One real Airflow for every test that needs one, started as a user starts it (`rayslice airflow up`).
 
     Each start costs ~90 s of a two-core machine, so the end-to-end, browser and reaper tests share
-    it. Its DAG folder holds the repo's example DAGs and the end-to-end DAGs; a test may add a DAG
-    file of its own there (the dag-processor looks every 5 s). The teardown checks that every
-    process it started is gone.
+    it. Its DAG folder holds the repo's example DAGs and the end-to-end lifecycle DAG; a test may add
+    a DAG file of its own there (the dag-processor looks every 5 s). The last test that uses it stops
+    it (`pytest_runtest_teardown`) with `rayslice airflow down`, which must leave no process of it and
+    the session's cluster running.
     """
-    from rayslice.local.airflow_stack import AirflowStack
-    from rayslice.local.processes import alive
+    from rayslice.local import airflow_ui, local_cluster
+    from tests.airflow_cli import CliAirflow
     from tests.airflow_env import REPO
 
     dags = tmp_path_factory.mktemp("airflow-dags")
@@ -150,18 +151,23 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
         shutil.copy(source, dags / source.name)
     settings = {"AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
                 "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3"}
-    stack = AirflowStack(cluster.dashboard_url, cluster.token, dags_folder=dags, extra_env=settings).start()
-    _session_airflow.append(stack)  # stopped by pytest_runtest_teardown after the last test that uses it
-    components = dict(stack.sessions)
+    stack = CliAirflow(f"session-{os.getpid()}", cluster.name, dags, settings)
+    stack.first_up = stack.up()
+
+    def stop() -> None:
+        record = airflow_ui.UiRecord.load(stack.name)
+        if record is not None:
+            stack.down()
+            assert not airflow_ui.processes(record), "processes of `rayslice airflow up` left after down"
+        assert local_cluster.alive_nodes(cluster.dashboard_url, cluster.token), "down stopped the session's cluster"
+
+    _session_airflow.append(stop)
     try:
-        assert {"scheduler", "triggerer", "api-server", "dag-processor"} <= set(components)
+        assert {"scheduler", "triggerer", "api-server", "dag-processor"} <= set(stack.record.sessions)
         yield stack
     finally:
         if _session_airflow:  # the run stopped early (-x, Ctrl-C, an error before its last user)
-            _session_airflow.pop().stop(keep_logs=True)
-    left = {name: pid for name, pid in components.items() if alive(pid)}
-    assert not left, f"Airflow components still running after stop(): {left}"
-    assert not stack.pids(), f"processes of the Airflow stack left behind: {sorted(stack.pids())}"
+            _session_airflow.pop()()
 
 
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.05):

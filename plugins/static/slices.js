@@ -6,6 +6,7 @@ const esc = (v) => String(v).replace(/[&<>"']/g, (c) => ({
   "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#x27;"}[c]));
 const amount = (v) => String(Math.round(v * 1e6) / 1e6);
 const q = encodeURIComponent;
+const USAGE_REFRESH_S = 30;
 
 function duration(s) {
   if (s === null || s === undefined || s === "") return "unknown";
@@ -45,6 +46,12 @@ function who(h, ctx) {
   return name;
 }
 
+function held(x) {
+  if (!x.since || x.held_s === null || x.held_s === undefined) return "";
+  return ` <span class="since" data-held="${amount(x.held_s)}" title="held since ${esc(x.since)}">since ` +
+    `${esc(x.since.slice(11, 19))} UTC &#183; <span class="held">${esc(duration(x.held_s))}</span></span>`;
+}
+
 const chips = (n) => '<i class="chip"></i>'.repeat(Math.max(1, n));
 
 function sliceCard(s, ctx) {
@@ -53,7 +60,7 @@ function sliceCard(s, ctx) {
     `${h.chips} chips &#183; node ${esc(h.node_id.slice(0, 12))}"><div class="chips c${Math.max(1, h.chips)}">` +
     `${chips(h.chips)}</div><span>host ${h.worker_id}</span></div>`).join("");
   const perHost = s.hosts.length ? s.hosts[0].chips : 0;
-  const holder = s.holder ? `<div class="holder">${who(s.holder, ctx)}</div>`
+  const holder = s.holder ? `<div class="holder">${who(s.holder, ctx)}${held(s)}</div>`
     : '<div class="holder muted">free for the next step</div>';
   return `<article class="card slice ${esc(s.state)}"><header><h3>${esc(s.name)}</h3>` +
     `<span class="pill ${esc(s.state)}">${esc(s.state)}</span></header>` +
@@ -74,7 +81,7 @@ function gpuCard(n, ctx) {
     `<span class="share p${i % 6} ${esc(sh.state)}" style="width:${(100 * sh.amount / total).toFixed(4)}%" ` +
     `title="${esc(sh.holder.label)} &#183; ${amount(sh.amount)} GPU"></span>`).join("");
   const users = n.shares.map((sh, i) =>
-    `<li><i class="swatch p${i % 6}"></i><span>${who(sh.holder, ctx)}</span>` +
+    `<li><i class="swatch p${i % 6}"></i><span>${who(sh.holder, ctx)}${held(sh)}</span>` +
     `<b>${amount(sh.amount)} GPU${onGpus(sh.gpus)}</b></li>`)
     .join("");
   return `<article class="card gpu"><header><h3>GPU node <code>${esc(n.node_id.slice(0, 12))}</code></h3>` +
@@ -133,7 +140,23 @@ function start() {
     document.querySelectorAll("td.wait[data-waiting]").forEach((td) => {
       if (td.dataset.waiting !== "") td.textContent = duration(Number(td.dataset.waiting) + age);
     });
+    document.querySelectorAll("span.since[data-held] .held").forEach((el) => {
+      el.textContent = duration(Number(el.parentElement.dataset.held) + age);
+    });
   }
+
+  // The usage section is drawn on the server only; refreshing it means fetching that HTML again.
+  const usageEl = document.getElementById("usage");
+  async function refreshUsage() {
+    if (!usageEl || !cfg.usage || document.hidden) return;
+    try {
+      const resp = await fetch(`${cfg.usage}?hours=${q(cfg.hours)}&conn_id=${q(cfg.connId)}`,
+        {credentials: "same-origin"});
+      if (resp.ok) usageEl.innerHTML = await resp.text();
+    } catch (err) { /* keep the last drawing; the next refresh tries again */ }
+  }
+  const windowSelect = document.querySelector("form.window select");
+  if (windowSelect) windowSelect.addEventListener("change", () => windowSelect.form.submit());
 
   async function refresh() {
     if (document.hidden) return;
@@ -168,7 +191,9 @@ function start() {
   });
 
   setInterval(tick, 1000);
+  if (!cfg.api) return;  // a refused page (another connection, not allowed): nothing to refresh
   setInterval(refresh, cfg.refreshS * 1000);
+  setInterval(refreshUsage, USAGE_REFRESH_S * 1000);
   document.addEventListener("visibilitychange", () => { if (!document.hidden) refresh(); });
 }
 

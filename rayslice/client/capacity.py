@@ -7,10 +7,11 @@ four responses into a `Snapshot` with no I/O; `snapshot` and `asnapshot` only fe
 Jobs client (`RayJobsClient.get_json`): the same retries, TLS settings, token scrubbing and errors
 as every other call to the dashboard.
 
-Which GPU of a node a fractional share sits on is not in the state API; the dashboard's own
-`/logical/actors` has it (the worker's `usedResources` slots), learned from node stats a few
-seconds after the actor starts. It is read for GPU actors only, and is best effort: an older
-or newer dashboard without it leaves `GpuShare.gpus` empty.
+Which GPU of a node a fractional share sits on, and since when a step's host process runs, are
+not in the state API; the dashboard's own `/logical/actors` has both (the worker's
+`usedResources` slots, learned from node stats a few seconds after the actor starts, and
+`startTime`). It is read for the live actors that hold accelerators, and is best effort: an
+older or newer dashboard without it leaves `GpuShare.gpus` empty and `since` unknown.
 
 A host is `running` while a live actor uses its chips, `reserved` while a placement group
 bundle holds them (or the slice's head resource) with nothing running yet, else `free`.
@@ -39,6 +40,7 @@ SLICE_LABEL, WORKER_LABEL = "ray.io/tpu-slice-name", "ray.io/tpu-worker-id"
 POD_TYPE_LABEL, TOPOLOGY_LABEL = "ray.io/tpu-pod-type", "ray.io/tpu-topology"
 _STATE = "/api/v0/{}"
 _LOGICAL_ACTORS = "/logical/actors"  # the dashboard's actor view: has each worker's GPU slots
+# `nocache=1`: the dashboard otherwise answers an expired cached reply (and refreshes it for the next caller).
 _LIMIT = "10000"  # the state API answers 100 rows unless told otherwise
 # Skip what cannot hold capacity, server-side: dead actors and removed groups pile up.
 _QUERIES = {
@@ -81,6 +83,7 @@ class Host(BaseModel):
     chips_used: float = 0
     state: Literal["free", "reserved", "running"] = "free"
     holder: Holder | None = None
+    since: datetime | None = None  # when the step's process on this host started
 
 
 class Slice(BaseModel):
@@ -91,6 +94,8 @@ class Slice(BaseModel):
     chips: int
     state: Literal["free", "reserved", "running", "partial"]
     holder: Holder | None = None
+    since: datetime | None = None  # when its holder's first host process started
+    held_s: float | None = None  # how long that is, at `taken_at`
 
 
 class GpuShare(BaseModel):
@@ -98,6 +103,8 @@ class GpuShare(BaseModel):
     amount: float
     state: Literal["reserved", "running"] = "running"
     gpus: list[int] = []  # the node's GPU indices Ray gave it (its CUDA_VISIBLE_DEVICES); empty while unknown
+    since: datetime | None = None
+    held_s: float | None = None
 
 
 class GpuNode(BaseModel):
@@ -145,18 +152,24 @@ def _requests() -> list[tuple[str, dict[str, str]]]:
 
 
 def _gpu_actor_ids(actors_body: Any) -> list[str]:
-    """Live actors that hold a GPU share themselves (not through a placement group): whose slots to look up."""
+    """Live actors that hold accelerators: whose GPU slots and start times to look up."""
     return sorted(a["actor_id"] for a in _rows(actors_body, "actors", []) if a.get("state") == "ALIVE"
-                  and a.get("actor_id") and not a.get("placement_group_id")
-                  and (a.get("required_resources") or {}).get("GPU"))
+                  and a.get("actor_id") and (_holds(a.get("required_resources") or {}, "GPU")
+                                             or _holds(a.get("required_resources") or {}, "TPU")))
 
 
-def _gpu_slots(body: Any) -> dict[str, list[int]]:
-    """actor id -> GPU indices, from `/logical/actors`; {} for anything unexpected (best effort)."""
+def _gpu_slots(body: Any) -> dict[str, tuple[list[int], float | None]]:
+    """actor id -> (GPU indices, start time in s), from `/logical/actors`; {} for anything unexpected."""
     try:
-        return {actor_id: sorted(int(slot["slot"]) for slot in info["usedResources"]["GPU"]["resourceSlots"])
-                for actor_id, info in body["data"]["actors"].items()
-                if info and (info.get("usedResources") or {}).get("GPU")}
+        out = {}
+        for actor_id, info in body["data"]["actors"].items():
+            if not info:
+                continue
+            gpu = (info.get("usedResources") or {}).get("GPU")
+            slots = sorted(int(slot["slot"]) for slot in gpu["resourceSlots"]) if gpu else []
+            started = int(info.get("startTime") or 0) / 1000 or None
+            out[actor_id] = (slots, started)
+        return out
     except (KeyError, TypeError, AttributeError, ValueError):
         return {}
 
@@ -175,10 +188,10 @@ def snapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 1
     """
     with _client(dashboard_url, token, timeout, verify, headers, RayJobsClient) as client:
         bodies = [client.get_json(path, params) for path, params in _requests()]
-        slots: dict[str, list[int]] = {}
+        slots: dict[str, tuple[list[int], float | None]] = {}
         if ids := _gpu_actor_ids(bodies[2]):
             with contextlib.suppress(RaysliceError):  # best effort: the shares stay without their GPU index
-                slots = _gpu_slots(client.get_json(_LOGICAL_ACTORS, {"ids": ",".join(ids)}))
+                slots = _gpu_slots(client.get_json(_LOGICAL_ACTORS, {"ids": ",".join(ids), "nocache": "1"}))
     return _parse(*bodies, now=time.time(), gpu_slots=slots)
 
 
@@ -188,7 +201,7 @@ async def asnapshot(dashboard_url: str, token: str | None = None, *, timeout: fl
     async with _client(dashboard_url, token, timeout, verify, headers, AsyncRayJobsClient) as client:
         bodies = await asyncio.gather(*(client.get_json(path, params) for path, params in _requests()))
         actors = _gpu_actor_ids(bodies[2])
-        lookup = client.get_json(_LOGICAL_ACTORS, {"ids": ",".join(actors)}) if actors else None
+        lookup = client.get_json(_LOGICAL_ACTORS, {"ids": ",".join(actors), "nocache": "1"}) if actors else None
         try:
             slots = _gpu_slots(await lookup) if lookup else {}
         except RaysliceError:
@@ -256,7 +269,7 @@ def _describe(resources: dict[str, float]) -> str:
 
 
 def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, now: float,
-           gpu_slots: dict[str, list[int]] | None = None) -> Snapshot:
+           gpu_slots: dict[str, tuple[list[int], float | None]] | None = None) -> Snapshot:
     warnings: list[str] = []
     nodes = [n for n in _rows(nodes_body, "nodes", warnings) if n.get("state") == "ALIVE"]
     groups = _rows(groups_body, "placement groups", warnings)
@@ -264,8 +277,8 @@ def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, no
     holders = _Holders(jobs if isinstance(jobs, list) else [])
     pg_holder = {pg["placement_group_id"]: holders.find(pg.get("name"), pg.get("creator_job_id")) for pg in groups}
 
-    # Per node: what holds it, as (state, holder, TPU chips, GPUs, GPU indices).
-    usage: dict[str, list[tuple[str, Holder, float, float, list[int]]]] = {}
+    # Per node: what holds it, as (state, holder, TPU chips, GPUs, GPU indices, start time).
+    usage: dict[str, list[tuple[str, Holder, float, float, list[int], float | None]]] = {}
     for pg in groups:
         if pg.get("state") != "CREATED":
             continue
@@ -273,25 +286,33 @@ def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, no
             res = bundle.get("unit_resources") or {}
             if bundle.get("node_id") and (_holds(res, "TPU") or _holds(res, "GPU")):
                 usage.setdefault(bundle["node_id"], []).append(
-                    ("reserved", pg_holder[pg["placement_group_id"]], res.get("TPU", 0), res.get("GPU", 0), []))
+                    ("reserved", pg_holder[pg["placement_group_id"]], res.get("TPU", 0), res.get("GPU", 0), [], None))
     for actor in actors:
         res = actor.get("required_resources") or {}
         if actor.get("state") != "ALIVE" or not actor.get("node_id") or not (_holds(res, "TPU") or _holds(res, "GPU")):
             continue
         holder = holders.find(actor.get("name"), actor.get("job_id"))
         in_group = bool(actor.get("placement_group_id"))  # its bundle already counts the chips
+        slots, started = (gpu_slots or {}).get(actor.get("actor_id") or "", ([], None))
         usage.setdefault(actor["node_id"], []).append(
             ("running", holder, 0 if in_group else res.get("TPU", 0), 0 if in_group else res.get("GPU", 0),
-             (gpu_slots or {}).get(actor.get("actor_id") or "", [])))
+             slots, started))
 
-    gpu_nodes = _gpu_nodes(nodes, usage)
+    gpu_nodes = _gpu_nodes(nodes, usage, now)
     gpu_free = max((n.free for n in gpu_nodes), default=0)
-    return Snapshot(slices=_slices(nodes, usage), gpu_nodes=gpu_nodes,
+    return Snapshot(slices=_slices(nodes, usage, now), gpu_nodes=gpu_nodes,
                     pending=_pending(groups, actors, pg_holder, holders, now, gpu_free),
                     taken_at=datetime.fromtimestamp(now, UTC), warnings=warnings)
 
 
-def _slices(nodes: list[dict[str, Any]], usage: dict[str, list]) -> list[Slice]:
+def _since(started: float | None, now: float) -> dict[str, Any]:
+    """`since` (whole seconds) and `held_s` for a holder that started at `started`."""
+    if not started:
+        return {}
+    return {"since": datetime.fromtimestamp(int(started), UTC), "held_s": round(max(0.0, now - int(started)), 1)}
+
+
+def _slices(nodes: list[dict[str, Any]], usage: dict[str, list], now: float) -> list[Slice]:
     by_slice: dict[str, list[dict[str, Any]]] = {}
     for node in nodes:
         labels = node.get("labels") or {}
@@ -306,29 +327,32 @@ def _slices(nodes: list[dict[str, Any]], usage: dict[str, list]) -> list[Slice]:
         owners = Counter(h.holder.model_dump_json() for h in held if h.holder)
         holder = Holder.model_validate_json(owners.most_common(1)[0][0]) if owners else None
         labels = members[0].get("labels") or {}
+        starts = [h.since.timestamp() for h in held if h.since and h.holder == holder]
         slices.append(Slice(name=name, pod_type=labels.get(POD_TYPE_LABEL, ""), topology=labels.get(TOPOLOGY_LABEL, ""),
-                            hosts=hosts, chips=sum(h.chips for h in hosts), state=state, holder=holder))
+                            hosts=hosts, chips=sum(h.chips for h in hosts), state=state, holder=holder,
+                            **_since(min(starts, default=None), now)))
     return slices
 
 
-def _host(node: dict[str, Any], uses: list[tuple[str, Holder, float, float, list[int]]]) -> Host:
+def _host(node: dict[str, Any], uses: list[tuple[str, Holder, float, float, list[int], float | None]]) -> Host:
     labels = node.get("labels") or {}
     running = [u for u in uses if u[0] == "running"]
     chosen = (running or uses or [None])[0]
     return Host(worker_id=_int(labels.get(WORKER_LABEL), 0), node_id=node["node_id"],
                 chips=int((node.get("resources_total") or {}).get("TPU", 0)),
                 chips_used=sum(u[2] for u in uses), state="running" if running else "reserved" if uses else "free",
-                holder=chosen[1] if chosen else None)
+                holder=chosen[1] if chosen else None,
+                since=datetime.fromtimestamp(int(chosen[5]), UTC) if chosen and chosen[5] else None)
 
 
-def _gpu_nodes(nodes: list[dict[str, Any]], usage: dict[str, list]) -> list[GpuNode]:
+def _gpu_nodes(nodes: list[dict[str, Any]], usage: dict[str, list], now: float) -> list[GpuNode]:
     out = []
     for node in nodes:
         total = (node.get("resources_total") or {}).get("GPU", 0)
         if not total:
             continue
-        shares = [GpuShare(holder=h, amount=g, state=s, gpus=i) for s, h, _, g, i in usage.get(node["node_id"], [])
-                  if g]
+        shares = [GpuShare(holder=h, amount=g, state=s, gpus=i, **_since(t, now))
+                  for s, h, _, g, i, t in usage.get(node["node_id"], []) if g]
         out.append(GpuNode(node_id=node["node_id"], total=total, used=round(sum(s.amount for s in shares), 6),
                            shares=shares))
     return sorted(out, key=lambda n: n.node_id)

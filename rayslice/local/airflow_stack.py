@@ -22,6 +22,7 @@ Why these choices:
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import secrets
@@ -57,13 +58,19 @@ class AirflowStack:
 
     def __init__(self, dashboard_url: str, token: str | None = None, *, dags_folder: Path = EXAMPLE_DAGS,
                  username: str = "admin", password: str = "admin", parallelism: int = 2,
-                 startup_timeout: float = 300, extra_env: dict[str, str] | None = None) -> None:
+                 startup_timeout: float = 300, home: Path | None = None, port: int = 0,
+                 extra_env: dict[str, str] | None = None) -> None:
+        """`home` given: that AIRFLOW_HOME is used and kept (its DB survives a stop); else a throwaway one.
+
+        `port` 0: a free one. `extra_env`: Airflow settings for this stack only (AIRFLOW__...).
+        """
         self.dashboard_url, self.token, self.dags_folder = dashboard_url, token, Path(dags_folder)
-        self.extra_env = dict(extra_env or {})  # Airflow settings for this stack only (AIRFLOW__...)
+        self.extra_env = dict(extra_env or {})
         self.username, self.password = username, password
         self.parallelism, self.startup_timeout = parallelism, startup_timeout
-        self.home: Path | None = None
-        self.port = 0
+        self.home: Path | None = Path(home) if home else None
+        self._keep_home = home is not None
+        self.port = port
         self.sessions: dict[str, int] = {}  # component -> PID of its session leader
         self._procs: dict[int, subprocess.Popen] = {}  # kept, so we (not the GC) reap them
         self._started: set[int] = set()  # every session ever started, for pids() after stop()
@@ -116,15 +123,23 @@ class AirflowStack:
         """Migrate a fresh SQLite DB, start the four components, return once all report healthy."""
         if self.sessions:
             raise RaysliceError("this AirflowStack is already started")
-        self.home = Path(tempfile.mkdtemp(prefix="rayslice-airflow-stack-"))
-        (self.home / "logs").mkdir()
-        (self.home / "passwords.json").write_text(json.dumps({self.username: self.password}))
-        self.port, self._log_ports = free_port(), (free_port(), free_port())
+        if not self._keep_home:
+            self.home = Path(tempfile.mkdtemp(prefix="rayslice-airflow-stack-"))
+        assert self.home is not None
+        (self.home / "logs").mkdir(parents=True, exist_ok=True)
+        passwords = self.home / "passwords.json"
+        passwords.write_text(json.dumps({self.username: self.password}))
+        passwords.chmod(0o600)
+        self.port, self._log_ports = self.port or free_port(), (free_port(), free_port())
         self._secret = secrets.token_hex(32)
         try:
-            self._run_once(["db", "migrate"], "db-migrate", timeout=self.startup_timeout)
-            with closing(sqlite3.connect(self.home / "airflow.db")) as db:  # persists in the file
-                db.execute("PRAGMA journal_mode=WAL")
+            # A kept home whose DB this Airflow version already migrated skips `db migrate` (~20-40 s).
+            migrated = self.home / f".migrated-{importlib.metadata.version('apache-airflow')}"
+            if not (migrated.exists() and (self.home / "airflow.db").exists()):
+                self._run_once(["db", "migrate"], "db-migrate", timeout=self.startup_timeout)
+                with closing(sqlite3.connect(self.home / "airflow.db")) as db:  # persists in the file
+                    db.execute("PRAGMA journal_mode=WAL")
+                migrated.touch()
             for component in COMPONENTS:
                 self.sessions[component] = self._spawn(self._args(component), component)
             self._wait_healthy(time.monotonic() + self.startup_timeout)
@@ -229,7 +244,7 @@ class AirflowStack:
             raise RaysliceError(f"Airflow processes {sorted(left)} did not exit")
         self.sessions.clear()
         self._procs.clear()
-        if self.home and not keep_logs:
+        if self.home and not keep_logs and not self._keep_home:
             shutil.rmtree(self.home, ignore_errors=True)
 
     def _end_sessions(self, sessions: set[int], grace: float = 20) -> None:

@@ -2,7 +2,8 @@
 
 Starts the local simulated cluster (two v6e-16, a v6e-4, three GPUs), runs the launcher
 examples as real Ray jobs, runs the scheduled training pipeline DAG with real Airflow
-(`dag.test()`), prints every result and the capacity before and after, then stops the cluster.
+(`dag.test()`), prints every result and the capacity before and after, then stops the cluster;
+with `--ui` it leaves the cluster running under a real Airflow UI instead (`rayslice airflow up`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -115,21 +118,44 @@ def run_pipeline(record: local_cluster.ClusterRecord) -> bool:
     return run.state == "success"
 
 
-def run_demo(name: str = "demo") -> int:
+def start_ui(name: str, port: int) -> int:
+    """`rayslice airflow up` on the demo's cluster, in a fresh process (this one's Airflow config is the demo's).
+
+    The UI adopts the cluster: `rayslice airflow down` stops both.
+    """
+    console.print(Rule("the Airflow UI, on the demo's cluster"))
+    cli = Path(sys.executable).with_name("rayslice")
+    return subprocess.run([str(cli), "airflow", "up", "--cluster", name, "--port", str(port), "--adopt-cluster"],
+                          env={k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}).returncode
+
+
+def run_demo(name: str = "demo", ui_port: int | None = None) -> int:
+    from rayslice.local import airflow_ui
+
+    ui = airflow_ui.UiRecord.load("default")
+    if ui is not None and ui.cluster == name:
+        airflow_ui.down("default")  # a previous `demo --ui`: its UI runs on the cluster we are about to replace
     if (local_cluster.state_dir() / f"{name}.json").exists():
         local_cluster.down(name)  # a previous demo's cluster; it is ours by name
     console.print(Rule("starting the local cluster: head + 9 TPU hosts + a 3-GPU node"))
     started = time.monotonic()
     record = local_cluster.up(DEMO_SPEC, name=name)
     console.print(f"up in {time.monotonic() - started:.0f} s, dashboard {record.dashboard_url}")
+    keep = False
     try:
         show_capacity(record, "before")
         run_examples(record)
         pipeline_ok = run_pipeline(record)
         show_capacity(record, "after")
+        keep = ui_port is not None and pipeline_ok
     finally:
-        stopped = local_cluster.down(name)
-        console.print(f"stopped the local cluster ({stopped} processes)")
+        if not keep:
+            stopped = local_cluster.down(name)
+            console.print(f"stopped the local cluster ({stopped} processes)")
     if not pipeline_ok:
         console.print("[bold red]the training pipeline failed; its task log is above[/]")
-    return 0 if pipeline_ok else 1
+        return 1
+    if ui_port is not None and start_ui(name, ui_port) != 0:
+        local_cluster.down(name)
+        return 1
+    return 0

@@ -3,8 +3,11 @@
 A real Airflow 3 (`rayslice.local.airflow_stack`: api-server, scheduler, dag-processor, triggerer)
 runs against the session's local Ray cluster; headless Chromium logs in, fills the trigger
 form (slice type, learning rate), and follows the run until it succeeds, looking at the
-Slices page while the training step holds its v6e-4 slice and again once it is released.
-Screenshots go to `artifacts/` for humans (and CI) to look at.
+Slices page while the training step holds its v6e-4 slice and again once it is released,
+then finds the run on the usage timeline (a bar on the slice's lane, the right DAG, task and
+run) and its non-zero TPU chip-hours and GPU-hours in the per-task table.
+Screenshots go to `artifacts/` for humans (and CI) to look at; `scripts/screenshot` copies
+the timeline's to `docs/slices-page.png` for the README.
 
 Every wait is for a condition, with a generous deadline: this runs on loaded two-core machines.
 """
@@ -96,11 +99,50 @@ def _run_pipeline_from_the_ui(page, airflow: AirflowStack, api: httpx.Client) ->
     card = slices.locator("article.slice", has=slices.locator("h3", has_text=re.compile(f"^{re.escape(slice_name)}$")))
     expect(card).to_have_class(_FREE, timeout=60_000)
     page.screenshot(path=ARTIFACTS / "e2e-slices-free.png", full_page=True)
+    _find_the_run_on_the_timeline(page, airflow, run_id, slice_name)
 
     page.goto(f"{airflow.url}/dags/{DAG_ID}/runs/{run_id}")
     expect(page.get_by_text(run_id).first).to_be_visible()
     expect(page.get_by_text("success").first).to_be_visible()
     page.screenshot(path=ARTIFACTS / "e2e-dag-run.png", full_page=True)
+
+
+def _find_the_run_on_the_timeline(page, airflow: AirflowStack, run_id: str, slice_name: str) -> None:
+    """The run's `train` step is a bar on its slice's lane; its details link the task instance; it was billed."""
+    from playwright.sync_api import expect
+
+    page.goto(f"{airflow.url}/rayslice/?hours=1")  # the page on its own: the timeline at full width
+    lane = page.locator(".lane", has=page.locator(".lane-name", has_text=re.compile(f"^{re.escape(slice_name)}")))
+    bar = lane.locator("a.step", has=page.locator(".tip", has_text=f"{DAG_ID} / train"))
+    deadline = time.monotonic() + 60
+    while not bar.count():  # the server re-reads usage every 10 s
+        assert time.monotonic() < deadline, f"no bar of {DAG_ID} / train on lane {slice_name}: {lane.inner_html()}"
+        time.sleep(2)
+        page.reload()
+    bar = bar.last  # the newest of this DAG's train steps on that slice: ours
+    bar.hover()
+    expect(bar.locator(".tip")).to_be_visible()
+    expect(bar.locator(".tip")).to_contain_text("chip-hours")
+    bar.click()
+    detail = page.locator(".step-detail:target")
+    expect(detail).to_be_visible()
+    expect(detail.locator(".run")).to_have_text(run_id)
+    task_link = detail.locator("a.task")
+    expect(task_link).to_have_attribute("href", f"/dags/{DAG_ID}/runs/{run_id}/tasks/train")
+    expect(detail.locator("a.job")).to_have_attribute("href", re.compile(r"/#/jobs/rayslice-"))
+    expect(detail).to_contain_text(f"{slice_name} · {SLICE_TYPE} · 4 chips")
+    page.screenshot(path=ARTIFACTS / "e2e-usage-timeline.png", full_page=True)
+
+    rows = {}
+    for row in page.locator("table.by-task tr").all()[1:]:
+        cells = [c.inner_text().strip() for c in row.locator("td").all()]
+        rows[(cells[0], cells[1])] = cells[2:]
+    steps, chip_hours, gpu_hours = rows[(DAG_ID, "train")]
+    assert int(steps) >= 1 and float(chip_hours.lstrip("<")) > 0 and gpu_hours == "0", rows
+    assert float(rows[(DAG_ID, "evaluate")][2].lstrip("<")) > 0, rows  # the quarter GPU, in GPU-hours
+
+    task_link.click()  # the task instance in Airflow's UI
+    page.wait_for_url(f"**/dags/{DAG_ID}/runs/{run_id}/tasks/train**")
 
 
 def _get(api: httpx.Client, path: str) -> dict | None:

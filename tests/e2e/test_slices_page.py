@@ -48,6 +48,9 @@ pytestmark = needs_chromium
 # What a person sees, read from the DOM: cards, their state pills, host squares, holders, tiles.
 _READ_PAGE = """() => {
   const text = (el, sel) => { const e = el.querySelector(sel); return e ? e.textContent : null; };
+  // Without "since 01:02:03 UTC · 1m 05s": it ticks, and two reads a few seconds apart must compare equal.
+  const bare = (e) => { if (!e) return null; const c = e.cloneNode(true);
+    c.querySelectorAll(".since").forEach((s) => s.remove()); return c.textContent; };
   return {
     error: text(document, "#fleet .error"),
     tiles: Object.fromEntries([...document.querySelectorAll(".tile")].map(
@@ -56,11 +59,12 @@ _READ_PAGE = """() => {
       name: text(a, "h3"), state: text(a, ".pill"), meta: text(a, ".meta"),
       hosts: [...a.querySelectorAll(".host")].map((h) => h.className.replace("host ", "")),
       task: text(a, ".holder a.task"), run: text(a, ".holder .run"), job: text(a, ".holder a.job"),
-      holder: text(a, ".holder")})),
+      holder: bare(a.querySelector(".holder")), since: !!a.querySelector(".holder .since .held")})),
     gpus: [...document.querySelectorAll("article.gpu")].map((a) => ({
       pill: text(a, ".pill"), meta: text(a, ".meta"), segments: a.querySelectorAll(".bar .share").length,
       users: [...a.querySelectorAll(".users li")].map((li) => ({
-        task: text(li, "a.task"), run: text(li, ".run"), amount: text(li, ":scope > b"), text: li.textContent}))})),
+        task: text(li, "a.task"), run: text(li, ".run"), amount: text(li, ":scope > b"), text: bare(li),
+        since: !!li.querySelector(".since .held")}))})),
     waiting: text(document, "h2 + section .pending") ?? text(document, "h2 + section p.muted"),
   };
 }"""
@@ -167,6 +171,7 @@ def _check_busy_page(page, airflow: AirflowStack, run_id: str, where: dict[str, 
         assert len(card["hosts"]) == len(where[task]) == STEPS[task].total_hosts, (card, where[task])
         assert card["task"] == f"{DAG} / {task}" and card["run"] == run_id, card
         assert card["job"].startswith("Ray running") and STEPS[task].pod_type in card["meta"], card
+        assert card["since"], card  # a held slice says since when
     [free] = [s for s in shown["slices"] if s["state"] == "free"]
     assert free["meta"].startswith("v6e-16") and set(free["hosts"]) == {"free"}, free
     assert free["holder"] == "free for the next step" and free["task"] is None, free
@@ -177,6 +182,7 @@ def _check_busy_page(page, airflow: AirflowStack, run_id: str, where: dict[str, 
     cuda = {task: [w["cuda"] for w in where[task]] for task in GPU_STEPS}
     assert all(len(c) == 1 for c in cuda.values()) and len({c[0] for c in cuda.values()}) == 1, (
         f"the two quarter-GPU steps are not on the same GPU: {cuda}")
+    assert all(u["since"] for u in gpu["users"]), gpu["users"]
     users = sorted((u["task"], u["run"], u["amount"]) for u in gpu["users"])
     assert users == [(f"{DAG} / {task}", run_id, f"0.25 GPU on GPU {cuda[task][0]}") for task in GPU_STEPS], users
 

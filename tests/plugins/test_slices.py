@@ -32,7 +32,7 @@ def airflow(airflow_db, ray_default, tmp_path_factory):
         mp.setenv("AIRFLOW__CORE__AUTH_MANAGER",
                   "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager")
         mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS", "False")
-        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", "admin:admin,viewer:viewer")
+        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", "admin:admin,viewer:viewer,op:op")
         mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE", str(folder / "passwords.json"))
         mp.setenv("AIRFLOW__API_AUTH__JWT_SECRET", uuid.uuid4().hex * 2)
         # A token on the connection: the cluster ignores it, the page must never show it.
@@ -94,7 +94,7 @@ def test_importing_the_plugin_is_cheap():
 
 
 @pytest.mark.parametrize("path", ["/rayslice/", "/rayslice/api/capacity", "/rayslice/icon.svg",
-                                  "/rayslice/api/capacity?conn_id=not_ray"])
+                                  "/rayslice/api/capacity?conn_id=not_ray", "/rayslice/api/usage", "/rayslice/usage"])
 def test_anonymous_and_forged_requests_are_refused(client, path):
     assert client.get(path).status_code == 401
     assert client.get(path, headers=bearer("not-a-jwt")).status_code in (401, 403)
@@ -142,6 +142,69 @@ def test_connection_problems_are_explained_not_leaked(client):
     assert page.status_code == 200 and "add one of type `ray`" in page.text
 
 
+@pytest.mark.parametrize("path", ["/rayslice/api/capacity", "/rayslice/api/usage", "/rayslice/usage", "/rayslice/"])
+def test_only_users_who_may_read_connections_choose_the_connection(client, path):
+    """A viewer cannot tell an existing non-`ray` connection from a missing one: the same refusal for both."""
+    viewer = bearer(jwt("viewer", "viewer"))
+    answers = {conn: client.get(f"{path}?conn_id={conn}", headers=viewer)
+               for conn in ("not_ray", "nope", "ray_default2", "bad%20id!")}
+    assert {conn: r.status_code for conn, r in answers.items()} == dict.fromkeys(answers, 403)
+    assert len({r.text for r in answers.values()}) == 1, {c: r.text[:200] for c, r in answers.items()}
+    assert "not_ray" not in answers["not_ray"].text and "http" not in answers["not_ray"].text.split("<style>")[0]
+    assert "read Airflow connections" in answers["nope"].text
+    assert client.get(f"{path}?conn_id=ray_default", headers=viewer).status_code == 200  # the default is everyone's
+    assert client.get(path, headers=viewer).status_code == 200
+    # A user who may read connections still gets the explanation (what is wrong with which connection).
+    op = bearer(jwt("op", "op"))
+    if path.startswith("/rayslice/api/"):
+        wrong, missing = (client.get(f"{path}?conn_id={c}", headers=op) for c in ("not_ray", "nope"))
+        assert (wrong.status_code, missing.status_code) == (400, 404), (wrong.text, missing.text)
+        assert "not `ray`" in wrong.json()["detail"] and "add one of type `ray`" in missing.json()["detail"]
+
+
+def test_usage_json_and_the_page_section(client, airflow):
+    viewer = bearer(jwt("viewer", "viewer"))
+    resp = client.get("/rayslice/api/usage?hours=1", headers=viewer)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["hours"] == 1 and {"bars", "lanes", "by_dag", "by_task", "since", "until", "oldest"} <= set(data)
+    assert [(lane["key"], lane["kind"]) for lane in data["lanes"]][:3] == [
+        ("v6e-16-a", "tpu"), ("v6e-16-b", "tpu"), ("v6e-4-a", "tpu")]
+    assert [lane["kind"] for lane in data["lanes"]][3:] == ["gpu"]
+    assert client.get("/rayslice/api/usage?hours=5", headers=viewer).json()["hours"] == 6  # not offered: default
+    page = client.get("/rayslice/?hours=3", headers=viewer).text
+    assert '<section id="usage">' in page and 'class="timeline"' in page and "By DAG" in page
+    assert '<option value="3" selected>' in page and '"usage": "/rayslice/usage"' in page
+    fragment = client.get("/rayslice/usage?hours=3", headers=viewer)
+    assert fragment.status_code == 200 and fragment.text.startswith('<div class="timeline">')
+    assert (airflow[1].token or TOKEN) not in page + fragment.text
+
+
+def test_usage_of_unreadable_dags_is_counted_without_names(client, monkeypatch):
+    from airflow.api_fastapi.app import get_auth_manager
+    from rayslice.plugins import slices, slices_page
+
+    from rayslice.client.usage import Bar, Lane, Usage
+
+    def bar(dag: str, task: str, hours: float, kind: str = "tpu") -> Bar:
+        return Bar(lane="v6e-4-a", kind=kind, submission_id=f"rayslice-{dag}-{task}", dag_id=dag, run_id="r",
+                   task_id=task, request="v6e-4", start="2026-01-01T00:00:00Z", end="2026-01-01T01:00:00Z",
+                   amount=4, hours=hours, job_id="02000000", job_status="SUCCEEDED")
+
+    found = Usage(since="2026-01-01T00:00:00Z", until="2026-01-01T06:00:00Z", hours=6,
+                  lanes=[Lane(key="v6e-4-a", kind="tpu", title="v6e-4-a")],
+                  bars=[bar("open_dag", "train", 4), bar("secret_dag", "train_secret", 2),
+                        bar("secret_dag", "eval_secret", 0.5, "gpu")])
+    monkeypatch.setattr(get_auth_manager(), "filter_authorized_dag_ids",
+                        lambda *, dag_ids, user, **kw: {d for d in dag_ids if d == "open_dag"})
+    data = slices.visible_usage(found, user=None)
+    text = json.dumps(data) + slices_page.usage_section(data, {"airflow_base": "", "dashboard_url": "http://r:1"})
+    assert "secret" not in text
+    assert [(r["dag_id"], r["hidden"], r["steps"], r["tpu_chip_hours"], r["gpu_hours"]) for r in data["by_dag"]] == [
+        ("open_dag", False, 1, 4, 0), ("", True, 2, 2, 0.5)]  # the bill still adds up
+    assert "a task in a DAG you cannot read" in text and "DAGs you cannot read" in text
+
+
 def test_holders_of_unreadable_dags_are_hidden(client, monkeypatch):
     from airflow.api_fastapi.app import get_auth_manager
     from rayslice.plugins import slices
@@ -169,13 +232,14 @@ def _rich_snapshot() -> dict:
              for i, state in enumerate(("running", "running", "reserved", "running"))]
     return Snapshot(
         slices=[Slice(name="v6e-16-a", pod_type="v6e-16", topology="4x4", hosts=hosts, chips=16, state="running",
-                      holder=task),
+                      holder=task, since="2026-01-01T00:59:30Z", held_s=155),
                 Slice(name="v6e-8-a", pod_type="v6e-8", topology="2x4", chips=8, state="partial", holder=driver,
                       hosts=[Host(worker_id=0, node_id="m" * 20, chips=8, state="reserved", holder=driver)]),
                 Slice(name="v6e-1-a", pod_type="v6e-1", topology="1x1", chips=1, state="free",
                       hosts=[Host(worker_id=0, node_id="k" * 20, chips=1)])],
         gpu_nodes=[GpuNode(node_id="g" * 40, total=3, used=0.75, shares=[
-            GpuShare(holder=task, amount=0.25, gpus=[0]), GpuShare(holder=foreign, amount=0.5, state="reserved")]),
+            GpuShare(holder=task, amount=0.25, gpus=[0], since="2026-01-01T01:02:00Z", held_s=5),
+            GpuShare(holder=foreign, amount=0.5, state="reserved")]),
             GpuNode(node_id="h" * 40, total=1, used=0, shares=[])],
         pending=[Pending(kind="placement_group", request="v6e-16", resources={"TPU": 16}, holder=task,
                          since="2026-01-01T00:00:00Z", waiting_s=3725.5),
@@ -212,4 +276,5 @@ def test_page_links_to_the_task_instance_and_the_ray_job():
     assert 'href="http://ray:8265/#/jobs/06000000"' in html and "test-1" in html  # a plain driver: by job id
     assert "d &lt;&amp;&gt; &#x27;x&#x27;" in html and "<&>" not in html
     assert "1h 02m" in html and ">starting<" in html
+    assert 'since 00:59:30 UTC &#183; <span class="held">2m 35s</span>' in html  # a held slice: since when
     assert html.count("on GPU 0</span>") == 1 and html.count("gpu-index") == 1  # the unknown one says nothing

@@ -1,4 +1,4 @@
-"""`rayslice.client.capacity` against the real local cluster: real Ray jobs hold slices and GPU shares.
+"""`rayslice.client.capacity` and `.usage` against the real local cluster: real Ray jobs hold slices and GPU shares.
 
 Assertions look for this test's own holders (a fresh run id), so other steps on a shared
 development cluster (RAYSLICE_TEST_CLUSTER) don't break them; only the idle checks wait for
@@ -13,10 +13,11 @@ import os
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 from rich.console import Console
 
-from rayslice.client import capacity
+from rayslice.client import capacity, usage
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import submit_step
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
@@ -110,6 +111,8 @@ def test_busy_slices_shared_gpu_and_pending_demand(cluster, tmp_path: Path):
             assert {h.holder.submission_id for h in s.hosts} == {s.holder.submission_id} <= set(ids)
             assert s.holder.request == "v6e-16" and s.holder.job_status == "RUNNING" and s.holder.map_index == -1
             assert s.holder.label == f"{DAG}/{s.holder.task_id} ({run_id})"
+            assert s.since is not None and s.held_s is not None and 0 <= s.held_s < 400  # held since when
+            assert snap.taken_at.timestamp() - s.since.timestamp() == pytest.approx(s.held_s, abs=1)
         assert not any(ours(s.holder) for s in snap.slices if s.pod_type == "v6e-4")  # pinned by pod type
 
         [gpu] = snap.gpu_nodes
@@ -117,6 +120,7 @@ def test_busy_slices_shared_gpu_and_pending_demand(cluster, tmp_path: Path):
         assert sorted((sh.holder.task_id, sh.amount, sh.state) for sh in mine) == [
             ("gpu0", 0.25, "running"), ("gpu1", 0.25, "running")]
         assert gpu.used >= 0.5 and gpu.free == pytest.approx(gpu.total - gpu.used)
+        assert all(sh.since is not None and sh.held_s is not None for sh in mine)
 
         waits = [p for p in snap.pending if ours(p.holder)]
         assert all(p.request == "v6e-16" and p.kind == "placement_group" for p in waits)
@@ -140,8 +144,67 @@ def test_busy_slices_shared_gpu_and_pending_demand(cluster, tmp_path: Path):
         assert wait_until(released, timeout=180, interval=1), "our steps still hold capacity after release"
         if not os.environ.get("RAYSLICE_TEST_CLUSTER"):  # our own cluster: everything is free again
             assert wait_until(lambda: idle_snapshot(cluster), timeout=60, interval=1)
+        assert wait_until(lambda: _ended(url, token, ids), timeout=120, interval=1), "our jobs did not end"
+        _check_usage(url, token, dict(zip(requests, ids, strict=True)))
     finally:
         asyncio.run(_stop(url, token, ids))
+
+
+def _ended(url: str, token: str | None, ids: list[str]) -> bool:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    jobs = {j["submission_id"]: j for j in httpx.get(f"{url}/api/jobs/", headers=headers, timeout=30).json()}
+    return all(jobs[sid]["status"] in ("SUCCEEDED", "FAILED", "STOPPED") for sid in ids)
+
+
+def _check_usage(url: str, token: str | None, ids: dict[str, str]) -> None:
+    """The timeline's bars and accelerator-hours for the steps above, checked against Ray's own actor records."""
+    found = usage.usage(url, token=token, hours=1)
+    bars = {b.task_id: b for b in found.bars if b.submission_id in ids.values()}
+    assert set(bars) == set(ids), [b.model_dump() for b in found.bars]
+    nodes = capacity.snapshot(url, token=token)
+    [gpu_node] = nodes.gpu_nodes
+    for task, bar in bars.items():
+        assert (bar.dag_id, bar.submission_id, bar.job_status, bar.end is not None) == (
+            DAG, ids[task], "SUCCEEDED", True), bar
+        if task.startswith("tpu"):
+            assert (bar.kind, bar.amount, bar.request) == ("tpu", 16, "v6e-16") and bar.lane in ("v6e-16-a", "v6e-16-b")
+        else:
+            assert (bar.kind, bar.amount, bar.lane) == ("gpu", 0.25, gpu_node.node_id), bar
+    assert bars["tpu2"].waited_s > max(bars["tpu0"].waited_s, bars["tpu1"].waited_s)  # it waited for a slice
+    assert [lane.key for lane in found.lanes] == ["v6e-16-a", "v6e-16-b", "v6e-4-a", gpu_node.node_id]
+
+    # The arithmetic, from the raw actor records: amount x (end - start) of every host process, summed.
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    actors = httpx.get(f"{url}/logical/actors", params={"nocache": "1"}, headers=headers,
+                       timeout=30).json()["data"]["actors"].values()
+    for task, sid in ids.items():
+        mine = [a for a in actors if (a.get("name") or "").startswith(f"rayslice:{sid}/")]
+        assert len(mine) == (4 if task.startswith("tpu") else 1), mine
+        expected = sum((a["endTime"] - a["startTime"]) / 1000 * next(iter(
+            v for k, v in a["requiredResources"].items() if k in ("TPU", "GPU"))) for a in mine) / 3600
+        assert bars[task].hours == pytest.approx(expected, abs=1e-6) and expected > 0
+        assert bars[task].start.timestamp() == pytest.approx(min(a["startTime"] for a in mine) / 1000, abs=1e-3)
+        assert bars[task].end.timestamp() == pytest.approx(max(a["endTime"] for a in mine) / 1000, abs=1e-3)
+    by_dag, by_task = usage.totals(found.bars)
+    [dag_row] = [r for r in by_dag if r.dag_id == DAG]
+    tpu_hours = sum(b.hours for t, b in bars.items() if t.startswith("tpu"))
+    assert dag_row.tpu_chip_hours >= round(tpu_hours, 6) - 1e-6 and dag_row.steps >= 5
+    rows = {r.task_id: r for r in by_task if r.dag_id == DAG}  # other runs of this DAG may add to them
+    for task, bar in bars.items():
+        billed = rows[task].tpu_chip_hours if task.startswith("tpu") else rows[task].gpu_hours
+        assert billed >= bar.hours - 1e-6 and bar.hours > 0
+
+    # A window that starts half-way through a bar bills only the part inside it.
+    bar = bars["tpu0"]
+    start, end = bar.start.timestamp(), bar.end.timestamp()
+    middle = (start + end) / 2
+    bodies = [httpx.get(f"{url}{path}", params=params, headers=headers, timeout=30).json()
+              for path, params in (usage._NODES, usage._ACTORS, usage._JOBS)]
+    clipped = usage.parse(*bodies, now=end, hours=(end - middle) / 3600)
+    [half] = [b for b in clipped.bars if b.submission_id == bar.submission_id]
+    in_window = [a for a in actors if (a.get("name") or "").startswith(f"rayslice:{bar.submission_id}/")]
+    expected = sum(16 / 4 * max(0.0, a["endTime"] / 1000 - max(a["startTime"] / 1000, middle)) for a in in_window)
+    assert half.hours == pytest.approx(expected / 3600, abs=1e-6) and half.hours < bar.hours
 
 
 def test_unreachable_dashboard_says_what_to_check():

@@ -1,0 +1,231 @@
+"""Who used which accelerators over the last hours: one bar per step per slice or GPU node, and the bill.
+
+Read from what the Ray cluster already records, over the dashboard's HTTP API (no new store,
+no `ray` import): the Jobs API (`/api/jobs/`: each rayslice job's metadata names its Airflow
+task; start and end times) and the dashboard's actor table (`/logical/actors`: every host
+process a step ran, alive or ended, with its node, the chips or GPU share it asked for, and its
+start and end in ms). A step's host processes are named `rayslice:<submission id>/<slice>/host<i>`
+(TPU) or `rayslice:<submission id>/GPU`, so each one traces to its job and its lane.
+
+A bar spans a step's host processes on one lane: from the first one's start to the last one's
+end (still running: until now). Accelerator-hours are summed per host process over its overlap
+with the window: TPU chip-hours = chips x hours, GPU-hours = GPU share x hours. The time a step
+spent waiting for capacity (job start to its first host process) is shown, never billed.
+
+How far back: as far as Ray keeps ended actors, the `maximum_gcs_destroyed_actor_cached_count`
+most recent (100,000 by default in Ray 2.60: 25,000 four-host steps), and never before the head
+node's start (a restarted head without GCS fault tolerance forgets every job and actor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from rayslice.client.capacity import (
+    POD_TYPE_LABEL,
+    PREFIX,
+    SLICE_LABEL,
+    _base,
+    _client,
+    _int,
+)
+from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
+
+__all__ = ["Bar", "Lane", "Usage", "UsageRow", "ausage", "parse", "totals", "usage"]
+
+WINDOWS_H = (1, 3, 6, 12, 24, 72)
+DEFAULT_WINDOW_H = 6
+_NODES = ("/api/v0/nodes", {"detail": "1", "limit": "10000"})  # dead nodes too: their slices had steps
+# `nocache=1`: otherwise the dashboard answers an expired cached reply, maybe minutes old, and refreshes it after.
+_ACTORS = ("/logical/actors", {"nocache": "1"})
+_JOBS = ("/api/jobs/", {})
+
+
+class Lane(BaseModel):
+    """A TPU slice (by name) or a GPU node (by node id): one row of the timeline."""
+
+    key: str
+    kind: Literal["tpu", "gpu"]
+    title: str
+    detail: str = ""
+
+
+class Bar(BaseModel):
+    """One step on one lane. `amount` is chips (TPU) or the GPU share; `hours` its accelerator-hours in the window."""
+
+    lane: str
+    kind: Literal["tpu", "gpu"]
+    submission_id: str
+    job_id: str | None = None
+    job_status: str | None = None
+    dag_id: str = ""
+    run_id: str = ""
+    task_id: str = ""
+    map_index: int = -1
+    try_number: int = 0
+    request: str = ""
+    start: datetime
+    end: datetime | None = None  # None: still holding it
+    amount: float
+    hours: float
+    waited_s: float | None = None
+    hidden: bool = False
+
+
+class UsageRow(BaseModel):
+    dag_id: str
+    task_id: str | None = None
+    steps: int
+    tpu_chip_hours: float
+    gpu_hours: float
+    hidden: bool = False
+
+
+class Usage(BaseModel):
+    since: datetime
+    until: datetime
+    hours: float
+    lanes: list[Lane]
+    bars: list[Bar]
+    oldest: datetime | None = None  # the oldest rayslice job Ray still lists
+
+
+def _ms(value: Any) -> float | None:
+    ms = _int(value, 0)
+    return ms / 1000 if ms > 0 else None
+
+
+def _at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
+
+
+def _amount(resources: dict[str, Any], name: str) -> float:
+    """Chips or GPU share an actor asked for; inside a placement group Ray renames `TPU` to `TPU_group_…`."""
+    return max((float(v) for k, v in (resources or {}).items() if _base(k) == name and v), default=0.0)
+
+
+def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: float) -> Usage:
+    """Bars and lanes for the window `[now - hours, now]` from the dashboard's answers (no I/O)."""
+    since = now - hours * 3600
+    nodes = (nodes_body or {}).get("data", {}).get("result", {}).get("result") or [] if isinstance(
+        nodes_body, dict) else []
+    actors = ((actors_body or {}).get("data", {}).get("actors") or {}) if isinstance(actors_body, dict) else {}
+    jobs = [j for j in (jobs if isinstance(jobs, list) else [])
+            if (j.get("metadata") or {}).get("rayslice") == "1" and j.get("submission_id")]
+    by_sid = {j["submission_id"]: j for j in jobs}
+
+    lanes: dict[str, Lane] = {}
+    gpu_node_ids = set()
+    for node in sorted(nodes, key=lambda n: n.get("node_id", "")):
+        labels, total = node.get("labels") or {}, node.get("resources_total") or {}
+        if labels.get(SLICE_LABEL) and total.get("TPU") and node.get("state") == "ALIVE":
+            name = labels[SLICE_LABEL]
+            lanes.setdefault(name, Lane(key=name, kind="tpu", title=name, detail=labels.get(POD_TYPE_LABEL, "")))
+        if total.get("GPU"):
+            gpu_node_ids.add(node["node_id"])
+            if node.get("state") == "ALIVE":
+                lanes.setdefault(node["node_id"], _gpu_lane(node["node_id"], total["GPU"]))
+
+    # (submission id, lane) -> the host processes of that step there: (start, end or None, amount)
+    spans: dict[tuple[str, str, str], list[tuple[float, float | None, float]]] = {}
+    for actor in actors.values():
+        name = (actor or {}).get("name") or ""
+        start = _ms(actor.get("startTime"))
+        if not name.startswith(PREFIX) or start is None:
+            continue  # not a step's host process, or never started (it waited, then gave up)
+        sid, _, rest = name[len(PREFIX):].partition("/")
+        end = _ms(actor.get("endTime")) if actor.get("state") == "DEAD" else None
+        if end is not None and end < since:
+            continue
+        resources = actor.get("requiredResources") or {}
+        tpu, gpu = _amount(resources, "TPU"), _amount(resources, "GPU")
+        if tpu and "/" in rest:
+            key, kind, amount = rest.split("/", 1)[0], "tpu", tpu  # <slice>/host<i>
+            lanes.setdefault(key, Lane(key=key, kind="tpu", title=key))
+        elif gpu:
+            key, kind, amount = (actor.get("address") or {}).get("nodeId") or "unknown GPU node", "gpu", gpu
+            lanes.setdefault(key, _gpu_lane(key, 0))
+        else:
+            continue
+        spans.setdefault((sid, key, kind), []).append((start, end, amount))
+
+    bars = []
+    for (sid, key, kind), procs in spans.items():
+        job = by_sid.get(sid) or {}
+        meta = job.get("metadata") or {}
+        first = min(s for s, _, _ in procs)
+        ends = [e for _, e, _ in procs]
+        end = None if any(e is None for e in ends) else max(e for e in ends if e is not None)
+        used = sum(a * max(0.0, min(e if e is not None else now, now) - max(s, since)) for s, e, a in procs) / 3600
+        job_start = _ms(job.get("start_time"))
+        bars.append(Bar(
+            lane=key, kind=kind, submission_id=sid, job_id=job.get("job_id"), job_status=job.get("status"),
+            dag_id=meta.get("dag_id", ""), run_id=meta.get("run_id", ""), task_id=meta.get("task_id", ""),
+            map_index=_int(meta.get("map_index"), -1), try_number=_int(meta.get("try_number"), 0),
+            request=meta.get("request", ""), start=_at(first), end=_at(end) if end is not None else None,
+            amount=round(_concurrent(procs), 6), hours=round(used, 6),
+            waited_s=round(max(0.0, first - job_start), 1) if job_start else None))
+    bars.sort(key=lambda b: (b.start, b.lane))
+    starts = [s for j in jobs if (s := _ms(j.get("start_time")))]
+    ordered = sorted(lanes.values(), key=lambda lane: (lane.kind != "tpu", lane.title))
+    return Usage(since=_at(since), until=_at(now), hours=hours, lanes=ordered, bars=bars,
+                 oldest=_at(min(starts)) if starts else None)
+
+
+def _gpu_lane(node_id: str, gpus: float) -> Lane:
+    return Lane(key=node_id, kind="gpu", title=f"GPU node {node_id[:12]}", detail=f"{gpus:g} GPUs" if gpus else "")
+
+
+def _concurrent(procs: list[tuple[float, float | None, float]]) -> float:
+    """The most chips (or GPU share) the step held on the lane at once: its gang, not its retries summed."""
+    events = sorted([(s, a) for s, _, a in procs] + [(e, -a) for _, e, a in procs if e is not None],
+                    key=lambda ev: (ev[0], ev[1]))
+    held = peak = 0.0
+    for _, delta in events:
+        held += delta
+        peak = max(peak, held)
+    return peak
+
+
+def totals(bars: list[Bar]) -> tuple[list[UsageRow], list[UsageRow]]:
+    """Accelerator-hours per DAG and per (DAG, task) over the window, largest first; hidden DAGs make one row."""
+    def add(rows: dict, key: tuple, bar: Bar) -> None:
+        row = rows.setdefault(key, [0.0, 0.0, set()])
+        row[0 if bar.kind == "tpu" else 1] += bar.hours
+        row[2].add(bar.submission_id)
+
+    per_dag: dict[tuple, list] = {}
+    per_task: dict[tuple, list] = {}
+    for bar in bars:
+        dag = ("", True) if bar.hidden else (bar.dag_id or "(no DAG: ad-hoc steps)", False)
+        add(per_dag, dag, bar)
+        add(per_task, (*dag, "" if bar.hidden else bar.task_id), bar)
+
+    def rows(table: dict, with_task: bool) -> list[UsageRow]:
+        out = [UsageRow(dag_id=key[0], task_id=key[2] if with_task else None, steps=len(v[2]),
+                        tpu_chip_hours=round(v[0], 6), gpu_hours=round(v[1], 6), hidden=key[1])
+               for key, v in table.items()]
+        return sorted(out, key=lambda r: (r.hidden, -(r.tpu_chip_hours + r.gpu_hours), r.dag_id, r.task_id or ""))
+
+    return rows(per_dag, False), rows(per_task, True)
+
+
+def usage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAULT_WINDOW_H, timeout: float = 20.0,
+          verify: bool | str = True, headers: dict[str, str] | None = None) -> Usage:
+    """The window's bars and lanes (blocking), read through the Jobs client (its retries, TLS, errors)."""
+    with _client(dashboard_url, token, timeout, verify, headers, RayJobsClient) as client:
+        bodies = [client.get_json(path, params) for path, params in (_NODES, _ACTORS, _JOBS)]
+    return parse(*bodies, now=time.time(), hours=hours)
+
+
+async def ausage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAULT_WINDOW_H,
+                 timeout: float = 20.0, verify: bool | str = True, headers: dict[str, str] | None = None) -> Usage:
+    """`usage` for async callers (the UI plugin): the three reads run concurrently."""
+    async with _client(dashboard_url, token, timeout, verify, headers, AsyncRayJobsClient) as client:
+        bodies = await asyncio.gather(*(client.get_json(path, params) for path, params in (_NODES, _ACTORS, _JOBS)))
+    return parse(*bodies, now=time.time(), hours=hours)

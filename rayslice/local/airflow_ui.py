@@ -1,0 +1,214 @@
+"""`rayslice airflow up|down|status`: the Airflow UI on this machine, over the local simulated cluster.
+
+`up` starts (or reuses) a local cluster and a real Airflow 3 (`AirflowStack`: api-server,
+scheduler, dag-processor, triggerer) whose DAG folder is the example DAGs and whose
+`ray_default` is that cluster, then returns and leaves it running. What it started is written
+to `<RAYSLICE_HOME>/airflow/<name>.json`: each component's session leader PID with its start
+time, so `down` (another process, later) stops exactly those sessions, never a reused PID,
+and the cluster only if `up` started it. The AIRFLOW_HOME (`<RAYSLICE_HOME>/airflow/<name>/`)
+stays, so runs and the generated password survive a `down`/`up`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import psutil
+from pydantic import BaseModel
+
+from rayslice.core.exceptions import RaysliceError
+from rayslice.local import local_cluster
+from rayslice.local.airflow_stack import AirflowStack
+from rayslice.local.processes import alive, send_signal, session_members
+
+USERNAME = "admin"
+DEFAULT_PORT = 8080
+
+
+class UiRecord(BaseModel):
+    """What `up` started: enough for `down` in another process to stop exactly that."""
+
+    name: str
+    url: str
+    username: str
+    password: str
+    home: str
+    cluster: str
+    dashboard_url: str
+    started_cluster: bool
+    sessions: dict[str, int]  # component -> session leader PID
+    started_at: dict[str, float]  # PID -> its start time (psutil create_time), against PID reuse
+
+    @property
+    def path(self) -> Path:
+        return record_path(self.name)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(self.model_dump_json(indent=2))
+        self.path.chmod(0o600)  # it holds the password
+
+    @classmethod
+    def load(cls, name: str) -> UiRecord | None:
+        path = record_path(name)
+        return cls.model_validate_json(path.read_text()) if path.exists() else None
+
+
+def state_dir() -> Path:
+    return local_cluster.state_dir().parent / "airflow"
+
+
+def record_path(name: str) -> Path:
+    return state_dir() / f"{name}.json"
+
+
+def example_dags() -> Path:
+    import rayslice.dags
+
+    return Path(rayslice.dags.__file__).parent
+
+
+def _started_at(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def processes(record: UiRecord) -> set[int]:
+    """Live processes of the sessions `up` started; a session whose leader PID now names another process is skipped."""
+    ours = set()
+    for pid in record.sessions.values():
+        started = record.started_at.get(str(pid))
+        if alive(pid) and _started_at(pid) != started:
+            continue  # the PID was reused by someone else's process
+        ours |= {member for member in session_members({pid})
+                 if started is None or (_started_at(member) or 0) >= started}
+    return ours
+
+
+def healthy(record: UiRecord) -> bool:
+    try:
+        health = httpx.get(f"{record.url}/api/v2/monitor/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return all((health.get(key) or {}).get("status") == "healthy"
+               for key in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        # As the API server binds (SO_REUSEADDR): a port our last `down` left in TIME_WAIT is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _cluster(name: str, emit: Callable[[str], None]) -> tuple[local_cluster.ClusterRecord, bool]:
+    """The local cluster `name`: reused when it runs, else started (two v6e-16, a v6e-4, 3 GPUs)."""
+    from rayslice.local.demo import DEMO_SPEC
+
+    try:
+        record = local_cluster.ClusterRecord.load(name)
+    except (RaysliceError, FileNotFoundError):
+        record = None
+    if record is not None:
+        try:
+            if local_cluster.alive_nodes(record.dashboard_url, record.token):
+                emit(f"reusing the local cluster {name!r} at {record.dashboard_url}")
+                return record, False
+        except Exception:  # noqa: BLE001 - not answering: a leftover record
+            pass
+        emit(f"the local cluster {name!r} is recorded but does not answer: stopping what is left of it")
+        local_cluster.down(name)
+    emit(f"starting the local cluster {name!r}: a head, two v6e-16 and a v6e-4 slice, a 3-GPU node")
+    return local_cluster.up(DEMO_SPEC, name=name), True
+
+
+def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_PORT, dags_folder: Path | None = None,
+       adopt_cluster: bool = False, startup_timeout: float = 300,
+       emit: Callable[[str], None] = print) -> tuple[UiRecord, bool]:
+    """Start the UI (and the cluster if needed); returns (its record, whether it was already up).
+
+    `adopt_cluster`: `down` also stops the (reused) cluster, as if `up` had started it (the demo
+    hands its cluster over this way). `port` 0 picks a free port.
+    """
+    existing = UiRecord.load(name)
+    if existing is not None:
+        if processes(existing) and healthy(existing):
+            return existing, True
+        emit(f"Airflow {name!r} is recorded but not healthy: stopping what is left of it first")
+        down(name, keep_cluster=True)
+        adopt_cluster = adopt_cluster or existing.started_cluster
+    if port and not _port_free(port):
+        raise RaysliceError(f"port {port} is taken on 127.0.0.1; choose another with --port (0 for any free port)")
+    ray, started_cluster = _cluster(cluster, emit)
+    home = state_dir() / name
+    home.mkdir(parents=True, exist_ok=True)
+    passwords = home / "passwords.json"
+    try:
+        password = json.loads(passwords.read_text())[USERNAME]
+    except (OSError, ValueError, KeyError):
+        password = secrets.token_urlsafe(12)
+    stack = AirflowStack(ray.dashboard_url, ray.token, dags_folder=dags_folder or example_dags(),
+                         username=USERNAME, password=password, home=home, port=port,
+                         startup_timeout=startup_timeout)
+    emit(f"starting Airflow (api-server, scheduler, dag-processor, triggerer); logs in {home / 'logs'}")
+    try:
+        stack.start()
+    except BaseException:
+        if started_cluster:
+            local_cluster.down(cluster)
+        raise
+    record = UiRecord(name=name, url=stack.url, username=USERNAME, password=password, home=str(home),
+                      cluster=cluster, dashboard_url=ray.dashboard_url,
+                      started_cluster=started_cluster or adopt_cluster, sessions=dict(stack.sessions),
+                      started_at={str(pid): _started_at(pid) for pid in stack.sessions.values()})
+    record.save()
+    return record, False
+
+
+def down(name: str = "default", *, keep_cluster: bool = False, grace: float = 20) -> int:
+    """Stop exactly the sessions `up` recorded (SIGTERM, then SIGKILL), and its cluster if it started it.
+
+    Returns how many Airflow processes were running. Raises if any is left.
+    """
+    record = UiRecord.load(name)
+    if record is None:
+        raise RaysliceError(f"no Airflow named {name!r} is recorded in {state_dir()}; nothing to stop")
+    running = processes(record)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5)):
+        for pid in processes(record):
+            send_signal(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and processes(record):
+            time.sleep(0.2)
+    left = processes(record)
+    if left:
+        raise RaysliceError(f"Airflow processes {sorted(left)} did not exit")
+    if record.started_cluster and not keep_cluster:
+        try:
+            local_cluster.down(record.cluster)
+        except RaysliceError:
+            pass  # its record is gone: stopped by hand already
+    record.path.unlink(missing_ok=True)
+    return len(running)
+
+
+def describe(record: UiRecord) -> str:
+    return (f"Airflow UI:  {record.url}\nlogin:       {record.username} / {record.password}\n"
+            f"Slices page: {record.url}/plugin/slices\nRay:         {record.dashboard_url} "
+            f"(local cluster {record.cluster!r})")
+
+
+__all__ = ["UiRecord", "describe", "down", "processes", "up"]

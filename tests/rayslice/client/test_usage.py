@@ -1,0 +1,67 @@
+"""`rayslice.client.usage.parse` on dashboard-shaped records: the cases a short real run does not produce.
+
+A step still running (its bar ends now), a preemption retry (two gangs one after the other on one
+lane: billed twice over time, drawn as one bar of the gang's size), a window that cuts a bar, and
+actors that are not steps. The same arithmetic on real records is checked in test_capacity.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rayslice.client import usage
+
+NOW = 1_800_000_000.0
+H = 3600.0
+
+
+def _actor(name: str, start: float, end: float | None, resources: dict, node: str = "n1") -> dict:
+    return {"name": name, "state": "ALIVE" if end is None else "DEAD", "startTime": int(start * 1000),
+            "endTime": int(end * 1000) if end else 0, "requiredResources": resources, "address": {"nodeId": node}}
+
+
+def _job(sid: str, task: str, start: float, status: str = "SUCCEEDED") -> dict:
+    return {"submission_id": sid, "job_id": "02000000", "status": status, "start_time": int(start * 1000),
+            "metadata": {"rayslice": "1", "dag_id": "d", "run_id": "r", "task_id": task, "request": "v6e-16",
+                         "map_index": "-1", "try_number": "1"}}
+
+
+def _nodes() -> dict:
+    tpu = [{"node_id": f"t{i}", "state": "ALIVE", "resources_total": {"TPU": 4},
+            "labels": {"ray.io/tpu-slice-name": "v6e-16-a", "ray.io/tpu-pod-type": "v6e-16"}} for i in range(4)]
+    gpu = {"node_id": "g1", "state": "ALIVE", "resources_total": {"GPU": 3}, "labels": {}}
+    return {"data": {"result": {"result": [*tpu, gpu]}}}
+
+
+def _parse(actors: list[dict], jobs: list[dict], hours: float = 6) -> usage.Usage:
+    body = {"data": {"actors": {str(i): a for i, a in enumerate(actors)}}}
+    return usage.parse(_nodes(), body, jobs, now=NOW, hours=hours)
+
+
+def test_a_running_step_is_billed_until_now_and_its_bar_is_open():
+    actors = [_actor(f"rayslice:s1/v6e-16-a/host{w}", NOW - H, None, {"TPU": 4, "CPU": 1}) for w in range(4)]
+    [bar] = _parse(actors, [_job("s1", "train", NOW - H - 30, "RUNNING")]).bars
+    assert (bar.lane, bar.amount, bar.end, bar.waited_s) == ("v6e-16-a", 16, None, 30)
+    assert bar.hours == pytest.approx(16.0)  # 16 chips x 1 h
+
+
+def test_a_preemption_retry_bills_both_gangs_and_draws_one_bar_of_the_gang():
+    first = [_actor(f"rayslice:s1/v6e-16-a/host{w}", NOW - 3 * H, NOW - 2 * H, {"TPU": 4}) for w in range(4)]
+    retry = [_actor(f"rayslice:s1/v6e-16-a/host{w}", NOW - 2 * H + 60, NOW - H, {"TPU": 4}) for w in range(4)]
+    [bar] = _parse(first + retry, [_job("s1", "train", NOW - 3 * H)]).bars
+    assert bar.amount == 16 and bar.hours == pytest.approx(16 * (2 - 60 / H))
+    assert bar.start.timestamp() == NOW - 3 * H and bar.end.timestamp() == NOW - H
+
+
+def test_the_window_cuts_bars_and_drops_what_ended_before_it():
+    actors = [_actor("rayslice:s1/GPU", NOW - 3 * H, NOW - H, {"GPU": 0.25}, node="g1"),
+              _actor("rayslice:s2/GPU", NOW - 5 * H, NOW - 4 * H, {"GPU": 0.5}, node="g1"),
+              _actor("someone-else", NOW - H, None, {"GPU": 1}, node="g1"),  # not a step: not on the timeline
+              _actor("rayslice:s3/GPU", 0, None, {"GPU": 1}, node="g1")]  # never started: it only waited
+    found = _parse(actors, [_job("s1", "eval", NOW - 3 * H), _job("s2", "old", NOW - 5 * H)], hours=2)
+    [bar] = found.bars
+    assert (bar.task_id, bar.lane, bar.kind) == ("eval", "g1", "gpu")
+    assert bar.hours == pytest.approx(0.25 * 1)  # only the hour inside the 2 h window
+    by_dag, by_task = usage.totals(found.bars)
+    assert [(r.dag_id, r.steps, r.tpu_chip_hours, r.gpu_hours) for r in by_dag] == [("d", 1, 0, 0.25)]
+    assert [lane.key for lane in found.lanes] == ["v6e-16-a", "g1"]
