@@ -1,6 +1,6 @@
 """Shared helpers for the benchmarks: a private local cluster, a driver, timing and tables.
 
-Every benchmark starts its own simulated cluster (`rayslice.local_cluster`) under a private
+Every benchmark starts its own simulated cluster (`rayslice.local.local_cluster`) under a private
 `RAYSLICE_HOME`, and stops it by name at the end, also on error, Ctrl-C or SIGTERM; or, with
 `--cluster NAME` (or `RAYSLICE_BENCH_CLUSTER`), runs on that already running local cluster of the
 current `RAYSLICE_HOME` and leaves it running (a warm cluster, and no second one competing for the
@@ -33,7 +33,7 @@ RESULTS = ROOT / "bench" / "results"
 if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/ first, not the repo root
     sys.path.insert(0, str(ROOT))
 
-from rayslice import local_cluster  # noqa: E402
+from rayslice.local import local_cluster  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # command line

@@ -11,7 +11,7 @@ from typing import Any
 
 from _common import ROOT  # noqa: F401  (puts the repo root on sys.path)
 
-from rayslice.accelerators import TpuSliceRequest
+from rayslice.core.accelerators import TpuSliceRequest
 
 
 def trivial() -> dict[str, Any]:

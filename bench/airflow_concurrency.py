@@ -1,7 +1,7 @@
 """Q5: 32 deferred slice steps waiting for capacity at once, through a real Airflow.
 
 A driver holds every TPU slice of the cluster (2 × v6e-16 and the v6e-4, reserved with
-rayslice's own `reserve_slices`), then a real Airflow (`rayslice.airflow_stack.AirflowStack`:
+rayslice's own `reserve_slices`), then a real Airflow (`rayslice.local.airflow_stack.AirflowStack`:
 api-server, scheduler with the LocalExecutor, dag-processor, triggerer, on SQLite) runs one
 DAG run of `bench/airflow_dags/concurrency.py`: 16 mapped `@task.tpu_slice(tpu="v6e-4",
 deferrable=True)` steps and 16 on `v6e-16`, plus a lag-probe trigger. Every step submits its
@@ -52,9 +52,9 @@ from _common import (
     wait_all_free,
 )
 
-from rayslice import local_cluster
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.airflow_stack import AirflowStack
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.local import local_cluster
+from rayslice.local.airflow_stack import AirflowStack
 
 NAME = "airflow_concurrency"
 SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"))
@@ -192,7 +192,7 @@ def main() -> None:
     report = Report(NAME, args)
     probe_path = Path(tempfile.mkdtemp(prefix="rs-bench-lag-")) / "lag.jsonl"
     with cluster(SPEC, NAME) as record, driver(record) as ray:
-        from rayslice.launcher.reservation import reserve_slices
+        from rayslice.cluster.reservation import reserve_slices
 
         if not wait_all_free(ray, timeout=60):
             raise RuntimeError("the cluster's TPU chips are not all free: another step is running")

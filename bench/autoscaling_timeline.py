@@ -1,7 +1,7 @@
 """Issue 6: does giving a slice back let Ray's own autoscaler shrink, and does leaking it not?
 
 Starts a cluster with no TPU hosts whose head runs Ray's autoscaler (v2) against Ray's fake
-multi-node provider (`rayslice.local_autoscaler`), then prints one timeline per scenario:
+multi-node provider (`rayslice.local.local_autoscaler`), then prints one timeline per scenario:
 
 1. rayslice `run_step` on a v6e-4 (one host): t=0 submit, host added, step running, step done,
    host removed.
@@ -25,9 +25,9 @@ from typing import Any
 
 from _common import ROOT, log  # noqa: F401  (puts the repo root on sys.path)
 
-from rayslice import local_autoscaler, local_cluster
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.step import StepSpec
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.step import StepSpec
+from rayslice.local import local_autoscaler, local_cluster
 
 GRACE = 30.0  # removal must follow within idle timeout + GRACE seconds
 
@@ -53,7 +53,7 @@ def node_rows(watcher: local_autoscaler.NodeWatcher, since: float) -> list[tuple
 
 
 def rayslice_scenario(ray: Any, watcher: local_autoscaler.NodeWatcher, pod_type: str, idle_s: float) -> dict:
-    from rayslice.launcher import run_step
+    from rayslice.cluster import run_step
 
     request = TpuSliceRequest(tpu=pod_type)
     t0, wall0 = watcher.now(), time.time()

@@ -58,9 +58,9 @@ from _common import (
     warm_up_workers,
 )
 
-from rayslice import local_cluster
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.step import Owner, StepSpec
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
 
 NAME = "dispatch_overhead"
 SPEC = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-16", "v6e-16"))
@@ -152,8 +152,8 @@ def main() -> None:
 
 def _job_rows(record: Any, args: Any) -> list[Row]:
     """Every method submitted as a Ray job through the Jobs REST API, followed by polling every 1 s."""
-    from rayslice.jobs_client import AsyncRayJobsClient
-    from rayslice.submission import run_step_job
+    from rayslice.client.jobs_client import AsyncRayJobsClient
+    from rayslice.client.submission import run_step_job
 
     package = zip_file(Path(__file__).with_name("_job_baseline.py"))
 
@@ -285,8 +285,8 @@ for tpu, slices in (("v6e-4", 1), ("v6e-16", 1), ("v6e-16", 2)):
 
 def _driver_rows(ray: Any, record: Any, args: Any) -> list[Row]:
     """Every method from this one long-lived driver (no job submission): the launcher's own cost."""
-    from rayslice.launcher import run_step
-    from rayslice.submission import run_step_job
+    from rayslice.client.submission import run_step_job
+    from rayslice.cluster import run_step
 
     hand = _steps.hand_written(ray)
     trivial_task = ray.remote(_steps.trivial)

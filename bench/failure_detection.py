@@ -52,10 +52,10 @@ from _common import (
     warm_up_workers,
 )
 
-from rayslice import local_cluster
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.exceptions import StepFailedError
-from rayslice.step import Owner, StepSpec
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.exceptions import StepFailedError
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
 
 NAME = "failure_detection"
 SPEC = local_cluster.ClusterSpec(tpus=("v6e-16",))
@@ -186,7 +186,7 @@ def main() -> None:
     rows_wanted = args.row or ["rayslice", "a"]
     report = Report(NAME + ("" if len(kinds) == 3 else "_" + "_".join(kinds)), args)
     with cluster(SPEC, NAME) as record, driver(record) as ray:
-        from rayslice.launcher import run_step
+        from rayslice.cluster import run_step
 
         host_task = ray.remote(max_calls=1)(hand_step)
 

@@ -6,7 +6,7 @@ The baseline, in every mode: plain Ray tasks with `num_gpus=0.25` from one drive
 
 - `--mode airflow` (the issue's question): one DAG run of the example DAG
   `dags/gpu_fraction_mapping.py`, 32 mapped `@task.ray_accelerator(accelerator="GPU", count=0.25,
-  deferrable=True)` tasks, on a real Airflow 3 (`rayslice.airflow_stack.AirflowStack`,
+  deferrable=True)` tasks, on a real Airflow 3 (`rayslice.local.airflow_stack.AirflowStack`,
   LocalExecutor, the trigger path); each mapped task is a Ray job. Both rows run that DAG's
   `score_shard` (a small JAX computation, JAX imported inside the step), and the baseline's
   first repetition, on freshly started workers, is reported as a row of its own.
@@ -39,9 +39,9 @@ from typing import Any
 
 from _common import ROOT, Report, Series, Table, cluster, driver, fmt_ratio, fmt_s, log, median, parse_args, quiet
 
-from rayslice import local_cluster
-from rayslice.accelerators import AcceleratorRequest
-from rayslice.step import Owner, StepSpec
+from rayslice.core.accelerators import AcceleratorRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
 
 NAME = "fraction_throughput"
 SPEC = local_cluster.ClusterSpec(gpus=3)
@@ -87,8 +87,8 @@ def main() -> None:
     args = parse_args(__doc__.split("\n")[0], extra=_flags)
     report = Report(NAME + ("" if args.mode == "driver" else f"_{args.mode}"), args)
     with cluster(SPEC, NAME) as record, driver(record) as ray, contextlib.ExitStack() as stack:
-        from rayslice.launcher import run_step
-        from rayslice.submission import run_step_job
+        from rayslice.client.submission import run_step_job
+        from rayslice.cluster import run_step
 
         if args.mode == "airflow":  # the example DAG's own work, shipped by value like rayslice ships it
             work = _example_work()

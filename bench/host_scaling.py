@@ -34,9 +34,9 @@ from _common import (
     wait_all_free,
 )
 
-from rayslice import local_cluster
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.step import Owner, StepSpec
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
 
 NAME = "host_scaling"
 POD_TYPES = ["v6e-4", "v4-16", "v6e-16", "v6e-32", "v6e-64"]
@@ -98,7 +98,7 @@ def _flags(parser) -> None:
 def _run_group(ray: Any, group: list[TpuSliceRequest], reps: int) -> list[Row]:
     import ray.cloudpickle
 
-    from rayslice.launcher import run_step
+    from rayslice.cluster import run_step
 
     ray.cloudpickle.register_pickle_by_value(_steps)
     hand = _steps.hand_written(ray)

@@ -34,11 +34,11 @@ from typing import Any
 
 from _common import Report, Table, cluster, log, parse_args, percentile
 
-from rayslice import local_cluster
-from rayslice.accelerators import AcceleratorRequest
-from rayslice.jobs_client import AsyncRayJobsClient
-from rayslice.step import Owner, StepSpec, parse_result
-from rayslice.submission import LogFollower, submit_step
+from rayslice.client.jobs_client import AsyncRayJobsClient
+from rayslice.client.submission import LogFollower, submit_step
+from rayslice.core.accelerators import AcceleratorRequest
+from rayslice.core.step import Owner, StepSpec, parse_result
+from rayslice.local import local_cluster
 
 LINE = "x" * 80
 

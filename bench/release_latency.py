@@ -41,9 +41,9 @@ from _common import (
     warm_up_workers,
 )
 
-from rayslice import local_cluster
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.step import Owner, StepSpec
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
 
 NAME = "release_latency"
 SPEC = local_cluster.ClusterSpec(tpus=("v6e-16",))
@@ -88,7 +88,7 @@ def main() -> None:
     with cluster(SPEC, NAME) as record, driver(record) as ray:
         import ray.cloudpickle
 
-        from rayslice.launcher import run_step
+        from rayslice.cluster import run_step
 
         ray.cloudpickle.register_pickle_by_value(_steps)
         hand = _steps.hand_written(ray)

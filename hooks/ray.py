@@ -1,6 +1,6 @@
 """The `ray` connection: where the Ray dashboard (Jobs API) is and how to authenticate to it.
 
-Airflow talks to Ray only over the Jobs REST API (`rayslice.jobs_client`), so workers,
+Airflow talks to Ray only over the Jobs REST API (`rayslice.client.jobs_client`), so workers,
 triggerers and the API server need `httpx`, not `ray`. The connection holds:
 
 - host: the dashboard URL, ``http://127.0.0.1:8265`` (the scheme may also come from
@@ -10,7 +10,7 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
   ``checkpoint_root`` (a URL such as ``gs://bucket/ckpt``): where steps' checkpoint folders go;
   ``kuberay`` (a dict) names a KubeRay RayCluster instead of a host,
   ``{"namespace": "ml", "name": "rayslice", "in_cluster": true}`` or ``..., "kubeconfig": "/path"``:
-  the dashboard URL is then looked up through the Kubernetes API (``rayslice.kuberay_client``)
+  the dashboard URL is then looked up through the Kubernetes API (``rayslice.cloud.kuberay_client``)
   each time the connection is resolved, so it follows the cluster when it is recreated.
 
 The token is kept out of reprs, logs and messages: Airflow masks connection passwords,
@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 from airflow.sdk import BaseHook
 
-from rayslice.exceptions import InvalidRequestError, RaysliceError
-from rayslice.jobs_client import AsyncRayJobsClient, RayJobsClient
+from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
+from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 
 __all__ = ["RayConnectionSettings", "RayHook"]
 
@@ -123,7 +123,7 @@ def _resolve_url(conn: Any, timeout: float) -> str:
     if (conn.host or "").strip():
         raise InvalidRequestError("the `ray` connection has both a host and a 'kuberay' extra: keep the host "
                                   "(a fixed dashboard URL) or the extra (a RayCluster to look up), not both")
-    from rayslice.kuberay_client import ClusterRef, resolve_dashboard_url
+    from rayslice.cloud.kuberay_client import ClusterRef, resolve_dashboard_url
 
     return resolve_dashboard_url(ClusterRef.from_extra(kuberay), timeout=timeout)
 
@@ -191,11 +191,11 @@ class RayHook(BaseHook):
         return self._settings
 
     def cluster_ref(self, **overrides: Any) -> Any:
-        """The RayCluster the connection's ``kuberay`` extra names (a ``rayslice.kuberay_client.ClusterRef``).
+        """The RayCluster the connection's ``kuberay`` extra names (a ``rayslice.cloud.kuberay_client.ClusterRef``).
 
         ``overrides`` (name, namespace, ...) that are not None replace the extra's values.
         """
-        from rayslice.kuberay_client import ClusterRef
+        from rayslice.cloud.kuberay_client import ClusterRef
 
         conn = self.get_connection(self.ray_conn_id)
         kuberay = _kuberay_extra(conn)
@@ -208,7 +208,7 @@ class RayHook(BaseHook):
         """Fail early if the zone in the connection's ``cloud_tpu`` extra does not offer the slice type.
 
         Optional: without ``{"cloud_tpu": {"project": "...", "zone": "us-east5-b"}}`` this does nothing.
-        The zone's types are cached (``rayslice.cloud_tpu``), so calling it at every submit is cheap.
+        The zone's types are cached (``rayslice.cloud.cloud_tpu``), so calling it at every submit is cheap.
         """
         conn = self.get_connection(self.ray_conn_id)
         where = (conn.extra_dejson if conn.extra else {}).get("cloud_tpu")
@@ -218,7 +218,7 @@ class RayHook(BaseHook):
                 or set(where) - {"project", "zone", "api_endpoint"}:
             raise InvalidRequestError("the `ray` connection's extra 'cloud_tpu' must be "
                                       '{"project": "...", "zone": "...", optionally "api_endpoint": "..."}')
-        from rayslice.cloud_tpu import check_accelerator_type
+        from rayslice.cloud.cloud_tpu import check_accelerator_type
 
         check_accelerator_type(request, where["project"], where["zone"], api_endpoint=where.get("api_endpoint"))
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from rayslice.operators.step import RayStepOperator
 
-from rayslice.accelerators import AcceleratorRequest
+from rayslice.core.accelerators import AcceleratorRequest
 
 __all__ = ["AcceleratorOperator"]
 

@@ -16,8 +16,8 @@ from airflow.sdk import BaseOperator, Context
 from rayslice.hooks.ray import RayHook
 from rayslice.operators.step import is_templated
 
-from rayslice.cloud_tpu import QueuedSlice, startup_script
-from rayslice.exceptions import InvalidRequestError
+from rayslice.cloud.cloud_tpu import QueuedSlice, startup_script
+from rayslice.core.exceptions import InvalidRequestError
 
 __all__ = ["CreateTpuSliceOperator", "DeleteTpuSliceOperator"]
 
@@ -51,7 +51,7 @@ class _QueuedOperator(BaseOperator):
                            spot=self.spot)
 
     def _client(self) -> Any:
-        from rayslice.cloud_tpu import QueuedSliceClient
+        from rayslice.cloud.cloud_tpu import QueuedSliceClient
 
         return QueuedSliceClient(self._queued(), api_endpoint=self.api_endpoint)
 
@@ -92,7 +92,7 @@ class CreateTpuSliceOperator(_QueuedOperator):
         return f"{httpx.URL(RayHook(self.ray_conn_id).settings().dashboard_url).host}:6379"
 
     def execute(self, context: Context) -> dict[str, str]:
-        from rayslice.cloud_tpu import check_accelerator_type
+        from rayslice.cloud.cloud_tpu import check_accelerator_type
 
         queued = self._queued()
         script = startup_script(self._head_address(), ray_version=self.ray_version,

@@ -22,7 +22,7 @@ from rayslice.operators.accelerator import AcceleratorOperator
 from rayslice.operators.step import RayStepOperator, is_templated
 from rayslice.operators.tpu_slice import TpuSliceOperator
 
-from rayslice.exceptions import InvalidRequestError
+from rayslice.core.exceptions import InvalidRequestError
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

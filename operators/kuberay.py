@@ -1,7 +1,7 @@
 """Setup/teardown operators: a KubeRay RayCluster that lives exactly as long as one DAG run.
 
 Why: a per-run cluster bills only while the run needs it. ``CreateRayClusterOperator(...).as_setup()``
-renders the cluster (``rayslice.kuberay``), creates it marked with the run as owner, waits until its
+renders the cluster (``rayslice.cloud.kuberay``), creates it marked with the run as owner, waits until its
 dashboard answers to an address, and deletes it again if anything in that fails (a failed setup
 skips its teardown). ``DeleteRayClusterOperator(...).as_teardown(setups=create)`` runs even when
 steps fail, deletes only a cluster this run made (a pre-existing one is left alone), and is a no-op
@@ -18,14 +18,14 @@ from airflow.sdk import BaseOperator, Context
 from rayslice.hooks.ray import RayHook
 from rayslice.operators.step import is_templated
 
-from rayslice import kuberay
-from rayslice.exceptions import InvalidRequestError
+from rayslice.cloud import kuberay
+from rayslice.core.exceptions import InvalidRequestError
 
 __all__ = ["CreateRayClusterOperator", "DeleteRayClusterOperator"]
 
 
 def _owner(context: Context) -> str:
-    from rayslice.kuberay_client import owner_for_run
+    from rayslice.cloud.kuberay_client import owner_for_run
 
     return owner_for_run(context["dag_run"].dag_id, context["dag_run"].run_id)
 
@@ -47,7 +47,7 @@ class _ClusterOperator(BaseOperator):
         self.poll_interval = poll_interval
 
     def _client(self) -> Any:
-        from rayslice.kuberay_client import KubeRayClient
+        from rayslice.cloud.kuberay_client import KubeRayClient
 
         ref = RayHook(self.ray_conn_id).cluster_ref(name=self.name or None, namespace=self.namespace or None)
         return KubeRayClient(ref)
@@ -59,7 +59,7 @@ class CreateRayClusterOperator(_ClusterOperator):
     :param ray_conn_id: the `ray` connection whose ``kuberay`` extra names the cluster (and the API server).
     :param name: / :param namespace: override the connection's (templated).
     :param tpus: / max_slices / gpu_nodes / gpu_type / image / idle_timeout_seconds: as ``rayslice kuberay
-        manifest`` (``rayslice.kuberay.render_raycluster``), checked when the DAG file is parsed.
+        manifest`` (``rayslice.cloud.kuberay.render_raycluster``), checked when the DAG file is parsed.
     :param head_service_type: the head Service type, ``LoadBalancer`` to reach the dashboard from outside
         the Kubernetes cluster (KubeRay's default is ClusterIP).
     :param manifest: a complete RayCluster instead of the rendering arguments.

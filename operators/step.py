@@ -26,11 +26,11 @@ from rayslice.hooks.ray import RayConnectionSettings, RayHook
 from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
 from rayslice.operators.triggers import EXECUTION_TIMEOUT, UNREACHABLE_GRACE_S, RayStepTrigger
 
-from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError
-from rayslice.jobs_client import AsyncRayJobsClient
-from rayslice.step import Owner, StepSpec
-from rayslice.submission import LogFollower, running_earlier_tries, submission_id, submit_step, wait_for_step
+from rayslice.client.jobs_client import AsyncRayJobsClient
+from rayslice.client.submission import LogFollower, running_earlier_tries, submission_id, submit_step, wait_for_step
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError
+from rayslice.core.step import Owner, StepSpec
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -198,7 +198,7 @@ class RayStepOperator(BaseOperator):
         """
         if not isinstance(request, TpuSliceRequest):
             return
-        from rayslice.cloud_tpu import CloudTpuError
+        from rayslice.cloud.cloud_tpu import CloudTpuError
 
         try:
             hook.check_tpu_type(request)

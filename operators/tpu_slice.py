@@ -7,7 +7,7 @@ from typing import Any
 
 from rayslice.operators.step import RayStepOperator
 
-from rayslice.accelerators import TpuSliceRequest
+from rayslice.core.accelerators import TpuSliceRequest
 
 __all__ = ["TpuSliceOperator"]
 

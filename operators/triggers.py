@@ -1,7 +1,7 @@
 """The trigger that follows a deferred step's Ray job from the triggerer.
 
 It polls the job's small status and streams its log over the dashboard's log-tail websocket
-(`rayslice.submission.JobFollow`): every call is awaited on the async Jobs client, each bounded
+(`rayslice.client.submission.JobFollow`): every call is awaited on the async Jobs client, each bounded
 by a timeout, so one slow dashboard cannot stall the triggerer's event loop. Job log lines go
 to the trigger's logger, which Airflow 3 routes to the task's log.
 
@@ -31,8 +31,8 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from rayslice.hooks.ray import RayHook
 
-from rayslice.exceptions import JobNotFoundError, RaysliceError
-from rayslice.submission import JobFollow, LogFollower
+from rayslice.client.submission import JobFollow, LogFollower
+from rayslice.core.exceptions import JobNotFoundError, RaysliceError
 
 __all__ = ["RayStepTrigger"]
 

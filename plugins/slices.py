@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from rayslice.hooks.ray import RayConnectionSettings
 
-    from rayslice.capacity import Snapshot
+    from rayslice.client.capacity import Snapshot
 
 URL_PREFIX = "/rayslice"
 DEFAULT_CONN_ID = "ray_default"
@@ -65,7 +65,7 @@ def ray_connection(conn_id: str) -> "RayConnectionSettings":
     from airflow.sdk import BaseHook
     from rayslice.hooks.ray import settings_from_connection
 
-    from rayslice.exceptions import RaysliceError
+    from rayslice.core.exceptions import RaysliceError
 
     if not _CONN_ID.match(conn_id):
         raise _Problem(400, f"{conn_id!r} is not a connection id")
@@ -89,8 +89,8 @@ async def read(conn_id: str) -> "tuple[Snapshot, str]":
     """The cluster's capacity for `conn_id` (cached for CACHE_S) and its dashboard URL (no credentials)."""
     from starlette.concurrency import run_in_threadpool
 
-    from rayslice import capacity
-    from rayslice.exceptions import RaysliceError
+    from rayslice.client import capacity
+    from rayslice.core.exceptions import RaysliceError
 
     ray = await run_in_threadpool(ray_connection, conn_id)
     key = f"{conn_id} {ray.dashboard_url}"

@@ -3,9 +3,9 @@
 The public API. Nothing here imports ray, jax or airflow.
 """
 
-from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest, request_from_json, request_to_json
-from rayslice.context import StepContext, as_path, get_step_context
-from rayslice.exceptions import (
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest, request_from_json, request_to_json
+from rayslice.core.context import StepContext, as_path, get_step_context
+from rayslice.core.exceptions import (
     CapacityTimeoutError,
     HostLostError,
     InvalidRequestError,
@@ -19,7 +19,7 @@ from rayslice.exceptions import (
     SubmissionConflictError,
     UnsatisfiableRequestError,
 )
-from rayslice.step import Owner, StepSpec
+from rayslice.core.step import Owner, StepSpec
 
 __version__ = "0.1.0"
 

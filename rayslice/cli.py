@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from rayslice import local_cluster
-from rayslice.exceptions import RaysliceError
+from rayslice.core.exceptions import RaysliceError
+from rayslice.local import local_cluster
 
 app = typer.Typer(help="Run accelerator steps of Airflow pipelines on Ray.", no_args_is_help=True)
 local = typer.Typer(help="A local Ray cluster whose nodes look like TPU hosts and GPU machines.", no_args_is_help=True)
@@ -19,7 +19,7 @@ console = Console()
 
 def _kuberay() -> None:
     try:
-        from rayslice.kuberay import app as kuberay_app
+        from rayslice.cloud.kuberay import app as kuberay_app
     except ImportError:  # pragma: no cover - module is part of the package
         return
     app.add_typer(kuberay_app, name="kuberay")
@@ -69,7 +69,7 @@ def capacity(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Every TPU slice (free/busy, who holds it) and GPU node (free share)."""
-    from rayslice import capacity as cap
+    from rayslice.client import capacity as cap
 
     token = None
     if address is None:
@@ -95,7 +95,7 @@ def reap(
     """Free what dead steps hold: jobs whose Airflow task ended, and leftovers named `rayslice:` of ended jobs."""
     import asyncio
 
-    from rayslice import orphans
+    from rayslice.client import orphans
 
     token = None
     if address is None:
@@ -112,7 +112,7 @@ def reap(
 @app.command()
 def demo(name: Annotated[str, typer.Option(help="Name of the demo's own local cluster.")] = "demo") -> None:
     """Start a local cluster, run the example pipeline through Airflow, show capacity, stop the cluster."""
-    from rayslice.demo import run_demo
+    from rayslice.local.demo import run_demo
 
     raise typer.Exit(run_demo(name))
 

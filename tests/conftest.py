@@ -15,10 +15,28 @@ from pathlib import Path
 
 import pytest
 
-from rayslice import local_cluster
+from rayslice.local import local_cluster
 
 TEST_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
 TOTAL_TPU_CHIPS = 36
+
+#: Fixtures that start or use a local Ray cluster, and those that start a whole Airflow or a browser.
+#: A test that needs any of them (directly or through another fixture) gets the matching mark, so
+#: `-m "not cluster"` is the fast loop: everything that runs without a cluster.
+CLUSTER_FIXTURES = {"cluster", "small_cluster", "autoscaling_cluster", "token_cluster", "ray_driver", "_head_factory"}
+AIRFLOW_FIXTURES = {"airflow", "airflow_stack"}
+BROWSER_FIXTURES = {"browser"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        needs = set(getattr(item, "fixturenames", ()))
+        if needs & CLUSTER_FIXTURES:
+            item.add_marker(pytest.mark.cluster)
+        if needs & AIRFLOW_FIXTURES:
+            item.add_marker(pytest.mark.airflow)
+        if needs & BROWSER_FIXTURES or item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.browser)
 
 
 @pytest.fixture(scope="session")

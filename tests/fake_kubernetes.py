@@ -4,7 +4,7 @@ No API server can run here, so this stands in at the HTTP transport: the real `k
 client (loaded from a real kubeconfig file) talks to it. It serves RayClusters
 (``/apis/ray.io/v1/.../rayclusters``) and the head Services KubeRay would make, answers errors as
 ``metav1.Status`` objects, checks the bearer token, validates every RayCluster it accepts *and*
-serves against the real KubeRay CRD (``rayslice.kuberay.validate``), honours delete preconditions
+serves against the real KubeRay CRD (``rayslice.cloud.kuberay.validate``), honours delete preconditions
 (uid) and Foreground deletion, and plays the KubeRay operator: a cluster turns ``ready`` (status
 ``head``, ``endpoints``, conditions, a head Service shaped like KubeRay's) after a few GETs.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from rayslice import kuberay
+from rayslice.cloud import kuberay
 from tests.http_fake import JsonHttpFake, Request
 
 _CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^/]+))?$")

@@ -20,8 +20,8 @@ import tests.airflow_env  # noqa: F401  (configures Airflow before anything impo
 import pytest
 from airflow.sdk.exceptions import ParamValidationError
 
-from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.exceptions import InvalidRequestError, RayJobsError
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.exceptions import InvalidRequestError, RayJobsError
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SECTION = "## Bad input and the errors it gets"
@@ -95,7 +95,7 @@ def malformed_server():
 
 def _jobs(method: str, *args):
     def call(url: str):
-        from rayslice.jobs_client import RayJobsClient
+        from rayslice.client.jobs_client import RayJobsClient
 
         with RayJobsClient(url, retries=0) as client:
             return getattr(client, method)(*args)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rayslice.accelerators import TpuSliceRequest
+from rayslice.core.accelerators import TpuSliceRequest
 from tests.airflow_env import EXAMPLE_DAGS, task_states, xcom_values
 
 # A loaded 2-core machine can slow a multi-host step several-fold: a guard, not a budget.

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from rayslice import local_cluster
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.context import checkpoint_dir_for
-from rayslice.step import Owner, StepSpec
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.context import checkpoint_dir_for
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
 from tests.airflow_env import load_dag_file, task_instance, task_states, write_dag_file, xcom_values
 from tests.conftest import wait_until
-from tests.rayslice.launcher.test_launcher import assert_all_released
+from tests.rayslice.cluster.test_launcher import assert_all_released
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -48,7 +48,7 @@ def test_training_preempted_mid_run_resumes_and_ends_exactly_where_an_uninterrup
 ):
     from rayslice.dags.training_pipeline import fit
 
-    from rayslice.launcher import run_step
+    from rayslice.cluster import run_step
 
     steps = 8
 
@@ -153,7 +153,7 @@ def test_an_unfinished_checkpoint_left_by_a_lost_attempt_never_breaks_the_resume
     """A host lost mid-save leaves orbax's `<step>.orbax-checkpoint-tmp-*`: the next attempt resumes before it."""
     from rayslice.dags.training_pipeline import fit
 
-    from rayslice.launcher import run_step
+    from rayslice.cluster import run_step
 
     owner = Owner(submission_id=f"test-unfinished-{time.time_ns()}")
 

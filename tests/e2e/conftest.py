@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from rayslice.airflow_stack import REPO, AirflowStack, _alive
+from rayslice.local.airflow_stack import AirflowStack, _alive
+from tests.airflow_env import REPO
 
 E2E_DAGS = Path(__file__).with_name("dags")
 CHROMIUM = "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else shutil.which("chromium")
 ARTIFACTS = REPO / "artifacts"  # screenshots, for humans and CI to look at
-needs_chromium = pytest.mark.skipif(not CHROMIUM, reason="Chromium is not installed (no /usr/bin/chromium, none "
-                                    "on PATH); `apt-get install chromium` to run the browser tests")
+needs_chromium = [pytest.mark.browser, pytest.mark.skipif(
+    not CHROMIUM, reason="Chromium is not installed (no /usr/bin/chromium, none on PATH); "
+    "`apt-get install chromium` to run the browser tests")]
 
 
 @pytest.fixture(scope="package")

@@ -1,6 +1,6 @@
 """End to end in a real browser: trigger the training pipeline from Airflow's UI, watch its slice on the Slices page.
 
-A real Airflow 3 (`rayslice.airflow_stack`: api-server, scheduler, dag-processor, triggerer)
+A real Airflow 3 (`rayslice.local.airflow_stack`: api-server, scheduler, dag-processor, triggerer)
 runs against the session's local Ray cluster; headless Chromium logs in, fills the trigger
 form (slice type, learning rate), and follows the run until it succeeds, looking at the
 Slices page while the training step holds its v6e-4 slice and again once it is released.
@@ -18,7 +18,7 @@ import uuid
 import httpx
 import pytest
 
-from rayslice.airflow_stack import AirflowStack
+from rayslice.local.airflow_stack import AirflowStack
 from tests.e2e.conftest import ARTIFACTS, browser_page, needs_chromium
 
 DAG_ID = "rayslice_training_pipeline"

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from rayslice.jobs_client import JobStatus, RayJobsClient
+from rayslice.client.jobs_client import JobStatus, RayJobsClient
 from tests.conftest import wait_until
 
 DAG_ID = "rayslice_gpu_fraction_mapping"

@@ -25,12 +25,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rayslice import capacity
-from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.airflow_stack import AirflowStack, _alive
-from rayslice.jobs_client import AsyncRayJobsClient
-from rayslice.step import Owner, StepSpec
-from rayslice.submission import submit_step
+from rayslice.client import capacity
+from rayslice.client.jobs_client import AsyncRayJobsClient
+from rayslice.client.submission import submit_step
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local.airflow_stack import AirflowStack, _alive
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 from tests.e2e.conftest import ARTIFACTS, browser_page, needs_chromium
 

@@ -22,12 +22,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.airflow_stack import AirflowStack
-from rayslice.exceptions import RaysliceError
-from rayslice.jobs_client import JobStatus, RayJobsClient
-from rayslice.step import Owner
-from rayslice.submission import jobs_of_task
+from rayslice.client.jobs_client import JobStatus, RayJobsClient
+from rayslice.client.submission import jobs_of_task
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.exceptions import RaysliceError
+from rayslice.core.step import Owner
+from rayslice.local.airflow_stack import AirflowStack
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 
 DAGS = Path(__file__).with_name("dags")
@@ -73,7 +73,7 @@ def leaves_the_cluster_clean(jobs, ray_driver):
 
 
 def test_a_deferred_step_waits_for_capacity_then_completes(airflow, api, jobs, ray_driver):
-    from rayslice.launcher.reservation import reserve_slices
+    from rayslice.cluster.reservation import reserve_slices
 
     hold = reserve_slices(TpuSliceRequest(tpu="v6e-4"), timeout=60, name=f"rayslice:test-hold-{uuid.uuid4().hex[:6]}")
     try:

@@ -25,19 +25,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rayslice import capacity, local_cluster
-from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.airflow_stack import AirflowStack
-from rayslice.exceptions import (
+from rayslice.client import capacity
+from rayslice.client.jobs_client import AsyncRayJobsClient, JobStatus, RayJobsClient
+from rayslice.client.submission import submission_id, submit_step, wait_for_step
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.exceptions import (
     HostLostError,
     JobNotFoundError,
     RayAuthError,
     RayUnreachableError,
     StepFailedError,
 )
-from rayslice.jobs_client import AsyncRayJobsClient, JobStatus, RayJobsClient
-from rayslice.step import Owner, StepSpec
-from rayslice.submission import submission_id, submit_step, wait_for_step
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
+from rayslice.local.airflow_stack import AirflowStack
 from tests.conftest import TOTAL_TPU_CHIPS, rayslice_home, wait_until
 from tests.faults.proxy import FaultProxy
 
@@ -200,7 +201,7 @@ async def test_submit_waits_out_a_dashboard_outage_and_never_submits_twice(clust
     sid = owner.submission_id
     spec = StepSpec.for_function(hold_until_released, request=AcceleratorRequest(resource="GPU", count=0.25),
                                  kwargs={"folder": str(tmp_path), "name": "outage"}, owner=owner)
-    caplog.set_level(logging.WARNING, logger="rayslice.jobs_client")
+    caplog.set_level(logging.WARNING, logger="rayslice.client.jobs_client")
     try:
         # Six attempts, 0.5 s doubling: a 15 s budget, for an outage of 3 s.
         async with AsyncRayJobsClient(proxy.url, retries=6, backoff=0.5) as client:

@@ -12,8 +12,8 @@ import pytest
 from airflow.sdk import Connection
 from rayslice.hooks.ray import RayHook, dashboard_url, settings_from_connection
 
-from rayslice.exceptions import InvalidRequestError
-from rayslice.local_cluster import free_port
+from rayslice.core.exceptions import InvalidRequestError
+from rayslice.local.local_cluster import free_port
 from tests.airflow_env import REPO, ray_connection_json
 
 TOKEN = "tok-5ecret-do-not-print"

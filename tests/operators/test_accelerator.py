@@ -7,7 +7,7 @@ import textwrap
 import pytest
 from rayslice.operators.accelerator import AcceleratorOperator
 
-from rayslice.accelerators import AcceleratorRequest
+from rayslice.core.accelerators import AcceleratorRequest
 from tests.airflow_env import load_dag_file
 
 DAG_FILE = textwrap.dedent(

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from rayslice import cloud_tpu
+from rayslice.cloud import cloud_tpu
 from tests.airflow_env import load_dag_file, task_states, write_dag_file, xcom_values
 from tests.fake_cloud_tpu import FakeCloudTpu
 
@@ -150,8 +150,8 @@ def test_the_connection_can_check_slice_types_against_its_zone(fake, monkeypatch
 
     from rayslice.hooks.ray import RayHook
 
-    from rayslice.accelerators import TpuSliceRequest
-    from rayslice.exceptions import InvalidRequestError
+    from rayslice.core.accelerators import TpuSliceRequest
+    from rayslice.core.exceptions import InvalidRequestError
 
     extra = {"cloud_tpu": {"project": "my-project", "zone": "us-east5-b", "api_endpoint": fake.url}}
     monkeypatch.setenv("AIRFLOW_CONN_TPU_ZONE", json.dumps({"conn_type": "ray", "host": "http://h:8265",

@@ -9,8 +9,8 @@ import pytest
 from airflow.sdk import DAG, task
 from rayslice.operators.decorators import ray_accelerator_task, tpu_slice_task
 
-from rayslice.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.exceptions import InvalidRequestError
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.exceptions import InvalidRequestError
 from tests.airflow_env import load_dag_file
 
 BAD_DECORATOR_DAG = textwrap.dedent(

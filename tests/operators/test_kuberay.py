@@ -17,9 +17,9 @@ import textwrap
 import httpx
 import pytest
 
-from rayslice import kuberay
-from rayslice.exceptions import InvalidRequestError
-from rayslice.kuberay_client import OWNER_ANNOTATION, KubeRayError
+from rayslice.cloud import kuberay
+from rayslice.cloud.kuberay_client import OWNER_ANNOTATION, KubeRayError
+from rayslice.core.exceptions import InvalidRequestError
 from tests.airflow_env import load_dag_file, task_states, write_dag_file, xcom_values
 from tests.fake_kubernetes import FakeKubernetes
 
@@ -31,7 +31,7 @@ COMMON = textwrap.dedent(
 
     from airflow.sdk import DAG, task
 
-    from rayslice.kuberay import render_raycluster
+    from rayslice.cloud.kuberay import render_raycluster
     from rayslice.operators.accelerator import AcceleratorOperator
     from rayslice.operators.kuberay import CreateRayClusterOperator, DeleteRayClusterOperator
 

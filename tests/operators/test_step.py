@@ -19,11 +19,11 @@ import pytest
 from rayslice.operators.step import is_templated
 from rayslice.operators.tpu_slice import TpuSliceOperator
 
-from rayslice.accelerators import AcceleratorRequest
-from rayslice.exceptions import SubmissionConflictError
-from rayslice.jobs_client import AsyncRayJobsClient, JobStatus, RayJobsClient
-from rayslice.step import Owner, StepSpec
-from rayslice.submission import jobs_of_task, submission_id, submit_step, wait_for_step
+from rayslice.client.jobs_client import AsyncRayJobsClient, JobStatus, RayJobsClient
+from rayslice.client.submission import jobs_of_task, submission_id, submit_step, wait_for_step
+from rayslice.core.accelerators import AcceleratorRequest
+from rayslice.core.exceptions import SubmissionConflictError
+from rayslice.core.step import Owner, StepSpec
 from tests.airflow_env import load_dag_file, task_instance, task_states, write_dag_file, xcom_values
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 

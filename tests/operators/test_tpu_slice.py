@@ -7,8 +7,8 @@ import textwrap
 import pytest
 from rayslice.operators.tpu_slice import TpuSliceOperator
 
-from rayslice.accelerators import TpuSliceRequest
-from rayslice.exceptions import InvalidRequestError
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.exceptions import InvalidRequestError
 from tests.airflow_env import load_dag_file
 
 BAD_SLICE_DAG = textwrap.dedent(
@@ -46,7 +46,7 @@ def test_callable_or_entrypoint_but_not_both():
 
 
 def test_preemption_retries_reach_the_step_and_bad_values_fail_at_parse_time():
-    from rayslice.step import Owner
+    from rayslice.core.step import Owner
 
     op = TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn", preemption_retries=2)
     assert op._spec(op.build_request(), Owner(), context={}).preemption_retries == 2

@@ -11,11 +11,11 @@ from airflow.sdk.serde import deserialize, serialize
 from airflow.triggers.base import TriggerEvent
 from rayslice.operators.triggers import RayStepTrigger
 
-from rayslice.accelerators import AcceleratorRequest
-from rayslice.jobs_client import AsyncRayJobsClient, JobStatus
-from rayslice.step import Owner, StepSpec
-from rayslice.submission import submit_step
-from tests.rayslice.test_log_stream import chatty_job, expected, payload
+from rayslice.client.jobs_client import AsyncRayJobsClient, JobStatus
+from rayslice.client.submission import submit_step
+from rayslice.core.accelerators import AcceleratorRequest
+from rayslice.core.step import Owner, StepSpec
+from tests.rayslice.client.test_log_stream import chatty_job, expected, payload
 
 
 def chatty_sleeper():

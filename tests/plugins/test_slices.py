@@ -86,7 +86,7 @@ def test_airflow_loads_the_plugin_with_its_app_and_nav_entry(airflow):
 def test_importing_the_plugin_is_cheap():
     """Every Airflow process imports plugins; only the API server should pay for FastAPI."""
     code = ("import sys; import rayslice.plugins.slices as s; "
-            "print(sorted(m for m in ('fastapi', 'rayslice.capacity', 'airflow.api_fastapi.core_api.security') "
+            "print(sorted(m for m in ('fastapi', 'rayslice.client.capacity', 'airflow.api_fastapi.core_api.security') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -146,7 +146,7 @@ def test_holders_of_unreadable_dags_are_hidden(client, monkeypatch):
     from airflow.api_fastapi.app import get_auth_manager
     from rayslice.plugins import slices
 
-    from rayslice.capacity import Holder, Slice, Snapshot
+    from rayslice.client.capacity import Holder, Slice, Snapshot
 
     holder = Holder(submission_id="s1", dag_id="secret_dag", run_id="r", task_id="t", job_status="RUNNING")
     snap = Snapshot(slices=[Slice(name="x", pod_type="v6e-4", topology="2x2", hosts=[], chips=4, state="reserved",
@@ -159,7 +159,7 @@ def test_holders_of_unreadable_dags_are_hidden(client, monkeypatch):
 
 def _rich_snapshot() -> dict:
     """Every shape the page draws: running, reserved, partial and free slices, shares, waits, odd names."""
-    from rayslice.capacity import GpuNode, GpuShare, Holder, Host, Pending, Slice, Snapshot
+    from rayslice.client.capacity import GpuNode, GpuShare, Holder, Host, Pending, Slice, Snapshot
 
     task = Holder(submission_id="rayslice-d-t-1", dag_id="d <&> 'x'", run_id="manual__2026-01-01T00:00:00+00:00",
                   task_id="train(1)!", map_index=3, request="v6e-16", job_id="05000000", job_status="RUNNING")

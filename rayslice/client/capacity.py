@@ -1,0 +1,452 @@
+"""What the accelerators are doing now: every TPU slice and GPU node, who holds it, and what waits.
+
+Runs on the Airflow side (CLI, UI plugin), so it reads Ray's dashboard over HTTP only: the
+state API (`/api/v0/nodes`, `/placement_groups`, `/actors`) for who uses which node, and the
+Jobs API (`/api/jobs/`) to trace a Ray job back to its DAG, run and task. `_parse` turns the
+four responses into a `Snapshot` with no I/O; `snapshot` and `asnapshot` only fetch.
+
+Which GPU of a node a fractional share sits on is not in the state API; the dashboard's own
+`/logical/actors` has it (the worker's `usedResources` slots), learned from node stats a few
+seconds after the actor starts. It is read for GPU actors only, and is best effort: an older
+or newer dashboard without it leaves `GpuShare.gpus` empty.
+
+A host is `running` while a live actor uses its chips, `reserved` while a placement group
+bundle holds them (or the slice's head resource) with nothing running yet, else `free`.
+Ray tasks that use accelerators without an actor or placement group are not visible here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, computed_field
+
+from rayslice.core.exceptions import RayAuthError, RayJobsError, RayUnreachableError
+
+__all__ = ["GpuNode", "GpuShare", "Holder", "Host", "Pending", "Slice", "Snapshot", "asnapshot", "render",
+           "snapshot"]
+
+PREFIX = "rayslice:"  # launcher.reservation_name: every placement group and actor a step creates
+SLICE_LABEL, WORKER_LABEL = "ray.io/tpu-slice-name", "ray.io/tpu-worker-id"
+POD_TYPE_LABEL, TOPOLOGY_LABEL = "ray.io/tpu-pod-type", "ray.io/tpu-topology"
+_STATE = "/api/v0/{}"
+_LOGICAL_ACTORS = "/logical/actors"  # the dashboard's actor view: has each worker's GPU slots
+_LIMIT = "10000"  # the state API answers 100 rows unless told otherwise
+# Skip what cannot hold capacity, server-side: dead actors and removed groups pile up.
+_QUERIES = {
+    "nodes": {"filter_keys": "state", "filter_predicates": "=", "filter_values": "ALIVE"},
+    "placement_groups": {"filter_keys": "state", "filter_predicates": "!=", "filter_values": "REMOVED"},
+    "actors": {"filter_keys": "state", "filter_predicates": "!=", "filter_values": "DEAD"},
+}
+_ACTIVE_ACTORS = ("ALIVE", "PENDING_CREATION", "RESTARTING", "DEPENDENCIES_UNREADY")
+_NOT_ACCELERATORS = {"CPU", "memory", "object_store_memory", "bundle"}
+
+
+class Holder(BaseModel):
+    """Who holds capacity: a rayslice step's Airflow task, or whatever Ray job or name we found."""
+
+    submission_id: str = ""
+    dag_id: str = ""
+    run_id: str = ""
+    task_id: str = ""
+    map_index: int = -1
+    try_number: int = 0
+    request: str = ""
+    job_id: str | None = None
+    job_status: str | None = None
+    name: str = ""  # the placement group or actor name, for holders outside rayslice
+
+    @computed_field
+    @property
+    def label(self) -> str:
+        """"dag/task (run)" for an Airflow task, else the best id we have."""
+        if self.dag_id or self.task_id:
+            index = f"[{self.map_index}]" if self.map_index >= 0 else ""
+            return f"{self.dag_id}/{self.task_id}{index} ({self.run_id})"
+        return self.submission_id or self.name or f"Ray job {self.job_id}"
+
+
+class Host(BaseModel):
+    worker_id: int
+    node_id: str
+    chips: int
+    chips_used: float = 0
+    state: Literal["free", "reserved", "running"] = "free"
+    holder: Holder | None = None
+
+
+class Slice(BaseModel):
+    name: str
+    pod_type: str
+    topology: str
+    hosts: list[Host]
+    chips: int
+    state: Literal["free", "reserved", "running", "partial"]
+    holder: Holder | None = None
+
+
+class GpuShare(BaseModel):
+    holder: Holder
+    amount: float
+    state: Literal["reserved", "running"] = "running"
+    gpus: list[int] = []  # the node's GPU indices Ray gave it (its CUDA_VISIBLE_DEVICES); empty while unknown
+
+
+class GpuNode(BaseModel):
+    node_id: str
+    total: float
+    used: float
+    shares: list[GpuShare]
+
+    @computed_field
+    @property
+    def free(self) -> float:
+        return max(0.0, round(self.total - self.used, 6))
+
+
+class Pending(BaseModel):
+    """Demand Ray has not placed yet: a placement group or an actor.
+
+    `starting` marks an actor whose request fits the free GPU share right now: it waits for its
+    worker process, not for capacity (the state API does not tell the two apart).
+    """
+
+    kind: Literal["placement_group", "actor"]
+    request: str
+    resources: dict[str, float]
+    holder: Holder | None = None
+    since: datetime | None = None
+    waiting_s: float | None = None
+    starting: bool = False
+
+
+class Snapshot(BaseModel):
+    slices: list[Slice]
+    gpu_nodes: list[GpuNode]
+    pending: list[Pending]
+    taken_at: datetime
+    warnings: list[str] = []
+
+
+# --------------------------------------------------------------------------- fetching
+
+
+def _requests() -> list[tuple[str, dict[str, str]]]:
+    calls = [(_STATE.format(kind), {"detail": "1", "limit": _LIMIT, **query}) for kind, query in _QUERIES.items()]
+    return [*calls, ("/api/jobs/", {})]
+
+
+def _client_kwargs(dashboard_url: str, token: str | None, timeout: float, verify: bool | str,
+                   headers: dict[str, str] | None) -> dict[str, Any]:
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    return {"base_url": dashboard_url.rstrip("/"), "headers": {**(headers or {}), **auth}, "timeout": timeout,
+            "verify": verify}
+
+
+def _check(dashboard_url: str, path: str, resp: httpx.Response) -> Any:
+    if resp.status_code in (401, 403):
+        raise RayAuthError(f"the Ray dashboard at {dashboard_url} refused GET {path} (HTTP {resp.status_code}); "
+                           "set the `ray` connection's password to the cluster's token", status_code=resp.status_code)
+    if resp.status_code != 200:
+        raise RayJobsError(f"GET {path} on the Ray dashboard at {dashboard_url} answered HTTP {resp.status_code}: "
+                           f"{resp.text[:300]}", status_code=resp.status_code)
+    try:
+        return resp.json()
+    except ValueError:
+        raise RayJobsError(f"GET {path} on {dashboard_url} did not answer JSON: is that a Ray dashboard URL?") from None
+
+
+def _unreachable(dashboard_url: str, exc: httpx.HTTPError) -> RayUnreachableError:
+    return RayUnreachableError(f"cannot reach the Ray dashboard at {dashboard_url} ({type(exc).__name__}: {exc}); "
+                               "check the `ray` connection's host and that the cluster is up")
+
+
+def _gpu_actor_ids(actors_body: Any) -> list[str]:
+    """Live actors that hold a GPU share themselves (not through a placement group): whose slots to look up."""
+    return sorted(a["actor_id"] for a in _rows(actors_body, "actors", []) if a.get("state") == "ALIVE"
+                  and a.get("actor_id") and not a.get("placement_group_id")
+                  and (a.get("required_resources") or {}).get("GPU"))
+
+
+def _gpu_slots(resp: httpx.Response) -> dict[str, list[int]]:
+    """actor id -> GPU indices, from `/logical/actors`; {} for anything unexpected (best effort)."""
+    try:
+        actors = resp.json()["data"]["actors"] if resp.status_code == 200 else {}
+        return {actor_id: sorted(int(slot["slot"]) for slot in info["usedResources"]["GPU"]["resourceSlots"])
+                for actor_id, info in actors.items()
+                if info and (info.get("usedResources") or {}).get("GPU")}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def snapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 10.0, verify: bool | str = True,
+             headers: dict[str, str] | None = None) -> Snapshot:
+    """Read the cluster's accelerators, holders and pending demand (blocking).
+
+    `verify` and `headers` are the `ray` connection's extras (a CA bundle, a proxy's header).
+    """
+    try:
+        with httpx.Client(**_client_kwargs(dashboard_url, token, timeout, verify, headers)) as client:
+            bodies = [_check(dashboard_url, path, client.get(path, params=params)) for path, params in _requests()]
+            slots: dict[str, list[int]] = {}
+            if ids := _gpu_actor_ids(bodies[2]):
+                try:
+                    slots = _gpu_slots(client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids)}))
+                except httpx.HTTPError:
+                    pass  # best effort: the shares stay without their GPU index
+    except httpx.HTTPError as exc:
+        raise _unreachable(dashboard_url, exc) from exc
+    return _parse(*bodies, now=time.time(), gpu_slots=slots)
+
+
+async def asnapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 10.0,
+                    verify: bool | str = True, headers: dict[str, str] | None = None) -> Snapshot:
+    """`snapshot` for async callers (triggers, the UI plugin): the four reads run concurrently."""
+    try:
+        async with httpx.AsyncClient(**_client_kwargs(dashboard_url, token, timeout, verify, headers)) as client:
+            responses = await asyncio.gather(*(client.get(path, params=params) for path, params in _requests()))
+            bodies = [_check(dashboard_url, path, resp)
+                      for (path, _), resp in zip(_requests(), responses, strict=True)]
+            slots: dict[str, list[int]] = {}
+            if ids := _gpu_actor_ids(bodies[2]):
+                try:
+                    slots = _gpu_slots(await client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids)}))
+                except httpx.HTTPError:
+                    pass  # best effort: the shares stay without their GPU index
+    except httpx.HTTPError as exc:
+        raise _unreachable(dashboard_url, exc) from exc
+    return _parse(*bodies, now=time.time(), gpu_slots=slots)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _rows(body: Any, kind: str, warnings: list[str]) -> list[dict[str, Any]]:
+    result = body.get("data", {}).get("result", {}) if isinstance(body, dict) else {}
+    if result.get("partial_failure_warning"):
+        warnings.append(f"{kind}: {result['partial_failure_warning']}")
+    if result.get("num_after_truncation", 0) < result.get("num_filtered", 0):
+        warnings.append(f"{kind}: only {result['num_after_truncation']} of {result['num_filtered']} listed")
+    return list(result.get("result") or [])
+
+
+class _Holders:
+    """Traces placement groups and actors to their Ray job, and jobs to their Airflow task."""
+
+    def __init__(self, jobs: list[dict[str, Any]]) -> None:
+        self.by_sid = {j["submission_id"]: j for j in jobs if j.get("submission_id")}
+        self.by_job_id = {j["job_id"]: j for j in jobs if j.get("job_id")}
+
+    def find(self, name: str | None, job_id: str | None) -> Holder:
+        name = name or ""
+        sid = name[len(PREFIX):].split("/", 1)[0] if name.startswith(PREFIX) else ""
+        job = self.by_sid.get(sid) if sid else None
+        job = job or self.by_job_id.get(job_id or "")
+        if job is None:
+            return Holder(submission_id=sid, job_id=job_id, name="" if sid else name)
+        meta = job.get("metadata") or {}
+        return Holder(
+            submission_id=sid or job.get("submission_id") or "",
+            dag_id=meta.get("dag_id", ""), run_id=meta.get("run_id", ""), task_id=meta.get("task_id", ""),
+            map_index=_int(meta.get("map_index"), -1), try_number=_int(meta.get("try_number"), 0),
+            request=meta.get("request", ""), job_id=job.get("job_id") or job_id, job_status=job.get("status"),
+            name="" if sid or job.get("submission_id") else name,
+        )
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _base(resource: str) -> str:
+    """`TPU_group_0_<pg id>` and `TPU_group_<pg id>` (resources inside a placement group) -> `TPU`."""
+    return resource.split("_group_", 1)[0]
+
+
+def _holds(resources: dict[str, float], name: str) -> bool:
+    """Whether a bundle or actor asks for `name` chips, or (for "TPU") a slice's `TPU-<pod>-head`."""
+    return any(_base(k) == name or (name == "TPU" and _base(k).startswith("TPU-") and _base(k).endswith("-head"))
+               for k, v in resources.items() if v)
+
+
+def _describe(resources: dict[str, float]) -> str:
+    keep = {k: v for k, v in resources.items() if _base(k) not in _NOT_ACCELERATORS}
+    return ", ".join(f"{k} x{v:g}" for k, v in sorted((keep or resources).items())) or "nothing"
+
+
+def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, now: float,
+           gpu_slots: dict[str, list[int]] | None = None) -> Snapshot:
+    warnings: list[str] = []
+    nodes = [n for n in _rows(nodes_body, "nodes", warnings) if n.get("state") == "ALIVE"]
+    groups = _rows(groups_body, "placement groups", warnings)
+    actors = [a for a in _rows(actors_body, "actors", warnings) if a.get("state") in _ACTIVE_ACTORS]
+    holders = _Holders(jobs if isinstance(jobs, list) else [])
+    pg_holder = {pg["placement_group_id"]: holders.find(pg.get("name"), pg.get("creator_job_id")) for pg in groups}
+
+    # Per node: what holds it, as (state, holder, TPU chips, GPUs, GPU indices).
+    usage: dict[str, list[tuple[str, Holder, float, float, list[int]]]] = {}
+    for pg in groups:
+        if pg.get("state") != "CREATED":
+            continue
+        for bundle in pg.get("bundles") or []:
+            res = bundle.get("unit_resources") or {}
+            if bundle.get("node_id") and (_holds(res, "TPU") or _holds(res, "GPU")):
+                usage.setdefault(bundle["node_id"], []).append(
+                    ("reserved", pg_holder[pg["placement_group_id"]], res.get("TPU", 0), res.get("GPU", 0), []))
+    for actor in actors:
+        res = actor.get("required_resources") or {}
+        if actor.get("state") != "ALIVE" or not actor.get("node_id") or not (_holds(res, "TPU") or _holds(res, "GPU")):
+            continue
+        holder = holders.find(actor.get("name"), actor.get("job_id"))
+        in_group = bool(actor.get("placement_group_id"))  # its bundle already counts the chips
+        usage.setdefault(actor["node_id"], []).append(
+            ("running", holder, 0 if in_group else res.get("TPU", 0), 0 if in_group else res.get("GPU", 0),
+             (gpu_slots or {}).get(actor.get("actor_id") or "", [])))
+
+    gpu_nodes = _gpu_nodes(nodes, usage)
+    gpu_free = max((n.free for n in gpu_nodes), default=0)
+    return Snapshot(slices=_slices(nodes, usage), gpu_nodes=gpu_nodes,
+                    pending=_pending(groups, actors, pg_holder, holders, now, gpu_free),
+                    taken_at=datetime.fromtimestamp(now, UTC), warnings=warnings)
+
+
+def _slices(nodes: list[dict[str, Any]], usage: dict[str, list]) -> list[Slice]:
+    by_slice: dict[str, list[dict[str, Any]]] = {}
+    for node in nodes:
+        labels = node.get("labels") or {}
+        if labels.get(SLICE_LABEL) and (node.get("resources_total") or {}).get("TPU"):
+            by_slice.setdefault(labels[SLICE_LABEL], []).append(node)
+    slices = []
+    for name, members in sorted(by_slice.items()):
+        hosts = sorted((_host(node, usage.get(node["node_id"], [])) for node in members), key=lambda h: h.worker_id)
+        held = [h for h in hosts if h.state != "free"]
+        state = ("free" if not held else "partial" if len(held) < len(hosts)
+                 else "running" if any(h.state == "running" for h in hosts) else "reserved")
+        owners = Counter(h.holder.model_dump_json() for h in held if h.holder)
+        holder = Holder.model_validate_json(owners.most_common(1)[0][0]) if owners else None
+        labels = members[0].get("labels") or {}
+        slices.append(Slice(name=name, pod_type=labels.get(POD_TYPE_LABEL, ""), topology=labels.get(TOPOLOGY_LABEL, ""),
+                            hosts=hosts, chips=sum(h.chips for h in hosts), state=state, holder=holder))
+    return slices
+
+
+def _host(node: dict[str, Any], uses: list[tuple[str, Holder, float, float, list[int]]]) -> Host:
+    labels = node.get("labels") or {}
+    running = [u for u in uses if u[0] == "running"]
+    chosen = (running or uses or [None])[0]
+    return Host(worker_id=_int(labels.get(WORKER_LABEL), 0), node_id=node["node_id"],
+                chips=int((node.get("resources_total") or {}).get("TPU", 0)),
+                chips_used=sum(u[2] for u in uses), state="running" if running else "reserved" if uses else "free",
+                holder=chosen[1] if chosen else None)
+
+
+def _gpu_nodes(nodes: list[dict[str, Any]], usage: dict[str, list]) -> list[GpuNode]:
+    out = []
+    for node in nodes:
+        total = (node.get("resources_total") or {}).get("GPU", 0)
+        if not total:
+            continue
+        shares = [GpuShare(holder=h, amount=g, state=s, gpus=i) for s, h, _, g, i in usage.get(node["node_id"], [])
+                  if g]
+        out.append(GpuNode(node_id=node["node_id"], total=total, used=round(sum(s.amount for s in shares), 6),
+                           shares=shares))
+    return sorted(out, key=lambda n: n.node_id)
+
+
+def _pending(groups: list[dict[str, Any]], actors: list[dict[str, Any]], pg_holder: dict[str, Holder],
+             holders: _Holders, now: float, gpu_free: float) -> list[Pending]:
+    out = []
+    for pg in groups:
+        if pg.get("state") not in ("PENDING", "RESCHEDULING"):
+            continue
+        resources: Counter[str] = Counter()
+        for bundle in pg.get("bundles") or []:
+            resources.update(bundle.get("unit_resources") or {})
+        created_ns = _int((pg.get("stats") or {}).get("creation_request_received_ns"), 0)
+        holder = pg_holder[pg["placement_group_id"]]
+        out.append(_demand("placement_group", dict(resources), holder, created_ns / 1e9 or None, now))
+    for actor in actors:
+        res = actor.get("required_resources") or {}
+        if actor.get("state") != "PENDING_CREATION" or actor.get("placement_group_id"):
+            continue  # an actor inside a created group is starting, not waiting for capacity
+        if not any(_base(k) not in _NOT_ACCELERATORS for k in res):
+            continue
+        holder = holders.find(actor.get("name"), actor.get("job_id"))
+        job = holders.by_job_id.get(actor.get("job_id") or "") or {}
+        started = job.get("start_time") / 1000 if job.get("start_time") else None  # the launcher asks at once
+        demand = _demand("actor", res, holder, started, now)
+        accelerators = {_base(k) for k in res if _base(k) not in _NOT_ACCELERATORS}
+        demand.starting = accelerators == {"GPU"} and res.get("GPU", 0) <= min(gpu_free, 1.0)
+        out.append(demand)
+    return sorted(out, key=lambda p: (p.starting, -(p.waiting_s or 0)))
+
+
+def _demand(kind: str, resources: dict[str, float], holder: Holder, since: float | None, now: float) -> Pending:
+    return Pending(kind=kind, request=holder.request or _describe(resources), resources=resources, holder=holder,
+                   since=datetime.fromtimestamp(since, UTC) if since else None,
+                   waiting_s=round(max(0.0, now - since), 1) if since else None)
+
+
+# --------------------------------------------------------------------------- rendering
+
+_COLORS = {"free": "green", "reserved": "yellow", "running": "magenta", "partial": "cyan"}
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    minutes, sec = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{sec:02d}s" if minutes else f"{sec}s"
+
+
+def _indices(gpus: list[int]) -> str:
+    return ",".join(map(str, gpus))
+
+
+def render(snap: Snapshot) -> Any:
+    """Rich tables for `rayslice capacity`: slices, GPU nodes, then pending demand."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    slices = Table(title="TPU slices", title_justify="left")
+    for column in ("slice", "pod type", "hosts", "chips", "state"):
+        slices.add_column(column, no_wrap=True)
+    slices.add_column("holder", overflow="fold")
+    for s in snap.slices:
+        hosts = Text()
+        for host in s.hosts:  # one square per host, in its state's color
+            hosts.append("■", style=_COLORS[host.state])
+        slices.add_row(s.name, f"{s.pod_type} ({s.topology})", hosts, str(s.chips),
+                       Text(s.state, style=_COLORS[s.state]), s.holder.label if s.holder else "")
+    gpus = Table(title="GPU nodes", title_justify="left")
+    for column in ("node", "total", "used", "free"):
+        gpus.add_column(column, no_wrap=True)
+    gpus.add_column("users", overflow="fold")
+    for n in snap.gpu_nodes:
+        users = ", ".join(f"{share.holder.label} x{share.amount:g}" + (f" on GPU {_indices(share.gpus)}"
+                                                                           if share.gpus else "")
+                          for share in n.shares)
+        gpus.add_row(n.node_id[:12], f"{n.total:g}", f"{n.used:g}", f"{n.free:g}", users)
+    parts: list[Any] = [slices, gpus]
+    if snap.pending:
+        pending = Table(title="Pending demand", title_justify="left")
+        for column in ("request", "holder", "waiting"):
+            pending.add_column(column, overflow="fold")
+        for p in snap.pending:
+            wait = "starting (capacity is free)" if p.starting else _duration(p.waiting_s)
+            pending.add_row(p.request, p.holder.label if p.holder else "", wait)
+        parts.append(pending)
+    else:
+        parts.append(Text("No pending demand.", style="dim"))
+    parts += [Text(f"warning: {w}", style="red") for w in snap.warnings]
+    return Group(*parts)

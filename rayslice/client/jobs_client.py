@@ -1,0 +1,953 @@
+"""A small client for the Ray Jobs REST API (the dashboard's ``/api/jobs/``), async and sync.
+
+The Airflow side talks to Ray only through this module, so it imports nothing
+but httpx, pydantic and the standard library: never ``ray``.
+
+Layout (httpx style): ``_BaseJobsClient`` builds every request and parses every
+response without doing I/O; ``AsyncRayJobsClient`` and ``RayJobsClient`` mirror
+each other method for method over ``httpx.AsyncClient`` / ``httpx.Client``.
+
+REST shapes, as served by Ray 2.60 (``ray/dashboard/modules/job/job_head.py``):
+
+==========================================  =============================================
+``GET /api/version``                        ``{"version": "4", "ray_version", ...}``
+``POST /api/jobs/``                         ``{"submission_id", "job_id"}``; a duplicate id
+                                            answers **500** whose traceback text ends in
+                                            ``ValueError: Job with submission_id X already
+                                            exists`` (the agent's 400, wrapped by the head)
+``GET /api/jobs/``                          list of job details (submission and driver jobs)
+``GET /api/jobs/{id}``                      job details; 404 text ``Job X does not exist``
+``POST /api/jobs/{id}/stop``                ``{"stopped": bool}`` (False: not running)
+``DELETE /api/jobs/{id}``                   ``{"deleted": true}``; 500 while not terminal
+``GET /api/jobs/{id}/logs``                 ``{"logs": str}``
+``GET /api/jobs/{id}/logs/tail``            websocket: the log so far, then new chunks as text
+                                            messages; closed (1000) once the job ended
+``GET /api/packages/{protocol}/{name}``     200 (exists; also pins the URI for 10 min), 404
+``PUT /api/packages/{protocol}/{name}``     the raw package bytes; 200 with an empty body
+==========================================  =============================================
+
+With ``RAY_AUTH_MODE=token`` every path above answers 401 without an
+``Authorization: Bearer`` header and 403 with a wrong token.
+
+The log tail (``AsyncRayJobsClient.tail_logs``, async only: its followers all run in an event
+loop) opens without permessage-deflate: Ray 2.60's dashboard proxies the websocket from a
+subprocess and passes the client's extension header through, and a compressed stream then
+closes at once with nothing (measured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import ssl
+import stat
+import time
+import zipfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import websockets
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rayslice.core.exceptions import (
+    InvalidRequestError,
+    JobNotFoundError,
+    RayAuthError,
+    RayJobsError,
+    RayUnreachableError,
+)
+
+__all__ = [
+    "AsyncRayJobsClient",
+    "JobDetails",
+    "JobStatus",
+    "LogTail",
+    "RayJobsClient",
+    "package_name_for",
+    "zip_directory",
+]
+
+logger = logging.getLogger(__name__)
+
+# Statuses that mean "a proxy or the dashboard is (re)starting": retried like connection errors.
+RETRY_STATUSES = frozenset({502, 503, 504})
+# Package formats the Ray dashboard accepts for upload (ray._common.runtime_env_package).
+PACKAGE_EXTENSIONS = (".zip", ".whl", ".tar.gz", ".tgz", ".tar.xz")
+# Ray's own prefix for content-addressed packages (ray._private.runtime_env.packaging).
+RAY_PKG_PREFIX = "_ray_pkg_"
+# Zip entries get this timestamp, so equal trees give equal bytes (zip's epoch).
+_ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+_MAX_TEXT = 500
+_AUTH_HINT = "set the `ray` connection's password to the cluster's token"
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*$")
+
+
+class JobStatus(StrEnum):
+    """A Ray job's status, as the Jobs API reports it."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    @property
+    def is_terminal(self) -> bool:
+        """True for STOPPED, SUCCEEDED and FAILED: the job will not change status again."""
+        return self in (JobStatus.STOPPED, JobStatus.SUCCEEDED, JobStatus.FAILED)
+
+
+class JobDetails(BaseModel):
+    """One job, as ``GET /api/jobs/{id}`` describes it; unknown fields are kept, not rejected.
+
+    ``start_time`` and ``end_time`` are Unix timestamps in milliseconds.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    status: JobStatus
+    submission_id: str | None = None
+    job_id: str | None = None
+    type: str | None = None
+    entrypoint: str | None = None
+    message: str | None = None
+    error_type: str | None = None
+    start_time: int | None = None
+    end_time: int | None = None
+    metadata: dict[str, str] | None = None
+    runtime_env: dict[str, Any] | None = None
+    driver_exit_code: int | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status.is_terminal
+
+
+# --------------------------------------------------------------------------- packages
+
+
+def package_name_for(data: bytes, extension: str = ".zip") -> str:
+    """Ray's content-addressed package name for ``data``: ``_ray_pkg_<sha1 hex><extension>``.
+
+    The same convention ``ray.job_submission`` uses for file packages, so a
+    package we upload and one Ray's own client uploads for the same bytes share a URI.
+    """
+    return f"{RAY_PKG_PREFIX}{hashlib.sha1(data).hexdigest()}{extension}"
+
+
+def _default_include(relpath: str) -> bool:
+    name = relpath.rsplit("/", 1)[-1]
+    return name != "__pycache__" and not name.endswith((".pyc", ".pyo"))
+
+
+def zip_directory(
+    path: str | os.PathLike[str],
+    *,
+    include: Callable[[str], bool] | None = None,
+    include_parent_dir: bool = False,
+) -> bytes:
+    """Zip the tree under ``path`` deterministically: equal trees give equal bytes (and hash).
+
+    Entries are sorted, timestamped 1980-01-01 and given mode 0644 (0755 when the
+    file is executable), so neither mtimes nor the walk order change the result.
+
+    ``include`` is called with each entry's POSIX path relative to ``path`` (e.g.
+    ``"pkg/mod.py"``), directories included: returning False for a directory
+    prunes it. The default keeps everything but ``__pycache__`` and ``*.pyc``.
+
+    ``include_parent_dir=True`` puts the entries under ``<basename of path>/``:
+    the layout ``py_modules`` wants (the unpacked package directory goes on
+    ``sys.path``, so ``import <basename>`` works). Leave it False for ``working_dir``.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise InvalidRequestError(f"zip_directory: {str(root)!r} is not a directory")
+    keep = include or _default_include
+    prefix = f"{root.resolve().name}/" if include_parent_dir else ""
+
+    entries: list[tuple[str, Path | None]] = []  # (arcname, file or None for a directory)
+    if prefix:
+        entries.append((prefix, None))
+
+    def walk(directory: Path, rel: str) -> None:
+        for child in sorted(directory.iterdir(), key=lambda p: p.name):
+            child_rel = f"{rel}{child.name}"
+            if not keep(child_rel):
+                continue
+            if child.is_dir():
+                entries.append((f"{prefix}{child_rel}/", None))
+                walk(child, f"{child_rel}/")
+            elif child.is_file():
+                entries.append((f"{prefix}{child_rel}", child))
+
+    walk(root, "")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for arcname, file in entries:
+            info = zipfile.ZipInfo(arcname, date_time=_ZIP_EPOCH)
+            info.create_system = 3  # Unix, so external_attr means mode bits everywhere
+            if file is None:
+                info.external_attr = (stat.S_IFDIR | 0o755) << 16 | 0x10
+                zf.writestr(info, b"")
+            else:
+                executable = os.access(file, os.X_OK)
+                info.external_attr = (stat.S_IFREG | (0o755 if executable else 0o644)) << 16
+                info.compress_type = zipfile.ZIP_DEFLATED
+                zf.writestr(info, file.read_bytes(), compresslevel=6)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- base client
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One request to make: what the I/O layers send, and what parsers describe in errors."""
+
+    method: str
+    path: str
+    json: Any = None
+    content: bytes | None = None
+    timeout: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+def _quote(value: str, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{what} must be a non-empty string, got {value!r}")
+    return quote(value, safe="")
+
+
+def _split_package_uri(uri: str) -> tuple[str, str]:
+    protocol, sep, name = uri.partition("://")
+    if not sep or not protocol or not name or "/" in name:
+        raise InvalidRequestError(
+            f"package URI must look like 'gcs://_ray_pkg_<hash>.zip', got {uri!r}"
+        )
+    if not name.endswith(PACKAGE_EXTENSIONS):
+        raise InvalidRequestError(
+            f"package {uri!r} must end in one of {', '.join(PACKAGE_EXTENSIONS)}"
+        )
+    return protocol, name
+
+
+def _check_runtime_env(runtime_env: dict[str, Any]) -> None:
+    """Reject local paths in working_dir / py_modules: this client only passes URIs through."""
+    if not isinstance(runtime_env, dict):
+        raise InvalidRequestError(f"runtime_env must be a dict, got {type(runtime_env).__name__}")
+    locations: list[Any] = []
+    if runtime_env.get("working_dir") is not None:
+        locations.append(runtime_env["working_dir"])
+    py_modules = runtime_env.get("py_modules")
+    if py_modules is not None:
+        if not isinstance(py_modules, list):
+            raise InvalidRequestError("runtime_env['py_modules'] must be a list of URIs")
+        locations.extend(py_modules)
+    for loc in locations:
+        if not isinstance(loc, str) or "://" not in loc:
+            raise InvalidRequestError(
+                f"runtime_env working_dir/py_modules entries must be URIs (e.g. gcs://...), "
+                f"got {loc!r}; upload local code with ensure_package(zip_directory(...)) first"
+            )
+
+
+class _BaseJobsClient:
+    """Request building and response parsing for the Ray Jobs API; no I/O here."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        verify: bool | str = True,
+        headers: dict[str, str] | None = None,
+        timeout: float = 10.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+    ) -> None:
+        address = (address or "").strip()
+        if not address:
+            raise InvalidRequestError("the Ray dashboard address is empty")
+        if "://" not in address:
+            address = f"http://{address}"
+        url = httpx.URL(address)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise InvalidRequestError(
+                f"the Ray dashboard address must be http(s)://host:port, got "
+                f"{str(url.copy_with(username=None, password=None))!r}"
+            )
+        if timeout is None or timeout <= 0:
+            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if backoff < 0:
+            raise InvalidRequestError(f"backoff must be >= 0, got {backoff!r}")
+        self._base_url = url.copy_with(path=url.path.rstrip("/") or "", query=None, fragment=None)
+        # For messages and repr: never the userinfo of an address, never the token.
+        self.address = str(self._base_url.copy_with(username=None, password=None))
+        self._token = token or None
+        user_auth = {k: v for k, v in (headers or {}).items() if k.lower() == "authorization"}
+        self._headers = {k: v for k, v in (headers or {}).items() if k.lower() != "authorization"}
+        if self._token is not None:
+            self._headers["Authorization"] = f"Bearer {self._token}"
+        else:  # an Authorization header given by hand is as secret as a token
+            self._headers.update(user_auth)
+        self._secrets = [s for s in (self._token, *user_auth.values(), url.password) if s]
+        self._verify = self._ssl_verify(verify)
+        self.timeout = float(timeout)
+        self.retries = max(1, int(retries))
+        self.backoff = float(backoff)
+        #: Bytes of log text received over log-tail websockets, for measuring what following costs.
+        self.bytes_streamed = 0
+
+    def __repr__(self) -> str:
+        auth = "token" if self._secrets else "none"
+        return f"{type(self).__name__}(address={self.address!r}, auth={auth!r})"
+
+    @staticmethod
+    def _ssl_verify(verify: bool | str) -> bool | ssl.SSLContext:
+        if isinstance(verify, bool):
+            return verify
+        if os.path.isdir(verify):
+            return ssl.create_default_context(capath=verify)
+        if os.path.isfile(verify):
+            return ssl.create_default_context(cafile=verify)
+        raise InvalidRequestError(f"verify: CA bundle path {verify!r} does not exist")
+
+    def _client_kwargs(self, transport: Any) -> dict[str, Any]:
+        return {
+            "base_url": self._base_url,
+            "headers": self._headers,
+            "verify": self._verify,
+            "timeout": httpx.Timeout(self.timeout),
+            "transport": transport,
+            "follow_redirects": False,
+        }
+
+    # ---- secrets and text
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "<token>")
+        return text
+
+    def _summary(self, text: str) -> str:
+        """The useful part of a server answer: for Ray's tracebacks, the last exception line."""
+        text = self._scrub(text or "").strip()
+        if "Traceback (most recent call last)" in text:
+            lines = [ln.strip() for ln in text.splitlines() if _EXC_LINE.match(ln.strip())]
+            if lines:
+                text = lines[-1]
+        if len(text) > _MAX_TEXT:
+            text = text[: _MAX_TEXT - 3] + "..."
+        return text or "<empty body>"
+
+    # ---- retry policy
+
+    def _delay(self, attempt: int) -> float:
+        return self.backoff * 2**attempt
+
+    def _transient(self, call: _Call, attempt: int, cause: str) -> float | None:
+        """Note a transient failure; the seconds to sleep before retrying, or None when out of tries."""
+        if attempt + 1 >= self.retries:
+            return None
+        delay = self._delay(attempt)
+        logger.warning(
+            "Ray dashboard at %s: %s failed (%s); attempt %d/%d, retrying in %.2fs",
+            self.address, call.label, cause, attempt + 1, self.retries, delay,
+        )
+        return delay
+
+    def _unreachable(self, cause: str, status_code: int | None = None) -> RayUnreachableError:
+        return RayUnreachableError(
+            f"could not reach the Ray dashboard at {self.address} after {self.retries} attempts: "
+            f"{cause}; check the `ray` connection's host and that the cluster is up",
+            status_code=status_code,
+        )
+
+    def _exc_cause(self, exc: httpx.TransportError) -> str:
+        detail = self._scrub(str(exc)) or "no detail"
+        return f"{type(exc).__name__}: {detail}"
+
+    # ---- response checking
+
+    def _raise_for_status(self, call: _Call, resp: httpx.Response, *, not_found: str | None) -> None:
+        code = resp.status_code
+        if 200 <= code < 300:
+            return
+        if code == 401:
+            raise RayAuthError(
+                f"the Ray dashboard at {self.address} requires a token (HTTP 401 on {call.label}); "
+                f"{_AUTH_HINT}",
+                status_code=code,
+            )
+        if code == 403:
+            what = "rejected the token" if self._token else "refused the request"
+            raise RayAuthError(
+                f"the Ray dashboard at {self.address} {what} (HTTP 403 on {call.label}: "
+                f"{self._summary(resp.text)}); {_AUTH_HINT}",
+                status_code=code,
+            )
+        if code == 404 and not_found is not None:
+            raise JobNotFoundError(
+                f"the Ray dashboard at {self.address} knows no job {not_found!r}", status_code=code
+            )
+        raise RayJobsError(
+            f"the Ray dashboard at {self.address} answered {call.label} with HTTP {code}: "
+            f"{self._summary(resp.text)}",
+            status_code=code,
+        )
+
+    def _json(self, call: _Call, resp: httpx.Response) -> Any:
+        try:
+            return resp.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RayJobsError(
+                f"the Ray dashboard at {self.address} answered {call.label} with a body that is "
+                f"not JSON (HTTP {resp.status_code}): {self._summary(resp.text)!r}",
+                status_code=resp.status_code,
+            ) from None
+
+    def _field(self, call: _Call, resp: httpx.Response, key: str, kind: type) -> Any:
+        body = self._json(call, resp)
+        if not isinstance(body, dict) or not isinstance(body.get(key), kind):
+            raise RayJobsError(
+                f"the Ray dashboard at {self.address} answered {call.label} without a "
+                f"{kind.__name__} {key!r}: {self._summary(resp.text)!r}",
+                status_code=resp.status_code,
+            )
+        return body[key]
+
+    def _details(self, call: _Call, resp: httpx.Response, raw: Any) -> JobDetails:
+        try:
+            return JobDetails.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()
+            )
+            raise RayJobsError(
+                f"the Ray dashboard at {self.address} answered {call.label} with unexpected job "
+                f"details ({problems})",
+                status_code=resp.status_code,
+            ) from None
+
+    # ---- calls: build, then parse
+
+    def _version_call(self) -> _Call:
+        return _Call("GET", "/api/version")
+
+    def _parse_version(self, call: _Call, resp: httpx.Response) -> dict[str, Any]:
+        if resp.status_code == 404:
+            raise RayJobsError(
+                f"{self.address} does not look like a Ray dashboard (404 on {call.label}); "
+                "check the `ray` connection's host and port",
+                status_code=404,
+            )
+        self._raise_for_status(call, resp, not_found=None)
+        body = self._json(call, resp)
+        if not isinstance(body, dict):
+            raise RayJobsError(
+                f"the Ray dashboard at {self.address} answered {call.label} with "
+                f"{self._summary(resp.text)!r}, not an object",
+                status_code=resp.status_code,
+            )
+        return body
+
+    def _submit_call(
+        self,
+        entrypoint: str,
+        *,
+        submission_id: str,
+        runtime_env: dict[str, Any] | None,
+        metadata: dict[str, str] | None,
+        entrypoint_num_cpus: float | None,
+        entrypoint_num_gpus: float | None,
+        entrypoint_memory: int | None,
+        entrypoint_resources: dict[str, float] | None,
+        entrypoint_label_selector: dict[str, str] | None,
+    ) -> _Call:
+        if not isinstance(entrypoint, str) or not entrypoint.strip():
+            raise InvalidRequestError(f"entrypoint must be a non-empty command string, got {entrypoint!r}")
+        _quote(submission_id, "submission_id")
+        if runtime_env is not None:
+            _check_runtime_env(runtime_env)
+        if metadata is not None and not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise InvalidRequestError("metadata keys and values must all be strings")
+        body = {
+            "entrypoint": entrypoint,
+            "submission_id": submission_id,
+            "runtime_env": runtime_env,
+            "metadata": metadata,
+            "entrypoint_num_cpus": entrypoint_num_cpus,
+            "entrypoint_num_gpus": entrypoint_num_gpus,
+            "entrypoint_memory": entrypoint_memory,
+            "entrypoint_resources": entrypoint_resources,
+            "entrypoint_label_selector": entrypoint_label_selector,
+        }
+        # Like Ray's own client: leave out unset fields, so older servers accept the request.
+        return _Call("POST", "/api/jobs/", json={k: v for k, v in body.items() if v is not None})
+
+    def _parse_submit(self, call: _Call, resp: httpx.Response) -> str:
+        submission_id = call.json["submission_id"]
+        if resp.status_code >= 400 and self._already_exists(resp.text, submission_id):
+            logger.info(
+                "Ray dashboard at %s: job %r already exists; reattaching to it",
+                self.address, submission_id,
+            )
+            return submission_id
+        self._raise_for_status(call, resp, not_found=None)
+        body = self._json(call, resp)
+        returned = body.get("submission_id") if isinstance(body, dict) else None
+        return returned if isinstance(returned, str) and returned else submission_id
+
+    @staticmethod
+    def _already_exists(text: str, submission_id: str) -> bool:
+        # Ray 2.60: HTTP 500 whose traceback ends "ValueError: Job with submission_id <id>
+        # already exists. Please use a different submission_id." (older Rays: 400).
+        return "already exists" in text and submission_id in text
+
+    def _get_call(self, submission_id: str) -> _Call:
+        return _Call("GET", f"/api/jobs/{_quote(submission_id, 'submission_id')}")
+
+    def _parse_get(self, call: _Call, resp: httpx.Response, submission_id: str) -> JobDetails:
+        self._raise_for_status(call, resp, not_found=submission_id)
+        return self._details(call, resp, self._json(call, resp))
+
+    def _stop_call(self, submission_id: str) -> _Call:
+        return _Call("POST", f"/api/jobs/{_quote(submission_id, 'submission_id')}/stop")
+
+    def _parse_stop(self, call: _Call, resp: httpx.Response, submission_id: str) -> bool:
+        self._raise_for_status(call, resp, not_found=submission_id)
+        return self._field(call, resp, "stopped", bool)
+
+    def _delete_call(self, submission_id: str) -> _Call:
+        return _Call("DELETE", f"/api/jobs/{_quote(submission_id, 'submission_id')}")
+
+    def _parse_delete(self, call: _Call, resp: httpx.Response, submission_id: str) -> bool:
+        self._raise_for_status(call, resp, not_found=submission_id)
+        return self._field(call, resp, "deleted", bool)
+
+    def _logs_call(self, submission_id: str) -> _Call:
+        return _Call("GET", f"/api/jobs/{_quote(submission_id, 'submission_id')}/logs")
+
+    def _parse_logs(self, call: _Call, resp: httpx.Response, submission_id: str) -> str:
+        self._raise_for_status(call, resp, not_found=submission_id)
+        return self._field(call, resp, "logs", str)
+
+    def _tail_call(self, submission_id: str) -> _Call:
+        return _Call("GET", f"/api/jobs/{_quote(submission_id, 'submission_id')}/logs/tail")
+
+    def _ws_url(self, call: _Call) -> str:
+        scheme = "wss" if self._base_url.scheme == "https" else "ws"
+        return str(self._base_url.copy_with(scheme=scheme, path=self._base_url.path.rstrip("/") + call.path))
+
+    def _ws_ssl(self) -> ssl.SSLContext | None:
+        """The TLS settings of the HTTP calls, for ``wss://``: the same CA bundle, or no verification."""
+        if self._base_url.scheme != "https":
+            return None
+        if isinstance(self._verify, ssl.SSLContext):
+            return self._verify
+        context = ssl.create_default_context()
+        if not self._verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+    def _tail_refused(self, call: _Call, exc: websockets.InvalidStatus, submission_id: str) -> Exception:
+        """The HTTP answer that refused the websocket, as the error a plain call would raise."""
+        code = exc.response.status_code
+        resp = httpx.Response(code, content=bytes(exc.response.body or b""))
+        if code in RETRY_STATUSES:
+            return RayUnreachableError(
+                f"the Ray dashboard at {self.address} answered {call.label} with HTTP {code}", status_code=code
+            )
+        try:
+            self._raise_for_status(call, resp, not_found=submission_id)
+        except RayJobsError as err:
+            return err
+        return RayJobsError(
+            f"the Ray dashboard at {self.address} answered {call.label} with HTTP {code}, not a websocket",
+            status_code=code,
+        )
+
+    def _list_call(self) -> _Call:
+        return _Call("GET", "/api/jobs/")
+
+    def _parse_list(self, call: _Call, resp: httpx.Response) -> list[JobDetails]:
+        self._raise_for_status(call, resp, not_found=None)
+        body = self._json(call, resp)
+        if not isinstance(body, list):
+            raise RayJobsError(
+                f"the Ray dashboard at {self.address} answered {call.label} with "
+                f"{type(body).__name__}, not a list of jobs",
+                status_code=resp.status_code,
+            )
+        return [self._details(call, resp, item) for item in body]
+
+    def _package_exists_call(self, uri: str) -> _Call:
+        protocol, name = _split_package_uri(uri)
+        return _Call("GET", f"/api/packages/{quote(protocol, safe='')}/{quote(name, safe='')}")
+
+    def _parse_package_exists(self, call: _Call, resp: httpx.Response) -> bool:
+        if resp.status_code == 404:
+            return False
+        self._raise_for_status(call, resp, not_found=None)
+        return True
+
+    def _upload_call(self, name: str, data: bytes, timeout: float | None) -> tuple[_Call, str]:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise InvalidRequestError(f"package data must be bytes, got {type(data).__name__}")
+        uri = name if "://" in name else f"gcs://{name}"
+        protocol, pkg = _split_package_uri(uri)
+        if protocol != "gcs":
+            raise InvalidRequestError(f"only gcs:// packages can be uploaded, got {uri!r}")
+        call = _Call("PUT", f"/api/packages/gcs/{quote(pkg, safe='')}", content=bytes(data), timeout=timeout)
+        return call, uri
+
+    def _parse_upload(self, call: _Call, resp: httpx.Response) -> None:
+        self._raise_for_status(call, resp, not_found=None)
+
+
+# --------------------------------------------------------------------------- log tail
+
+
+class LogTail:
+    """One open log-tail websocket of a job (from ``AsyncRayJobsClient.tail_logs``)."""
+
+    def __init__(self, client: _BaseJobsClient, ws: Any, submission_id: str) -> None:
+        self._client = client
+        self._ws = ws
+        self.submission_id = submission_id
+
+    async def next(self) -> str | None:
+        """The next chunk of log text; None once the server closed the stream normally (code 1000).
+
+        Safe to cancel (e.g. by ``asyncio.wait_for``): a chunk that arrives meanwhile is kept for
+        the next call. Any other end (a cut connection, a dashboard going away) raises
+        ``RayUnreachableError``: the stream may have stopped short of the log's end.
+        """
+        try:
+            message = await self._ws.recv()
+        except websockets.ConnectionClosed as exc:
+            if exc.rcvd is not None and exc.rcvd.code == 1000:
+                return None
+            raise RayUnreachableError(
+                f"the log stream of Ray job {self.submission_id} from {self._client.address} broke off: "
+                f"{self._client._scrub(str(exc))}"
+            ) from None
+        if isinstance(message, bytes):
+            self._client.bytes_streamed += len(message)
+            return message.decode("utf-8", "replace")
+        self._client.bytes_streamed += len(message.encode("utf-8", "replace"))
+        return message
+
+
+# --------------------------------------------------------------------------- async client
+
+
+class AsyncRayJobsClient(_BaseJobsClient):
+    """Ray Jobs API over ``httpx.AsyncClient``. Use as ``async with`` or call ``aclose()``.
+
+    ``retries`` is the number of attempts a call gets when the dashboard is
+    unreachable, times out or answers 502/503/504; attempt ``i`` is followed by
+    a sleep of ``backoff * 2**i`` seconds. ``timeout`` bounds each attempt.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        verify: bool | str = True,
+        headers: dict[str, str] | None = None,
+        timeout: float = 10.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(
+            address, token=token, verify=verify, headers=headers,
+            timeout=timeout, retries=retries, backoff=backoff,
+        )
+        self._client = httpx.AsyncClient(**self._client_kwargs(transport))
+
+    async def __aenter__(self) -> AsyncRayJobsClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _send(self, call: _Call) -> httpx.Response:
+        timeout = httpx.Timeout(call.timeout) if call.timeout else httpx.USE_CLIENT_DEFAULT
+        for attempt in range(self.retries):
+            try:
+                resp = await self._client.request(
+                    call.method, call.path, json=call.json, content=call.content, timeout=timeout
+                )
+            except httpx.TransportError as exc:
+                cause = self._exc_cause(exc)
+                delay = self._transient(call, attempt, cause)
+                if delay is None:
+                    raise self._unreachable(cause) from exc
+            else:
+                if resp.status_code not in RETRY_STATUSES:
+                    return resp
+                cause = f"HTTP {resp.status_code} on {call.label}"
+                delay = self._transient(call, attempt, cause)
+                if delay is None:
+                    raise self._unreachable(cause, resp.status_code)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def version(self) -> dict[str, Any]:
+        """``GET /api/version``: ``{"version", "ray_version", "ray_commit", "session_name"}``."""
+        call = self._version_call()
+        return self._parse_version(call, await self._send(call))
+
+    async def submit(
+        self,
+        entrypoint: str,
+        *,
+        submission_id: str,
+        runtime_env: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
+        entrypoint_num_cpus: float | None = None,
+        entrypoint_num_gpus: float | None = None,
+        entrypoint_memory: int | None = None,
+        entrypoint_resources: dict[str, float] | None = None,
+        entrypoint_label_selector: dict[str, str] | None = None,
+    ) -> str:
+        """Submit a job; idempotent by ``submission_id`` (an existing job's id is returned, not an error)."""
+        call = self._submit_call(
+            entrypoint, submission_id=submission_id, runtime_env=runtime_env, metadata=metadata,
+            entrypoint_num_cpus=entrypoint_num_cpus, entrypoint_num_gpus=entrypoint_num_gpus,
+            entrypoint_memory=entrypoint_memory, entrypoint_resources=entrypoint_resources,
+            entrypoint_label_selector=entrypoint_label_selector,
+        )
+        return self._parse_submit(call, await self._send(call))
+
+    async def get(self, submission_id: str) -> JobDetails:
+        """The job's details; ``JobNotFoundError`` when the dashboard does not know the id."""
+        call = self._get_call(submission_id)
+        return self._parse_get(call, await self._send(call), submission_id)
+
+    async def stop(self, submission_id: str) -> bool:
+        """Ask the job to stop; True if it was running (the stop itself is asynchronous)."""
+        call = self._stop_call(submission_id)
+        return self._parse_stop(call, await self._send(call), submission_id)
+
+    async def delete(self, submission_id: str) -> bool:
+        """Delete a terminal job's record; a job still running gives ``RayJobsError`` (HTTP 500)."""
+        call = self._delete_call(submission_id)
+        return self._parse_delete(call, await self._send(call), submission_id)
+
+    async def logs(self, submission_id: str) -> str:
+        """The job's driver log so far (``""`` before the driver started)."""
+        call = self._logs_call(submission_id)
+        return self._parse_logs(call, await self._send(call), submission_id)
+
+    @asynccontextmanager
+    async def tail_logs(self, submission_id: str) -> AsyncIterator[LogTail]:
+        """Open the job's log tail websocket: ``async with client.tail_logs(sid) as tail``.
+
+        Each stream starts again at the log's first character. Opening is one attempt bounded by
+        ``timeout``: a dashboard that does not answer gives ``RayUnreachableError``; 401/403/404
+        give the errors the other calls give. The token, extra headers and TLS settings are the
+        HTTP calls' own.
+        """
+        call = self._tail_call(submission_id)
+        try:
+            ws = await websockets.connect(
+                self._ws_url(call),
+                additional_headers=self._headers,
+                ssl=self._ws_ssl(),
+                open_timeout=self.timeout,
+                # Leaving a stream must be quick (a timeout or a kill stops the job right after): Ray's
+                # tail handler only writes, so it never answers our close frame; do not wait for it.
+                close_timeout=0.1,
+                compression=None,  # see the module docstring: Ray's proxy drops compressed streams
+                max_size=None,  # the server sends up to 20,000 characters, or one whole long line
+                # No keepalive pings: Ray's dashboard, busy relaying a chatty log, answers them late,
+                # and each "keepalive ping timeout" cost a reopen that re-sent the whole log (measured:
+                # 3.6x a 20 MB log's bytes). A dead stream is noticed through the status polls instead.
+                ping_interval=None,
+            )
+        except websockets.InvalidStatus as exc:
+            raise self._tail_refused(call, exc, submission_id) from None
+        except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
+            cause = self._scrub(f"{type(exc).__name__}: {exc}")
+            raise RayUnreachableError(
+                f"could not open the log stream {call.label} at {self.address}: {cause}"
+            ) from None
+        try:
+            yield LogTail(self, ws, submission_id)
+        finally:
+            await ws.close()
+
+    async def list_jobs(self) -> list[JobDetails]:
+        """Every job the cluster knows: submission jobs and plain driver jobs (``type``)."""
+        call = self._list_call()
+        return self._parse_list(call, await self._send(call))
+
+    async def package_exists(self, uri: str) -> bool:
+        """Whether the cluster holds ``uri`` (``gcs://...``); asking also pins it for ~10 min."""
+        call = self._package_exists_call(uri)
+        return self._parse_package_exists(call, await self._send(call))
+
+    async def upload_package(self, name: str, data: bytes, *, timeout: float | None = None) -> str:
+        """Store ``data`` in the cluster as ``gcs://<name>``; returns that URI."""
+        call, uri = self._upload_call(name, data, timeout)
+        self._parse_upload(call, await self._send(call))
+        return uri
+
+    async def ensure_package(self, zip_bytes: bytes, *, timeout: float | None = None) -> str:
+        """Upload ``zip_bytes`` under its content hash unless the cluster has it; returns the URI."""
+        uri = f"gcs://{package_name_for(bytes(zip_bytes))}"
+        # Asking first also pins the URI, as Ray's own client does before uploading.
+        if not await self.package_exists(uri):
+            await self.upload_package(uri, zip_bytes, timeout=timeout)
+        return uri
+
+
+# --------------------------------------------------------------------------- sync client
+
+
+class RayJobsClient(_BaseJobsClient):
+    """Ray Jobs API over ``httpx.Client``; the blocking mirror of ``AsyncRayJobsClient``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        verify: bool | str = True,
+        headers: dict[str, str] | None = None,
+        timeout: float = 10.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(
+            address, token=token, verify=verify, headers=headers,
+            timeout=timeout, retries=retries, backoff=backoff,
+        )
+        self._client = httpx.Client(**self._client_kwargs(transport))
+
+    def __enter__(self) -> RayJobsClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _send(self, call: _Call) -> httpx.Response:
+        timeout = httpx.Timeout(call.timeout) if call.timeout else httpx.USE_CLIENT_DEFAULT
+        for attempt in range(self.retries):
+            try:
+                resp = self._client.request(
+                    call.method, call.path, json=call.json, content=call.content, timeout=timeout
+                )
+            except httpx.TransportError as exc:
+                cause = self._exc_cause(exc)
+                delay = self._transient(call, attempt, cause)
+                if delay is None:
+                    raise self._unreachable(cause) from exc
+            else:
+                if resp.status_code not in RETRY_STATUSES:
+                    return resp
+                cause = f"HTTP {resp.status_code} on {call.label}"
+                delay = self._transient(call, attempt, cause)
+                if delay is None:
+                    raise self._unreachable(cause, resp.status_code)
+            time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def version(self) -> dict[str, Any]:
+        """``GET /api/version``: ``{"version", "ray_version", "ray_commit", "session_name"}``."""
+        call = self._version_call()
+        return self._parse_version(call, self._send(call))
+
+    def submit(
+        self,
+        entrypoint: str,
+        *,
+        submission_id: str,
+        runtime_env: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
+        entrypoint_num_cpus: float | None = None,
+        entrypoint_num_gpus: float | None = None,
+        entrypoint_memory: int | None = None,
+        entrypoint_resources: dict[str, float] | None = None,
+        entrypoint_label_selector: dict[str, str] | None = None,
+    ) -> str:
+        """Submit a job; idempotent by ``submission_id`` (an existing job's id is returned, not an error)."""
+        call = self._submit_call(
+            entrypoint, submission_id=submission_id, runtime_env=runtime_env, metadata=metadata,
+            entrypoint_num_cpus=entrypoint_num_cpus, entrypoint_num_gpus=entrypoint_num_gpus,
+            entrypoint_memory=entrypoint_memory, entrypoint_resources=entrypoint_resources,
+            entrypoint_label_selector=entrypoint_label_selector,
+        )
+        return self._parse_submit(call, self._send(call))
+
+    def get(self, submission_id: str) -> JobDetails:
+        """The job's details; ``JobNotFoundError`` when the dashboard does not know the id."""
+        call = self._get_call(submission_id)
+        return self._parse_get(call, self._send(call), submission_id)
+
+    def stop(self, submission_id: str) -> bool:
+        """Ask the job to stop; True if it was running (the stop itself is asynchronous)."""
+        call = self._stop_call(submission_id)
+        return self._parse_stop(call, self._send(call), submission_id)
+
+    def delete(self, submission_id: str) -> bool:
+        """Delete a terminal job's record; a job still running gives ``RayJobsError`` (HTTP 500)."""
+        call = self._delete_call(submission_id)
+        return self._parse_delete(call, self._send(call), submission_id)
+
+    def logs(self, submission_id: str) -> str:
+        """The job's driver log so far (``""`` before the driver started)."""
+        call = self._logs_call(submission_id)
+        return self._parse_logs(call, self._send(call), submission_id)
+
+    def list_jobs(self) -> list[JobDetails]:
+        """Every job the cluster knows: submission jobs and plain driver jobs (``type``)."""
+        call = self._list_call()
+        return self._parse_list(call, self._send(call))
+
+    def package_exists(self, uri: str) -> bool:
+        """Whether the cluster holds ``uri`` (``gcs://...``); asking also pins it for ~10 min."""
+        call = self._package_exists_call(uri)
+        return self._parse_package_exists(call, self._send(call))
+
+    def upload_package(self, name: str, data: bytes, *, timeout: float | None = None) -> str:
+        """Store ``data`` in the cluster as ``gcs://<name>``; returns that URI."""
+        call, uri = self._upload_call(name, data, timeout)
+        self._parse_upload(call, self._send(call))
+        return uri
+
+    def ensure_package(self, zip_bytes: bytes, *, timeout: float | None = None) -> str:
+        """Upload ``zip_bytes`` under its content hash unless the cluster has it; returns the URI."""
+        uri = f"gcs://{package_name_for(bytes(zip_bytes))}"
+        # Asking first also pins the URI, as Ray's own client does before uploading.
+        if not self.package_exists(uri):
+            self.upload_package(uri, zip_bytes, timeout=timeout)
+        return uri

@@ -1,0 +1,498 @@
+"""Turn a `StepSpec` into one Ray job, follow it, and read its result back: the Airflow side's core.
+
+The job carries everything the cluster needs: the launcher (this package, plus cloudpickle)
+as `py_modules`, and the step's `spec.json` as its `working_dir`, so a cluster whose image has
+`ray` and `jax` but not `rayslice` still runs it. No `ray` import here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import re
+import time
+import uuid
+import zipfile
+from collections.abc import AsyncIterator, Callable, Iterable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from rayslice.client.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, LogTail, zip_directory
+from rayslice.core.exceptions import (
+    CapacityTimeoutError,
+    HostLostError,
+    InvalidRequestError,
+    JobNotFoundError,
+    PreemptedError,
+    RaysliceError,
+    RayUnreachableError,
+    StepFailedError,
+    StepTimeoutError,
+    SubmissionConflictError,
+    UnsatisfiableRequestError,
+)
+from rayslice.core.step import ERROR_MARKER, RESULT_MARKER, Owner, StepSpec, parse_error, parse_result
+
+ENTRYPOINT = "python -m rayslice.cluster spec.json"
+#: Ad-hoc steps (no Airflow task instance) get this prefix and a fresh UUID per submission.
+ADHOC_PREFIX = "rayslice-adhoc-"
+#: How long `wait_for_step` waits out an unreachable dashboard before it gives up on the job.
+UNREACHABLE_GRACE_S = 300.0
+_ERRORS: dict[str, type[RaysliceError]] = {
+    cls.__name__: cls
+    for cls in (
+        CapacityTimeoutError,
+        HostLostError,
+        InvalidRequestError,
+        PreemptedError,
+        StepFailedError,
+        StepTimeoutError,
+        UnsatisfiableRequestError,
+    )
+}
+
+
+def submission_id(owner: Owner) -> str:
+    """A Ray submission id that only the same submitter finds again.
+
+    An Airflow try's id holds a hash of its task-instance id, which Airflow 3 makes new for every
+    try: the same try (a resumed deferral, a restarted worker or triggerer) finds its own job again
+    and reattaches, while a re-created run reusing its run_id, or another Airflow on the same
+    cluster, gets an id of its own. Without a task-instance id (an ad-hoc step) every call gives a
+    fresh id; a caller that wants to reattach sets `owner.submission_id` itself.
+    """
+    if not owner.ti_id:
+        return f"{ADHOC_PREFIX}{uuid.uuid4().hex}"
+    key = f"{owner.dag_id}\0{owner.run_id}\0{owner.task_id}\0{owner.map_index}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    ti_digest = hashlib.sha1(owner.ti_id.encode()).hexdigest()[:8]
+    readable = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{owner.dag_id}--{owner.task_id}")[:80].strip("-")
+    index = f"-m{owner.map_index}" if owner.map_index >= 0 else ""
+    return f"rayslice-{readable}{index}-{digest}-try{owner.try_number}-{ti_digest}"
+
+
+def owner_of(job: JobDetails) -> Owner | None:
+    """The owner a rayslice job was submitted for, read back from its metadata; None for other jobs."""
+    meta = job.metadata or {}
+    if meta.get("rayslice") != "1":
+        return None
+    try:
+        return Owner(dag_id=meta.get("dag_id", ""), run_id=meta.get("run_id", ""), task_id=meta.get("task_id", ""),
+                     map_index=int(meta.get("map_index", -1)), try_number=int(meta.get("try_number", 0)),
+                     ti_id=meta.get("ti_id", ""), submission_id=job.submission_id or "")
+    except ValueError:
+        return None
+
+
+def jobs_of_task(jobs: Iterable[JobDetails], owner: Owner) -> list[JobDetails]:
+    """The rayslice jobs of `owner`'s (dag, run, task, map index), of every try and status.
+
+    Found by metadata, not by id: ids hold each try's task-instance id, which only that try knows.
+    """
+    return [job for job, _ in _with_task_owners(jobs, owner)]
+
+
+def running_earlier_tries(jobs: Iterable[JobDetails], owner: Owner) -> dict[str, int]:
+    """Submission id -> try number of each still-running job of `owner`'s task from a try before its own."""
+    return {job.submission_id or "": theirs.try_number for job, theirs in _with_task_owners(jobs, owner)
+            if not job.is_terminal and theirs.try_number < owner.try_number and job.submission_id}
+
+
+def _with_task_owners(jobs: Iterable[JobDetails], owner: Owner) -> list[tuple[JobDetails, Owner]]:
+    task = (owner.dag_id, owner.run_id, owner.task_id, owner.map_index)
+    found = []
+    for job in jobs:
+        theirs = owner_of(job)
+        if theirs is not None and theirs.dag_id and (theirs.dag_id, theirs.run_id, theirs.task_id,
+                                                     theirs.map_index) == task:
+            found.append((job, theirs))
+    return found
+
+
+def _identity(owner: Owner) -> tuple[str, str, str, int, int, str]:
+    return owner.dag_id, owner.run_id, owner.task_id, owner.map_index, owner.try_number, owner.ti_id
+
+
+def _describe(owner: Owner | None) -> str:
+    if owner is None:
+        return "a job that rayslice did not submit"
+    if not owner.dag_id:
+        return "an ad-hoc step" + (f" (task instance {owner.ti_id})" if owner.ti_id else "")
+    index = f"[{owner.map_index}]" if owner.map_index >= 0 else ""
+    return (f"Airflow task {owner.dag_id}.{owner.task_id}{index} of run {owner.run_id}, try {owner.try_number} "
+            f"(task instance {owner.ti_id or 'unknown'})")
+
+
+def _check_reattachable(job: JobDetails, owner: Owner) -> None:
+    """A job is reattached only by the submitter that made it: same owner, task-instance id included."""
+    theirs = owner_of(job)
+    if theirs is not None and _identity(theirs) == _identity(owner):
+        return
+    raise SubmissionConflictError(
+        f"Ray job {job.submission_id} already exists and belongs to {_describe(theirs)}, not to {_describe(owner)}: "
+        "only the submitter of a job reattaches to it. Leave the submission id empty to get a fresh one, "
+        "or choose an id that no job on this cluster has"
+    )
+
+
+# What the cluster imports of rayslice: its public names, the request model, the launcher.
+CLUSTER_SIDE = ("__init__.py", "core", "cluster")
+
+
+def _cluster_side(rel: str) -> bool:
+    """Python sources of the cluster side, and the folders that hold them."""
+    parts = rel.split("/")
+    if parts[0] not in CLUSTER_SIDE or any(p.startswith((".", "__pycache__")) for p in parts):
+        return False
+    return "." not in parts[-1] or parts[-1].endswith(".py")
+
+
+@cache
+def launcher_packages() -> tuple[bytes, ...]:
+    """The launcher as `py_modules` zips: rayslice's cluster side only, and cloudpickle for by-value steps."""
+    import cloudpickle
+
+    package = Path(__file__).parents[1]
+    return (
+        zip_directory(package, include=_cluster_side, include_parent_dir=True),
+        zip_directory(Path(cloudpickle.__file__).parent, include_parent_dir=True),
+    )
+
+
+def spec_package(spec: StepSpec) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        info = zipfile.ZipInfo("spec.json", date_time=(1980, 1, 1, 0, 0, 0))
+        zf.writestr(info, spec.model_dump_json())
+    return buf.getvalue()
+
+
+async def submit_step(
+    client: AsyncRayJobsClient, spec: StepSpec, *, emit: Callable[[str], None] = print
+) -> str:
+    """Submit the step as a Ray job, or reattach to the job this same try (or caller) submitted before.
+
+    The job's metadata names its owner, task-instance id included; that is what decides whether an
+    existing job of the same id may be reattached (see `submission_id`). Returns the submission id.
+    """
+    if not spec.owner.submission_id:
+        owner = spec.owner.model_copy(update={"submission_id": submission_id(spec.owner)})
+        spec = spec.model_copy(update={"owner": owner})
+    sid = spec.owner.submission_id
+    try:
+        existing: JobDetails | None = await client.get(sid)
+    except JobNotFoundError:
+        existing = None
+    if existing is not None:
+        _check_reattachable(existing, spec.owner)
+        submitter = "this try" if spec.owner.ti_id else "this caller"
+        emit(f"[rayslice] reattaching to Ray job {sid} that {submitter} submitted ({existing.status.value})")
+        return sid
+    py_modules = [await client.ensure_package(package) for package in launcher_packages()]
+    working_dir = await client.ensure_package(spec_package(spec))
+    owner = spec.owner.model_dump(mode="json")
+    # Idempotent by id: a retried POST whose first answer was lost finds its own job.
+    await client.submit(
+        ENTRYPOINT,
+        submission_id=sid,
+        # Every host's lines in the task log, not Ray's "[repeated 3x across cluster]" digest.
+        runtime_env={
+            "py_modules": py_modules,
+            "working_dir": working_dir,
+            "env_vars": {"RAY_DEDUP_LOGS": "0"},
+        },
+        metadata={"rayslice": "1", "request": str(spec.request), **{k: str(v) for k, v in owner.items()}},
+    )
+    emit(f"[rayslice] submitted {spec.request} as Ray job {sid}")
+    return sid
+
+
+class LogFollower:
+    """Hands each line of a job's log to `emit` once, across streams that each start at the log's beginning.
+
+    `offset` is the number of characters of the log up to the end of the last whole line handled
+    (relayed, or skipped as a marker or blank): a new stream skips that much, and a restarted
+    trigger resumes from it. A line is relayed once its newline has arrived (or the log ended), so
+    a line a chunk cut in two is relayed whole. The step's marker lines are kept, not relayed.
+    """
+
+    def __init__(self, emit: Callable[[str], None], offset: int = 0) -> None:
+        self.emit = emit
+        self.offset = int(offset)
+        self._partial = ""  # the current stream's text past `offset` that has no newline yet
+        self._received = 0  # characters of the current stream seen so far
+        self._markers: dict[str, str] = {}  # the last line carrying each marker
+
+    @property
+    def seen(self) -> int:  # the name the trigger's events and older callers use
+        return self.offset
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        self.offset = int(value)
+
+    @property
+    def markers(self) -> str:
+        """The last result and error marker lines seen: all `outcome` needs of the log."""
+        return "\n".join(self._markers.values())
+
+    def restart(self) -> None:
+        """A new stream begins, from the log's first character."""
+        self._partial, self._received = "", 0
+
+    def chunk(self, text: str) -> None:
+        """The next piece of the current stream."""
+        start, self._received = self._received, self._received + len(text)
+        skip = self.offset + len(self._partial) - start  # what this follower already holds
+        if skip >= len(text):
+            return
+        pending = self._partial + text[max(0, skip):]
+        *lines, self._partial = pending.split("\n")
+        for line in lines:
+            self.offset += len(line) + 1
+            self._handle(line)
+
+    def feed(self, log: str) -> None:
+        """The whole log so far, as `GET .../logs` returns it."""
+        self.restart()
+        self.chunk(log)
+
+    def flush(self) -> None:
+        """The log ended: relay its last line even without a newline."""
+        line, self._partial = self._partial, ""
+        self.offset += len(line)
+        self._received = self.offset
+        self._handle(line)
+
+    def _handle(self, line: str) -> None:
+        for piece in line.splitlines():  # "\r" progress bars and the like: one line each, as before
+            for marker in (RESULT_MARKER, ERROR_MARKER):
+                if marker in piece:
+                    self._markers[marker] = piece
+            if piece.strip() and not piece.startswith((RESULT_MARKER, ERROR_MARKER)):
+                self.emit(_strip_ansi(piece))
+
+
+def _strip_ansi(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def outcome(job: JobDetails, log: str) -> Any:
+    """The step's result for a finished job, or the error that says why it did not succeed.
+
+    `log` needs only the marker lines (`LogFollower.markers`); the whole log works too.
+    """
+    if job.status == JobStatus.SUCCEEDED:
+        found, value = parse_result(log)
+        if not found:
+            raise StepFailedError(f"Ray job {job.submission_id} succeeded but printed no rayslice result")
+        return value
+    error = parse_error(log)
+    if error:
+        raise _ERRORS.get(error["type"], StepFailedError)(error["message"])
+    if job.status == JobStatus.STOPPED:
+        raise StepFailedError(f"Ray job {job.submission_id} was stopped before the step finished")
+    raise StepFailedError(f"Ray job {job.submission_id} {job.status.value}: {job.message or 'no message'}")
+
+
+class JobFollow:
+    """Follows one job to its end: polls its (small) status, streams its log over the websocket tail.
+
+    The log is never re-downloaded per poll. A stream (`client.tail_logs`) is opened once the job
+    left PENDING (Ray may close one opened earlier at once, with nothing) and reopened, at most
+    once per `poll`, whenever it ends before the log is known complete; each stream re-sends the
+    log from its start, and `lines` skips what it already holds. The job's end is seen by polling
+    `client.get` every `poll` seconds.
+
+    The log is complete once a stream closed normally after the job ended: a stream open when a
+    poll saw the end, or one opened after the end, or one that delivered the step's marker line.
+    A stream that breaks off (a cut connection) is reopened at the next poll; one that stays open
+    `END_GRACE_S` after the end is closed and the rest read with one `client.logs`. Status polls
+    that fail for longer than `unreachable_grace` raise `RayUnreachableError` naming the job;
+    stream failures alone never do (the job's end is known from its status).
+    """
+
+    #: How long a stream may stay open after the job ended before the rest is read with one GET.
+    END_GRACE_S = 15.0
+
+    def __init__(
+        self,
+        client: AsyncRayJobsClient,
+        sid: str,
+        lines: LogFollower,
+        *,
+        poll: float = 1.0,
+        call_timeout: float = 30.0,
+        unreachable_grace: float = UNREACHABLE_GRACE_S,
+        warn: Callable[[str], None] = print,
+    ) -> None:
+        self.client, self.sid, self.lines = client, sid, lines
+        self.poll, self.call_timeout, self.unreachable_grace = poll, call_timeout, unreachable_grace
+        self.warn = warn
+        self.job: JobDetails | None = None  # the last status read
+        self.complete = False  # the whole log went through `lines`
+        self.streams = 0  # log streams opened
+        self._unreachable_since: float | None = None
+        self._stream_trouble = False  # warned about the stream; warned again only after it worked
+
+    def outcome(self) -> Any:
+        """The step's result or error, from the marker lines (once `statuses()` has ended)."""
+        if self.job is None or not self.complete:
+            raise RuntimeError(f"Ray job {self.sid} is still being followed")
+        return outcome(self.job, self.lines.markers)
+
+    async def statuses(self) -> AsyncIterator[JobDetails]:
+        """Yield each status read, until the job ended and its whole log went through `lines`.
+
+        Then `self.job` is the final status. A caller may stop iterating at any time (a deadline):
+        the open stream, if any, is closed.
+        """
+        async with contextlib.AsyncExitStack() as stack:
+            tail: LogTail | None = None
+            closed_normally = opened_after_end = ended_while_open = False
+            ended_at = opened_at = 0.0
+            next_poll = next_open = 0.0
+            while True:
+                now = time.monotonic()
+                if tail is None or now >= next_poll:
+                    next_poll = now + self.poll
+                    job = await self._get()
+                    if job is not None:
+                        self.job = job
+                        if job.is_terminal:
+                            ended_at = ended_at or time.monotonic()
+                            ended_while_open = ended_while_open or tail is not None
+                        yield job
+                    ended = self.job is not None and self.job.is_terminal
+                    if tail is None and ended and closed_normally and (
+                            opened_after_end or ended_while_open or self.lines.markers):
+                        break
+                    waiting = self.job is None or self.job.status == JobStatus.PENDING
+                    if tail is None and not waiting and time.monotonic() >= next_open:
+                        next_open = time.monotonic() + self.poll
+                        tail = await self._open(stack)
+                        if tail is not None:
+                            opened_after_end, opened_at = ended, time.monotonic()
+                            closed_normally = ended_while_open = False
+                    if tail is None:
+                        await asyncio.sleep(max(0.0, next_poll - time.monotonic()))
+                        continue
+                    if ended and time.monotonic() - max(ended_at, opened_at) > self.END_GRACE_S:
+                        await stack.aclose()  # the server kept the stream open past the end
+                        tail = None
+                        if await self._read_rest():
+                            break
+                        continue
+                try:
+                    text = await asyncio.wait_for(tail.next(), max(0.0, next_poll - time.monotonic()))
+                except TimeoutError:
+                    continue  # time to poll the status
+                except RayUnreachableError as exc:
+                    await stack.aclose()
+                    tail, closed_normally = None, False
+                    self._stream_failed(exc)
+                    continue
+                if text is None:  # a normal close: at the job's end, or early; the status tells
+                    await stack.aclose()
+                    tail, closed_normally, next_poll = None, True, 0.0
+                    continue
+                self._stream_trouble = False
+                self.lines.chunk(text)
+        self.lines.flush()
+        self.complete = True
+
+    async def _get(self) -> JobDetails | None:
+        """The job's status; None while the dashboard does not answer (within the grace)."""
+        try:
+            job = await asyncio.wait_for(self.client.get(self.sid), self.call_timeout)
+        except (RayUnreachableError, TimeoutError) as exc:
+            cause = str(exc) or type(exc).__name__
+            now = time.monotonic()
+            self._unreachable_since = self._unreachable_since or now
+            if now - self._unreachable_since > self.unreachable_grace:
+                raise RayUnreachableError(
+                    f"lost the Ray dashboard for over {self.unreachable_grace:.0f} s while following Ray job "
+                    f"{self.sid}, which may still be running (stop it with `ray job stop {self.sid}`): {cause}",
+                    status_code=getattr(exc, "status_code", None),
+                ) from None
+            self.warn(f"Ray dashboard not answering ({cause}); still following {self.sid}")
+            return None
+        self._unreachable_since = None
+        return job
+
+    async def _open(self, stack: contextlib.AsyncExitStack) -> LogTail | None:
+        try:
+            tail = await asyncio.wait_for(stack.enter_async_context(self.client.tail_logs(self.sid)),
+                                          self.call_timeout)
+        except (RayUnreachableError, JobNotFoundError, TimeoutError) as exc:
+            # A 404 here is not the job's end: Ray's log route can miss a job its status route
+            # already shows (seen right after it starts); the status poll decides whether it is gone.
+            self._stream_failed(exc)
+            return None
+        self.streams += 1
+        self.lines.restart()
+        return tail
+
+    def _stream_failed(self, exc: BaseException) -> None:
+        if not self._stream_trouble:
+            self.warn(f"the log stream of Ray job {self.sid} failed ({str(exc) or type(exc).__name__}); "
+                      "reopening it at the next poll")
+        self._stream_trouble = True
+
+    async def _read_rest(self) -> bool:
+        """Read the ended job's log once with a plain GET; False if the dashboard did not answer."""
+        try:
+            log = await asyncio.wait_for(self.client.logs(self.sid), self.call_timeout)
+        except (RayUnreachableError, TimeoutError) as exc:
+            self._stream_failed(exc)
+            return False
+        self.lines.feed(log)
+        return True
+
+
+async def wait_for_step(
+    client: AsyncRayJobsClient,
+    sid: str,
+    *,
+    emit: Callable[[str], None] = print,
+    poll: float = 1.0,
+    unreachable_grace: float = UNREACHABLE_GRACE_S,
+    call_timeout: float = 30.0,
+) -> Any:
+    """Follow the job to its end, relaying its log; return the step's result or raise its error.
+
+    The job runs on without us: a dashboard outage shorter than `unreachable_grace` is waited
+    out; a longer one raises an error that names the job, which may still be running.
+    """
+    follow = JobFollow(client, sid, LogFollower(emit), poll=poll, call_timeout=call_timeout,
+                       unreachable_grace=unreachable_grace, warn=lambda message: emit(f"[rayslice] {message}"))
+    async for _ in follow.statuses():
+        pass
+    return follow.outcome()
+
+
+async def run_step_job(
+    address: str,
+    spec: StepSpec,
+    *,
+    token: str | None = None,
+    emit: Callable[[str], None] = print,
+    submission_id: str | None = None,
+) -> Any:
+    """Submit, follow and return: the whole round trip, for the CLI and non-deferred operators.
+
+    Each call runs the step afresh, unless `submission_id` (or `spec.owner.submission_id`) names a
+    job this caller submitted before: then it follows that job to its result.
+    """
+    if submission_id:
+        spec = spec.model_copy(update={"owner": spec.owner.model_copy(update={"submission_id": submission_id})})
+    async with AsyncRayJobsClient(address, token=token) as client:
+        sid = await submit_step(client, spec, emit=emit)
+        try:
+            return await wait_for_step(client, sid, emit=emit)
+        except asyncio.CancelledError:
+            await client.stop(sid)
+            raise

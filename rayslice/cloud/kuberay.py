@@ -1,0 +1,352 @@
+"""KubeRay manifests for a GKE Ray cluster whose worker groups are whole TPU slices (and GPU nodes).
+
+Plain dicts, no kubernetes client and no ray import, so they can be rendered anywhere (CI, a
+laptop, the Airflow side). Each TPU pod type becomes one multi-host worker group: KubeRay and
+the Ray autoscaler add and remove a group replica as a whole slice, which is what a step's gang
+needs. ``validate`` checks a manifest against the real CRD schema, plus the few KubeRay
+operator rules that a schema cannot express, so a bad manifest fails here and not in the cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from functools import cache
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.context import CHECKPOINT_ROOT_ENV
+from rayslice.core.exceptions import InvalidRequestError
+
+DEFAULT_IMAGE = "rayproject/ray:2.60.0-py311"
+CRDS_ENV = "RAYSLICE_KUBERAY_CRDS"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: GKE's node label for each TPU version (cloud.google.com/gke-tpu-accelerator).
+#: v2/v3 have no GKE node pools, so they are missing on purpose.
+GKE_TPU_ACCELERATORS = {
+    "v4": "tpu-v4-podslice",
+    "v5litepod": "tpu-v5-lite-podslice",
+    "v5p": "tpu-v5p-slice",
+    "v6e": "tpu-v6e-slice",
+    "v7x": "tpu7x",
+}
+# Per chip: the sample's share of a v6e host (24 CPU, 200G for 4 chips); v5e hosts only have
+# 48 GB a chip, so ask less there or the pod would never fit.
+_CPU_PER_CHIP = 6
+_MEMORY_GB_PER_CHIP = {"v5litepod": 40}
+# Small enough for the smallest 1-GPU machines (g2-standard-4, n1-standard-4) after GKE's reserve.
+_GPU_HOST = {"cpu": "3", "memory": "10G"}
+# KubeRay: names become Services ("<name>-serve-svc" <= 63), RayJobs add a 6-char suffix.
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_MAX_NAME = {"RayCluster": 53, "RayJob": 47}
+
+
+def _check_name(name: str, kind: str) -> None:
+    limit = _MAX_NAME[kind]
+    if not isinstance(name, str) or not _DNS1035.match(name) or len(name) > limit:
+        raise InvalidRequestError(
+            f"{kind} name {name!r} is invalid: KubeRay wants a DNS-1035 label of at most {limit} "
+            "characters (lowercase letters, digits and '-', starting with a letter), e.g. 'rayslice'"
+        )
+
+
+def _at_least(least: int, **values: int) -> None:
+    for field, value in values.items():
+        if value < least:
+            raise InvalidRequestError(f"{field}={value} is invalid: use {least} or more")
+
+
+def _metadata(name: str, namespace: str | None) -> dict[str, Any]:
+    return {"name": name, **({"namespace": namespace} if namespace else {})}
+
+
+def _worker_group(name: str, max_replicas: int, container: dict[str, Any], selector: dict[str, str],
+                  **extra: Any) -> dict[str, Any]:
+    """Starts at zero: the autoscaler adds replicas on demand (the sample's fixed 1 would bill idle)."""
+    return {"groupName": name, "replicas": 0, "minReplicas": 0, "maxReplicas": max_replicas, **extra,
+            "template": {"spec": {"containers": [container], "nodeSelector": selector}}}
+
+
+def _container(name: str, image: str, resources: dict[str, str], **extra: Any) -> dict[str, Any]:
+    limits = dict(resources)  # requests == limits: extended resources (TPU, GPU) require it
+    return {"name": name, "image": image, "imagePullPolicy": "IfNotPresent",
+            "resources": {"limits": limits, "requests": dict(limits)}, **extra}
+
+
+def _tpu_group(request: TpuSliceRequest, max_slices: int, image: str) -> dict[str, Any]:
+    """One worker group per pod type: a replica is one slice of ``numOfHosts`` pods (the sample's shape)."""
+    chips = request.chips_per_host or 0
+    memory = _MEMORY_GB_PER_CHIP.get(request.version, 50) * chips
+    env = [
+        {"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+        {"name": "VBAR_CONTROL_SERVICE_URL", "value": "$(NODE_IP):8353"},
+        {"name": "JAX_PLATFORMS", "value": "tpu,cpu"},
+        {"name": "ENABLE_PJRT_COMPATIBILITY", "value": "true"},
+    ]
+    resources = {"cpu": str(_CPU_PER_CHIP * chips), "google.com/tpu": str(chips), "memory": f"{memory}G"}
+    container = _container("ray-worker", image, resources, env=env,
+                           ports=[{"containerPort": 8081, "name": "mxla"}])
+    selector = {"cloud.google.com/gke-tpu-accelerator": GKE_TPU_ACCELERATORS[request.version],
+                "cloud.google.com/gke-tpu-topology": str(request.topology)}
+    # Ray's autoscaler derives the slice's TPU-<pod type>-head resource from these two selectors.
+    return _worker_group(f"tpu-{request.pod_type}", max_slices, container, selector,
+                         numOfHosts=request.hosts_per_slice,
+                         # KubeRay's own form ('{"TPU":4}' in single quotes): one shell word for
+                         # `ray start`, which Ray's autoscaler strips back to JSON.
+                         rayStartParams={"resources": f"'{{\"TPU\": {chips}}}'"})
+
+
+def render_raycluster(
+    name: str,
+    *,
+    tpus: list[str],
+    max_slices: int = 1,
+    gpu_nodes: int = 0,
+    gpu_type: str = "nvidia-l4",
+    image: str = DEFAULT_IMAGE,
+    idle_timeout_seconds: int = 60,
+    namespace: str | None = None,
+    checkpoint_root: str | None = None,
+) -> dict[str, Any]:
+    """A ``ray.io/v1`` RayCluster: a CPU-less head, autoscaler v2, and groups that start at zero.
+
+    Nothing runs on the head (``num-cpus: "0"``), so every step lands on a TPU or GPU group the
+    autoscaler adds on demand and removes after ``idle_timeout_seconds``. ``checkpoint_root``
+    (a bucket URL) becomes ``RAYSLICE_CHECKPOINT_ROOT`` on every pod: the steps' checkpoint folders.
+    """
+    if checkpoint_root is not None and "://" not in checkpoint_root:
+        raise InvalidRequestError(f"checkpoint_root must be a URL every pod reaches, like 'gs://bucket/checkpoints', "
+                                  f"got {checkpoint_root!r}")
+    _check_name(name, "RayCluster")
+    tpus = [tpus] if isinstance(tpus, str) else list(tpus)
+    _at_least(1, max_slices=max_slices)
+    _at_least(0, gpu_nodes=gpu_nodes, idle_timeout_seconds=idle_timeout_seconds)
+    if not tpus and not gpu_nodes:
+        raise InvalidRequestError("a cluster with no TPU type and no GPU nodes can run nothing: "
+                                  "give tpus=['v6e-16'] and/or gpu_nodes=1")
+    requests = [TpuSliceRequest(tpu=tpu) for tpu in tpus]
+    pod_types = [r.pod_type for r in requests]
+    for request in requests:
+        if request.version not in GKE_TPU_ACCELERATORS:
+            raise InvalidRequestError(f"{request.pod_type} has no GKE node pools: use a "
+                                      f"{', '.join(GKE_TPU_ACCELERATORS)} TPU, e.g. 'v6e-16'")
+        if pod_types.count(request.pod_type) > 1:
+            raise InvalidRequestError(f"{request.pod_type} is listed twice in tpus={tpus}: "
+                                      "give each pod type once and raise max_slices instead")
+    groups = [_tpu_group(r, max_slices, image) for r in requests]
+    if gpu_nodes:
+        gpu = _container("ray-worker", image, {**_GPU_HOST, "nvidia.com/gpu": "1"})
+        # KubeRay turns the nvidia.com/gpu limit into --num-gpus itself.
+        groups.append(_worker_group(f"gpu-{gpu_type}", gpu_nodes, gpu,
+                                    {"cloud.google.com/gke-accelerator": gpu_type}, rayStartParams={}))
+    head_ports = [(6379, "gcs"), (8265, "dashboard"), (10001, "client"), (8000, "serve"), (8888, "grpc")]
+    head = _container("ray-head", image, {"cpu": "8", "memory": "40G"},
+                      ports=[{"containerPort": port, "name": port_name} for port, port_name in head_ports])
+    spec: dict[str, Any] = {}
+    if version := re.search(r":(\d+\.\d+\.\d+)", image):
+        spec["rayVersion"] = version[1]
+    spec |= {
+        "enableInTreeAutoscaling": True,
+        # Only `version: v2`: KubeRay rejects it together with RAY_enable_autoscaler_v2 on the head.
+        "autoscalerOptions": {"version": "v2", "upscalingMode": "Default",
+                              "idleTimeoutSeconds": idle_timeout_seconds},
+        "headGroupSpec": {
+            "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+            "template": {"spec": {"containers": [head]}},
+        },
+        "workerGroupSpecs": groups,
+    }
+    if checkpoint_root:
+        for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in groups)]:
+            for container in template["spec"]["containers"]:
+                container.setdefault("env", []).append({"name": CHECKPOINT_ROOT_ENV, "value": checkpoint_root})
+    return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": _metadata(name, namespace),
+            "spec": spec}
+
+
+def render_rayjob(
+    name: str,
+    *,
+    entrypoint: str,
+    cluster: dict[str, Any],
+    shutdown_after_job_finishes: bool = True,
+    ttl_seconds_after_finished: int = 60,
+    namespace: str | None = None,
+) -> dict[str, Any]:
+    """A ``ray.io/v1`` RayJob that brings up ``cluster`` (a RayCluster or its spec) for one entrypoint.
+
+    The TTL only applies when the cluster is shut down after the job: KubeRay rejects a TTL
+    without ``shutdownAfterJobFinishes``, so it is left out then.
+    """
+    _check_name(name, "RayJob")
+    if not entrypoint or not entrypoint.strip():
+        raise InvalidRequestError("entrypoint is empty: give the command to run, e.g. 'python train.py'")
+    _at_least(0, ttl_seconds_after_finished=ttl_seconds_after_finished)
+    if cluster.get("kind") == "RayCluster":
+        namespace = namespace or cluster.get("metadata", {}).get("namespace")
+        cluster = cluster["spec"]
+    spec: dict[str, Any] = {"entrypoint": entrypoint, "shutdownAfterJobFinishes": shutdown_after_job_finishes}
+    if shutdown_after_job_finishes:
+        spec["ttlSecondsAfterFinished"] = ttl_seconds_after_finished
+    spec["rayClusterSpec"] = copy.deepcopy(cluster)
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": _metadata(name, namespace), "spec": spec}
+
+
+def _crd_folder() -> Path:
+    return Path(os.environ.get(CRDS_ENV) or _REPO_ROOT.parent / "shared" / "reference")
+
+
+@cache
+def _crds(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every ray.io CRD in the folder's YAML files, by kind."""
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"no KubeRay CRD folder at {folder}: point {CRDS_ENV} at a folder holding the CRD YAML "
+            "(KubeRay's ray-operator/config/crd/bases, e.g. ray.io_rayclusters.yaml)"
+        )
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB each
+    found = {}
+    for path in sorted(folder.glob("*.y*ml")):
+        for doc in yaml.load_all(path.read_text(), Loader=loader):
+            if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition" \
+                    and doc["spec"].get("group") == "ray.io":
+                found[doc["spec"]["names"]["kind"]] = doc
+    return found
+
+
+def _to_json_schema(node: Any) -> Any:
+    """Kubernetes structural schema -> JSON Schema, with the apiserver's meaning kept.
+
+    int-or-string may come without a ``type`` (so allow both), ``nullable`` allows null, and
+    unknown fields are rejected as ``kubectl apply`` (strict field validation) does.
+    """
+    if isinstance(node, list):
+        return [_to_json_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: value for key, value in node.items() if key != "description"}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {key: _to_json_schema(value) for key, value in out["properties"].items()}
+        if "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    for key in ("items", "additionalProperties", "not", "anyOf", "allOf", "oneOf"):
+        if isinstance(out.get(key), dict | list):
+            out[key] = _to_json_schema(out[key])
+    if out.get("x-kubernetes-int-or-string") and "anyOf" not in out:
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if out.get("nullable"):
+        if "type" in out:
+            out["type"] = [out["type"], "null"]
+        if "anyOf" in out:
+            out["anyOf"] = [*out["anyOf"], {"type": "null"}]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+    return out
+
+
+@cache
+def _validator(folder: Path, kind: str, version: str) -> Any:
+    try:
+        import jsonschema
+    except ImportError as exc:  # a dev extra, not a runtime dependency
+        raise ImportError("validate() needs jsonschema: pip install 'rayslice[dev]' or jsonschema") from exc
+    crd = _crds(folder).get(kind)
+    if crd is None:
+        raise InvalidRequestError(f"no CRD for kind {kind!r} in {folder}: it has {sorted(_crds(folder))}")
+    versions = {v["name"]: v for v in crd["spec"]["versions"] if v.get("served")}
+    if version not in versions:
+        raise InvalidRequestError(f"ray.io/{version} is not a served {kind} version: use {sorted(versions)}")
+    schema = _to_json_schema(versions[version]["schema"]["openAPIV3Schema"])
+    return jsonschema.Draft4Validator(schema)
+
+
+def _operator_rules(manifest: dict[str, Any]) -> None:
+    """KubeRay's own admission rules our manifests could break, which no CRD schema states."""
+    kind, spec = manifest["kind"], manifest.get("spec") or {}
+    if name := (manifest.get("metadata") or {}).get("name"):  # absent with generateName
+        _check_name(name, kind)
+    if kind == "RayJob":
+        if not spec.get("shutdownAfterJobFinishes") and spec.get("ttlSecondsAfterFinished", 0) > 0:
+            raise InvalidRequestError("$.spec.ttlSecondsAfterFinished: needs shutdownAfterJobFinishes: true")
+        spec, where = spec.get("rayClusterSpec") or {}, "$.spec.rayClusterSpec"
+    else:
+        where = "$.spec"
+    head = spec.get("headGroupSpec", {}).get("template", {}).get("spec", {}).get("containers") or [{}]
+    head_env = head[0].get("env") or []
+    if (spec.get("autoscalerOptions") or {}).get("version") and any(
+            e.get("name") == "RAY_enable_autoscaler_v2" for e in head_env):
+        raise InvalidRequestError(f"{where}.autoscalerOptions.version: KubeRay rejects it together with "
+                                  "RAY_enable_autoscaler_v2 on the head; keep only version")
+    for i, group in enumerate(spec.get("workerGroupSpecs") or []):
+        if group.get("minReplicas", 0) > group.get("maxReplicas", 2**31 - 1):
+            raise InvalidRequestError(f"{where}.workerGroupSpecs[{i}]: minReplicas > maxReplicas")
+
+
+def validate(manifest: dict[str, Any]) -> None:
+    """Raise InvalidRequestError (a ValueError) naming the JSON path of the first problem.
+
+    The schema is the served CRD version named by ``apiVersion``, read from the folder in
+    ``$RAYSLICE_KUBERAY_CRDS`` (default ``../shared/reference`` next to the repository).
+    """
+    api_version, kind = str(manifest.get("apiVersion", "")), manifest.get("kind")
+    group, _, version = api_version.partition("/")
+    if group != "ray.io" or kind not in _MAX_NAME:
+        raise InvalidRequestError(f"not a KubeRay manifest (apiVersion {api_version!r}, kind {kind!r}): "
+                                  "validate handles ray.io RayCluster and RayJob")
+    validator = _validator(_crd_folder().resolve(), kind, version)
+    from jsonschema.exceptions import best_match  # importable once _validator found jsonschema
+
+    error = best_match(validator.iter_errors(manifest))
+    if error is not None:
+        raise InvalidRequestError(f"{kind} invalid at {error.json_path}: {error.message}")
+    _operator_rules(manifest)
+
+
+app = typer.Typer(help="KubeRay manifests: a GKE Ray cluster with whole-TPU-slice worker groups.",
+                  no_args_is_help=True)
+
+
+@app.callback()
+def _group() -> None:
+    """Keeps `manifest` a subcommand even while it is the only one."""
+
+
+@app.command()
+def manifest(
+    tpu: Annotated[list[str], typer.Option("--tpu", help="A pod type, e.g. v6e-16; repeat for more.")] = [],  # noqa: B006
+    max_slices: Annotated[int, typer.Option("--max-slices", help="Most slices of each TPU type.")] = 1,
+    gpu_nodes: Annotated[int, typer.Option("--gpu-nodes", help="Most 1-GPU nodes (0: no GPU group).")] = 0,
+    gpu_type: Annotated[str, typer.Option("--gpu-type", help="GKE accelerator label.")] = "nvidia-l4",
+    name: Annotated[str, typer.Option("--name", help="RayCluster (or RayJob) name.")] = "rayslice",
+    namespace: Annotated[str | None, typer.Option("--namespace")] = None,
+    image: Annotated[str, typer.Option("--image")] = DEFAULT_IMAGE,
+    idle_timeout: Annotated[int, typer.Option("--idle-timeout", help="Seconds before idle nodes go.")] = 60,
+    rayjob: Annotated[bool, typer.Option("--rayjob", help="Print a RayJob bringing the cluster up.")] = False,
+    entrypoint: Annotated[str | None, typer.Option("--entrypoint", help="The RayJob's command.")] = None,
+    check: Annotated[bool, typer.Option("--validate/--no-validate", help="Check against the CRDs.")] = True,
+    checkpoint_root: Annotated[str | None, typer.Option(
+        "--checkpoint-root", help="RAYSLICE_CHECKPOINT_ROOT on every pod, e.g. gs://bucket/checkpoints.")] = None,
+) -> None:
+    """Print the RayCluster (or RayJob) YAML, validated against the KubeRay CRDs first."""
+    try:
+        if rayjob and not entrypoint:
+            raise InvalidRequestError("--rayjob needs --entrypoint, e.g. --entrypoint 'python train.py'")
+        result = render_raycluster(name, tpus=tpu, max_slices=max_slices, gpu_nodes=gpu_nodes,
+                                   gpu_type=gpu_type, image=image, idle_timeout_seconds=idle_timeout,
+                                   namespace=namespace, checkpoint_root=checkpoint_root)
+        if rayjob:
+            result = render_rayjob(name, entrypoint=entrypoint or "", cluster=result)
+        if check:
+            validate(result)
+    except (InvalidRequestError, FileNotFoundError, ImportError) as exc:
+        hint = " (or pass --no-validate)" if isinstance(exc, FileNotFoundError | ImportError) else ""
+        typer.echo(f"error: {exc}{hint}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(yaml.safe_dump(result, sort_keys=False), nl=False)

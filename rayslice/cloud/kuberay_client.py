@@ -1,0 +1,370 @@
+"""A KubeRay RayCluster through the Kubernetes API: its dashboard URL, and create/delete with an owner mark.
+
+Why: a `ray` connection may name a RayCluster (namespace/name) instead of a dashboard URL, so the
+address follows the cluster wherever KubeRay puts its head. Setup/teardown operators create a
+cluster per DAG run; every cluster created here carries an owner annotation, and deleting checks
+it (and the uid it read, as a precondition), so a teardown never removes a cluster it did not make.
+
+The ``kubernetes`` client is imported lazily (it costs seconds): DAG files that import the hook or
+the operators stay fast to parse. Airflow-free; no ``ray`` import.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from rayslice.cloud import kuberay
+from rayslice.core.exceptions import InvalidRequestError, RaysliceError
+
+__all__ = [
+    "MANAGED_BY_LABEL",
+    "OWNER_ANNOTATION",
+    "ClusterRef",
+    "KubeRayClient",
+    "KubeRayError",
+    "KubeRayNotReadyError",
+    "resolve_dashboard_url",
+]
+
+GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+OWNER_ANNOTATION = "rayslice.io/owner"
+DEFAULT_DASHBOARD_PORT = 8265
+ADDRESS_MODES = ("auto", "load-balancer", "service-dns", "cluster-ip")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_EXTRA_HINT = ('e.g. {"namespace": "ml", "name": "rayslice", "in_cluster": true} or '
+               '{"namespace": "ml", "name": "rayslice", "kubeconfig": "/path/to/kubeconfig"}')
+
+Deleted = Literal["deleted", "absent", "not-owned"]
+
+
+class KubeRayError(RaysliceError):
+    """A Kubernetes API call about a RayCluster failed, or the cluster is not what we need."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class KubeRayNotReadyError(KubeRayError):
+    """The RayCluster exists but its head is not ready (or did not become ready in time)."""
+
+
+@dataclass(frozen=True)
+class ClusterRef:
+    """Where a RayCluster is and how to reach the API server: the `ray` connection's ``kuberay`` extra.
+
+    ``address`` picks the dashboard address: ``load-balancer`` (the head Service's external IP),
+    ``service-dns`` (``<svc>.<namespace>.svc``, from inside the cluster), ``cluster-ip``, or
+    ``auto``: a load balancer when the Service has one, else the Service DNS name in-cluster.
+    """
+
+    name: str
+    namespace: str = "default"
+    kubeconfig: str | None = None
+    context: str | None = None
+    in_cluster: bool = False
+    address: str = "auto"
+    scheme: str = "http"
+
+    def __post_init__(self) -> None:
+        kuberay._check_name(self.name, "RayCluster")
+        if not isinstance(self.namespace, str) or not _DNS1123_LABEL.match(self.namespace) \
+                or len(self.namespace) > 63:
+            raise InvalidRequestError(f"kuberay namespace {self.namespace!r} is invalid: a Kubernetes namespace is "
+                                      "a DNS-1123 label (lowercase letters, digits, '-'), e.g. 'default'")
+        if not isinstance(self.in_cluster, bool):
+            raise InvalidRequestError(f"kuberay in_cluster must be true or false, got {self.in_cluster!r}")
+        if self.in_cluster and (self.kubeconfig or self.context):
+            raise InvalidRequestError("kuberay in_cluster=true uses the pod's service account: "
+                                      "drop kubeconfig/context, or set in_cluster to false")
+        if self.address not in ADDRESS_MODES:
+            raise InvalidRequestError(f"kuberay address {self.address!r} is invalid: use one of "
+                                      f"{', '.join(ADDRESS_MODES)}")
+        if self.scheme not in ("http", "https"):
+            raise InvalidRequestError(f"kuberay scheme {self.scheme!r} is invalid: use http or https")
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @classmethod
+    def from_extra(cls, value: Any, **overrides: Any) -> ClusterRef:
+        """From the connection's ``kuberay`` extra (a dict or its JSON); ``overrides`` that are not None win."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                value = None
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"the `ray` connection's extra 'kuberay' must be a JSON object, {_EXTRA_HINT}")
+        value = {**value, **{k: v for k, v in overrides.items() if v is not None}}
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise InvalidRequestError(f"unknown key(s) {unknown} in the `ray` connection's extra 'kuberay': "
+                                      f"use {sorted(known)}")
+        if not value.get("name"):
+            raise InvalidRequestError(f"the `ray` connection's extra 'kuberay' has no 'name': {_EXTRA_HINT}")
+        return cls(**value)
+
+
+def _owner_of(obj: dict[str, Any]) -> str | None:
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(OWNER_ANNOTATION)
+
+
+def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return cond
+    return None
+
+
+def is_ready(obj: dict[str, Any]) -> bool:
+    """KubeRay marks a usable cluster with ``state: ready``; newer versions add a HeadPodReady condition."""
+    status = obj.get("status") or {}
+    head_ready = _condition(obj, "HeadPodReady")
+    if head_ready is not None and head_ready.get("status") != "True":
+        return False
+    return status.get("state") == "ready"
+
+
+def _describe(obj: dict[str, Any]) -> str:
+    status = obj.get("status") or {}
+    parts = [f"state {status.get('state') or 'unset'!r}"]
+    if status.get("reason"):
+        parts.append(f"reason {status['reason']!r}")
+    for cond in status.get("conditions") or []:
+        if cond.get("status") != "True" or cond.get("type") == "RayClusterReplicaFailure":
+            parts.append(f"{cond.get('type')}={cond.get('status')} ({cond.get('reason')}: {cond.get('message')})")
+    return ", ".join(parts)
+
+
+class KubeRayClient:
+    """Blocking calls about one RayCluster (``ref``); ``with KubeRayClient(ref) as kube:`` closes it.
+
+    ``api_client`` (a ``kubernetes.client.ApiClient``) replaces the one built from ``ref``'s
+    kubeconfig or in-cluster service account.
+    """
+
+    def __init__(self, ref: ClusterRef, *, api_client: Any = None, timeout: float = 10.0) -> None:
+        self.ref = ref
+        self.timeout = timeout
+        self._own_client = api_client is None
+        self._deleted_uid: str | None = None
+        self._api = api_client if api_client is not None else self._build_api_client()
+
+    def _build_api_client(self) -> Any:
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        try:
+            if self.ref.in_cluster:
+                config.load_incluster_config(client_configuration=cfg)
+            else:
+                config.load_kube_config(config_file=self.ref.kubeconfig, context=self.ref.context,
+                                        client_configuration=cfg, persist_config=False)
+        except (config.ConfigException, OSError) as exc:
+            where = "the pod's service account (in_cluster)" if self.ref.in_cluster else \
+                f"kubeconfig {self.ref.kubeconfig or '~/.kube/config'}"
+            raise KubeRayError(f"cannot load Kubernetes credentials from {where}: {exc}; set the `ray` "
+                               "connection's kuberay 'kubeconfig' or 'in_cluster'") from None
+        cfg.retries = 2
+        return client.ApiClient(cfg)
+
+    def close(self) -> None:
+        if self._own_client:
+            self._api.close()
+
+    def __enter__(self) -> KubeRayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the API calls, errors turned into KubeRayError
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            return fn(*args, _request_timeout=self.timeout, **kwargs)
+        except ApiException as exc:
+            detail = exc.reason
+            try:
+                detail = json.loads(exc.body).get("message") or detail
+            except (TypeError, ValueError, AttributeError):
+                pass
+            hint = {401: ": check the kubeconfig's credentials",
+                    403: ": the service account needs get/create/delete on rayclusters.ray.io and get on services",
+                    }.get(exc.status, "")
+            raise KubeRayError(f"{what} {self.ref}: Kubernetes API answered HTTP {exc.status} ({detail}){hint}",
+                               status_code=exc.status) from None
+        except (HTTPError, OSError) as exc:
+            host = getattr(self._api.configuration, "host", "?")
+            raise KubeRayError(f"{what} {self.ref}: cannot reach the Kubernetes API at {host} "
+                               f"({type(exc).__name__}: {exc})") from None
+
+    def _custom(self) -> Any:
+        from kubernetes import client
+
+        return client.CustomObjectsApi(self._api)
+
+    def get(self) -> dict[str, Any] | None:
+        """The RayCluster object, or None when there is none."""
+        try:
+            return self._call("get RayCluster", self._custom().get_namespaced_custom_object,
+                              GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name)
+        except KubeRayError as exc:
+            if exc.status_code == 404:
+                return None
+            raise
+
+    def _service(self, name: str) -> Any:
+        from kubernetes import client
+
+        return self._call("get the head Service of", client.CoreV1Api(self._api).read_namespaced_service,
+                          name, self.ref.namespace)
+
+    # ---- the dashboard
+
+    def dashboard_url(self, obj: dict[str, Any] | None = None) -> str:
+        """The Ray dashboard (Jobs API) URL of a ready cluster, from its status and head Service."""
+        obj = obj if obj is not None else self.get()
+        if obj is None:
+            raise KubeRayError(f"no RayCluster {self.ref}: create it (CreateRayClusterOperator, kubectl apply) "
+                               "or fix the `ray` connection's kuberay name/namespace", status_code=404)
+        if not is_ready(obj):
+            raise KubeRayNotReadyError(f"RayCluster {self.ref} is not ready ({_describe(obj)}): wait for it, or "
+                                       f"see `kubectl describe raycluster -n {self.ref.namespace} {self.ref.name}`")
+        status = obj.get("status") or {}
+        head = status.get("head") or {}
+        svc_name = head.get("serviceName") or f"{self.ref.name}-head-svc"
+        svc = self._service(svc_name)
+        port = next((p.port for p in svc.spec.ports or [] if p.name == "dashboard"), None)
+        port = port or int((status.get("endpoints") or {}).get("dashboard") or DEFAULT_DASHBOARD_PORT)
+        ingress = [i for i in ((svc.status and svc.status.load_balancer and svc.status.load_balancer.ingress) or [])
+                   if i.ip or i.hostname]
+        mode = self.ref.address
+        if mode == "auto":
+            mode = "load-balancer" if ingress else "service-dns" if self.ref.in_cluster else ""
+        if mode == "load-balancer":
+            if not ingress:
+                raise KubeRayNotReadyError(f"the head Service {self.ref.namespace}/{svc_name} has no load balancer "
+                                           f"address (type {svc.spec.type}): set the RayCluster's "
+                                           "headGroupSpec.serviceType to LoadBalancer, or pick another address mode")
+            host = ingress[0].ip or ingress[0].hostname
+        elif mode == "service-dns":
+            host = f"{svc_name}.{self.ref.namespace}.svc"
+        elif mode == "cluster-ip":
+            host = svc.spec.cluster_ip or head.get("serviceIP")
+            if not host or host == "None":
+                raise KubeRayError(f"the head Service {self.ref.namespace}/{svc_name} has no cluster IP")
+        else:
+            raise KubeRayError(
+                f"the head Service {self.ref.namespace}/{svc_name} is {svc.spec.type} and Airflow runs outside the "
+                "cluster (kubeconfig): set headGroupSpec.serviceType to LoadBalancer, run Airflow in the cluster "
+                "with in_cluster=true, or set the kuberay 'address' to service-dns/cluster-ip if this network "
+                "reaches them")
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # IPv6
+        return f"{self.ref.scheme}://{host}:{port}"
+
+    # ---- lifecycle
+
+    def create(self, manifest: dict[str, Any], *, owner: str) -> dict[str, Any]:
+        """Create the RayCluster marked as ``owner``'s; a cluster ``owner`` already made is returned as is.
+
+        The manifest gets ``ref``'s name and namespace and is checked against the KubeRay CRD when
+        the CRDs are at hand (``$RAYSLICE_KUBERAY_CRDS``); the API server checks it again.
+        """
+        if not owner:
+            raise InvalidRequestError("create needs an owner (e.g. '<dag_id>/<run_id>') to mark the cluster with")
+        body = json.loads(json.dumps(manifest))  # a deep copy that is plain JSON
+        meta = body.setdefault("metadata", {})
+        meta["name"], meta["namespace"] = self.ref.name, self.ref.namespace
+        meta.setdefault("labels", {})[MANAGED_BY_LABEL] = "rayslice"
+        meta.setdefault("annotations", {})[OWNER_ANNOTATION] = owner
+        try:
+            kuberay.validate(body)
+        except FileNotFoundError:
+            pass  # no CRDs here: the API server validates
+        try:
+            return self._call("create RayCluster", self._custom().create_namespaced_custom_object,
+                              GROUP, VERSION, self.ref.namespace, PLURAL, body)
+        except KubeRayError as exc:
+            if exc.status_code != 409:
+                raise
+        existing = self.get()
+        if existing is not None and _owner_of(existing) == owner:
+            return existing  # a retry of the same setup: adopt what it made
+        made_by = _owner_of(existing or {}) or "someone else (no rayslice owner mark)"
+        raise KubeRayError(f"RayCluster {self.ref} already exists and was made by {made_by}, not {owner}: it is "
+                           "left alone; pick another name, or delete it yourself "
+                           f"(`kubectl delete raycluster -n {self.ref.namespace} {self.ref.name}`)", status_code=409)
+
+    def wait_ready(self, *, timeout: float = 900.0, poll_interval: float = 5.0) -> str:
+        """Poll until the cluster is ready and its dashboard has an address; returns the dashboard URL."""
+        deadline = time.monotonic() + timeout
+        last = "not found"
+        while True:
+            obj = self.get()
+            if obj is None:
+                raise KubeRayError(f"RayCluster {self.ref} disappeared while waiting for it to become ready",
+                                   status_code=404)
+            try:
+                return self.dashboard_url(obj)
+            except KubeRayNotReadyError as exc:
+                last = str(exc)
+            if time.monotonic() >= deadline:
+                raise KubeRayNotReadyError(f"RayCluster {self.ref} not ready after {timeout:g} s: {last}")
+            time.sleep(poll_interval)
+
+    def delete(self, *, owner: str) -> Deleted:
+        """Delete the cluster only if ``owner`` made it: 'deleted', 'absent' (nothing there) or 'not-owned'."""
+        obj = self.get()
+        if obj is None:
+            return "absent"
+        if not owner or _owner_of(obj) != owner:
+            return "not-owned"
+        from kubernetes import client
+
+        uid = (obj.get("metadata") or {}).get("uid")
+        body = client.V1DeleteOptions(propagation_policy="Foreground",
+                                      preconditions=client.V1Preconditions(uid=uid) if uid else None)
+        try:
+            self._call("delete RayCluster", self._custom().delete_namespaced_custom_object,
+                       GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name, body=body)
+        except KubeRayError as exc:
+            if exc.status_code == 404:
+                return "absent"
+            if exc.status_code == 409:  # the uid precondition failed: the name now holds another cluster
+                return "not-owned"
+            raise
+        self._deleted_uid = uid
+        return "deleted"
+
+    def wait_gone(self, *, timeout: float = 600.0, poll_interval: float = 5.0) -> None:
+        """Poll until the cluster ``delete`` removed is gone (with Foreground deletion: after its pods)."""
+        deadline = time.monotonic() + timeout
+        while (obj := self.get()) is not None:
+            if self._deleted_uid and (obj.get("metadata") or {}).get("uid") != self._deleted_uid:
+                return  # another cluster took the name since: ours is gone
+            if time.monotonic() >= deadline:
+                raise KubeRayError(f"RayCluster {self.ref} still exists {timeout:g} s after its deletion "
+                                   "(finalizers or pods stuck terminating?)")
+            time.sleep(poll_interval)
+
+
+def resolve_dashboard_url(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None) -> str:
+    """The dashboard URL of the RayCluster ``ref`` names (one GET of the cluster, one of its Service)."""
+    with KubeRayClient(ref, timeout=timeout, api_client=api_client) as kube:
+        return kube.dashboard_url()
+
+
+def owner_for_run(dag_id: str, run_id: str) -> str:
+    """The owner mark of clusters made by one DAG run (an annotation, so any length/characters)."""
+    return f"{dag_id}/{run_id}"

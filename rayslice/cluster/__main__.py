@@ -1,0 +1,81 @@
+"""The Ray job's driver: `python -m rayslice.cluster spec.json`.
+
+Prints phase lines, every host's output (prefixed `(slice/hostN pid=...)` by Ray), and
+finally one marked result or error line that the Airflow side reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from rayslice.core.exceptions import RaysliceError, StepFailedError
+from rayslice.core.step import ResultTooLargeError, StepSpec, format_error, format_result
+
+
+class StopRequested(BaseException):
+    """The job was stopped (SIGTERM from `ray job stop`): unwind through every release path."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise StopRequested
+
+
+def main(argv: list[str]) -> int:
+    spec = StepSpec.model_validate_json(Path(argv[1] if len(argv) > 1 else "spec.json").read_text())
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    if spec.pickled and spec.python != here:
+        print(
+            format_error(
+                "InvalidRequestError",
+                (
+                    f"the step function was serialized by Python {spec.python} on the Airflow side, but the cluster "
+                    f"runs Python {here}; a function shipped by value needs the same minor version. "
+                    "Match the versions, or give an import path (entrypoint='package.module:function') "
+                    "installed on the cluster."
+                ),
+            )
+        )
+        return 2
+    import ray
+
+    from rayslice.cluster import run_step
+
+    ray.init(address="auto", logging_level="WARNING")
+    signal.signal(signal.SIGTERM, _stop)  # after ray.init, which installs its own handler
+    try:
+        result = run_step(spec)
+    except StopRequested:
+        # run_step released everything on the way out; exit now instead of in Ray's stop grace period.
+        print("[rayslice] stopped on request; capacity released", flush=True)
+        os._exit(143)
+    except RaysliceError as exc:
+        print(format_error(type(exc).__name__, str(exc)), flush=True)
+        return 1
+    except Exception as exc:  # not the step's failure (that is a StepFailedError): the launcher's or Ray's
+        traceback.print_exc()
+        message = (f"the rayslice launcher itself failed ({type(exc).__name__}: {exc}); this is a bug in "
+                   "rayslice or an unexpected Ray error, not your step's: the traceback is in the Ray job's log")
+        print(format_error("LauncherError", message), flush=True)
+        return 1
+    try:
+        line = format_result(result)
+    except ResultTooLargeError as exc:
+        print(format_error("StepFailedError", str(exc)), flush=True)
+        return 1
+    except (TypeError, ValueError) as exc:  # json.dumps: the step's value only, never the launcher's own bugs
+        err = StepFailedError(
+            f"the step returned a value that is not JSON ({exc}); return lists, dicts, "
+            "numbers, strings or None (e.g. `float(loss)`, `array.tolist()`)"
+        )
+        print(format_error(type(err).__name__, str(err)), flush=True)
+        return 1
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

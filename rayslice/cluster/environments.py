@@ -1,0 +1,124 @@
+"""Where a host process runs, and how it wires JAX there. The step code never branches on it.
+
+Like JAX's own cluster environments, each class answers one question set: am I here, and
+what must be set before the step imports JAX. They are tried in the order of
+`ENVIRONMENTS`; detection has no side effects (it looks at device files and the
+request, never at a metadata server).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+
+DEFAULT_MEGASCALE_PORT = 8081
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """One host process of a gang: where it sits and how it reaches its peers."""
+
+    slice_index: int
+    slice_name: str
+    worker_id: int
+    ip: str
+    process_id: int  # JAX process id within its distributed group
+    num_processes: int  # size of that group (whole multislice job, or one slice)
+    coordinator: str  # "ip:port" of process 0 of the group
+    megascale_coordinator: str  # ip of slice 0, worker 0 (multislice only)
+    node_id: str = ""  # the Ray node the host's bundle sits on: tells a lost node from a dead process
+
+    @property
+    def label(self) -> str:
+        return f"{self.slice_name}/host{self.worker_id}"
+
+
+class RealTpuSlice:
+    """Real TPU VMs: libtpu and JAX find their peers themselves; multislice needs fresh MEGASCALE_*."""
+
+    name = "tpu"
+
+    @staticmethod
+    def detect(request: object) -> bool:
+        return isinstance(request, TpuSliceRequest) and bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+    @staticmethod
+    def setup(request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if request.multislice:
+            # Computed per attempt: stale values after a slice is replaced hang initialization.
+            env |= {
+                "MEGASCALE_COORDINATOR_ADDRESS": plan.megascale_coordinator,
+                "MEGASCALE_PORT": str(DEFAULT_MEGASCALE_PORT),
+                "MEGASCALE_NUM_SLICES": str(request.num_slices),
+                "MEGASCALE_SLICE_ID": str(plan.slice_index),
+            }
+        os.environ.update(env)
+        if request.is_multi_host or request.multislice:
+            import jax
+
+            jax.distributed.initialize()
+        return env
+
+
+class SimulatedTpuSlice:
+    """A local simulated slice: CPU devices = chips per host, gloo collectives across processes."""
+
+    name = "simulated-tpu"
+
+    @staticmethod
+    def detect(request: object) -> bool:
+        return isinstance(request, TpuSliceRequest)
+
+    @staticmethod
+    def setup(request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
+        env = {
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={request.chips_per_host}",
+        }
+        os.environ.update(env)
+        if plan.num_processes > 1:  # one process needs no wiring: a step that uses JAX imports it itself
+            import jax
+
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(
+                coordinator_address=plan.coordinator,
+                num_processes=plan.num_processes,
+                process_id=plan.process_id,
+                local_device_ids=list(range(request.chips_per_host)),
+                cluster_detection_method="deactivate",
+                initialization_timeout=120,
+            )
+        return env
+
+
+class AcceleratorFraction:
+    """One process holding a (fraction of an) accelerator; JAX may use only its share of memory."""
+
+    name = "accelerator"
+
+    @staticmethod
+    def detect(request: object) -> bool:
+        return isinstance(request, AcceleratorRequest)
+
+    @staticmethod
+    def setup(request: AcceleratorRequest, plan: HostPlan) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if request.resource == "GPU" and request.count < 1:
+            # Ray isolates no memory: without this, the first JAX process takes 75% of the GPU.
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{request.count * 0.95:.3f}"
+        os.environ.update(env)
+        return env
+
+
+ENVIRONMENTS = (RealTpuSlice, SimulatedTpuSlice, AcceleratorFraction)
+
+
+def detect(request: object) -> type:
+    for environment in ENVIRONMENTS:
+        if environment.detect(request):
+            return environment
+    raise TypeError(f"no launcher environment handles {request!r}")

@@ -1,0 +1,346 @@
+"""Run one step as a gang: one fresh process per host, all of them or none.
+
+Each host gets its own actor (a fresh worker process: `jax.distributed` initializes once
+per process). There are no per-host retries (a restarted rank poisons JAX's coordination
+service); the first host to fail or die ends the whole gang at once, instead of leaving
+its peers blocked in a collective until JAX's 300 s shutdown barrier.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from rayslice.cluster import environments, node_probe
+from rayslice.cluster.environments import HostPlan
+from rayslice.core.context import StepContext, set_step_context
+from rayslice.core.exceptions import HostLostError, PreemptedError, StepFailedError, StepTimeoutError
+from rayslice.core.step import StepSpec
+
+#: How long a lost host's node may take to be declared dead (Ray's default health checks: 3 s x 5).
+NODE_DEATH_WINDOW_S = 30.0
+#: How long host processes may take to start (a worker process and the job's runtime env, on a loaded node).
+HOST_START_TIMEOUT_S = 300.0
+#: How long a failed collective waits for Ray to report the peer whose death caused it.
+PEER_DEATH_WINDOW_S = 2.0
+#: Failures that may be a peer's death: JAX/XLA runtime errors, and what a broken link says.
+RUNTIME_ERRORS = ("JaxRuntimeError", "XlaRuntimeError")
+PEER_LOSS_SIGNS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "UNAVAILABLE",
+                   "DEADLINE_EXCEEDED", "heartbeat")
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class HostProcess:
+    """The step's process on one host. Its repr prefixes every line it prints in the job log."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+
+    def __repr__(self) -> str:
+        return self._label
+
+    def free_port(self) -> int:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def run(self, spec_json: str, plan: HostPlan, attempt: Attempt) -> Any:
+        spec = StepSpec.model_validate_json(spec_json)
+        environments.detect(spec.request).setup(spec.request, plan)
+        owner = spec.owner
+        set_step_context(StepContext(
+            dag_id=owner.dag_id, run_id=owner.run_id, task_id=owner.task_id, map_index=owner.map_index,
+            try_number=owner.try_number, submission_id=owner.submission_id,
+            preemption_attempt=attempt.preemption_attempt, slice_index=plan.slice_index,
+            slice_name=plan.slice_name, worker_id=plan.worker_id, process_index=plan.process_id,
+            num_processes=plan.num_processes, checkpoint_dir=attempt.checkpoint_dir,
+        ))
+        try:
+            result = load_step(spec)(**spec.kwargs)
+        finally:
+            set_step_context(None)
+        _leave_jax_group()
+        return result
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One gang attempt of a step: which whole-gang retry it is, and the step's checkpoint folder."""
+
+    preemption_attempt: int = 0
+    checkpoint_dir: str | None = None
+
+
+def _leave_jax_group() -> None:
+    """Leave the JAX group cleanly (a barrier with the peers) so killing the process later is quiet."""
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.process_count() > 1:
+        jax.distributed.shutdown()
+
+
+def load_step(spec: StepSpec) -> Any:
+    if spec.entrypoint:
+        module, _, name = spec.entrypoint.partition(":")
+        return getattr(importlib.import_module(module), name)
+    try:
+        import cloudpickle
+    except ImportError:  # the job ships cloudpickle with the launcher; this is a last resort
+        from ray import cloudpickle
+
+    return cloudpickle.loads(base64.b64decode(spec.pickled))
+
+
+def plan_processes(hosts: list[HostPlan], *, multislice: bool, ports: dict[int, int]) -> list[HostPlan]:
+    """Fill in JAX process ids and coordinators: one group per slice, or one for a multislice job.
+
+    `ports` maps a group leader's index in `hosts` to the coordinator port it reserved.
+    """
+    first_of_slice = {h.slice_index: i for i, h in reversed(list(enumerate(hosts)))}
+    per_slice = {h.slice_index: 0 for h in hosts}
+    for h in hosts:
+        per_slice[h.slice_index] += 1
+    megascale = hosts[0].ip
+    planned = []
+    for host in hosts:
+        leader = 0 if multislice else first_of_slice[host.slice_index]
+        in_group = len(hosts) if multislice else per_slice[host.slice_index]
+        process_id = (host.slice_index * per_slice[host.slice_index] if multislice else 0) + host.worker_id
+        planned.append(
+            replace(
+                host,
+                process_id=process_id,
+                num_processes=in_group,
+                coordinator=f"{hosts[leader].ip}:{ports.get(leader, 0)}",
+                megascale_coordinator=megascale,
+            )
+        )
+    return planned
+
+
+def group_leaders(hosts: list[HostPlan], *, multislice: bool) -> list[int]:
+    if multislice:
+        return [0]
+    return sorted({h.slice_index: i for i, h in reversed(list(enumerate(hosts)))}.values())
+
+
+def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: Attempt | None = None) -> list[Any]:
+    """Run the step on every actor; return results in host order, or fail on the first error."""
+    spec_json = spec.model_dump_json()
+    attempt = attempt or Attempt()
+    refs = {actor.run.remote(spec_json, plan, attempt): i
+            for i, (actor, plan) in enumerate(zip(actors, plans, strict=True))}
+    results: list[Any] = [None] * len(plans)
+    pending = list(refs)
+    deadline = None if spec.step_timeout is None else time.monotonic() + spec.step_timeout
+    try:
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                slow = ", ".join(plans[refs[r]].label for r in pending)
+                raise StepTimeoutError(f"step exceeded step_timeout={spec.step_timeout:.0f} s; still running on {slow}")
+            index = refs[ready[0]]
+            try:
+                results[index] = _get(ready[0], plans[index])
+            except StepFailedError as exc:
+                if type(exc) is not StepFailedError or not _may_be_a_peers_death(exc):
+                    raise
+                # A peer killed mid-collective makes the survivors' collectives fail first: blame the dead host.
+                lost = _lost_peer(pending, refs, plans)
+                if lost is None:
+                    raise
+                index, error = lost
+                raise error from None
+    except HostLostError as exc:
+        raise _lost_host(exc, index, actors, plans) from None
+    except BaseException:
+        kill(actors)  # cancel the whole gang at once
+        raise
+    return results
+
+
+def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOST_START_TIMEOUT_S) -> list[int]:
+    """Wait until every host process runs; each returns a free port (the group leaders' become coordinators).
+
+    Bounded, and watching the hosts' nodes: a node lost before the step starts is a
+    preemption exactly like one lost mid-step (whole-gang retry), never a hang.
+    """
+    refs = {actor.free_port.remote(): i for i, actor in enumerate(actors)}
+    ports = [0] * len(actors)
+    pending = list(refs)
+    deadline = time.monotonic() + timeout
+    index = 0
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending),
+                                      timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            for ref in ready:
+                index = refs[ref]
+                ports[index] = _get(ref, plans[index])
+            if not pending:
+                break
+            dead = _dead_nodes({plans[refs[ref]].node_id for ref in pending})
+            for ref in pending:
+                index = refs[ref]
+                if plans[index].node_id in dead:
+                    plan = plans[index]
+                    raise PreemptedError(
+                        f"host {_where(plan)} was lost before the step started: its node was preempted or removed",
+                        slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip,
+                        cause="its node was preempted or removed",
+                    )
+            if time.monotonic() >= deadline:
+                slow = ", ".join(plans[refs[ref]].label for ref in pending)
+                raise HostLostError(f"the host processes on {slow} did not start within {timeout:.0f} s")
+    except HostLostError as exc:
+        raise _lost_host(exc, index, actors, plans) from None
+    return ports
+
+
+def _lost_host(exc: HostLostError, index: int, actors: list[Any], plans: list[HostPlan]) -> HostLostError:
+    """Cancel the rest of the gang at once, then tell a preempted node from a process that died on a live one."""
+    kill([actor for i, actor in enumerate(actors) if i != index])  # the lost actor's record tells its node's fate
+    preempted = isinstance(exc, PreemptedError) or _node_died(plans[index].node_id, actors[index])
+    kill([actors[index]])
+    if not preempted:
+        return exc
+    return PreemptedError(
+        str(exc).replace("its process died", "its node was preempted or removed"),
+        slice_index=exc.slice_index,
+        worker_id=exc.worker_id,
+        host=exc.host,
+        cause="its node was preempted or removed",
+    )
+
+
+def _dead_nodes(node_ids: set[str]) -> set[str]:
+    """Which of these nodes the GCS has declared dead (or no longer knows)."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    return {node_id for node_id in node_ids if node_id and node_id not in alive}
+
+
+def _may_be_a_peers_death(exc: StepFailedError) -> bool:
+    """A failure inside JAX's runtime (a collective, the coordination service) may be a peer's death.
+
+    Only those are worth waiting up to PEER_DEATH_WINDOW_S for Ray to name a dead host; the
+    step's own exceptions (a ValueError in user code) fail the gang at once.
+    """
+    cause = exc.cause or ""
+    return cause.startswith(RUNTIME_ERRORS) or any(sign in cause for sign in PEER_LOSS_SIGNS)
+
+
+def _lost_peer(
+    pending: list[Any], refs: dict[Any, int], plans: list[HostPlan], within: float = PEER_DEATH_WINDOW_S
+) -> tuple[int, HostLostError] | None:
+    """The host whose process or node died, if Ray reports one within `within` seconds."""
+    deadline = time.monotonic() + within
+    pending = list(pending)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        index = refs[ready[0]]
+        try:
+            _get(ready[0], plans[index])
+        except HostLostError as exc:
+            return index, exc
+        except StepFailedError:
+            continue
+    return None
+
+
+def _where(plan: HostPlan) -> str:
+    return f"{plan.label} (slice {plan.slice_index}, worker {plan.worker_id}, {plan.ip})"
+
+
+def _get(ref: Any, plan: HostPlan) -> Any:
+    where = _where(plan)
+    try:
+        return ray.get(ref)
+    except RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        summary = f"{type(cause).__name__}: {cause}"
+        raise StepFailedError(
+            f"step failed on {where}: {summary}\n{_remote_traceback(exc)}",
+            slice_index=plan.slice_index,
+            worker_id=plan.worker_id,
+            host=plan.ip,
+            cause=summary,
+        ) from None
+    except RayActorError as exc:
+        node_lost = node_was_lost(exc)
+        why = "its node was preempted or removed" if node_lost else "its process died"
+        raise (PreemptedError if node_lost else HostLostError)(
+            f"host {where} was lost: {why} ({_first_line(exc)})",
+            slice_index=plan.slice_index,
+            worker_id=plan.worker_id,
+            host=plan.ip,
+            cause=why,
+        ) from None
+    except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
+        raise
+
+
+def node_was_lost(exc: BaseException) -> bool:
+    """Preemption (the node died or was drained) as opposed to the step's own process dying."""
+    text = str(exc).lower()
+    return (
+        bool(getattr(exc, "preempted", False))
+        or "node has died" in text
+        or "node died" in text
+        or "draining" in text
+        or "node was terminated" in text
+    )
+
+
+def _node_died(node_id: str, actor: Any, within: float = NODE_DEATH_WINDOW_S) -> bool:
+    """Whether a lost host's node is gone, as far as the GCS or its raylet can tell within `within` seconds.
+
+    A killed node first surfaces as an unreachable actor ("Socket closed"); the GCS marks the
+    node dead only after its health checks fail (~10 s), so a raylet that accepts no connection
+    twice in a row is taken as the node's loss at once. A process that died on a live node is
+    reported dead by its raylet at once, so that case returns quickly.
+    """
+    if not node_id:
+        return False
+    actor_id = actor._actor_id.hex()
+    deadline = time.monotonic() + within
+    unreachable = 0
+    while True:
+        actor_info = ray._private.state.state.actor_table(actor_id)
+        node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+        if node is None or not node["Alive"] or "node has died" in str(actor_info.get("DeathCause", "")):
+            return True
+        if actor_info.get("State") == "DEAD" or time.monotonic() > deadline:
+            return False  # the process died on a node that is still alive
+        unreachable = unreachable + 1 if node_probe.raylet_unreachable(node_id) else 0
+        if unreachable >= 2:
+            return True
+        time.sleep(0.2)
+
+
+def _remote_traceback(exc: RayTaskError) -> str:
+    text = str(exc)
+    return text if "Traceback" in text else "".join(traceback.format_exception(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def kill(actors: list[Any]) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead
+            pass

@@ -1,0 +1,108 @@
+"""Free what a finished rayslice job left reserved: placement groups and actors named `rayslice:<sid>...`.
+
+Measured on the local cluster (Ray 2.60): when a job's driver is SIGKILLed, or its job supervisor
+is, Ray itself removes the driver's placement groups and actors within about a second (they are
+not detached). So this sweep is a safety net for what outlives its job anyway: detached or leaked
+groups, or a GCS that has not caught up. The common orphan, a job that keeps running after its
+Airflow worker died, is stopped from the Airflow side (`rayslice.client.orphans`), whose end frees it.
+
+The rule is narrow on purpose: only names starting `rayslice:`, and only when the Jobs API record of
+`<sid>` says the job ended. A name with no such record (a step run by a plain driver, e.g. a test)
+is left alone: Ray frees those when their driver exits.
+
+`python -m rayslice.cluster.reaper [--dry-run]` runs the sweep as a Ray job (see `rayslice reap`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group_table
+
+PREFIX = "rayslice:"
+LIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
+
+
+@dataclass(frozen=True)
+class Orphan:
+    kind: str  # "placement_group" or "actor"
+    name: str
+    submission_id: str
+    job_status: str
+
+
+def submission_id_of(name: str) -> str | None:
+    """`rayslice:<sid>[/heads|/hosts|/slice/hostN]` -> `<sid>`; None for other names."""
+    if not name.startswith(PREFIX):
+        return None
+    sid = name[len(PREFIX) :].split("/", 1)[0]
+    return sid or None
+
+
+def job_status(sid: str) -> str | None:
+    """The Jobs API status of submission `sid`, read from the GCS; None when no such job was submitted."""
+    from ray._private import ray_constants
+    from ray.dashboard.modules.job.common import JobInfoStorageClient
+
+    key = JobInfoStorageClient.JOB_DATA_KEY.format(job_id=sid).encode()
+    gcs = ray._private.worker.global_worker.gcs_client
+    namespace = ray_constants.KV_NAMESPACE_JOB
+    raw = gcs.internal_kv_get(key, namespace.encode() if isinstance(namespace, str) else namespace)
+    return None if raw is None else str(json.loads(raw).get("status"))
+
+
+def find_orphans(exclude: str | None = None) -> list[Orphan]:
+    """Named groups and actors whose job ended. Cheap: one placement group table, one named-actor list."""
+    groups = [(pg["name"], "placement_group") for pg in placement_group_table().values() if pg["state"] != "REMOVED"]
+    actors = [(a["name"], "actor") for a in ray.util.list_named_actors(all_namespaces=True)]
+    statuses: dict[str, str | None] = {}
+    orphans = []
+    for name, kind in groups + actors:
+        sid = submission_id_of(name or "")
+        if sid is None or sid == exclude:
+            continue
+        if sid not in statuses:
+            statuses[sid] = job_status(sid)
+        status = statuses[sid]
+        if status is not None and status not in LIVE_STATUSES:
+            orphans.append(Orphan(kind=kind, name=name, submission_id=sid, job_status=status))
+    return orphans
+
+
+def reap(*, dry_run: bool = False, exclude: str | None = None) -> list[Orphan]:
+    """Remove the orphans' placement groups and kill their actors; returns what was (or would be) reaped."""
+    orphans = find_orphans(exclude)
+    if dry_run:
+        return orphans
+    by_name = {pg["name"]: pg["placement_group_id"] for pg in placement_group_table().values()
+               if pg["state"] != "REMOVED"}
+    namespaces = {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    for orphan in orphans:
+        try:
+            if orphan.kind == "actor":
+                ray.kill(ray.get_actor(orphan.name, namespace=namespaces.get(orphan.name)), no_restart=True)
+            elif orphan.name in by_name:
+                group_id = ray.PlacementGroupID(bytes.fromhex(by_name[orphan.name]))
+                ray.util.remove_placement_group(PlacementGroup(group_id))
+        except ValueError:  # gone between listing and reaping
+            pass
+    return orphans
+
+
+def main(argv: list[str]) -> int:
+    from rayslice.core.step import format_result
+
+    ray.init(address="auto", logging_level="WARNING")
+    reaped = reap(dry_run="--dry-run" in argv)
+    for orphan in reaped:
+        print(f"[rayslice] {'would reap' if '--dry-run' in argv else 'reaped'} {orphan.kind} {orphan.name} "
+              f"(job {orphan.submission_id} is {orphan.job_status})", flush=True)
+    print(format_result([asdict(o) for o in reaped]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,257 @@
+"""Reserve whole TPU slices all-or-nothing, and give them back the moment the step ends.
+
+Two placement groups, each placed by Ray atomically (all bundles or none):
+
+1. **heads**: one bundle per slice asking for `TPU-<pod type>-head` (worker 0 of a slice),
+   spread over distinct nodes. It claims every slice of the request in one step: a request
+   holds all of its slice heads or none, so two multi-slice requests can never each hold
+   part of what the other needs.
+2. **hosts**: one bundle per host (`{"TPU": chips, "CPU": 1}`), each pinned by label to the
+   slice name its head landed on and to its worker id.
+
+One deadline (`capacity_timeout`) bounds both waits together, whatever the number of
+slices. Ray's `SlicePlacementGroup` is not used: it claims the heads one after another,
+each with the full timeout, and keeps the heads it has while it waits for the rest.
+
+What we keep from the fixes around it: heads are held until release (dropping them lets a
+second request claim a busy slice's head), single-host slices are pinned to their pod type
+(a `v6e-4` never takes one host of a `v6e-16`), and slices that lost a host are skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+
+from rayslice.cluster.environments import HostPlan
+from rayslice.core.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest, TpuSliceRequest
+from rayslice.core.exceptions import CapacityTimeoutError, UnsatisfiableRequestError
+
+POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+#: How long release waits for Ray to confirm the groups are gone before it leaves them to Ray.
+RELEASE_TIMEOUT_S = 10.0
+#: Longest single blocking wait, so a SIGTERM (`ray job stop`) is handled within this time.
+_WAIT_SLICE_S = 0.5
+
+
+@dataclass
+class SliceReservation:
+    """The placement groups held for one step, and the hosts they landed on."""
+
+    request: TpuSliceRequest
+    heads: PlacementGroup
+    hosts_group: PlacementGroup | None = None
+    hosts: list[HostPlan] = field(default_factory=list)
+    bundles: dict[tuple[int, int], int] = field(default_factory=dict)  # (slice, worker) -> bundle index
+
+    @property
+    def groups(self) -> list[PlacementGroup]:
+        return [self.heads, *([self.hosts_group] if self.hosts_group is not None else [])]
+
+    def release(self, timeout: float | None = None) -> list[str]:
+        """Remove every group and wait (bounded) until Ray frees them; never raises.
+
+        Returns the names of the groups Ray had not freed within `timeout`: their removal was
+        requested, so Ray frees them when it catches up, and the launcher's sweep of ended jobs
+        removes them if it never does. A slow GCS must not replace the step's outcome.
+        """
+        timeout = RELEASE_TIMEOUT_S if timeout is None else timeout
+        pending = []
+        for group in self.groups:
+            try:
+                remove_placement_group(group)
+                pending.append(group)
+            except Exception:  # already removed
+                pass
+        deadline = time.monotonic() + timeout
+        while pending:
+            pending = [group for group in pending if not _removed(group)]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        return [_name(group) for group in pending]
+
+
+def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str) -> SliceReservation:
+    """Reserve `request.num_slices` whole slices within `timeout` seconds, or hold nothing."""
+    deadline = time.monotonic() + timeout
+    broken = check_satisfiable(request)
+    head_selector = {POD_TYPE_LABEL: request.pod_type, WORKER_ID_LABEL: "0"}
+    if broken:  # a slice that lost a host could take the head and then never get its hosts
+        head_selector[SLICE_NAME_LABEL] = f"!in({','.join(sorted(broken))})"
+    heads = placement_group(
+        [{request.head_resource: 1}] * request.num_slices,
+        strategy="STRICT_SPREAD",
+        name=f"{name}/heads",
+        bundle_label_selector=[head_selector] * request.num_slices,
+    )
+    reservation = SliceReservation(request=request, heads=heads)
+    try:
+        if not wait_ready(heads, deadline):
+            raise _capacity_timeout(request, timeout, "no free slice heads")
+        slices = _slice_names(heads)
+        plan = [(s, slice_name, w) for s, slice_name in enumerate(slices) for w in range(request.hosts_per_slice)]
+        reservation.hosts_group = placement_group(
+            [{"TPU": request.chips_per_host, "CPU": 1} for _ in plan],
+            strategy="STRICT_SPREAD",
+            name=f"{name}/hosts",
+            bundle_label_selector=[
+                {SLICE_NAME_LABEL: slice_name, WORKER_ID_LABEL: str(w), POD_TYPE_LABEL: request.pod_type}
+                for _, slice_name, w in plan
+            ],
+        )
+        if not wait_ready(reservation.hosts_group, deadline):
+            busy = f"held the heads of {', '.join(slices)}, but their hosts stayed busy"
+            raise _capacity_timeout(request, timeout, busy)
+        _map_hosts(reservation, plan)
+    except BaseException:
+        reservation.release()
+        raise
+    return reservation
+
+
+def wait_ready(group: PlacementGroup, deadline: float) -> bool:
+    """Wait for Ray to place the whole group until `deadline`, in short waits that let signals in.
+
+    `ray.wait` on the group's ready future, not `PlacementGroup.wait`: that one takes whole seconds.
+    """
+    ready = group.ready()
+    while True:
+        remaining = deadline - time.monotonic()
+        done, _ = ray.wait([ready], timeout=max(0.0, min(_WAIT_SLICE_S, remaining)))
+        if done:
+            return True
+        if remaining <= _WAIT_SLICE_S:
+            return False
+
+
+def check_satisfiable(request: TpuSliceRequest) -> set[str]:
+    """Fail at once, instead of after capacity_timeout, when no slice could ever appear.
+
+    Enough intact slices of the pod type exist (busy or not), or an autoscaler may add them:
+    then waiting makes sense. Returns the names of broken slices (alive, but missing hosts),
+    which the reservation avoids.
+    """
+    alive = [node for node in ray.nodes() if node["Alive"]]
+    hosts: dict[str, int] = {}
+    for node in alive:
+        labels = node.get("Labels", {})
+        if labels.get(POD_TYPE_LABEL) == request.pod_type and labels.get(SLICE_NAME_LABEL):
+            hosts[labels[SLICE_NAME_LABEL]] = hosts.get(labels[SLICE_NAME_LABEL], 0) + 1
+    broken = {name for name, count in hosts.items() if count < request.hosts_per_slice}
+    intact = len(hosts) - len(broken)
+    if intact >= request.num_slices or _autoscaler_may_add(request.head_resource):
+        return broken
+    have = sorted({node["Labels"][POD_TYPE_LABEL] for node in alive if node.get("Labels", {}).get(POD_TYPE_LABEL)})
+    raise UnsatisfiableRequestError(
+        f"{request} can never be scheduled on this cluster: it has {intact} intact {request.pod_type} slice(s)"
+        f"{f' ({len(broken)} more missing hosts)' if broken else ''} and no autoscaler that could add "
+        f"{request.head_resource}. Slice types here: {', '.join(have) or 'none'}."
+    )
+
+
+def check_accelerator_satisfiable(request: AcceleratorRequest) -> None:
+    """The same fail-fast rule for an accelerator (fraction): some node, present or autoscalable, must fit it."""
+    needed = {request.resource: request.count}
+    if request.accelerator_type:
+        needed[f"accelerator_type:{request.accelerator_type}"] = 0.001
+    alive = [node for node in ray.nodes() if node["Alive"]]
+    if any(all(node["Resources"].get(k, 0) >= v for k, v in needed.items()) for node in alive):
+        return
+    if _autoscaler_may_add(request.resource):
+        return
+    have = _accelerators_here(alive)
+    raise UnsatisfiableRequestError(
+        f"{request} can never be scheduled on this cluster: no node has "
+        f"{' and '.join(f'{k} >= {v:g}' for k, v in needed.items())}, and no autoscaler could add one. "
+        f"Accelerators here: {', '.join(have) or 'none'}."
+    )
+
+
+def _accelerators_here(nodes: list[dict]) -> list[str]:
+    """`GPU x3 (H100)`, `TPU x4 (TPU-V6E)`: each kind of accelerator node, for error messages."""
+    found = set()
+    for node in nodes:
+        resources = node["Resources"]
+        types = ", ".join(sorted(k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")))
+        for resource in VISIBLE_DEVICES_ENV:
+            if resources.get(resource):
+                found.add(f"{resource} x{resources[resource]:g}" + (f" ({types})" if types else ""))
+    return sorted(found)
+
+
+def _autoscaler_may_add(resource: str) -> bool:
+    """Whether an autoscaler node group declares `resource`, or an autoscaler whose groups we cannot see runs."""
+    config = ray._private.state.state.get_cluster_config()
+    groups = list(config.node_group_configs) if config else []
+    if any(resource in group.resources and group.max_count != 0 for group in groups):
+        return True
+    return config is None and _autoscaler_running()  # Ray 2.60's autoscaler does not report its node groups
+
+
+def _autoscaler_running() -> bool:
+    """Whether an autoscaler v2 has reported its state to the GCS (KubeRay's, or `ray start` with v2 on).
+
+    Not v1: every head without an autoscaling config runs a read-only v1 monitor that reports
+    the same way, so v1's report cannot tell "may add a slice" from "never will".
+    """
+    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
+
+    reply = GetClusterStatusReply.FromString(ray._private.worker.global_worker.gcs_client.get_cluster_status())
+    return reply.autoscaling_state.autoscaler_state_version > 0
+
+
+def _capacity_timeout(request: TpuSliceRequest, timeout: float, why: str) -> CapacityTimeoutError:
+    free = ray.available_resources().get("TPU", 0)
+    return CapacityTimeoutError(
+        f"no capacity for {request} within capacity_timeout={timeout:g} s ({why}; "
+        f"{request.total_hosts} hosts x {request.chips_per_host} chips needed, {free:.0f} TPU chips free "
+        "in the cluster); nothing was left reserved. Raise capacity_timeout or add slices."
+    )
+
+
+def _slice_names(heads: PlacementGroup) -> list[str]:
+    """The slice of each head bundle, from the labels of the node it landed on."""
+    on = placement_group_table(heads)["bundles_to_node_id"]
+    labels = {node["NodeID"]: node.get("Labels", {}) for node in ray.nodes()}
+    return [labels[on[index]][SLICE_NAME_LABEL] for index in sorted(on)]
+
+
+def _map_hosts(reservation: SliceReservation, plan: list[tuple[int, str, int]]) -> None:
+    """Record each host's node and address: bundle i is (slice, worker) plan[i], pinned by label."""
+    on = placement_group_table(reservation.hosts_group)["bundles_to_node_id"]
+    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    reservation.bundles = {(s, w): index for index, (s, _, w) in enumerate(plan)}
+    reservation.hosts = [
+        HostPlan(
+            slice_index=s,
+            slice_name=slice_name,
+            worker_id=w,
+            ip=addresses[on[index]],
+            process_id=0,
+            num_processes=1,
+            coordinator="",
+            megascale_coordinator="",
+            node_id=on[index],
+        )
+        for index, (s, slice_name, w) in enumerate(plan)
+    ]
+
+
+def _removed(group: PlacementGroup) -> bool:
+    try:
+        return placement_group_table(group).get("state") in ("REMOVED", None)
+    except Exception:
+        return False
+
+
+def _name(group: PlacementGroup) -> str:
+    try:
+        return placement_group_table(group).get("name") or group.id.hex()
+    except Exception:
+        return group.id.hex()

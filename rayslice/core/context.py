@@ -1,0 +1,111 @@
+"""What a running step knows about itself: `rayslice.get_step_context()`.
+
+Named like Airflow's `get_current_context()` and Ray's `get_runtime_context()`. The launcher
+sets it in each host process just before it calls the step, so a training function can find
+its checkpoint folder and tell a first start from a resume without any argument plumbing.
+Nothing here imports ray, jax or airflow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+import re
+from dataclasses import dataclass
+
+from fsspec.core import split_protocol
+
+from rayslice.core.exceptions import RaysliceError
+from rayslice.core.step import Owner
+
+#: The cluster-wide default root for checkpoint folders (`rayslice local up` sets it on every node).
+CHECKPOINT_ROOT_ENV = "RAYSLICE_CHECKPOINT_ROOT"
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """The step's place in its Airflow task, its gang and its storage.
+
+    - `try_number`: the Airflow try (0 for a step run outside Airflow).
+    - `preemption_attempt`: 0 on the first gang, 1 after the first whole-gang retry, ...
+    - `slice_index`, `slice_name`, `worker_id`: where this process runs (0, the request, 0 for a fraction).
+    - `process_index`, `num_processes`: this process's JAX process id and its group's size.
+    - `checkpoint_dir`: a URL (`gs://…`, `s3://…`, `file://…`) that is the same for every preemption
+      attempt and every Airflow try of this task in this DAG run and map index, and different for
+      any other; None when no checkpoint root is configured anywhere.
+    """
+
+    dag_id: str
+    run_id: str
+    task_id: str
+    map_index: int
+    try_number: int
+    submission_id: str
+    preemption_attempt: int
+    slice_index: int
+    slice_name: str
+    worker_id: int
+    process_index: int
+    num_processes: int
+    checkpoint_dir: str | None
+
+    @property
+    def checkpoint_path(self) -> str | None:
+        """`checkpoint_dir` as orbax (etils.epath) and most libraries take it: a plain path for `file://`."""
+        return None if self.checkpoint_dir is None else as_path(self.checkpoint_dir)
+
+
+def as_path(url: str) -> str:
+    """A storage URL as path-taking libraries (orbax, etils.epath) want it: `file://` URLs become plain paths."""
+    protocol, path = split_protocol(url)
+    return path if protocol in (None, "file", "local") else url
+
+
+_current: StepContext | None = None
+
+
+def get_step_context() -> StepContext:
+    """The running step's context; only inside a step that rayslice launched."""
+    if _current is None:
+        raise RaysliceError(
+            "get_step_context() works only inside a step run by rayslice (an operator, a decorated task, "
+            "run_step or run_step_job); call it from the step function, not at import time or in the DAG file"
+        )
+    return _current
+
+
+def set_step_context(context: StepContext | None) -> None:
+    """The launcher's side: called in each host process before the step, with None after it."""
+    global _current
+    _current = context
+
+
+def checkpoint_dir_for(root: str | None, owner: Owner) -> str | None:
+    """`<root>/<dag>/<run>/<task>[/map-<i>]`: one folder per task of a DAG run, shared by its tries.
+
+    A DAG run deleted and created again under the same run_id gets the same folder: a scheduled
+    run that is re-created resumes from its predecessor's checkpoints (delete the folder for a
+    fresh start). A step outside Airflow gets a folder of its own submission id.
+    """
+    if not root:
+        return None
+    protocol, path = split_protocol(root)
+    if owner.dag_id:
+        parts = [owner.dag_id, owner.run_id, owner.task_id]
+        if owner.map_index >= 0:
+            parts.append(f"map-{owner.map_index}")
+    else:
+        parts = ["adhoc", owner.submission_id or "unnamed"]
+    joined = posixpath.join(path.rstrip("/") or "/", *(_component(p) for p in parts))
+    return f"{protocol or 'file'}://{joined}"
+
+
+def _component(value: str) -> str:
+    """One safe path component; run ids carry ':' and '+' (`scheduled__2026-01-01T00:00:00+00:00`).
+
+    A value that had to be changed gets a short hash of the original, so two ids never share a folder.
+    """
+    safe = re.sub(r"[^A-Za-z0-9._=-]+", "_", value).strip(".")
+    if safe == value and safe:
+        return safe
+    return f"{safe or '_'}-{hashlib.sha1(value.encode()).hexdigest()[:8]}"

@@ -1,0 +1,415 @@
+"""A local Ray cluster whose nodes look like TPU hosts and GPU machines to Ray's own detection.
+
+Each simulated TPU host is a real `ray start` with the GKE TPU environment variables
+(`TPU_NAME`, `TPU_WORKER_ID`, `TPU_ACCELERATOR_TYPE`, `TPU_TOPOLOGY`, `TPU_WORKER_HOSTNAMES`)
+and `--resources '{"TPU": N}'`, so Ray itself adds the slice-name resource, the
+`TPU-<pod type>-head` resource and the `ray.io/tpu-*` labels, exactly as on GKE.
+
+Every node runs as `ray start --block` in its own process session. The state file records
+each session's leader, and `down` ends exactly those sessions (plus any process still
+naming this cluster's private temp dir): never `ray stop`, never another Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.context import CHECKPOINT_ROOT_ENV
+from rayslice.core.exceptions import RaysliceError
+
+#: Every node advertises this loopback address. Not 127.0.0.1: Ray swaps that for the
+#: machine's outward address, and a local cluster must only ever talk over loopback.
+NODE_IP = "127.0.0.2"
+_OBJECT_STORE_BYTES = 80 * 1024 * 1024
+_HEAD_OBJECT_STORE_BYTES = 150 * 1024 * 1024
+
+
+def state_dir() -> Path:
+    """Where cluster records live (`RAYSLICE_HOME`, default `~/.rayslice`)."""
+    return Path(os.environ.get("RAYSLICE_HOME", Path.home() / ".rayslice")) / "clusters"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class NodeRecord:
+    """One `ray start --block` process session we own."""
+
+    role: str  # "head", "tpu", "gpu"
+    pid: int
+    slice_name: str | None = None
+    worker_id: int | None = None
+    pod_type: str | None = None
+    args: list[str] = field(default_factory=list)  # how to start it again (`restart_node`), worker nodes only
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterRecord:
+    name: str
+    gcs_address: str
+    dashboard_url: str
+    temp_dir: str
+    token: str | None = None
+    nodes: list[NodeRecord] = field(default_factory=list)
+    checkpoint_root: str = ""  # RAYSLICE_CHECKPOINT_ROOT on every node: where steps' checkpoint folders go
+
+    @property
+    def path(self) -> Path:
+        return state_dir() / f"{self.name}.json"
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(asdict(self), indent=2))
+        self.path.chmod(0o600)  # may hold the cluster's token
+
+    @classmethod
+    def load(cls, name: str) -> ClusterRecord:
+        path = state_dir() / f"{name}.json"
+        if not path.exists():
+            raise RaysliceError(f"no local cluster named {name!r} is recorded in {path.parent}")
+        data = json.loads(path.read_text())
+        data["nodes"] = [NodeRecord(**node) for node in data["nodes"]]
+        return cls(**data)
+
+    def ray_env(self) -> dict[str, str]:
+        """Environment for anything that talks to this cluster (drivers, `ray` CLI)."""
+        # Ten nodes starting at once on two cores need longer than Ray's default 10 s.
+        env = {
+            "RAY_raylet_start_wait_time_s": "180",
+            "RAY_AUTH_MODE": "disabled",
+            # A lost host is noticed in about 10 s (Ray's default is up to 45 s): a dead raylet
+            # refuses the health check at once, so five misses two seconds apart suffice.
+            "RAY_health_check_period_ms": "2000",
+            "RAY_health_check_timeout_ms": "5000",
+            "RAY_health_check_failure_threshold": "5",
+        }
+        if self.token:  # explicit either way: Ray turns token auth on by itself if a token file exists
+            env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+        if self.checkpoint_root:  # every node's, and so every job driver's, default checkpoint root
+            env[CHECKPOINT_ROOT_ENV] = self.checkpoint_root
+        return env
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start: TPU slices by pod type, and one node with logical GPUs."""
+
+    tpus: tuple[str, ...] = ()
+    gpus: int = 0
+    head_cpus: int = 2
+    host_cpus: int = 2
+
+    def slices(self) -> list[tuple[str, TpuSliceRequest]]:
+        names: dict[str, int] = {}
+        out = []
+        for tpu in self.tpus:
+            request = TpuSliceRequest(tpu=tpu)
+            index = names.get(request.pod_type, 0)
+            names[request.pod_type] = index + 1
+            out.append((f"{request.pod_type}-{'abcdefghijklmnopqrstuvwxyz'[index % 26]}{index // 26 or ''}", request))
+        return out
+
+
+def _ray_bin() -> str:
+    candidate = Path(sys.executable).with_name("ray")
+    return str(candidate) if candidate.exists() else "ray"
+
+
+def _launch(args: list[str], env: dict[str, str], log: Path, sockets: Path | None = None) -> int:
+    """Start one node; with `sockets`, return only once its raylet has claimed a socket name.
+
+    Nodes on one machine share the head's session dir and pick socket names by looking for
+    a free one, so two nodes starting at the same moment can pick the same name and stall.
+    """
+    before = _raylet_sockets(sockets) if sockets else 0
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [_ray_bin(), "start", "--block", *args],
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # our own process group: `down` ends exactly this session
+        )
+    deadline = time.monotonic() + 120
+    while sockets and _raylet_sockets(sockets) <= before and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    return proc.pid
+
+
+def _raylet_sockets(sockets: Path) -> int:
+    return sum(1 for p in sockets.glob("raylet*"))
+
+
+def alive_nodes(dashboard_url: str, token: str | None = None) -> list[dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    response = httpx.get(
+        f"{dashboard_url}/api/v0/nodes", params={"detail": "1", "limit": "1000"}, headers=headers, timeout=10
+    )
+    response.raise_for_status()
+    return [n for n in response.json()["data"]["result"]["result"] if n["state"] == "ALIVE"]
+
+
+def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeout: float = 420) -> ClusterRecord:
+    """Start a head plus one node per TPU host and one GPU node; return once all have joined."""
+    if (state_dir() / f"{name}.json").exists():
+        raise RaysliceError(
+            f"a local cluster named {name!r} is already recorded; run `rayslice local down --name {name}` first"
+        )
+    gcs_port, dashboard_port = free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    record = ClusterRecord(
+        name=name,
+        gcs_address=f"{NODE_IP}:{gcs_port}",
+        dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+        temp_dir=temp_dir,
+        token=token,
+    )
+    # Job drivers run `python`: make it this interpreter, which has ray and jax. Every simulated
+    # host reaches the same local folder, so it is the cluster's default checkpoint root.
+    record.checkpoint_root = f"file://{state_dir().parent / 'checkpoints' / name}"
+    env = record.ray_env() | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    log = state_dir() / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    sockets = Path(temp_dir) / "session_latest" / "sockets"
+    common = [
+        "--node-ip-address",
+        NODE_IP,
+        "--disable-usage-stats",
+        "--min-worker-port",
+        "0",
+        "--max-worker-port",
+        "0",
+        "--dashboard-agent-listen-port",
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        head = _launch(
+            [
+                "--head",
+                "--port",
+                str(gcs_port),
+                "--dashboard-host",
+                "127.0.0.1",
+                "--dashboard-port",
+                str(dashboard_port),
+                "--ray-client-server-port",
+                str(free_port()),
+                "--temp-dir",
+                temp_dir,
+                "--num-cpus",
+                str(spec.head_cpus),
+                "--object-store-memory",
+                str(_HEAD_OBJECT_STORE_BYTES),
+                *common,
+                str(free_port()),
+            ],
+            env,
+            log,
+        )
+        record.nodes.append(NodeRecord(role="head", pid=head))
+        record.save()
+        # Raylets that join before the head has registered itself stall until they time out.
+        _wait_for_nodes(record, deadline)
+        # All nodes share the head's session folder, so one log monitor (the head's) already streams
+        # every worker's output; a monitor per node would publish each line once per node.
+        join = [
+            "--address",
+            record.gcs_address,
+            "--object-store-memory",
+            str(_OBJECT_STORE_BYTES),
+            "--include-log-monitor=false",
+            *common,
+        ]
+        for slice_name, request in spec.slices():
+            hostnames = ",".join(["127.0.0.1"] * request.hosts_per_slice)
+            for worker_id in range(request.hosts_per_slice):
+                tpu_env = env | {
+                    "TPU_NAME": slice_name,
+                    "TPU_WORKER_ID": str(worker_id),
+                    "TPU_ACCELERATOR_TYPE": request.pod_type,
+                    "TPU_TOPOLOGY": request.topology,
+                    "TPU_WORKER_HOSTNAMES": hostnames,
+                }
+                args = [
+                    *join,
+                    str(free_port()),
+                    "--num-cpus",
+                    str(spec.host_cpus),
+                    "--resources",
+                    json.dumps({"TPU": request.chips_per_host}),
+                ]
+                pid = _launch(args, tpu_env, log, sockets)
+                record.nodes.append(
+                    NodeRecord(
+                        role="tpu",
+                        pid=pid,
+                        slice_name=slice_name,
+                        worker_id=worker_id,
+                        pod_type=request.pod_type,
+                        args=args,
+                        env=tpu_env,
+                    )
+                )
+        if spec.gpus:
+            args = [*join, str(free_port()), "--num-cpus", "4", "--num-gpus", str(spec.gpus)]
+            record.nodes.append(NodeRecord(role="gpu", pid=_launch(args, env, log, sockets), args=args, env=env))
+        record.save()
+
+        def relaunch(index: int) -> int:
+            return _launch(record.nodes[index].args, record.nodes[index].env, log, sockets)
+
+        _wait_for_nodes(record, deadline, relaunch)
+    except BaseException:
+        down(name)
+        raise
+    return record
+
+
+def kill_node(record: ClusterRecord, index: int) -> None:
+    """SIGKILL every process of one worker node's session at once, as a preempted VM vanishes."""
+    node = record.nodes[index]
+    if node.role == "head":
+        raise RaysliceError("the head is not a host: kill a TPU or GPU node")
+    _kill_session(node.pid)
+
+
+def restart_node(record: ClusterRecord, index: int, timeout: float = 180) -> None:
+    """Start a killed worker node again with its own TPU identity (a replaced VM); wait until it joins."""
+    node = record.nodes[index]
+    if not node.args:
+        raise RaysliceError(f"node {index} of {record.name!r} has no recorded start command")
+    if _alive(node.pid):
+        raise RaysliceError(f"node {index} of {record.name!r} is still running (pid {node.pid})")
+    sockets = Path(record.temp_dir) / "session_latest" / "sockets"
+    node.pid = _launch(node.args, node.env, state_dir() / f"{record.name}.log", sockets)
+    record.save()
+    _wait_for_nodes(record, time.monotonic() + timeout)
+
+
+def _wait_for_nodes(record: ClusterRecord, deadline: float, relaunch=None, attempts: int = 2) -> None:
+    """Wait until every recorded node has joined; restart a worker node whose `ray start` gave up.
+
+    On a loaded two-core machine a raylet can miss its registration deadline; a second try
+    then usually joins. The head is never restarted.
+    """
+    expected = len(record.nodes)
+    seen = 0
+    retries = dict.fromkeys(range(len(record.nodes)), attempts)
+    while time.monotonic() < deadline:
+        for index, node in enumerate(record.nodes):
+            if _alive(node.pid):
+                continue
+            if relaunch is None or node.role == "head" or retries[index] == 0:
+                raise RaysliceError(
+                    f"ray start exited early (pid {node.pid}); see {state_dir() / (record.name + '.log')}"
+                )
+            retries[index] -= 1
+            _kill_session(node.pid)  # a half-started raylet must not join late as a duplicate host
+            node.pid = relaunch(index)
+            record.save()
+        try:
+            seen = len(alive_nodes(record.dashboard_url, record.token))
+            if seen >= expected:
+                return
+        except httpx.HTTPError:
+            pass  # the dashboard comes up after the GCS
+        time.sleep(1)
+    raise RaysliceError(
+        f"only {seen} of {expected} Ray nodes joined in time; see {state_dir() / (record.name + '.log')}"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is not alive
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def owned_pids(record: ClusterRecord) -> set[int]:
+    """Every live process of this cluster: our sessions, and anything naming our temp dir."""
+    sessions = {n.pid for n in record.nodes}
+    owned = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            if os.getsid(pid) in sessions or record.temp_dir in (entry / "cmdline").read_bytes().decode(
+                errors="replace"
+            ):
+                owned.add(pid)
+        except (OSError, ProcessLookupError):
+            continue
+    owned.discard(os.getpid())
+    return {pid for pid in owned if _alive(pid)}
+
+
+def down(name: str = "default", grace: float = 10) -> int:
+    """Stop every process this cluster started; returns how many were running."""
+    record = ClusterRecord.load(name)
+    pids = owned_pids(record)
+    for node in record.nodes:  # `ray start --block` stops its own children on SIGTERM
+        _signal(node.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and owned_pids(record):
+        time.sleep(0.2)
+    for pid in owned_pids(record):
+        _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and owned_pids(record):
+        time.sleep(0.1)
+    left = owned_pids(record)
+    if left:
+        raise RaysliceError(f"processes {sorted(left)} of cluster {name!r} did not exit")
+    record.path.unlink(missing_ok=True)
+    subprocess.run(["rm", "-rf", record.temp_dir], check=False)
+    return len(pids)
+
+
+def _kill_session(session: int) -> None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == session:
+                    _signal(int(entry.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def new_token() -> str:
+    return secrets.token_hex(24)

@@ -1,0 +1,145 @@
+"""Submission ids: who reattaches to a job, who gets a fresh one, and which earlier tries a retry stops.
+
+The id rules are pure functions; the round trips run real Ray jobs (a quarter GPU each) on the test cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from rayslice.client.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, RayJobsClient
+from rayslice.client.submission import (
+    ADHOC_PREFIX,
+    jobs_of_task,
+    owner_of,
+    run_step_job,
+    running_earlier_tries,
+    submission_id,
+    submit_step,
+)
+from rayslice.core.accelerators import AcceleratorRequest
+from rayslice.core.exceptions import SubmissionConflictError
+from rayslice.core.step import Owner, StepSpec
+
+QUARTER_GPU = AcceleratorRequest(resource="GPU", count=0.25)
+TASK = Owner(dag_id="train", run_id="manual__2026-01-01T00:00:00+00:00", task_id="fit", map_index=2)
+
+
+def first_step():
+    return "first"
+
+
+def second_step():
+    return "second"
+
+
+def fresh_token():
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def a_try(try_number: int, ti_id: str | None = None, **fields) -> Owner:
+    return TASK.model_copy(update={"try_number": try_number, "ti_id": ti_id or str(uuid.uuid4()), **fields})
+
+
+def job_of(owner: Owner, status: JobStatus = JobStatus.RUNNING, **metadata: str) -> JobDetails:
+    """A job as the dashboard lists it, with the metadata `submit_step` gives it."""
+    sid = owner.submission_id or submission_id(owner)
+    meta = {"rayslice": "1", "request": "GPU x0.25",
+            **{k: str(v) for k, v in owner.model_dump().items() if k != "submission_id"}, **metadata}
+    return JobDetails(status=status, submission_id=sid, metadata=meta)
+
+
+# ---------------------------------------------------------------- the id rules
+
+
+def test_an_airflow_try_always_finds_the_same_id_and_no_other_try_finds_it():
+    ti_id = str(uuid.uuid4())
+    sid = submission_id(a_try(2, ti_id))
+    assert sid == submission_id(a_try(2, ti_id))  # a resumed deferral, a restarted worker
+    assert sid.startswith("rayslice-train--fit-m2-") and "-try2-" in sid
+    # A re-created run (same run_id, try numbers start again) or another Airflow: a new task-instance id.
+    assert submission_id(a_try(2)) != sid
+
+
+def test_a_step_without_a_task_instance_gets_a_fresh_id_every_time():
+    ids = {submission_id(Owner()) for _ in range(3)} | {submission_id(TASK.model_copy(update={"try_number": 1}))}
+    assert len(ids) == 4 and all(sid.startswith(ADHOC_PREFIX) for sid in ids)
+
+
+def test_the_owner_reads_back_from_the_metadata_and_other_jobs_have_none():
+    owner = a_try(3)
+    job = job_of(owner)
+    assert owner_of(job) == owner.model_copy(update={"submission_id": job.submission_id})
+    assert owner_of(JobDetails(status=JobStatus.RUNNING, submission_id="raysubmit_1", metadata={"x": "1"})) is None
+    assert owner_of(job_of(owner, try_number="three")) is None
+
+
+def test_a_new_try_finds_every_earlier_try_still_running_by_metadata():
+    try1, try2, try3 = a_try(1), a_try(2), a_try(3)
+    jobs = [
+        job_of(try1),                                                  # stop: try 1 still runs
+        job_of(try2, JobStatus.PENDING),                               # stop: try 2 waits for capacity
+        job_of(a_try(2), JobStatus.FAILED),                            # ended already
+        job_of(try3),                                                  # this try itself
+        job_of(a_try(1, map_index=3)),                                 # another mapped instance
+        job_of(a_try(1, run_id="scheduled__2026-01-02T00:00:00+00:00")),  # another run
+        JobDetails(status=JobStatus.RUNNING, submission_id="raysubmit_7", metadata=None),  # not ours
+    ]
+    assert running_earlier_tries(jobs, try3) == {jobs[0].submission_id: 1, jobs[1].submission_id: 2}
+    assert running_earlier_tries(jobs, try1) == {}
+    assert [j.submission_id for j in jobs_of_task(jobs, TASK)] == [j.submission_id for j in jobs[:4]]
+
+
+def test_the_reaper_counts_a_try_of_a_deleted_run_as_ended():
+    """`rayslice reap`: Airflow reporting another task-instance id at the same try means the run was re-created."""
+    from rayslice.client.orphans import task_has_ended
+
+    owner = a_try(1)
+    assert not task_has_ended(owner, {"id": owner.ti_id, "try_number": 1, "state": "running"})
+    assert task_has_ended(owner, {"id": str(uuid.uuid4()), "try_number": 1, "state": "running"})
+    assert task_has_ended(owner, {"id": owner.ti_id, "try_number": 2, "state": "running"})
+
+
+# ---------------------------------------------------------------- real jobs
+
+
+def test_owner_less_steps_run_one_after_another_each_return_their_own_result(cluster):
+    lines: list[str] = []
+    first = asyncio.run(run_step_job(cluster.dashboard_url, StepSpec.for_function(first_step, request=QUARTER_GPU),
+                                     token=cluster.token, emit=lines.append))
+    second = asyncio.run(run_step_job(cluster.dashboard_url, StepSpec.for_function(second_step, request=QUARTER_GPU),
+                                      token=cluster.token, emit=lines.append))
+    assert (first, second) == ("first", "second")
+    submitted = [line for line in lines if line.startswith("[rayslice] submitted GPU x0.25 as Ray job ")]
+    assert len(submitted) == 2 and len(set(submitted)) == 2 and not any("reattaching" in line for line in lines)
+    assert all(ADHOC_PREFIX in line for line in submitted)
+
+
+def test_an_explicit_submission_id_reattaches_its_own_job_and_refuses_anyone_elses(cluster):
+    sid = f"test-explicit-{uuid.uuid4().hex[:12]}"
+    spec = StepSpec.for_function(fresh_token, request=QUARTER_GPU)
+    lines: list[str] = []
+    first = asyncio.run(run_step_job(cluster.dashboard_url, spec, token=cluster.token, submission_id=sid,
+                                     emit=lines.append))
+    again = asyncio.run(run_step_job(cluster.dashboard_url, spec, token=cluster.token, submission_id=sid,
+                                     emit=lines.append))
+    assert again == first  # the same job's result: the step did not run twice
+    assert f"[rayslice] reattaching to Ray job {sid} that this caller submitted (SUCCEEDED)" in lines
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+        assert [j.submission_id for j in client.list_jobs()].count(sid) == 1
+
+    async def submit_as_an_airflow_try() -> str:
+        taken = StepSpec.for_function(fresh_token, request=QUARTER_GPU, owner=a_try(1, submission_id=sid))
+        async with AsyncRayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+            return await submit_step(client, taken)
+
+    with pytest.raises(SubmissionConflictError) as info:
+        asyncio.run(submit_as_an_airflow_try())
+    assert str(info.value).startswith(f"Ray job {sid} already exists and belongs to an ad-hoc step, "
+                                      "not to Airflow task train.fit[2] of run manual__")
+    assert "Leave the submission id empty to get a fresh one" in str(info.value)

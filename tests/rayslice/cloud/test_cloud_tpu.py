@@ -1,0 +1,192 @@
+"""rayslice.cloud.cloud_tpu: the real google-cloud-tpu client (REST transport) against an HTTP fake of the TPU v2 API.
+
+The Cloud TPU API cannot run here: tests/fake_cloud_tpu.py serves it over real HTTP and parses
+every request and response body strictly into the client library's own protobuf messages.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+import pytest
+
+from rayslice.cloud import cloud_tpu
+from rayslice.cloud.cloud_tpu import CloudTpuError, QueuedSlice, QueuedSliceClient
+from rayslice.core.exceptions import InvalidRequestError
+from tests.fake_cloud_tpu import FakeCloudTpu
+
+PROJECT, ZONE = "my-project", "us-east5-b"
+OWNER = "nightly/manual__2026-01-01T00:00:00+00:00"
+SCRIPT = cloud_tpu.startup_script("10.0.0.2:6379")
+
+
+@pytest.fixture(autouse=True)
+def empty_zone_cache():
+    cloud_tpu._zone_cache.clear()
+    yield
+    cloud_tpu._zone_cache.clear()
+
+
+@pytest.fixture
+def fake():
+    with FakeCloudTpu() as server:
+        yield server
+
+
+def client(fake: FakeCloudTpu, **queued) -> QueuedSliceClient:
+    spec = QueuedSlice(**{"project": PROJECT, "zone": ZONE, "queued_resource_id": "rs-1", "tpu": "v6e-16", **queued})
+    return QueuedSliceClient(spec, api_endpoint=fake.url)
+
+
+def type_requests(fake: FakeCloudTpu) -> list:
+    return [r for r in fake.requests if r[1].endswith("/acceleratorTypes")]
+
+
+# --- accelerator types of a zone
+
+
+def test_zone_types_are_listed_across_pages_and_cached(fake):
+    types = cloud_tpu.zone_accelerator_types(PROJECT, ZONE, api_endpoint=fake.url)
+    assert set(types) == set(fake.zones[ZONE])
+    assert len(type_requests(fake)) == 3  # 8 types, 3 a page
+    assert cloud_tpu.zone_accelerator_types(PROJECT, ZONE, api_endpoint=fake.url) == types
+    assert cloud_tpu.check_accelerator_type("v6e-16", PROJECT, ZONE, api_endpoint=fake.url) == "v6e-16"
+    assert len(type_requests(fake)) == 3  # served from the cache
+    fake.zones[ZONE] = ("v6e-4",)
+    assert cloud_tpu.zone_accelerator_types(PROJECT, ZONE, api_endpoint=fake.url, max_age=0) == ("v6e-4",)
+
+
+@pytest.mark.parametrize(
+    ("tpu", "message"),
+    [
+        ("v6e-64", "v6e-64 is not offered in zone us-east5-b: v6e there comes as v6e-1, v6e-16, v6e-32, v6e-4"),
+        ("v5p-8", "it has no v5p TPUs (it offers v4-8, "),
+        ("v5e-16", None),  # an alias of v5litepod-16, which the zone offers
+    ],
+)
+def test_check_accelerator_type(fake, tpu, message):
+    if message is None:
+        assert cloud_tpu.check_accelerator_type(tpu, PROJECT, ZONE, api_endpoint=fake.url) == "v5litepod-16"
+        return
+    with pytest.raises(InvalidRequestError) as info:
+        cloud_tpu.check_accelerator_type(tpu, PROJECT, ZONE, api_endpoint=fake.url)
+    assert message in str(info.value)
+
+
+def test_an_unknown_zone_is_an_api_error(fake):
+    with pytest.raises(CloudTpuError, match="answered 404 .*europe-west9-z not found"):
+        cloud_tpu.zone_accelerator_types(PROJECT, "europe-west9-z", api_endpoint=fake.url)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"project": "P"}, "GCP project 'P' is invalid"),
+        ({"zone": "us-east5"}, "zone 'us-east5' is invalid"),
+        ({"queued_resource_id": "Rs_1"}, "queued_resource_id 'Rs_1' is invalid"),
+        ({"tpu": "v6e-15"}, "not a v6e slice"),
+        ({"num_slices": 0}, "num_slices"),
+        ({"tpu": "v7x-16"}, "no default TPU VM runtime for v7x"),
+    ],
+)
+def test_bad_queued_slices_fail_at_construction(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        QueuedSlice(**{"project": PROJECT, "zone": ZONE, "queued_resource_id": "rs-1", "tpu": "v6e-16", **kwargs})
+
+
+# --- the startup script
+
+
+def test_the_startup_script_joins_the_head_and_quotes_everything():
+    script = cloud_tpu.startup_script("10.0.0.2:6379", ray_version="2.60.0",
+                                      ray_start_args="--num-cpus 4; rm -rf /")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash" and "ray[default]==2.60.0" in lines[2]
+    assert shlex.split(lines[-1]) == ["ray", "start", "--address=10.0.0.2:6379", "--num-cpus", "4;", "rm", "-rf", "/"]
+    with pytest.raises(InvalidRequestError, match="host:port"):
+        cloud_tpu.startup_script("10.0.0.2")
+    with pytest.raises(InvalidRequestError, match="ray_version"):
+        cloud_tpu.startup_script("h:6379", ray_version="latest; reboot")
+
+
+# --- queued resources
+
+
+def test_create_sends_a_valid_queued_resource_and_waits_for_active(fake):
+    kube = client(fake)
+    kube.create(owner=OWNER, script=SCRIPT)
+    [(_, path, query, body)] = [r for r in fake.requests if r[0] == "POST"]
+    assert path == f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources" and query["queuedResourceId"] == ["rs-1"]
+    [spec] = body["tpu"]["nodeSpec"]  # the fake parsed it strictly into tpu_v2.QueuedResource
+    assert spec["parent"] == f"projects/{PROJECT}/locations/{ZONE}" and spec["nodeId"] == "rs-1"
+    node = spec["node"]
+    assert node["acceleratorType"] == "v6e-16" and node["runtimeVersion"] == "v2-alpha-tpuv6e"
+    assert node["metadata"]["startup-script"] == SCRIPT
+    assert node["labels"] == {"managed-by": "rayslice", "rayslice-owner": cloud_tpu.owner_label(OWNER)}
+    active = kube.wait_active(timeout=30, poll_interval=0.01)
+    assert active.state.state.name == "ACTIVE"
+
+
+def test_multislice_asks_for_node_count_slices(fake):
+    client(fake, num_slices=2, spot=True).create(owner=OWNER, script=SCRIPT)
+    [(_, _, _, body)] = [r for r in fake.requests if r[0] == "POST"]
+    [spec] = body["tpu"]["nodeSpec"]
+    assert spec["multisliceParams"] == {"nodeCount": 2, "nodeIdPrefix": "rs-1"} and "nodeId" not in spec
+    assert body["spot"] == {}
+
+
+def test_a_type_the_zone_lacks_is_refused_by_the_api(fake):
+    fake.zones[ZONE] = ("v6e-4",)
+    with pytest.raises(CloudTpuError, match="answered 400 .*v6e-16 not available"):
+        client(fake).create(owner=OWNER, script=SCRIPT)
+
+
+def test_a_failed_queued_resource_says_why(fake):
+    fake.fail_with = "There is no more capacity in the zone"
+    kube = client(fake)
+    kube.create(owner=OWNER, script=SCRIPT)
+    with pytest.raises(CloudTpuError, match="is FAILED: There is no more capacity"):
+        kube.wait_active(timeout=30, poll_interval=0.01)
+
+
+def test_waiting_for_capacity_times_out(fake):
+    fake.active_after_gets = None
+    kube = client(fake)
+    kube.create(owner=OWNER, script=SCRIPT)
+    with pytest.raises(CloudTpuError, match=r"not ACTIVE after 0.2 s \(state PROVISIONING\)"):
+        kube.wait_active(timeout=0.2, poll_interval=0.05)
+
+
+def test_delete_only_what_this_owner_made(fake):
+    kube = client(fake)
+    assert kube.delete(owner=OWNER) == "absent"
+    kube.create(owner=OWNER, script=SCRIPT)
+    kube.wait_active(timeout=30, poll_interval=0.01)
+    assert kube.delete(owner="nightly/another-run") == "not-owned"
+    assert kube.get() is not None
+    assert kube.delete(owner=OWNER) == "deleted"
+    [(_, _, query, _)] = [r for r in fake.requests if r[0] == "DELETE"]
+    assert query["force"] == ["true"]  # an ACTIVE queued resource goes with its nodes
+    assert kube.get() is None
+
+
+def test_a_foreign_queued_resource_is_never_taken_over(fake):
+    theirs = fake.add_queued(f"projects/{PROJECT}/locations/{ZONE}", "rs-1",
+                             {"tpu": {"nodeSpec": [{"parent": f"projects/{PROJECT}/locations/{ZONE}", "nodeId": "rs-1",
+                                                    "node": {"acceleratorType": "v6e-16",
+                                                             "runtimeVersion": "v2-alpha-tpuv6e"}}]}})
+    kube = client(fake)
+    with pytest.raises(CloudTpuError, match="already exists and was not made by"):
+        kube.create(owner=OWNER, script=SCRIPT)
+    assert kube.delete(owner=OWNER) == "not-owned"
+    assert fake.queued[theirs["name"]] is theirs
+    assert not [r for r in fake.requests if r[0] == "DELETE"]
+
+
+def test_a_retried_create_adopts_its_own(fake):
+    kube = client(fake)
+    first = kube.create(owner=OWNER, script=SCRIPT)
+    again = kube.create(owner=OWNER, script=SCRIPT)
+    assert again.name == first.name and len(fake.queued) == 1

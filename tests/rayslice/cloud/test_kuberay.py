@@ -1,0 +1,371 @@
+"""KubeRay manifests: their shape (against KubeRay's own TPU sample) and validation against the real CRDs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from rayslice.cloud import kuberay
+from rayslice.core.exceptions import InvalidRequestError
+
+REFERENCE = Path(kuberay.__file__).resolve().parents[1].parent / "shared" / "reference"
+SAMPLE = REFERENCE / "kuberay-sample-tpu-v6e-16-multihost.yaml"
+
+
+@pytest.fixture(autouse=True)
+def crds(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Pin the CRD folder to the reference copy; skip (saying why) where it is not checked out."""
+    monkeypatch.delenv(kuberay.CRDS_ENV, raising=False)
+    if not (REFERENCE / "kuberay-crd-rayclusters.yaml").is_file():
+        pytest.skip(f"KubeRay CRDs not found in {REFERENCE} (set {kuberay.CRDS_ENV} to a folder with them)")
+    return REFERENCE
+
+
+@pytest.fixture(scope="module")
+def sample() -> dict:
+    if not SAMPLE.is_file():
+        pytest.skip(f"the KubeRay sample is not checked out at {SAMPLE}")
+    return yaml.safe_load(SAMPLE.read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict:
+    return kuberay.render_raycluster("rayslice", tpus=["v6e-16"], max_slices=4, gpu_nodes=1)
+
+
+def _group(manifest: dict, name: str) -> dict:
+    groups = manifest["spec"]["workerGroupSpecs"]
+    return next(g for g in groups if g["groupName"] == name)
+
+
+def _rejected(manifest: dict) -> str:
+    with pytest.raises(ValueError) as err:
+        kuberay.validate(manifest)
+    assert isinstance(err.value, InvalidRequestError)
+    return str(err.value)
+
+
+def test_cluster_validates_against_the_raycluster_crd(cluster):
+    kuberay.validate(cluster)
+    assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
+    assert [g["groupName"] for g in cluster["spec"]["workerGroupSpecs"]] == ["tpu-v6e-16", "gpu-nvidia-l4"]
+
+
+def test_tpu_group_has_the_samples_shape(cluster, sample):
+    ours, theirs = _group(cluster, "tpu-v6e-16"), sample["spec"]["workerGroupSpecs"][0]
+    assert ours["numOfHosts"] == theirs["numOfHosts"] == 4
+    assert (ours["minReplicas"], ours["maxReplicas"], ours["replicas"]) == (0, 4, 0)
+    assert ours["template"]["spec"]["nodeSelector"] == theirs["template"]["spec"]["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+        "cloud.google.com/gke-tpu-topology": "4x4",
+    }
+    container = ours["template"]["spec"]["containers"][0]
+    sample_container = theirs["template"]["spec"]["containers"][0]
+    assert container["resources"] == sample_container["resources"]  # google.com/tpu "4", 24 CPU, 200G
+    assert container["resources"]["limits"]["google.com/tpu"] == "4"
+    assert container["env"] == sample_container["env"]
+    assert container["ports"] == sample_container["ports"]
+    assert ours["rayStartParams"] == {"resources": "'{\"TPU\": 4}'"}
+
+
+def test_head_runs_nothing_and_autoscaler_v2_is_on(cluster):
+    spec = cluster["spec"]
+    head = spec["headGroupSpec"]
+    assert head["rayStartParams"] == {"num-cpus": "0", "dashboard-host": "0.0.0.0"}
+    container = head["template"]["spec"]["containers"][0]
+    assert "google.com/tpu" not in container["resources"]["limits"]
+    assert {"containerPort": 8265, "name": "dashboard"} in container["ports"]
+    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["autoscalerOptions"] == {
+        "version": "v2", "upscalingMode": "Default", "idleTimeoutSeconds": 60
+    }
+    # KubeRay rejects the env switch next to autoscalerOptions.version.
+    assert "env" not in container
+    assert spec["rayVersion"] == "2.60.0"
+
+
+def test_gpu_group(cluster):
+    group = _group(cluster, "gpu-nvidia-l4")
+    assert (group["minReplicas"], group["maxReplicas"]) == (0, 1)
+    assert "numOfHosts" not in group
+    container = group["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert group["template"]["spec"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
+
+
+def test_no_gpu_group_without_gpu_nodes():
+    manifest = kuberay.render_raycluster("rs", tpus=["v6e-16"])
+    assert [g["groupName"] for g in manifest["spec"]["workerGroupSpecs"]] == ["tpu-v6e-16"]
+    assert _group(manifest, "tpu-v6e-16")["maxReplicas"] == 1
+    assert kuberay.render_raycluster("rs", tpus="v6e-16") == manifest  # one type as a bare string
+
+
+def test_one_group_per_tpu_type():
+    manifest = kuberay.render_raycluster("rs", tpus=["v6e-16", "v6e-4", "v5e-16", "v4-8"], max_slices=2)
+    kuberay.validate(manifest)
+    groups = manifest["spec"]["workerGroupSpecs"]
+    assert [g["groupName"] for g in groups] == ["tpu-v6e-16", "tpu-v6e-4", "tpu-v5litepod-16", "tpu-v4-8"]
+    assert [g["numOfHosts"] for g in groups] == [4, 1, 4, 1]
+    assert all(g["maxReplicas"] == 2 for g in groups)
+
+
+@pytest.mark.parametrize(
+    ("tpu", "accelerator", "topology", "chips", "hosts"),
+    [
+        ("v5litepod-8", "tpu-v5-lite-podslice", "2x4", "8", 1),
+        ("v4-32", "tpu-v4-podslice", "2x2x4", "4", 4),
+        ("v5p-16", "tpu-v5p-slice", "2x2x2", "4", 2),
+        ("v6e-8", "tpu-v6e-slice", "2x4", "8", 1),
+        ("v7x-16", "tpu7x", "2x2x2", "4", 2),
+    ],
+)
+def test_gke_selectors_and_chip_counts(tpu, accelerator, topology, chips, hosts):
+    manifest = kuberay.render_raycluster("rs", tpus=[tpu])
+    kuberay.validate(manifest)
+    group = manifest["spec"]["workerGroupSpecs"][0]
+    assert group["template"]["spec"]["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": accelerator,
+        "cloud.google.com/gke-tpu-topology": topology,
+    }
+    resources = group["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["google.com/tpu"] == resources["requests"]["google.com/tpu"] == chips
+    assert group["numOfHosts"] == hosts
+    assert group["rayStartParams"]["resources"] == f"'{{\"TPU\": {chips}}}'"
+
+
+def test_v5e_hosts_ask_for_less_memory_than_they_have():
+    group = kuberay.render_raycluster("rs", tpus=["v5litepod-4"])["spec"]["workerGroupSpecs"][0]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["memory"] == "160G"  # the host has 192 GB
+
+
+def test_rayjob_validates_against_the_rayjob_crd(cluster):
+    job = kuberay.render_rayjob("train", entrypoint="python train.py", cluster=cluster)
+    kuberay.validate(job)
+    assert job["kind"] == "RayJob" and job["apiVersion"] == "ray.io/v1"
+    assert job["spec"]["entrypoint"] == "python train.py"
+    assert job["spec"]["shutdownAfterJobFinishes"] is True
+    assert job["spec"]["ttlSecondsAfterFinished"] == 60
+    assert job["spec"]["rayClusterSpec"] == cluster["spec"]
+    assert job["spec"]["rayClusterSpec"] is not cluster["spec"]
+
+
+def test_rayjob_takes_a_bare_spec_and_drops_the_ttl_when_the_cluster_stays(cluster):
+    job = kuberay.render_rayjob(
+        "train", entrypoint="python t.py", cluster=cluster["spec"], shutdown_after_job_finishes=False
+    )
+    kuberay.validate(job)
+    assert "ttlSecondsAfterFinished" not in job["spec"]  # KubeRay rejects a TTL without shutdown
+
+
+def test_rayjob_keeps_the_clusters_namespace():
+    cluster = kuberay.render_raycluster("rs", tpus=["v6e-4"], namespace="ml")
+    assert cluster["metadata"] == {"name": "rs", "namespace": "ml"}
+    assert kuberay.render_rayjob("j", entrypoint="x", cluster=cluster)["metadata"]["namespace"] == "ml"
+
+
+def test_the_kuberay_sample_passes(sample):
+    kuberay.validate(sample)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "where"),
+    [
+        (("workerGroupSpecs", 0, "numOfHosts"), "four", "$.spec.workerGroupSpecs[0].numOfHosts"),
+        (("workerGroupSpecs", 0, "maxReplicas"), 2.5, "$.spec.workerGroupSpecs[0].maxReplicas"),
+        (("headGroupSpec", "rayStartParams", "block"), True, "$.spec.headGroupSpec.rayStartParams.block"),
+        (("autoscalerOptions", "version"), "v3", "$.spec.autoscalerOptions.version"),
+        (("workerGroupSpecs", 0, "numOfHost"), 4, "$.spec.workerGroupSpecs[0]"),  # a typo: unknown field
+    ],
+)
+def test_broken_manifests_are_rejected_with_their_path(cluster, path, value, where):
+    broken = copy.deepcopy(cluster)
+    node = broken["spec"]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    message = _rejected(broken)
+    assert where in message
+
+
+def test_missing_required_fields_are_rejected(cluster):
+    broken = copy.deepcopy(cluster)
+    del broken["spec"]["workerGroupSpecs"][0]["template"]
+    assert "'template' is a required property" in _rejected(broken)
+    broken = copy.deepcopy(cluster)
+    del broken["spec"]["headGroupSpec"]
+    assert "'headGroupSpec' is a required property" in _rejected(broken)
+
+
+def test_quantities_are_int_or_string(cluster):
+    """x-kubernetes-int-or-string: both forms pass, anything else and bad strings fail."""
+    manifest = copy.deepcopy(cluster)
+    limits = manifest["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    limits["cpu"] = 8
+    kuberay.validate(manifest)
+    limits["cpu"] = "lots"
+    assert "resources.limits.cpu" in _rejected(manifest)
+    limits["cpu"] = [8]
+    assert "resources.limits.cpu" in _rejected(manifest)
+
+
+def test_int_or_string_without_a_type_and_nullable_are_understood():
+    import jsonschema
+
+    schema = kuberay._to_json_schema({
+        "type": "object",
+        "properties": {
+            "port": {"x-kubernetes-int-or-string": True},
+            "when": {"type": "string", "nullable": True},
+        },
+    })
+    validator = jsonschema.Draft4Validator(schema)
+    for ok in ({"port": 80}, {"port": "http"}, {"when": None}, {"when": "now"}):
+        assert not list(validator.iter_errors(ok)), ok
+    for bad in ({"port": [80]}, {"port": None}, {"when": 3}, {"other": 1}):
+        assert list(validator.iter_errors(bad)), bad
+
+
+def test_kubray_operator_rules_are_checked(cluster):
+    both = copy.deepcopy(cluster)
+    head = both["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head["env"] = [{"name": "RAY_enable_autoscaler_v2", "value": "1"}]
+    assert "RAY_enable_autoscaler_v2" in _rejected(both)
+    long_name = copy.deepcopy(cluster)
+    long_name["metadata"]["name"] = "x" * 54
+    assert "at most 53" in _rejected(long_name)
+    upside_down = copy.deepcopy(cluster)
+    upside_down["spec"]["workerGroupSpecs"][0]["minReplicas"] = 5
+    assert "minReplicas > maxReplicas" in _rejected(upside_down)
+
+
+def test_not_a_kuberay_manifest(cluster):
+    assert "not a KubeRay manifest" in _rejected({**cluster, "apiVersion": "apps/v1"})
+    assert "not a served RayCluster version" in _rejected({**cluster, "apiVersion": "ray.io/v2"})
+
+
+def test_crd_folder_comes_from_the_env(monkeypatch, tmp_path, cluster):
+    monkeypatch.setenv(kuberay.CRDS_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=kuberay.CRDS_ENV):
+        kuberay.validate(cluster)
+    (tmp_path / "crds").mkdir()
+    (tmp_path / "crds" / "ray.io_rayclusters.yaml").symlink_to(REFERENCE / "kuberay-crd-rayclusters.yaml")
+    monkeypatch.setenv(kuberay.CRDS_ENV, str(tmp_path / "crds"))
+    kuberay.validate(cluster)
+    job = kuberay.render_rayjob("j", entrypoint="x", cluster=cluster)
+    assert "no CRD for kind 'RayJob'" in _rejected(job)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tpus": ["v9-8"]}, "unknown TPU version"),
+        ({"tpus": ["v6e-12"]}, "not a v6e slice"),
+        ({"tpus": ["v3-32"]}, "no GKE node pools"),
+        ({"tpus": ["v6e-16"], "max_slices": 0}, "max_slices=0"),
+        ({"tpus": ["v6e-16"], "gpu_nodes": -1}, "gpu_nodes=-1"),
+        ({"tpus": ["v6e-16"], "idle_timeout_seconds": -5}, "idle_timeout_seconds=-5"),
+        ({"tpus": ["v6e-16", "v6e-16"]}, "listed twice"),
+        ({"tpus": ["v5e-8", "v5litepod-8"]}, "listed twice"),
+        ({"tpus": []}, "can run nothing"),
+    ],
+)
+def test_invalid_requests(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        kuberay.render_raycluster("rs", **kwargs)
+
+
+@pytest.mark.parametrize("name", ["", "Ray", "9lives", "a_b", "end-", "x" * 54])
+def test_invalid_names(name):
+    with pytest.raises(InvalidRequestError, match="DNS-1035"):
+        kuberay.render_raycluster(name, tpus=["v6e-16"])
+
+
+def test_invalid_rayjob_inputs(cluster):
+    with pytest.raises(InvalidRequestError, match="at most 47"):
+        kuberay.render_rayjob("j" * 48, entrypoint="x", cluster=cluster)
+    with pytest.raises(InvalidRequestError, match="entrypoint"):
+        kuberay.render_rayjob("j", entrypoint=" ", cluster=cluster)
+    with pytest.raises(InvalidRequestError, match="ttl"):
+        kuberay.render_rayjob("j", entrypoint="x", cluster=cluster, ttl_seconds_after_finished=-1)
+
+
+def test_gpu_only_cluster():
+    manifest = kuberay.render_raycluster("rs", tpus=[], gpu_nodes=2, gpu_type="nvidia-tesla-t4")
+    kuberay.validate(manifest)
+    (group,) = manifest["spec"]["workerGroupSpecs"]
+    assert group["groupName"] == "gpu-nvidia-tesla-t4" and group["maxReplicas"] == 2
+
+
+# --- the `rayslice kuberay` CLI ---
+
+runner = CliRunner()
+
+
+def test_cli_prints_yaml_that_round_trips_and_validates():
+    args = ["manifest", "--tpu", "v6e-16", "--max-slices", "4", "--gpu-nodes", "1"]
+    result = runner.invoke(kuberay.app, args)
+    assert result.exit_code == 0, result.output
+    manifest = yaml.safe_load(result.stdout)
+    kuberay.validate(manifest)
+    assert manifest == kuberay.render_raycluster("rayslice", tpus=["v6e-16"], max_slices=4, gpu_nodes=1)
+
+
+def test_cli_several_tpus_and_a_rayjob():
+    args = ["manifest", "--tpu", "v6e-16", "--tpu", "v4-32", "--name", "nightly", "--rayjob",
+            "--entrypoint", "python -m train", "--namespace", "ml", "--idle-timeout", "120"]
+    result = runner.invoke(kuberay.app, args)
+    assert result.exit_code == 0, result.output
+    job = yaml.safe_load(result.stdout)
+    kuberay.validate(job)
+    assert job["kind"] == "RayJob" and job["metadata"] == {"name": "nightly", "namespace": "ml"}
+    assert job["spec"]["entrypoint"] == "python -m train"
+    spec = job["spec"]["rayClusterSpec"]
+    assert [g["groupName"] for g in spec["workerGroupSpecs"]] == ["tpu-v6e-16", "tpu-v4-32"]
+    assert spec["autoscalerOptions"]["idleTimeoutSeconds"] == 120
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tpu", "v6e-16", "--rayjob"], "--rayjob needs --entrypoint"),
+        (["--tpu", "v6e-17"], "not a v6e slice"),
+        (["--tpu", "v6e-16", "--max-slices", "0"], "max_slices=0"),
+    ],
+)
+def test_cli_errors_go_to_stderr(args, message):
+    result = runner.invoke(kuberay.app, ["manifest", *args])
+    assert result.exit_code == 1
+    assert message in result.stderr
+    assert result.stdout == ""
+
+
+def test_cli_without_crds_says_how_to_go_on(monkeypatch, tmp_path):
+    monkeypatch.setenv(kuberay.CRDS_ENV, str(tmp_path / "nowhere"))
+    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16"])
+    assert result.exit_code == 1
+    assert kuberay.CRDS_ENV in result.stderr and "--no-validate" in result.stderr
+    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--no-validate"])
+    assert result.exit_code == 0
+    assert yaml.safe_load(result.stdout)["kind"] == "RayCluster"
+
+
+def test_cli_help_lists_manifest():
+    result = runner.invoke(kuberay.app, ["--help"])
+    assert result.exit_code == 0 and "manifest" in result.stdout
+
+
+def test_a_checkpoint_root_reaches_every_pod_and_still_validates():
+    manifest = kuberay.render_raycluster("rs", tpus=["v6e-16"], gpu_nodes=1, checkpoint_root="gs://bucket/ckpt")
+    kuberay.validate(manifest)
+    templates = [manifest["spec"]["headGroupSpec"]["template"],
+                 *(g["template"] for g in manifest["spec"]["workerGroupSpecs"])]
+    for template in templates:
+        [container] = template["spec"]["containers"]
+        assert {"name": "RAYSLICE_CHECKPOINT_ROOT", "value": "gs://bucket/ckpt"} in container["env"]
+    with pytest.raises(InvalidRequestError, match="must be a URL every pod reaches"):
+        kuberay.render_raycluster("rs", tpus=["v6e-16"], checkpoint_root="/local/only")

@@ -1,0 +1,49 @@
+"""A step's context and checkpoint folder on the real cluster (training that resumes: tests/dags/)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from rayslice.cluster import run_step
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.context import checkpoint_dir_for
+from rayslice.core.step import Owner, StepSpec
+from tests.rayslice.cluster.test_launcher import assert_all_released
+
+pytestmark = pytest.mark.timeout(600)
+
+def my_context():
+    from rayslice import get_step_context
+
+    return dataclasses.asdict(get_step_context())
+
+
+def test_a_step_submitted_as_a_job_gets_the_clusters_checkpoint_root(cluster):
+    from rayslice.client.submission import run_step_job
+
+    sid = f"test-context-{time.time_ns()}"
+    spec = StepSpec.for_function(my_context, request=AcceleratorRequest(resource="GPU", count=0.25),
+                                 owner=Owner(submission_id=sid))
+    context = asyncio.run(run_step_job(cluster.dashboard_url, spec, token=cluster.token, emit=lambda line: None))
+    assert cluster.checkpoint_root.startswith("file://")
+    assert context["checkpoint_dir"] == checkpoint_dir_for(cluster.checkpoint_root, Owner(submission_id=sid))
+    assert (context["try_number"], context["preemption_attempt"], context["process_index"]) == (0, 0, 0)
+
+
+def test_every_host_knows_its_place_and_shares_the_tasks_folder(ray_driver, tmp_path):
+    owner = Owner(dag_id="ctx", run_id="manual__1", task_id="train", map_index=2, try_number=3, ti_id="t",
+                  submission_id=f"test-ctx-{time.time_ns()}")
+    spec = StepSpec.for_function(my_context, request=TpuSliceRequest(tpu="v6e-16"), owner=owner,
+                                 checkpoint_root=f"file://{tmp_path}")
+    hosts = run_step(spec)
+    folder = checkpoint_dir_for(f"file://{tmp_path}", owner)
+    assert [(h["worker_id"], h["process_index"], h["num_processes"]) for h in hosts] == [(w, w, 4) for w in range(4)]
+    assert {(h["checkpoint_dir"], h["try_number"], h["map_index"], h["dag_id"]) for h in hosts} == {
+        (folder, 3, 2, "ctx")
+    }
+    assert folder.endswith("/ctx/manual__1/train/map-2")
+    assert_all_released(ray_driver)

@@ -1,0 +1,194 @@
+"""Losing a host's whole node (preemption) on a cluster of its own: three single-host v6e-4 slices.
+
+The tests run in file order and each removes one slice's node: mid-step with a retry, between
+reservation and step start with a retry, then mid-step without one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.exceptions import PreemptedError
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
+from tests.conftest import private_cluster, wait_until
+
+
+@pytest.fixture(scope="module")
+def small_cluster(tmp_path_factory: pytest.TempPathFactory):
+    spec = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-4", "v6e-4"))
+    home = tmp_path_factory.mktemp("preemption-home")
+    with private_cluster(home, "preemption", lambda: local_cluster.up(spec, name="preemption")) as record:
+        yield record
+
+
+def wait_then_report(folder: str):
+    """Marks which slice it runs on, then waits: the test removes that slice's node."""
+    import os
+    import time
+
+    Path(folder, os.environ["TPU_NAME"]).touch()
+    for _ in range(600):
+        if Path(folder, "done").exists():
+            return os.environ["TPU_NAME"]
+        time.sleep(0.1)
+    return "timed out"
+
+
+def remove_node_under_the_step(record, folder: str) -> str:
+    """The first slice the step lands on loses its node: every process of that `ray start` session dies."""
+    deadline = time.monotonic() + 120
+    while not os.listdir(folder) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    victim = os.listdir(folder)[0]
+    remove_node(next(n.pid for n in record.nodes if n.slice_name == victim))
+    return victim
+
+
+def remove_node(session: int) -> None:
+    """SIGKILL every process of one node's `ray start` session, as a preempted VM would vanish."""
+    import psutil
+
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == session:
+                process.send_signal(signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            pass
+
+
+def run_as_job(record, spec):
+    """Through the Jobs API: this test process may already be a Ray driver of the main test cluster."""
+    import asyncio
+
+    from rayslice.client.submission import run_step_job
+
+    return asyncio.run(run_step_job(record.dashboard_url, spec, emit=print))
+
+
+def free_chips_match_alive_hosts(record) -> bool:
+    nodes = local_cluster.alive_nodes(record.dashboard_url)
+    total = sum(n["resources_total"].get("TPU", 0) for n in nodes)
+    from rayslice.client.capacity import snapshot
+
+    return total > 0 and all(s.state == "free" for s in snapshot(record.dashboard_url).slices)
+
+
+def test_a_lost_node_is_a_preemption_and_the_gang_retries_on_a_fresh_slice(small_cluster):
+    with tempfile.TemporaryDirectory() as folder:
+        spec = StepSpec.for_function(
+            wait_then_report,
+            request=TpuSliceRequest(tpu="v6e-4"),
+            kwargs={"folder": folder},
+            preemption_retries=1,
+            owner=Owner(run_id=f"preempt-{time.time_ns()}"),
+        )
+        victim: dict[str, str] = {}
+        killer = threading.Thread(
+            target=lambda: victim.setdefault("name", remove_node_under_the_step(small_cluster, folder))
+        )
+        releaser = threading.Thread(
+            target=lambda: (wait_until(lambda: len(os.listdir(folder)) >= 2, 180), Path(folder, "done").touch())
+        )
+        killer.start()
+        releaser.start()
+        result = run_as_job(small_cluster, spec)
+        killer.join()
+        releaser.join()
+    assert len(result) == 1 and result[0] != victim["name"]
+    assert wait_until(lambda: free_chips_match_alive_hosts(small_cluster), timeout=10)
+
+
+#: A Ray driver that removes the reserved slice's node the moment the reservation is done, before
+#: any host process is created: the window in which the launcher starts processes, picks the
+#: coordinator port and wires JAX. It patches only *when* the node dies; Ray and the launcher are real.
+KILL_BEFORE_START = """
+import json, sys
+from pathlib import Path
+
+import ray
+
+import rayslice.cluster as launcher
+from rayslice.core.step import StepSpec
+from tests.rayslice.cluster.test_preemption import remove_node
+
+spec = StepSpec.model_validate_json(Path(sys.argv[1]).read_text())
+sessions = json.loads(sys.argv[2])
+ray.init(address=sys.argv[3], logging_level="ERROR")
+reserve, removed = launcher.reserve_slices, []
+
+
+def reserve_then_remove(*args, **kwargs):
+    reservation = reserve(*args, **kwargs)
+    if not removed:  # before any host process of this attempt exists
+        removed.append(reservation.hosts[0].slice_name)
+        remove_node(sessions[removed[0]])
+    return reservation
+
+
+launcher.reserve_slices = reserve_then_remove
+print("OUTCOME " + json.dumps({"result": launcher.run_step(spec), "removed": removed}), flush=True)
+"""
+
+
+def test_a_node_lost_before_the_step_starts_is_a_preemption_too(small_cluster, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    alive = {n["labels"].get("ray.io/tpu-slice-name") for n in local_cluster.alive_nodes(small_cluster.dashboard_url)}
+    sessions = {n.slice_name: n.pid for n in small_cluster.nodes if n.slice_name in alive}
+    assert len(sessions) >= 2, f"needs two intact slices, has {sorted(sessions)}"
+    spec = StepSpec.for_function(
+        wait_then_report,
+        request=TpuSliceRequest(tpu="v6e-4"),
+        kwargs={"folder": str(tmp_path)},
+        preemption_retries=1,
+        owner=Owner(submission_id=f"test-before-start-{time.time_ns()}"),
+    )
+    (tmp_path / "done").touch()  # the step returns as soon as it runs
+    spec_file = tmp_path.parent / f"{tmp_path.name}-spec.json"
+    spec_file.write_text(spec.model_dump_json())
+    env = {**os.environ, **small_cluster.ray_env()}
+    started = time.monotonic()
+    driver = subprocess.run(
+        [sys.executable, "-c", KILL_BEFORE_START, str(spec_file), json.dumps(sessions), small_cluster.gcs_address],
+        capture_output=True, text=True, timeout=240, env=env, cwd=Path(__file__).parents[3],
+    )
+    took = time.monotonic() - started
+    assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
+    outcome = json.loads(driver.stdout.split("OUTCOME ", 1)[1])
+    [removed] = outcome["removed"]
+    survivor = outcome["result"][0]
+    assert survivor != removed and outcome["result"] == [survivor]
+    # Ray may report the loss from the host process's creation or from the node watch: both are a preemption.
+    assert "its node was preempted or removed" in driver.stdout, driver.stdout
+    assert "retrying the whole gang (1 of 1)" in driver.stdout
+    assert not (tmp_path / removed).exists(), "the step started on the removed host"
+    print(f"\n[preemption] node of {removed} removed before the step started; retried on {survivor} in {took:.1f} s")
+    assert wait_until(lambda: free_chips_match_alive_hosts(small_cluster), timeout=10)
+
+
+def test_without_retries_a_lost_node_fails_the_step_naming_the_host(small_cluster):
+    with tempfile.TemporaryDirectory() as folder:
+        spec = StepSpec.for_function(
+            wait_then_report,
+            request=TpuSliceRequest(tpu="v6e-4"),
+            kwargs={"folder": folder},
+            owner=Owner(run_id=f"preempt-{time.time_ns()}"),
+        )
+        killer = threading.Thread(target=remove_node_under_the_step, args=(small_cluster, folder))
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(PreemptedError, match=r"v6e-4-[abc]/host0 .*node was preempted or removed"):
+            run_as_job(small_cluster, spec)
+        killer.join()
+    assert time.monotonic() - started < 60

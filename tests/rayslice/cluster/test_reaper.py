@@ -1,0 +1,214 @@
+"""Orphaned reservations, as they really happen, and `rayslice reap`.
+
+What a real experiment on the local cluster showed (Ray 2.60), and the first test keeps checking:
+SIGKILL of a rayslice job's driver makes Ray itself remove the driver's placement groups and host
+actors within about a second (they are not detached), and the Jobs API marks the job FAILED. So a
+dead *driver* leaves no orphan. The orphan that does happen is the opposite: the Airflow worker
+dies hard, `on_kill` never runs, and the Ray job (independent of the worker) keeps the slice for as
+long as the step runs. The second test builds exactly that with a real Airflow and a real worker kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rayslice.client import capacity
+from rayslice.client.jobs_client import RayJobsClient
+from rayslice.client.submission import jobs_of_task, submit_step
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec
+from tests.conftest import wait_until
+
+RAYSLICE = str(Path(sys.executable).with_name("rayslice"))  # the installed console script
+
+
+def wait_for_flag(folder: str, name: str):
+    """Marks that the step holds its capacity, then runs until the test drops a `release` file."""
+    import pathlib
+    import time
+
+    pathlib.Path(folder, name).touch()
+    while not pathlib.Path(folder, "release").exists():
+        time.sleep(0.2)
+    return name
+
+
+def submit(cluster, request, folder: str, name: str, dag_id: str = "reaper_test") -> str:
+    owner = Owner(dag_id=dag_id, run_id=f"r{time.time_ns()}", task_id=name, try_number=1)
+    spec = StepSpec.for_function(wait_for_flag, request=request, kwargs={"folder": folder, "name": name},
+                                 owner=owner, capacity_timeout=120)
+
+    async def go() -> str:
+        from rayslice.client.jobs_client import AsyncRayJobsClient
+
+        async with AsyncRayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+            return await submit_step(client, spec)
+
+    return asyncio.run(go())
+
+
+def task_job_id(cluster, dag_id: str, run_id: str, task_id: str) -> str:
+    """The submission id of a task's one Ray job, found by metadata (ids hold each try's task-instance id)."""
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+        found = jobs_of_task(client.list_jobs(), Owner(dag_id=dag_id, run_id=run_id, task_id=task_id))
+    assert len(found) == 1, f"{dag_id}/{run_id}/{task_id}: expected one Ray job, found {found}"
+    return found[0].submission_id
+
+
+def v6e4_free(cluster) -> bool:
+    return all(s.state == "free" for s in capacity.snapshot(cluster.dashboard_url).slices if s.pod_type == "v6e-4")
+
+
+def job_status(cluster, sid: str) -> str:
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+        return client.get(sid).status.value
+
+
+def reap_cli(cluster, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([RAYSLICE, "reap", "--address", cluster.dashboard_url, *args],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_driver_leaves_nothing_and_reap_spares_live_steps(cluster, tmp_path):
+    """SIGKILL the driver of a real step job: Ray frees its slice; `rayslice reap` then touches no live step."""
+    folder = str(tmp_path)
+    victim = submit(cluster, TpuSliceRequest(tpu="v6e-4"), folder, "victim")
+    live = submit(cluster, AcceleratorRequest(resource="GPU", count=0.25), folder, "live")
+    try:
+        assert wait_until(lambda: {"victim", "live"} <= set(os.listdir(folder)), timeout=180), os.listdir(folder)
+        assert not v6e4_free(cluster)
+        with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+            driver = int(client.get(victim).model_extra["driver_info"]["pid"])
+        os.kill(driver, signal.SIGKILL)
+        assert wait_until(lambda: v6e4_free(cluster), timeout=10), "Ray did not free the dead driver's slice"
+        assert wait_until(lambda: job_status(cluster, victim) == "FAILED", timeout=10)
+
+        done = reap_cli(cluster)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "0 leftover(s) removed" in done.stdout, done.stdout
+        assert job_status(cluster, live) == "RUNNING"
+        holders = [s.holder.submission_id for n in capacity.snapshot(cluster.dashboard_url).gpu_nodes
+                   for s in n.shares]
+        assert live in holders, holders
+    finally:
+        Path(folder, "release").touch()
+    assert wait_until(lambda: job_status(cluster, live) == "SUCCEEDED", timeout=60)
+
+
+ORPHAN_DAG = '''
+import pendulum
+from airflow.sdk import dag, task
+
+FOLDER = {folder!r}
+
+
+@dag(dag_id="reaper_orphan", schedule=None, start_date=pendulum.datetime(2025, 1, 1), catchup=False)
+def reaper_orphan():
+    @task.tpu_slice(tpu="v6e-4", retries=0)
+    def hold():
+        import pathlib, time
+        pathlib.Path({folder!r}, "hold").touch()
+        while not pathlib.Path({folder!r}, "release").exists():
+            time.sleep(0.2)
+
+    @task.ray_accelerator(accelerator="GPU", count=0.25, retries=0)
+    def live():
+        import pathlib, time
+        pathlib.Path({folder!r}, "live").touch()
+        while not pathlib.Path({folder!r}, "release").exists():
+            time.sleep(0.2)
+        return "done"
+
+    hold()
+    live()
+
+
+reaper_orphan()
+'''
+
+
+def _kill_worker_of(ti_id: str) -> list[int]:
+    """SIGKILL the task process titled `airflow worker -- <ti id>` and its supervisor: a worker lost hard."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if title.startswith(f"airflow worker -- {ti_id}"):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                for pid in (parent, int(entry.name)):
+                    os.kill(pid, signal.SIGKILL)
+                return [parent, int(entry.name)]
+        except (OSError, ValueError):
+            continue
+    raise AssertionError(f"no task process for task instance {ti_id}")
+
+
+@pytest.mark.timeout(720)  # Airflow starts in ~90 s, in up to 4 min on a loaded two-core machine
+def test_reap_frees_the_slice_of_a_killed_airflow_worker(cluster, tmp_path, monkeypatch):
+    from rayslice.local.airflow_stack import AirflowStack
+
+    folder = tmp_path / "flags"
+    folder.mkdir()
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "reaper_orphan.py").write_text(textwrap.dedent(ORPHAN_DAG.format(folder=str(folder))))
+    # The scheduler notices a worker that stopped heartbeating after this long (default 300 s).
+    monkeypatch.setenv("AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT", "15")
+    monkeypatch.setenv("AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL", "3")
+    stranger = None
+    with AirflowStack(cluster.dashboard_url, cluster.token, dags_folder=dags) as airflow:
+        token = airflow.api_token()
+        api = httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=60, headers={"Authorization": f"Bearer {token}"})
+        try:
+            assert wait_until(lambda: api.get("/dags/reaper_orphan").status_code == 200, timeout=180)
+            run = api.post("/dags/reaper_orphan/dagRuns", json={"logical_date": None})
+            assert run.status_code == 200, run.text
+            run_id = run.json()["dag_run_id"]
+            # A live step of no Airflow at all (another team's, a test's): the reaper must not touch it either.
+            stranger = submit(cluster, AcceleratorRequest(resource="GPU", count=0.25), str(folder), "stranger",
+                              dag_id="not_in_this_airflow")
+            assert wait_until(lambda: {"hold", "live", "stranger"} <= set(os.listdir(folder)), timeout=300), \
+                os.listdir(folder)
+            sids = {t: task_job_id(cluster, "reaper_orphan", run_id, t) for t in ("hold", "live")}
+            ti = api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/hold").json()
+            _kill_worker_of(ti["id"])
+
+            def hold_state() -> str:
+                return api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/hold").json()["state"]
+
+            assert wait_until(lambda: hold_state() == "failed", timeout=120, interval=1), hold_state()
+            # The orphan is real: Airflow gave up on the task, the Ray job still holds the slice.
+            assert job_status(cluster, sids["hold"]) == "RUNNING" and not v6e4_free(cluster)
+
+            started = time.monotonic()
+            reaper = subprocess.Popen(
+                [RAYSLICE, "reap", "--address", cluster.dashboard_url,
+                 "--airflow-url", airflow.url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env={**os.environ, "RAYSLICE_AIRFLOW_TOKEN": token})
+            assert wait_until(lambda: v6e4_free(cluster), timeout=30, interval=0.2), "slice still held after 30 s"
+            freed_after = time.monotonic() - started
+            out, _ = reaper.communicate(timeout=120)
+            assert reaper.returncode == 0, out
+            assert freed_after < 30
+            assert f"stopping Ray job {sids['hold']}" in out, out
+            assert sids["live"] not in out and stranger not in out, out
+            assert job_status(cluster, sids["hold"]) == "STOPPED"
+            assert job_status(cluster, sids["live"]) == "RUNNING" and job_status(cluster, stranger) == "RUNNING"
+            assert api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/live").json()["state"] == "running"
+        finally:
+            (folder / "release").touch()
+        assert wait_until(lambda: api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/live")
+                          .json()["state"] == "success", timeout=120, interval=1)
+        assert wait_until(lambda: job_status(cluster, stranger) == "SUCCEEDED", timeout=60)

@@ -1,0 +1,202 @@
+"""Reservation under contention, on the real test cluster (two v6e-16, one v6e-4, 3 GPUs).
+
+All-or-nothing across slices, one deadline, the order in which waiting requests are served
+(and that a stream of small requests can starve a large one), slow releases that must not
+hide the step's outcome, and requests no node could ever hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from rayslice.cluster import reservation
+from rayslice.cluster.reservation import reserve_slices
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.exceptions import CapacityTimeoutError, StepFailedError, UnsatisfiableRequestError
+from rayslice.core.step import Owner, StepSpec
+from tests.conftest import TOTAL_TPU_CHIPS, wait_until
+from tests.rayslice.cluster.test_launcher import assert_all_released, run
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def count_devices_for_5_s():
+    import time
+
+    import jax
+
+    time.sleep(5)
+    return jax.device_count()
+
+
+class HeadSampler:
+    """Every 100 ms, which placement groups hold TPU slice heads, and how many heads each holds.
+
+    Ray places a group's bundles all at once or not at all, so a request whose heads are
+    spread over several groups (one per slice) can hold part of what it asked for.
+    """
+
+    def __init__(self) -> None:
+        self.samples: list[dict[str, int]] = []  # group name (or id) -> heads held
+        self.waiting: list[set[str]] = []  # names of head groups still pending
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HeadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        from ray.util.placement_group import placement_group_table
+
+        while not self._stop.wait(0.1):
+            held, waiting = {}, set()
+            for group in placement_group_table().values():
+                heads = sum(1 for b in group["bundles"].values() if any(k.endswith("-head") for k in b))
+                if not heads:
+                    continue
+                if group["state"] == "CREATED":
+                    held[group["name"] or group["placement_group_id"]] = heads
+                elif group["state"] == "PENDING":
+                    waiting.add(group["name"])
+            self.samples.append(held)
+            self.waiting.append(waiting)
+
+
+def test_two_multislice_requests_at_once_take_turns_never_holding_part(cluster, ray_driver):
+    """Two 2-slice requests on a cluster of two slices: one runs, then the other; neither ever holds one head."""
+    from rayslice.client.submission import run_step_job
+
+    request = TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True)
+    sids = [f"test-contend-{name}-{time.time_ns()}" for name in "ab"]
+    specs = [
+        StepSpec.for_function(count_devices_for_5_s, request=request, capacity_timeout=150,
+                              owner=Owner(submission_id=sid))
+        for sid in sids
+    ]
+
+    async def both():
+        return await asyncio.gather(*(run_step_job(cluster.dashboard_url, spec, token=cluster.token,
+                                                   emit=lambda line: None) for spec in specs))
+
+    with HeadSampler() as sampler:
+        results = asyncio.run(both())
+    assert results == [[32] * 8, [32] * 8]
+    assert len(sampler.samples) > 100
+    partial = [sample for sample in sampler.samples if any(heads != 2 for heads in sample.values())]
+    assert partial == [], f"a request held some but not all of its slice heads: {partial[:3]}"
+    assert max(len(sample) for sample in sampler.samples) == 1, "both requests held slices at once"
+    # They really contended: one waited (its heads group pending) while the other held both slices.
+    assert any(len(held) == 1 and waiting for held, waiting in zip(sampler.samples, sampler.waiting, strict=True))
+    assert_all_released(ray_driver)
+
+
+def test_one_deadline_bounds_the_whole_reservation(ray_driver):
+    """capacity_timeout bounds the wait for all slices together, not once per slice."""
+    busy = reserve_slices(TpuSliceRequest(tpu="v6e-16"), timeout=30, name=f"rayslice:test-busy-{time.time_ns()}")
+    try:
+        started = time.monotonic()
+        with pytest.raises(CapacityTimeoutError, match="nothing was left reserved"):
+            reserve_slices(TpuSliceRequest(tpu="v6e-16", num_slices=2), timeout=4,
+                           name=f"rayslice:test-{time.time_ns()}")
+        waited = time.monotonic() - started
+        assert waited < 4 + 2, f"waited {waited:.1f} s for a 4 s capacity_timeout"
+        assert ray_driver.available_resources().get("TPU-v6e-16-head", 0) == 1  # the free slice stayed free
+    finally:
+        busy.release()
+    assert_all_released(ray_driver)
+
+
+def test_a_stream_of_one_slice_steps_starves_a_waiting_two_slice_step(ray_driver):
+    """Known limit, shown on purpose: waiting requests are not queued.
+
+    Two streams of 1-slice reservations hand over so that one slice is always held: the
+    2-slice request never sees both free at once and times out, although each slice was
+    free again and again while it waited. Once the stream stops it gets both at once.
+    """
+    one = TpuSliceRequest(tpu="v6e-16")
+    stop = threading.Event()
+    handovers = []
+
+    def stream():
+        held = reserve_slices(one, timeout=30, name=f"rayslice:test-stream-{time.time_ns()}")
+        while not stop.is_set():
+            time.sleep(0.3)
+            nxt = reserve_slices(one, timeout=30, name=f"rayslice:test-stream-{time.time_ns()}")  # the other slice
+            held.release()  # only now: one slice is always held
+            held = nxt
+            handovers.append(time.monotonic())
+        held.release()
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    try:
+        wait_until(lambda: len(handovers) >= 1, timeout=30)
+        with pytest.raises(CapacityTimeoutError):
+            reserve_slices(TpuSliceRequest(tpu="v6e-16", num_slices=2), timeout=8,
+                           name=f"rayslice:test-starved-{time.time_ns()}")
+    finally:
+        stop.set()
+        streamer.join()
+    assert len(handovers) >= 5, "the stream did not keep handing slices over while the big request waited"
+    started = time.monotonic()
+    big = reserve_slices(TpuSliceRequest(tpu="v6e-16", num_slices=2), timeout=30,
+                         name=f"rayslice:test-big-{time.time_ns()}")
+    assert time.monotonic() - started < 5
+    assert big.release() == []
+    assert_all_released(ray_driver)
+
+
+def returns_four():
+    return 4
+
+
+def raises_value_error():
+    raise ValueError("the step's own error")
+
+
+@pytest.mark.parametrize("slow_gcs_step", ["succeeds", "fails"])
+def test_a_slow_release_never_hides_the_steps_outcome(ray_driver, monkeypatch, capsys, slow_gcs_step):
+    """Ray frees the groups only 3 s after removal is asked, past release's wait: the outcome stands, logged."""
+    real_remove = reservation.remove_placement_group
+
+    def slow_remove(group):
+        threading.Timer(3.0, real_remove, args=(group,)).start()
+
+    monkeypatch.setattr(reservation, "remove_placement_group", slow_remove)
+    monkeypatch.setattr(reservation, "RELEASE_TIMEOUT_S", 0.5)
+    if slow_gcs_step == "succeeds":
+        assert run(TpuSliceRequest(tpu="v6e-4"), returns_four) == [4]
+    else:
+        with pytest.raises(StepFailedError, match="the step's own error"):
+            run(TpuSliceRequest(tpu="v6e-4"), raises_value_error)
+    out = capsys.readouterr().out
+    assert "but Ray has not freed rayslice:test-" in out and "/heads" in out and "/hosts" in out
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=10)
+    assert_all_released(ray_driver)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        AcceleratorRequest(resource="NPU", count=0.5),
+        AcceleratorRequest(resource="GPU", count=0.25, accelerator_type="H100"),
+        AcceleratorRequest(resource="GPU", count=4),
+    ],
+    ids=["npu-on-a-cluster-without-npus", "h100-on-a-cluster-without-h100s", "more-gpus-than-any-node"],
+)
+def test_an_accelerator_request_no_node_could_hold_fails_at_once(ray_driver, request_):
+    started = time.monotonic()
+    with pytest.raises(UnsatisfiableRequestError, match="can never be scheduled on this cluster") as info:
+        run(request_, returns_four)
+    assert time.monotonic() - started < 30  # not the 600 s capacity_timeout
+    assert str(request_) in str(info.value) and "Accelerators here: GPU x3" in str(info.value)
+    assert wait_until(lambda: ray_driver.available_resources().get("GPU") == 3.0)

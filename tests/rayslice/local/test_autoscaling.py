@@ -1,0 +1,110 @@
+"""Ray's own autoscaler (v2, fake multi-node provider) adds a whole slice for a step and removes it after.
+
+A cluster of its own that starts with zero TPU hosts (`rayslice.local.local_autoscaler`: a v6e-4
+type and a 2-host v4-16, min 0, idle timeout 12 s). Steps go through the Jobs API
+(`run_step_job`), since this test process may already be a Ray driver of the main test cluster.
+The baseline is a long-lived Ray job that reserves a slice with `SlicePlacementGroup`, runs on
+it with `run_on_slice` and never removes the group: the autoscaler must keep that host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+import time
+
+import pytest
+
+from rayslice.client.jobs_client import RayJobsClient
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_autoscaler
+from tests.conftest import private_cluster
+
+IDLE_MINUTES = 0.2
+IDLE_S = IDLE_MINUTES * 60
+GRACE = 30.0  # the issue's bound: removed within idle timeout + 30 s
+
+LEAKY_DRIVER = textwrap.dedent(
+    """
+    import time
+    import ray
+    from ray.util.tpu import SlicePlacementGroup, run_on_slice
+
+    @ray.remote
+    def device_count():
+        import jax
+        return jax.device_count()
+
+    ray.init()
+    handle = SlicePlacementGroup(
+        topology="2x2", accelerator_version="v6e", bundle_label_selector=[{"ray.io/tpu-pod-type": "v6e-4"}]
+    )
+    print("LEAKY-RESULT", ray.get(run_on_slice(device_count, tpu_slice=handle)), flush=True)
+    time.sleep(600)  # a long-lived driver that never removes its placement group
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def autoscaling_cluster(tmp_path_factory: pytest.TempPathFactory):
+    def start():
+        return local_autoscaler.up(("v6e-4", "v4-16"), name="autoscaling", idle_timeout_minutes=IDLE_MINUTES)
+
+    with private_cluster(tmp_path_factory.mktemp("autoscaling-home"), "autoscaling", start) as record:
+        yield record
+
+
+def count_devices():
+    import jax
+
+    return jax.device_count()
+
+
+@pytest.mark.parametrize("pod_type", ["v4-16"])  # a whole 2-host slice; v6e-4 runs in the bench (CI time)
+def test_a_step_on_a_cluster_without_that_slice_makes_the_autoscaler_add_then_remove_it(autoscaling_cluster, pod_type):
+    from rayslice.client.submission import run_step_job
+
+    request = TpuSliceRequest(tpu=pod_type)
+    with local_autoscaler.NodeWatcher(autoscaling_cluster) as watcher:
+        assert watcher.alive == {}, "the cluster must start this step with zero TPU hosts"
+        spec = StepSpec.for_function(
+            count_devices, request=request, capacity_timeout=240, owner=Owner(run_id=f"as-{time.time_ns()}")
+        )
+        result = asyncio.run(run_step_job(autoscaling_cluster.dashboard_url, spec, emit=print))
+        done = watcher.now()
+        removed = watcher.wait(lambda alive: not alive, timeout=IDLE_S + GRACE)
+        removed_after = watcher.now() - done
+    assert result == [request.chips_per_host * request.hosts_per_slice] * request.hosts_per_slice
+    added = [e for e in watcher.events if e.kind == "added"]
+    # The whole slice, and only it, with the labels rayslice schedules on (they come from the node-type config).
+    assert sorted(e.labels["ray.io/tpu-worker-id"] for e in added) == [str(i) for i in range(request.hosts_per_slice)]
+    assert {e.labels["ray.io/tpu-pod-type"] for e in added} == {pod_type}
+    assert {e.labels["ray.io/tpu-slice-name"] for e in added} == {f"{pod_type}-a"}
+    assert removed, f"{len(watcher.alive)} host(s) still up {removed_after:.0f} s after the step"
+    assert {e.node_id for e in watcher.events if e.kind == "removed"} == {e.node_id for e in added}
+
+
+def test_a_leaked_slice_reservation_keeps_its_host_until_the_driver_gives_it_back(autoscaling_cluster, tmp_path):
+    script = tmp_path / "leaky_driver.py"
+    script.write_text(LEAKY_DRIVER)
+    sid = f"leaky-{time.time_ns()}"
+    with (
+        local_autoscaler.NodeWatcher(autoscaling_cluster) as watcher,
+        RayJobsClient(autoscaling_cluster.dashboard_url) as client,
+    ):
+        assert watcher.alive == {}
+        client.submit(f"{sys.executable} {script}", submission_id=sid)
+        try:
+            deadline = time.monotonic() + 240
+            while "LEAKY-RESULT" not in client.logs(sid) and time.monotonic() < deadline:
+                assert not client.get(sid).status.is_terminal, client.logs(sid)
+                time.sleep(1)
+            assert "LEAKY-RESULT [1]" in client.logs(sid)  # ran on the host (1 CPU device: no simulated-TPU setup)
+            assert [e.labels["ray.io/tpu-pod-type"] for e in watcher.events if e.kind == "added"] == ["v6e-4"]
+            gone_while_leaked = watcher.wait(lambda alive: not alive, timeout=IDLE_S + GRACE)
+            assert not gone_while_leaked, "the autoscaler removed a host whose slice is still reserved"
+        finally:
+            client.stop(sid)  # the driver exits; Ray removes the placement groups it created
+        assert watcher.wait(lambda alive: not alive, timeout=IDLE_S + GRACE), "host kept after the driver ended"
