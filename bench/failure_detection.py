@@ -27,6 +27,7 @@ cap its tasks are force-cancelled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -241,22 +242,34 @@ def main() -> None:
                     return None, "peers still blocked at the cap"
 
         def cleanup_hand(mark_dir: str) -> None:
+            """Free the slice: cancel, then kill every host process this run started until the chips stay free.
+
+            The head task has already ended, so a recursive cancel no longer reaches its host tasks,
+            and Ray retries a killed host task (3 retries by default) into the freed chips: left
+            alone, those retries would hold chips during the next measurement.
+            """
             ref = getattr(hand_written, "last_ref", None)
             if ref is not None:
                 ray.cancel(ref, force=True, recursive=True)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not _surviving_free(ray):
-                time.sleep(0.1)
-            if _surviving_free(ray):
-                return
-            # Force-cancel did not free them: end the per-host processes we started ourselves.
-            for pid_file in Path(mark_dir).glob("pid-*"):
-                pid = int(pid_file.name.split("-", 1)[1])
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    log(f"killed blocked host process {pid}")
-                except ProcessLookupError:
-                    pass
+            killed: set[int] = set()
+            free_since = None
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                for pid_file in Path(mark_dir).glob("pid-*"):
+                    pid = int(pid_file.name.split("-", 1)[1])
+                    if pid not in killed:
+                        killed.add(pid)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                if _surviving_free(ray):
+                    free_since = free_since or time.monotonic()
+                    if time.monotonic() - free_since >= 4:
+                        log(f"hand-written run cleaned up: {len(killed)} host processes killed")
+                        return
+                else:
+                    free_since = None
+                time.sleep(0.2)
+            log("warning: TPU chips still held after cleaning up the hand-written run")
 
         warm_up_workers(ray)
         rows = []
@@ -361,6 +374,8 @@ def _measure(ray: Any, record: Any, victim_index: int, row: Row, kind: str, fn: 
             deadline = time.monotonic() + 60
             while len(_slice_nodes(ray)) < REQUEST.hosts_per_slice and time.monotonic() < deadline:
                 time.sleep(0.2)
+            if cleanup:  # a retry that waited for the dead host's place runs on the new node
+                cleanup(mark_dir)
         shutil.rmtree(mark_dir, ignore_errors=True)
 
 
