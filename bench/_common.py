@@ -33,7 +33,7 @@ RESULTS = ROOT / "bench" / "results"
 if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/ first, not the repo root
     sys.path.insert(0, str(ROOT))
 
-from rayslice.local import local_cluster  # noqa: E402
+from rayslice.local import local_cluster, processes  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # command line
@@ -113,7 +113,7 @@ def _one_node_at_a_time() -> None:
         before = len(list(session.glob("dashboard_agent_listen_port_*")))
         pid = launch(args, env, log_path, sockets)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and local_cluster._alive(pid):
+        while time.monotonic() < deadline and processes.alive(pid):
             if len(list(session.glob("dashboard_agent_listen_port_*"))) > before:
                 break
             time.sleep(0.2)

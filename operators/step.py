@@ -24,7 +24,7 @@ from airflow.sdk import BaseOperator, XComArg, conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import RayConnectionSettings, RayHook
 from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
-from rayslice.operators.triggers import EXECUTION_TIMEOUT, UNREACHABLE_GRACE_S, RayStepTrigger
+from rayslice.operators.triggers import EXECUTION_TIMEOUT, RayStepTrigger
 
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import LogFollower, running_earlier_tries, submission_id, submit_step, wait_for_step
@@ -271,8 +271,7 @@ class RayStepOperator(BaseOperator):
 
     async def _follow(self, client: AsyncRayJobsClient, sid: str) -> Any:
         """Poll to the end, relaying new log lines; a short dashboard outage is waited out."""
-        return await wait_for_step(client, sid, emit=self.log.info, poll=self.poll_interval,
-                                   unreachable_grace=UNREACHABLE_GRACE_S)
+        return await wait_for_step(client, sid, emit=self.log.info, poll=self.poll_interval)
 
     async def _stop_earlier_tries(self, client: AsyncRayJobsClient, owner: Owner) -> None:
         """A retry must not run next to the tries it replaces: stop every one still running, wait for their ends.

@@ -31,13 +31,10 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from rayslice.hooks.ray import RayHook
 
-from rayslice.client.submission import JobFollow, LogFollower
+from rayslice.client.submission import UNREACHABLE_GRACE_S, JobFollow, LogFollower
 from rayslice.core.exceptions import JobNotFoundError, RaysliceError
 
 __all__ = ["RayStepTrigger"]
-
-#: How long the dashboard may stay unreachable before the trigger gives up on the job.
-UNREACHABLE_GRACE_S = 300.0
 #: The event's error_type when the trigger stopped the job at the task's execution_timeout.
 EXECUTION_TIMEOUT = "ExecutionTimeout"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Annotated
 
 import typer
@@ -46,6 +47,16 @@ def local_up(
     console.print(f"checkpoints: {record.checkpoint_root}")
     if record.token:
         console.print(f"token:     stored in {record.path} (mode 600)")
+    flag = "" if name == "default" else f" --name {name}"
+    console.print(f'drivers:   eval "$(rayslice local env{flag})"   # RAY_ADDRESS, auth mode, ray_default connection')
+
+
+@local.command("env")
+def local_env(name: Name = "default") -> None:
+    """Print `export` lines that point ray.init(), the examples and Airflow's ray_default at the cluster."""
+    record = local_cluster.ClusterRecord.load(name)
+    for key, value in record.driver_env().items():
+        typer.echo(f"export {key}={shlex.quote(value)}")
 
 
 @local.command("down")

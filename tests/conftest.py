@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,6 +38,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.airflow)
         if needs & BROWSER_FIXTURES or item.get_closest_marker("browser"):
             item.add_marker(pytest.mark.browser)
+    # The tests that use the session's Airflow run one after another (in their files' order), so it
+    # can stop after the last of them instead of idling through the rest of the session.
+    users = [item for item in items if _uses_session_airflow(item)]
+    if users:
+        first = items.index(users[0])
+        rest = [item for item in items if item not in users]
+        items[:] = rest[:first] + users + rest[first:]
+
+
+def _uses_session_airflow(item: pytest.Item) -> bool:
+    fixture = getattr(item, "_fixtureinfo", None)
+    defs = fixture.name2fixturedefs.get("airflow", ()) if fixture else ()
+    return bool(defs) and defs[-1].scope == "session"
+
+
+_session_airflow: list = []  # the running stack, so the last test that uses it can stop it
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _session_airflow and _uses_session_airflow(item) and (nextitem is None or not _uses_session_airflow(nextitem)):
+        _session_airflow.pop().stop()
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +127,43 @@ def ray_driver(cluster):
     ray.shutdown()
 
 
+#: The scheduler gives up on a task whose worker stopped heartbeating after this long (default 300 s):
+#: short, so the reaper test's killed worker is noticed; long enough for a loaded two-core machine.
+HEARTBEAT_TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="session")
+def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
+    """One real Airflow (api-server, scheduler, dag-processor, triggerer) for every test that needs one.
+
+    Each start costs ~90 s of a two-core machine, so the end-to-end, browser and reaper tests share
+    it. Its DAG folder holds the repo's example DAGs and the end-to-end DAGs; a test may add a DAG
+    file of its own there (the dag-processor looks every 5 s). The teardown checks that every
+    process it started is gone.
+    """
+    from rayslice.local.airflow_stack import AirflowStack
+    from rayslice.local.processes import alive
+    from tests.airflow_env import REPO
+
+    dags = tmp_path_factory.mktemp("airflow-dags")
+    for source in [*(REPO / "dags").glob("[!_]*.py"), REPO / "tests/e2e/dags/lifecycle.py"]:
+        shutil.copy(source, dags / source.name)
+    settings = {"AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3"}
+    stack = AirflowStack(cluster.dashboard_url, cluster.token, dags_folder=dags, extra_env=settings).start()
+    _session_airflow.append(stack)  # stopped by pytest_runtest_teardown after the last test that uses it
+    components = dict(stack.sessions)
+    try:
+        assert {"scheduler", "triggerer", "api-server", "dag-processor"} <= set(components)
+        yield stack
+    finally:
+        if _session_airflow:  # the run stopped early (-x, Ctrl-C, an error before its last user)
+            _session_airflow.pop().stop(keep_logs=True)
+    left = {name: pid for name, pid in components.items() if alive(pid)}
+    assert not left, f"Airflow components still running after stop(): {left}"
+    assert not stack.pids(), f"processes of the Airflow stack left behind: {sorted(stack.pids())}"
+
+
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.05):
     """Poll `condition` until it is truthy; returns its last value (tests assert on it)."""
     deadline = time.monotonic() + timeout
@@ -112,3 +172,26 @@ def wait_until(condition, timeout: float = 10.0, interval: float = 0.05):
         time.sleep(interval)
         value = condition()
     return value
+
+
+#: The project's reference files (KubeRay's CRDs and TPU sample): `shared/reference` beside the repository.
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
+REFERENCE_CRDS = ("kuberay-crd-rayclusters.yaml", "kuberay-crd-rayjobs.yaml")
+
+
+def reference_file(name: str) -> Path:
+    """A file of `REFERENCE`. Missing: a skip on a developer's machine, a failure under CI (`CI` set),
+    so a green CI run always means the tests that need it ran."""
+    path = REFERENCE / name
+    if not path.is_file():
+        message = f"reference file {path} is missing (the tests that check against KubeRay's real CRDs need it)"
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference_crds() -> list[Path]:
+    """KubeRay's real RayCluster and RayJob CRD files."""
+    return [reference_file(name) for name in REFERENCE_CRDS]

@@ -3,10 +3,12 @@
 No API server can run here, so this stands in at the HTTP transport: the real `kubernetes`
 client (loaded from a real kubeconfig file) talks to it. It serves RayClusters
 (``/apis/ray.io/v1/.../rayclusters``) and the head Services KubeRay would make, answers errors as
-``metav1.Status`` objects, checks the bearer token, validates every RayCluster it accepts *and*
-serves against the real KubeRay CRD (``rayslice.cloud.kuberay.validate``), honours delete preconditions
-(uid) and Foreground deletion, and plays the KubeRay operator: a cluster turns ``ready`` (status
-``head``, ``endpoints``, conditions, a head Service shaped like KubeRay's) after a few GETs.
+``metav1.Status`` objects, checks the bearer token, serves the KubeRay CRDs it was given (the real
+ones, from the reference files) at ``/apis/apiextensions.k8s.io/v1/customresourcedefinitions/<name>``,
+validates every RayCluster it accepts *and* serves against those same CRDs
+(``rayslice.cloud.kuberay.validate``), honours delete preconditions (uid) and Foreground deletion,
+and plays the KubeRay operator: a cluster turns ``ready`` (status ``head``, ``endpoints``,
+conditions, a head Service shaped like KubeRay's) after a few GETs.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from typing import Any
 import yaml
 
 from rayslice.cloud import kuberay
+from rayslice.cloud.kuberay_crds import CRD_NAMES, KubeRayCrds
 from tests.http_fake import JsonHttpFake, Request
 
 _CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^/]+))?$")
 _SERVICE = re.compile(r"^/api/v1/namespaces/([^/]+)/services/([^/]+)$")
+_CRD = re.compile(r"^/apis/apiextensions\.k8s\.io/v1/customresourcedefinitions/([^/]+)$")
 
 
 def _now() -> str:
@@ -37,10 +41,14 @@ def _status(code: int, reason: str, message: str, **details: Any) -> dict[str, A
 
 
 class FakeKubernetes(JsonHttpFake):
-    """``with FakeKubernetes() as kube:`` -> ``kube.url``, ``kube.write_kubeconfig(path)``, ``kube.clusters``."""
+    """``with FakeKubernetes(crds=files) as kube:`` -> ``kube.url``, ``kube.write_kubeconfig(path)``, ``kube.clusters``.
 
-    def __init__(self, *, token: str = "fake-token", ready_after_gets: int = 2, gone_after_gets: int = 1,
-                 load_balancer_ip: str = "127.0.0.1") -> None:
+    ``crds``: KubeRay CRD files, installed in the fake cluster (``installed_crds``, by CRD name: a
+    test may replace or remove one before the first request).
+    """
+
+    def __init__(self, *, crds: list[Path], token: str = "fake-token", ready_after_gets: int = 2,
+                 gone_after_gets: int = 1, load_balancer_ip: str = "127.0.0.1") -> None:
         self.token = token
         self.ready_after_gets = ready_after_gets  # None: never ready
         self.gone_after_gets = gone_after_gets
@@ -50,16 +58,12 @@ class FakeKubernetes(JsonHttpFake):
         self.requests: list[tuple[str, str, Any]] = []  # method, path, JSON body
         self.failures: list[tuple[str, re.Pattern[str], int]] = []
         self._gets: dict[str, int] = {}
+        files = KubeRayCrds.from_files(crds)
+        self.installed_crds: dict[str, dict[str, Any]] = {name: files.crd(kind) for kind, name in CRD_NAMES.items()}
+        # The API server's own check uses what is installed, as a real one does.
+        self.schemas = KubeRayCrds("the fake API server's CRDs", lambda kind: self.installed_crds[CRD_NAMES[kind]],
+                                   {kind: f"{name} in the fake API server" for kind, name in CRD_NAMES.items()})
         super().__init__()
-
-    def __enter__(self) -> FakeKubernetes:
-        try:  # the fake validates against the real CRDs: without them it cannot stand in for the API server
-            kuberay._crds(kuberay._crd_folder())
-        except FileNotFoundError as exc:
-            import pytest
-
-            pytest.skip(f"KubeRay CRDs not available: {exc}")
-        return super().__enter__()
 
     def write_kubeconfig(self, path: Path, *, token: str | None = None) -> Path:
         """A real kubeconfig file naming this server (context ``fake``)."""
@@ -92,7 +96,7 @@ class FakeKubernetes(JsonHttpFake):
         return self.clusters.get((namespace, name))
 
     def _store(self, obj: dict[str, Any]) -> dict[str, Any]:
-        kuberay.validate(obj)  # what the API server's CRD validation would reject
+        kuberay.validate(obj, self.schemas)  # what the API server's CRD validation would reject
         meta = obj["metadata"]
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1, resourceVersion="1")
         obj["status"] = {"conditions": [{"type": "HeadPodReady", "status": "False", "reason": "HeadPodNotFound",
@@ -146,7 +150,7 @@ class FakeKubernetes(JsonHttpFake):
         self.services.pop((ns, f"{name}-head-svc"), None)
 
     def _served(self, obj: dict[str, Any]) -> dict[str, Any]:
-        kuberay.validate(obj)  # the fake's own payloads keep to the CRD, status included
+        kuberay.validate(obj, self.schemas)  # the fake's own payloads keep to the CRD, status included
         return obj
 
     def _on_get(self, obj: dict[str, Any]) -> None:
@@ -171,6 +175,15 @@ class FakeKubernetes(JsonHttpFake):
                 return code, _status(code, "InternalError" if code >= 500 else "Forbidden", "injected failure")
         if auth != f"Bearer {self.token}":
             return 401, _status(401, "Unauthorized", "Unauthorized")
+        if m := _CRD.match(path):
+            if method != "GET":
+                return 405, _status(405, "MethodNotAllowed", "the fake serves GET on CRDs")
+            crd = self.installed_crds.get(m[1])
+            if crd is None:
+                return 404, _status(404, "NotFound", f'customresourcedefinitions.apiextensions.k8s.io "{m[1]}" '
+                                    "not found", name=m[1], group="apiextensions.k8s.io",
+                                    kind="customresourcedefinitions")
+            return 200, crd
         if m := _SERVICE.match(path):
             if method != "GET":
                 return 405, _status(405, "MethodNotAllowed", "the fake serves GET on services")

@@ -3,7 +3,9 @@
 Runs on the Airflow side (CLI, UI plugin), so it reads Ray's dashboard over HTTP only: the
 state API (`/api/v0/nodes`, `/placement_groups`, `/actors`) for who uses which node, and the
 Jobs API (`/api/jobs/`) to trace a Ray job back to its DAG, run and task. `_parse` turns the
-four responses into a `Snapshot` with no I/O; `snapshot` and `asnapshot` only fetch.
+four responses into a `Snapshot` with no I/O; `snapshot` and `asnapshot` only fetch, through the
+Jobs client (`RayJobsClient.get_json`): the same retries, TLS settings, token scrubbing and errors
+as every other call to the dashboard.
 
 Which GPU of a node a fractional share sits on is not in the state API; the dashboard's own
 `/logical/actors` has it (the worker's `usedResources` slots), learned from node stats a few
@@ -18,15 +20,16 @@ Ray tasks that use accelerators without an actor or placement group are not visi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-import httpx
 from pydantic import BaseModel, computed_field
 
-from rayslice.core.exceptions import RayAuthError, RayJobsError, RayUnreachableError
+from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
+from rayslice.core.exceptions import RaysliceError
 
 __all__ = ["GpuNode", "GpuShare", "Holder", "Host", "Pending", "Slice", "Snapshot", "asnapshot", "render",
            "snapshot"]
@@ -141,31 +144,6 @@ def _requests() -> list[tuple[str, dict[str, str]]]:
     return [*calls, ("/api/jobs/", {})]
 
 
-def _client_kwargs(dashboard_url: str, token: str | None, timeout: float, verify: bool | str,
-                   headers: dict[str, str] | None) -> dict[str, Any]:
-    auth = {"Authorization": f"Bearer {token}"} if token else {}
-    return {"base_url": dashboard_url.rstrip("/"), "headers": {**(headers or {}), **auth}, "timeout": timeout,
-            "verify": verify}
-
-
-def _check(dashboard_url: str, path: str, resp: httpx.Response) -> Any:
-    if resp.status_code in (401, 403):
-        raise RayAuthError(f"the Ray dashboard at {dashboard_url} refused GET {path} (HTTP {resp.status_code}); "
-                           "set the `ray` connection's password to the cluster's token", status_code=resp.status_code)
-    if resp.status_code != 200:
-        raise RayJobsError(f"GET {path} on the Ray dashboard at {dashboard_url} answered HTTP {resp.status_code}: "
-                           f"{resp.text[:300]}", status_code=resp.status_code)
-    try:
-        return resp.json()
-    except ValueError:
-        raise RayJobsError(f"GET {path} on {dashboard_url} did not answer JSON: is that a Ray dashboard URL?") from None
-
-
-def _unreachable(dashboard_url: str, exc: httpx.HTTPError) -> RayUnreachableError:
-    return RayUnreachableError(f"cannot reach the Ray dashboard at {dashboard_url} ({type(exc).__name__}: {exc}); "
-                               "check the `ray` connection's host and that the cluster is up")
-
-
 def _gpu_actor_ids(actors_body: Any) -> list[str]:
     """Live actors that hold a GPU share themselves (not through a placement group): whose slots to look up."""
     return sorted(a["actor_id"] for a in _rows(actors_body, "actors", []) if a.get("state") == "ALIVE"
@@ -173,53 +151,48 @@ def _gpu_actor_ids(actors_body: Any) -> list[str]:
                   and (a.get("required_resources") or {}).get("GPU"))
 
 
-def _gpu_slots(resp: httpx.Response) -> dict[str, list[int]]:
+def _gpu_slots(body: Any) -> dict[str, list[int]]:
     """actor id -> GPU indices, from `/logical/actors`; {} for anything unexpected (best effort)."""
     try:
-        actors = resp.json()["data"]["actors"] if resp.status_code == 200 else {}
         return {actor_id: sorted(int(slot["slot"]) for slot in info["usedResources"]["GPU"]["resourceSlots"])
-                for actor_id, info in actors.items()
+                for actor_id, info in body["data"]["actors"].items()
                 if info and (info.get("usedResources") or {}).get("GPU")}
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError, ValueError):
         return {}
+
+
+def _client(dashboard_url: str, token: str | None, timeout: float, verify: bool | str,
+            headers: dict[str, str] | None, cls: type[Any]) -> Any:
+    return cls(dashboard_url, token=token, timeout=timeout, verify=verify, headers=headers)
 
 
 def snapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 10.0, verify: bool | str = True,
              headers: dict[str, str] | None = None) -> Snapshot:
     """Read the cluster's accelerators, holders and pending demand (blocking).
 
-    `verify` and `headers` are the `ray` connection's extras (a CA bundle, a proxy's header).
+    `verify` and `headers` are the `ray` connection's extras (a CA bundle, a proxy's header). The
+    reads go through the Jobs client: its retries, token scrubbing and errors.
     """
-    try:
-        with httpx.Client(**_client_kwargs(dashboard_url, token, timeout, verify, headers)) as client:
-            bodies = [_check(dashboard_url, path, client.get(path, params=params)) for path, params in _requests()]
-            slots: dict[str, list[int]] = {}
-            if ids := _gpu_actor_ids(bodies[2]):
-                try:
-                    slots = _gpu_slots(client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids)}))
-                except httpx.HTTPError:
-                    pass  # best effort: the shares stay without their GPU index
-    except httpx.HTTPError as exc:
-        raise _unreachable(dashboard_url, exc) from exc
+    with _client(dashboard_url, token, timeout, verify, headers, RayJobsClient) as client:
+        bodies = [client.get_json(path, params) for path, params in _requests()]
+        slots: dict[str, list[int]] = {}
+        if ids := _gpu_actor_ids(bodies[2]):
+            with contextlib.suppress(RaysliceError):  # best effort: the shares stay without their GPU index
+                slots = _gpu_slots(client.get_json(_LOGICAL_ACTORS, {"ids": ",".join(ids)}))
     return _parse(*bodies, now=time.time(), gpu_slots=slots)
 
 
 async def asnapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 10.0,
                     verify: bool | str = True, headers: dict[str, str] | None = None) -> Snapshot:
     """`snapshot` for async callers (triggers, the UI plugin): the four reads run concurrently."""
-    try:
-        async with httpx.AsyncClient(**_client_kwargs(dashboard_url, token, timeout, verify, headers)) as client:
-            responses = await asyncio.gather(*(client.get(path, params=params) for path, params in _requests()))
-            bodies = [_check(dashboard_url, path, resp)
-                      for (path, _), resp in zip(_requests(), responses, strict=True)]
-            slots: dict[str, list[int]] = {}
-            if ids := _gpu_actor_ids(bodies[2]):
-                try:
-                    slots = _gpu_slots(await client.get(_LOGICAL_ACTORS, params={"ids": ",".join(ids)}))
-                except httpx.HTTPError:
-                    pass  # best effort: the shares stay without their GPU index
-    except httpx.HTTPError as exc:
-        raise _unreachable(dashboard_url, exc) from exc
+    async with _client(dashboard_url, token, timeout, verify, headers, AsyncRayJobsClient) as client:
+        bodies = await asyncio.gather(*(client.get_json(path, params) for path, params in _requests()))
+        actors = _gpu_actor_ids(bodies[2])
+        lookup = client.get_json(_LOGICAL_ACTORS, {"ids": ",".join(actors)}) if actors else None
+        try:
+            slots = _gpu_slots(await lookup) if lookup else {}
+        except RaysliceError:
+            slots = {}  # best effort, as in `snapshot`
     return _parse(*bodies, now=time.time(), gpu_slots=slots)
 
 

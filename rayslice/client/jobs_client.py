@@ -3,9 +3,11 @@
 The Airflow side talks to Ray only through this module, so it imports nothing
 but httpx, pydantic and the standard library: never ``ray``.
 
-Layout (httpx style): ``_BaseJobsClient`` builds every request and parses every
-response without doing I/O; ``AsyncRayJobsClient`` and ``RayJobsClient`` mirror
-each other method for method over ``httpx.AsyncClient`` / ``httpx.Client``.
+Layout: ``_BaseJobsClient`` writes every call once, as an *operation*: a generator that yields
+the requests to send and the back-off sleeps of the one retry loop (``_exchange``), and parses
+the answers, with no I/O of its own. ``RayJobsClient`` (``httpx.Client``, blocking) and
+``AsyncRayJobsClient`` (``httpx.AsyncClient``, awaitable) only run operations (``_drive``), so
+both have the same methods with the same retries, errors and token scrubbing.
 
 REST shapes, as served by Ray 2.60 (``ray/dashboard/modules/job/job_head.py``):
 
@@ -38,6 +40,7 @@ closes at once with nothing (measured).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import io
 import json
@@ -48,12 +51,12 @@ import ssl
 import stat
 import time
 import zipfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -79,6 +82,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Statuses that mean "a proxy or the dashboard is (re)starting": retried like connection errors.
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -220,10 +224,34 @@ class _Call:
     json: Any = None
     content: bytes | None = None
     timeout: float | None = None
+    params: dict[str, str] | None = None
 
     @property
     def label(self) -> str:
         return f"{self.method} {self.path}"
+
+    @property
+    def request(self) -> dict[str, Any]:
+        """The arguments of ``httpx.Client.request`` / ``httpx.AsyncClient.request``."""
+        timeout = httpx.Timeout(self.timeout) if self.timeout else httpx.USE_CLIENT_DEFAULT
+        return {"method": self.method, "url": self.path, "json": self.json, "content": self.content,
+                "params": self.params, "timeout": timeout}
+
+
+#: An operation: a generator that yields the requests to send (``_Call``) and the seconds to sleep
+#: before a retry (``float``), receives each response (or the transport error, thrown in), and
+#: returns the call's result. Written once; the sync and the async client only run it (``_drive``).
+_Op = Generator[_Call | float, Any, T]
+
+
+def _operation(steps: Callable[..., _Op[T]]) -> Callable[..., Any]:
+    """A client method from an operation: blocking on ``RayJobsClient``, awaitable on ``AsyncRayJobsClient``."""
+
+    @functools.wraps(steps)
+    def method(self: _BaseJobsClient, *args: Any, **kwargs: Any) -> Any:
+        return self._drive(steps(self, *args, **kwargs))
+
+    return method
 
 
 def _quote(value: str, what: str) -> str:
@@ -410,15 +438,23 @@ class _BaseJobsClient:
             status_code=code,
         )
 
-    def _json(self, call: _Call, resp: httpx.Response) -> Any:
+    def _json(self, call: _Call, resp: httpx.Response, kind: type | None = None, what: str = "") -> Any:
+        """The JSON body; with ``kind``, one of that type (``what`` names it in the error)."""
         try:
-            return resp.json()
+            body = resp.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RayJobsError(
                 f"the Ray dashboard at {self.address} answered {call.label} with a body that is "
                 f"not JSON (HTTP {resp.status_code}): {self._summary(resp.text)!r}",
                 status_code=resp.status_code,
             ) from None
+        if kind is not None and not isinstance(body, kind):
+            raise RayJobsError(
+                f"the Ray dashboard at {self.address} answered {call.label} with "
+                f"{type(body).__name__} {self._summary(resp.text)!r}, not {what}",
+                status_code=resp.status_code,
+            )
+        return body
 
     def _field(self, call: _Call, resp: httpx.Response, key: str, kind: type) -> Any:
         body = self._json(call, resp)
@@ -443,12 +479,41 @@ class _BaseJobsClient:
                 status_code=resp.status_code,
             ) from None
 
-    # ---- calls: build, then parse
+    # ---- the calls, each written once as an operation (see ``_operation``)
 
-    def _version_call(self) -> _Call:
-        return _Call("GET", "/api/version")
+    def _exchange(self, call: _Call) -> _Op[httpx.Response]:
+        """Send ``call`` under the retry policy: the one retry loop, run by both clients' ``_drive``."""
+        for attempt in range(self.retries):
+            try:
+                resp = yield call
+            except httpx.TransportError as exc:
+                cause = self._exc_cause(exc)
+                delay = self._transient(call, attempt, cause)
+                if delay is None:
+                    raise self._unreachable(cause) from exc
+            else:
+                if resp.status_code not in RETRY_STATUSES:
+                    return resp
+                cause = f"HTTP {resp.status_code} on {call.label}"
+                delay = self._transient(call, attempt, cause)
+                if delay is None:
+                    raise self._unreachable(cause, resp.status_code)
+            yield delay
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    def _parse_version(self, call: _Call, resp: httpx.Response) -> dict[str, Any]:
+    def _drive(self, op: _Op[T]) -> Any:
+        """Run an operation to its result: the sync client blocks, the async one returns a coroutine."""
+        raise NotImplementedError
+
+    def _steps(self, name: str, *args: Any, **kwargs: Any) -> _Op[Any]:
+        """Another operation's steps, so operations compose: ``yield from self._steps("package_exists", uri)``."""
+        return getattr(type(self), name).__wrapped__(self, *args, **kwargs)
+
+    @_operation
+    def version(self) -> _Op[dict[str, Any]]:
+        """``GET /api/version``: ``{"version", "ray_version", "ray_commit", "session_name"}``."""
+        call = _Call("GET", "/api/version")
+        resp = yield from self._exchange(call)
         if resp.status_code == 404:
             raise RayJobsError(
                 f"{self.address} does not look like a Ray dashboard (404 on {call.label}); "
@@ -456,28 +521,23 @@ class _BaseJobsClient:
                 status_code=404,
             )
         self._raise_for_status(call, resp, not_found=None)
-        body = self._json(call, resp)
-        if not isinstance(body, dict):
-            raise RayJobsError(
-                f"the Ray dashboard at {self.address} answered {call.label} with "
-                f"{self._summary(resp.text)!r}, not an object",
-                status_code=resp.status_code,
-            )
-        return body
+        return self._json(call, resp, dict, "an object")
 
-    def _submit_call(
+    @_operation
+    def submit(
         self,
         entrypoint: str,
         *,
         submission_id: str,
-        runtime_env: dict[str, Any] | None,
-        metadata: dict[str, str] | None,
-        entrypoint_num_cpus: float | None,
-        entrypoint_num_gpus: float | None,
-        entrypoint_memory: int | None,
-        entrypoint_resources: dict[str, float] | None,
-        entrypoint_label_selector: dict[str, str] | None,
-    ) -> _Call:
+        runtime_env: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
+        entrypoint_num_cpus: float | None = None,
+        entrypoint_num_gpus: float | None = None,
+        entrypoint_memory: int | None = None,
+        entrypoint_resources: dict[str, float] | None = None,
+        entrypoint_label_selector: dict[str, str] | None = None,
+    ) -> _Op[str]:
+        """Submit a job; idempotent by ``submission_id`` (an existing job's id is returned, not an error)."""
         if not isinstance(entrypoint, str) or not entrypoint.strip():
             raise InvalidRequestError(f"entrypoint must be a non-empty command string, got {entrypoint!r}")
         _quote(submission_id, "submission_id")
@@ -499,10 +559,8 @@ class _BaseJobsClient:
             "entrypoint_label_selector": entrypoint_label_selector,
         }
         # Like Ray's own client: leave out unset fields, so older servers accept the request.
-        return _Call("POST", "/api/jobs/", json={k: v for k, v in body.items() if v is not None})
-
-    def _parse_submit(self, call: _Call, resp: httpx.Response) -> str:
-        submission_id = call.json["submission_id"]
+        call = _Call("POST", "/api/jobs/", json={k: v for k, v in body.items() if v is not None})
+        resp = yield from self._exchange(call)
         if resp.status_code >= 400 and self._already_exists(resp.text, submission_id):
             logger.info(
                 "Ray dashboard at %s: job %r already exists; reattaching to it",
@@ -510,8 +568,8 @@ class _BaseJobsClient:
             )
             return submission_id
         self._raise_for_status(call, resp, not_found=None)
-        body = self._json(call, resp)
-        returned = body.get("submission_id") if isinstance(body, dict) else None
+        answer = self._json(call, resp)
+        returned = answer.get("submission_id") if isinstance(answer, dict) else None
         return returned if isinstance(returned, str) and returned else submission_id
 
     @staticmethod
@@ -520,33 +578,90 @@ class _BaseJobsClient:
         # already exists. Please use a different submission_id." (older Rays: 400).
         return "already exists" in text and submission_id in text
 
-    def _get_call(self, submission_id: str) -> _Call:
-        return _Call("GET", f"/api/jobs/{_quote(submission_id, 'submission_id')}")
-
-    def _parse_get(self, call: _Call, resp: httpx.Response, submission_id: str) -> JobDetails:
+    def _job(self, method: str, submission_id: str, suffix: str = "") -> _Op[tuple[_Call, httpx.Response]]:
+        """One call about a job; its 404 is ``JobNotFoundError``, any other error status raises."""
+        call = _Call(method, f"/api/jobs/{_quote(submission_id, 'submission_id')}{suffix}")
+        resp = yield from self._exchange(call)
         self._raise_for_status(call, resp, not_found=submission_id)
+        return call, resp
+
+    @_operation
+    def get(self, submission_id: str) -> _Op[JobDetails]:
+        """The job's details; ``JobNotFoundError`` when the dashboard does not know the id."""
+        call, resp = yield from self._job("GET", submission_id)
         return self._details(call, resp, self._json(call, resp))
 
-    def _stop_call(self, submission_id: str) -> _Call:
-        return _Call("POST", f"/api/jobs/{_quote(submission_id, 'submission_id')}/stop")
+    @_operation
+    def stop(self, submission_id: str) -> _Op[bool]:
+        """Ask the job to stop; True if it was running (the stop itself is asynchronous)."""
+        return self._field(*(yield from self._job("POST", submission_id, "/stop")), "stopped", bool)
 
-    def _parse_stop(self, call: _Call, resp: httpx.Response, submission_id: str) -> bool:
-        self._raise_for_status(call, resp, not_found=submission_id)
-        return self._field(call, resp, "stopped", bool)
+    @_operation
+    def delete(self, submission_id: str) -> _Op[bool]:
+        """Delete a terminal job's record; a job still running gives ``RayJobsError`` (HTTP 500)."""
+        return self._field(*(yield from self._job("DELETE", submission_id)), "deleted", bool)
 
-    def _delete_call(self, submission_id: str) -> _Call:
-        return _Call("DELETE", f"/api/jobs/{_quote(submission_id, 'submission_id')}")
+    @_operation
+    def logs(self, submission_id: str) -> _Op[str]:
+        """The job's driver log so far (``""`` before the driver started)."""
+        return self._field(*(yield from self._job("GET", submission_id, "/logs")), "logs", str)
 
-    def _parse_delete(self, call: _Call, resp: httpx.Response, submission_id: str) -> bool:
-        self._raise_for_status(call, resp, not_found=submission_id)
-        return self._field(call, resp, "deleted", bool)
+    @_operation
+    def list_jobs(self) -> _Op[list[JobDetails]]:
+        """Every job the cluster knows: submission jobs and plain driver jobs (``type``)."""
+        call = _Call("GET", "/api/jobs/")
+        resp = yield from self._exchange(call)
+        self._raise_for_status(call, resp, not_found=None)
+        return [self._details(call, resp, item) for item in self._json(call, resp, list, "a list of jobs")]
 
-    def _logs_call(self, submission_id: str) -> _Call:
-        return _Call("GET", f"/api/jobs/{_quote(submission_id, 'submission_id')}/logs")
+    @_operation
+    def get_json(self, path: str, params: dict[str, str] | None = None) -> _Op[Any]:
+        """``GET path`` on the dashboard (e.g. the state API's ``/api/v0/nodes``): its JSON body.
 
-    def _parse_logs(self, call: _Call, resp: httpx.Response, submission_id: str) -> str:
-        self._raise_for_status(call, resp, not_found=submission_id)
-        return self._field(call, resp, "logs", str)
+        The same retries, token, TLS settings and errors as every other call; the capacity reader
+        (``rayslice.client.capacity``) reads the state API through it.
+        """
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidRequestError(f"path must start with '/', got {path!r}")
+        call = _Call("GET", path, params=params)
+        resp = yield from self._exchange(call)
+        self._raise_for_status(call, resp, not_found=None)
+        return self._json(call, resp)
+
+    @_operation
+    def package_exists(self, uri: str) -> _Op[bool]:
+        """Whether the cluster holds ``uri`` (``gcs://...``); asking also pins it for ~10 min."""
+        protocol, name = _split_package_uri(uri)
+        call = _Call("GET", f"/api/packages/{quote(protocol, safe='')}/{quote(name, safe='')}")
+        resp = yield from self._exchange(call)
+        if resp.status_code == 404:
+            return False
+        self._raise_for_status(call, resp, not_found=None)
+        return True
+
+    @_operation
+    def upload_package(self, name: str, data: bytes, *, timeout: float | None = None) -> _Op[str]:
+        """Store ``data`` in the cluster as ``gcs://<name>``; returns that URI."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise InvalidRequestError(f"package data must be bytes, got {type(data).__name__}")
+        uri = name if "://" in name else f"gcs://{name}"
+        protocol, pkg = _split_package_uri(uri)
+        if protocol != "gcs":
+            raise InvalidRequestError(f"only gcs:// packages can be uploaded, got {uri!r}")
+        call = _Call("PUT", f"/api/packages/gcs/{quote(pkg, safe='')}", content=bytes(data), timeout=timeout)
+        self._raise_for_status(call, (yield from self._exchange(call)), not_found=None)
+        return uri
+
+    @_operation
+    def ensure_package(self, zip_bytes: bytes, *, timeout: float | None = None) -> _Op[str]:
+        """Upload ``zip_bytes`` under its content hash unless the cluster has it; returns the URI."""
+        uri = f"gcs://{package_name_for(bytes(zip_bytes))}"
+        # Asking first also pins the URI, as Ray's own client does before uploading.
+        if not (yield from self._steps("package_exists", uri)):
+            yield from self._steps("upload_package", uri, zip_bytes, timeout=timeout)
+        return uri
+
+    # ---- the log tail (a websocket: async only)
 
     def _tail_call(self, submission_id: str) -> _Call:
         return _Call("GET", f"/api/jobs/{_quote(submission_id, 'submission_id')}/logs/tail")
@@ -584,44 +699,6 @@ class _BaseJobsClient:
             status_code=code,
         )
 
-    def _list_call(self) -> _Call:
-        return _Call("GET", "/api/jobs/")
-
-    def _parse_list(self, call: _Call, resp: httpx.Response) -> list[JobDetails]:
-        self._raise_for_status(call, resp, not_found=None)
-        body = self._json(call, resp)
-        if not isinstance(body, list):
-            raise RayJobsError(
-                f"the Ray dashboard at {self.address} answered {call.label} with "
-                f"{type(body).__name__}, not a list of jobs",
-                status_code=resp.status_code,
-            )
-        return [self._details(call, resp, item) for item in body]
-
-    def _package_exists_call(self, uri: str) -> _Call:
-        protocol, name = _split_package_uri(uri)
-        return _Call("GET", f"/api/packages/{quote(protocol, safe='')}/{quote(name, safe='')}")
-
-    def _parse_package_exists(self, call: _Call, resp: httpx.Response) -> bool:
-        if resp.status_code == 404:
-            return False
-        self._raise_for_status(call, resp, not_found=None)
-        return True
-
-    def _upload_call(self, name: str, data: bytes, timeout: float | None) -> tuple[_Call, str]:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise InvalidRequestError(f"package data must be bytes, got {type(data).__name__}")
-        uri = name if "://" in name else f"gcs://{name}"
-        protocol, pkg = _split_package_uri(uri)
-        if protocol != "gcs":
-            raise InvalidRequestError(f"only gcs:// packages can be uploaded, got {uri!r}")
-        call = _Call("PUT", f"/api/packages/gcs/{quote(pkg, safe='')}", content=bytes(data), timeout=timeout)
-        return call, uri
-
-    def _parse_upload(self, call: _Call, resp: httpx.Response) -> None:
-        self._raise_for_status(call, resp, not_found=None)
-
-
 # --------------------------------------------------------------------------- log tail
 
 
@@ -656,33 +733,29 @@ class LogTail:
         return message
 
 
-# --------------------------------------------------------------------------- async client
+
+# --------------------------------------------------------------------------- the two clients
+
+
+def _advance(op: _Op[T], reply: httpx.Response | BaseException | None) -> tuple[_Call | float | None, Any]:
+    """Give ``op`` its last step's outcome; (its next step, None), or (None, its result) once it returned."""
+    try:
+        return op.throw(reply) if isinstance(reply, BaseException) else op.send(reply), None
+    except StopIteration as done:
+        return None, done.value
 
 
 class AsyncRayJobsClient(_BaseJobsClient):
-    """Ray Jobs API over ``httpx.AsyncClient``. Use as ``async with`` or call ``aclose()``.
+    """Ray Jobs API over ``httpx.AsyncClient``: ``await client.get(sid)``. Use as ``async with`` or ``aclose()``.
 
     ``retries`` is the number of attempts a call gets when the dashboard is
     unreachable, times out or answers 502/503/504; attempt ``i`` is followed by
-    a sleep of ``backoff * 2**i`` seconds. ``timeout`` bounds each attempt.
+    a sleep of ``backoff * 2**i`` seconds. ``timeout`` bounds each attempt. ``options``: ``token``,
+    ``verify`` (bool or a CA bundle path), ``headers``, ``timeout``, ``retries``, ``backoff``.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        token: str | None = None,
-        verify: bool | str = True,
-        headers: dict[str, str] | None = None,
-        timeout: float = 10.0,
-        retries: int = 3,
-        backoff: float = 0.5,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        super().__init__(
-            address, token=token, verify=verify, headers=headers,
-            timeout=timeout, retries=retries, backoff=backoff,
-        )
+    def __init__(self, address: str, *, transport: httpx.AsyncBaseTransport | None = None, **options: Any) -> None:
+        super().__init__(address, **options)
         self._client = httpx.AsyncClient(**self._client_kwargs(transport))
 
     async def __aenter__(self) -> AsyncRayJobsClient:
@@ -694,74 +767,17 @@ class AsyncRayJobsClient(_BaseJobsClient):
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _send(self, call: _Call) -> httpx.Response:
-        timeout = httpx.Timeout(call.timeout) if call.timeout else httpx.USE_CLIENT_DEFAULT
-        for attempt in range(self.retries):
+    async def _drive(self, op: _Op[T]) -> T:
+        """Run an operation: send its calls, sleep its back-offs, without blocking the event loop."""
+        step, result = _advance(op, None)
+        while step is not None:
             try:
-                resp = await self._client.request(
-                    call.method, call.path, json=call.json, content=call.content, timeout=timeout
-                )
+                reply = await (self._client.request(**step.request) if isinstance(step, _Call)
+                               else asyncio.sleep(step))
             except httpx.TransportError as exc:
-                cause = self._exc_cause(exc)
-                delay = self._transient(call, attempt, cause)
-                if delay is None:
-                    raise self._unreachable(cause) from exc
-            else:
-                if resp.status_code not in RETRY_STATUSES:
-                    return resp
-                cause = f"HTTP {resp.status_code} on {call.label}"
-                delay = self._transient(call, attempt, cause)
-                if delay is None:
-                    raise self._unreachable(cause, resp.status_code)
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def version(self) -> dict[str, Any]:
-        """``GET /api/version``: ``{"version", "ray_version", "ray_commit", "session_name"}``."""
-        call = self._version_call()
-        return self._parse_version(call, await self._send(call))
-
-    async def submit(
-        self,
-        entrypoint: str,
-        *,
-        submission_id: str,
-        runtime_env: dict[str, Any] | None = None,
-        metadata: dict[str, str] | None = None,
-        entrypoint_num_cpus: float | None = None,
-        entrypoint_num_gpus: float | None = None,
-        entrypoint_memory: int | None = None,
-        entrypoint_resources: dict[str, float] | None = None,
-        entrypoint_label_selector: dict[str, str] | None = None,
-    ) -> str:
-        """Submit a job; idempotent by ``submission_id`` (an existing job's id is returned, not an error)."""
-        call = self._submit_call(
-            entrypoint, submission_id=submission_id, runtime_env=runtime_env, metadata=metadata,
-            entrypoint_num_cpus=entrypoint_num_cpus, entrypoint_num_gpus=entrypoint_num_gpus,
-            entrypoint_memory=entrypoint_memory, entrypoint_resources=entrypoint_resources,
-            entrypoint_label_selector=entrypoint_label_selector,
-        )
-        return self._parse_submit(call, await self._send(call))
-
-    async def get(self, submission_id: str) -> JobDetails:
-        """The job's details; ``JobNotFoundError`` when the dashboard does not know the id."""
-        call = self._get_call(submission_id)
-        return self._parse_get(call, await self._send(call), submission_id)
-
-    async def stop(self, submission_id: str) -> bool:
-        """Ask the job to stop; True if it was running (the stop itself is asynchronous)."""
-        call = self._stop_call(submission_id)
-        return self._parse_stop(call, await self._send(call), submission_id)
-
-    async def delete(self, submission_id: str) -> bool:
-        """Delete a terminal job's record; a job still running gives ``RayJobsError`` (HTTP 500)."""
-        call = self._delete_call(submission_id)
-        return self._parse_delete(call, await self._send(call), submission_id)
-
-    async def logs(self, submission_id: str) -> str:
-        """The job's driver log so far (``""`` before the driver started)."""
-        call = self._logs_call(submission_id)
-        return self._parse_logs(call, await self._send(call), submission_id)
+                reply = exc
+            step, result = _advance(op, reply)
+        return result
 
     @asynccontextmanager
     async def tail_logs(self, submission_id: str) -> AsyncIterator[LogTail]:
@@ -801,53 +817,12 @@ class AsyncRayJobsClient(_BaseJobsClient):
         finally:
             await ws.close()
 
-    async def list_jobs(self) -> list[JobDetails]:
-        """Every job the cluster knows: submission jobs and plain driver jobs (``type``)."""
-        call = self._list_call()
-        return self._parse_list(call, await self._send(call))
-
-    async def package_exists(self, uri: str) -> bool:
-        """Whether the cluster holds ``uri`` (``gcs://...``); asking also pins it for ~10 min."""
-        call = self._package_exists_call(uri)
-        return self._parse_package_exists(call, await self._send(call))
-
-    async def upload_package(self, name: str, data: bytes, *, timeout: float | None = None) -> str:
-        """Store ``data`` in the cluster as ``gcs://<name>``; returns that URI."""
-        call, uri = self._upload_call(name, data, timeout)
-        self._parse_upload(call, await self._send(call))
-        return uri
-
-    async def ensure_package(self, zip_bytes: bytes, *, timeout: float | None = None) -> str:
-        """Upload ``zip_bytes`` under its content hash unless the cluster has it; returns the URI."""
-        uri = f"gcs://{package_name_for(bytes(zip_bytes))}"
-        # Asking first also pins the URI, as Ray's own client does before uploading.
-        if not await self.package_exists(uri):
-            await self.upload_package(uri, zip_bytes, timeout=timeout)
-        return uri
-
-
-# --------------------------------------------------------------------------- sync client
-
 
 class RayJobsClient(_BaseJobsClient):
-    """Ray Jobs API over ``httpx.Client``; the blocking mirror of ``AsyncRayJobsClient``."""
+    """Ray Jobs API over ``httpx.Client``: the same calls and ``options`` as ``AsyncRayJobsClient``, blocking."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        token: str | None = None,
-        verify: bool | str = True,
-        headers: dict[str, str] | None = None,
-        timeout: float = 10.0,
-        retries: int = 3,
-        backoff: float = 0.5,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        super().__init__(
-            address, token=token, verify=verify, headers=headers,
-            timeout=timeout, retries=retries, backoff=backoff,
-        )
+    def __init__(self, address: str, *, transport: httpx.BaseTransport | None = None, **options: Any) -> None:
+        super().__init__(address, **options)
         self._client = httpx.Client(**self._client_kwargs(transport))
 
     def __enter__(self) -> RayJobsClient:
@@ -859,95 +834,17 @@ class RayJobsClient(_BaseJobsClient):
     def close(self) -> None:
         self._client.close()
 
-    def _send(self, call: _Call) -> httpx.Response:
-        timeout = httpx.Timeout(call.timeout) if call.timeout else httpx.USE_CLIENT_DEFAULT
-        for attempt in range(self.retries):
-            try:
-                resp = self._client.request(
-                    call.method, call.path, json=call.json, content=call.content, timeout=timeout
-                )
-            except httpx.TransportError as exc:
-                cause = self._exc_cause(exc)
-                delay = self._transient(call, attempt, cause)
-                if delay is None:
-                    raise self._unreachable(cause) from exc
-            else:
-                if resp.status_code not in RETRY_STATUSES:
-                    return resp
-                cause = f"HTTP {resp.status_code} on {call.label}"
-                delay = self._transient(call, attempt, cause)
-                if delay is None:
-                    raise self._unreachable(cause, resp.status_code)
-            time.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
+    def _drive(self, op: _Op[T]) -> T:
+        """Run an operation: send its calls, sleep its back-offs."""
+        step, result = _advance(op, None)
+        while step is not None:
+            step, result = _advance(op, self._io(step))
+        return result
 
-    def version(self) -> dict[str, Any]:
-        """``GET /api/version``: ``{"version", "ray_version", "ray_commit", "session_name"}``."""
-        call = self._version_call()
-        return self._parse_version(call, self._send(call))
-
-    def submit(
-        self,
-        entrypoint: str,
-        *,
-        submission_id: str,
-        runtime_env: dict[str, Any] | None = None,
-        metadata: dict[str, str] | None = None,
-        entrypoint_num_cpus: float | None = None,
-        entrypoint_num_gpus: float | None = None,
-        entrypoint_memory: int | None = None,
-        entrypoint_resources: dict[str, float] | None = None,
-        entrypoint_label_selector: dict[str, str] | None = None,
-    ) -> str:
-        """Submit a job; idempotent by ``submission_id`` (an existing job's id is returned, not an error)."""
-        call = self._submit_call(
-            entrypoint, submission_id=submission_id, runtime_env=runtime_env, metadata=metadata,
-            entrypoint_num_cpus=entrypoint_num_cpus, entrypoint_num_gpus=entrypoint_num_gpus,
-            entrypoint_memory=entrypoint_memory, entrypoint_resources=entrypoint_resources,
-            entrypoint_label_selector=entrypoint_label_selector,
-        )
-        return self._parse_submit(call, self._send(call))
-
-    def get(self, submission_id: str) -> JobDetails:
-        """The job's details; ``JobNotFoundError`` when the dashboard does not know the id."""
-        call = self._get_call(submission_id)
-        return self._parse_get(call, self._send(call), submission_id)
-
-    def stop(self, submission_id: str) -> bool:
-        """Ask the job to stop; True if it was running (the stop itself is asynchronous)."""
-        call = self._stop_call(submission_id)
-        return self._parse_stop(call, self._send(call), submission_id)
-
-    def delete(self, submission_id: str) -> bool:
-        """Delete a terminal job's record; a job still running gives ``RayJobsError`` (HTTP 500)."""
-        call = self._delete_call(submission_id)
-        return self._parse_delete(call, self._send(call), submission_id)
-
-    def logs(self, submission_id: str) -> str:
-        """The job's driver log so far (``""`` before the driver started)."""
-        call = self._logs_call(submission_id)
-        return self._parse_logs(call, self._send(call), submission_id)
-
-    def list_jobs(self) -> list[JobDetails]:
-        """Every job the cluster knows: submission jobs and plain driver jobs (``type``)."""
-        call = self._list_call()
-        return self._parse_list(call, self._send(call))
-
-    def package_exists(self, uri: str) -> bool:
-        """Whether the cluster holds ``uri`` (``gcs://...``); asking also pins it for ~10 min."""
-        call = self._package_exists_call(uri)
-        return self._parse_package_exists(call, self._send(call))
-
-    def upload_package(self, name: str, data: bytes, *, timeout: float | None = None) -> str:
-        """Store ``data`` in the cluster as ``gcs://<name>``; returns that URI."""
-        call, uri = self._upload_call(name, data, timeout)
-        self._parse_upload(call, self._send(call))
-        return uri
-
-    def ensure_package(self, zip_bytes: bytes, *, timeout: float | None = None) -> str:
-        """Upload ``zip_bytes`` under its content hash unless the cluster has it; returns the URI."""
-        uri = f"gcs://{package_name_for(bytes(zip_bytes))}"
-        # Asking first also pins the URI, as Ray's own client does before uploading.
-        if not self.package_exists(uri):
-            self.upload_package(uri, zip_bytes, timeout=timeout)
-        return uri
+    def _io(self, step: _Call | float) -> httpx.Response | httpx.TransportError | None:
+        if not isinstance(step, _Call):
+            return time.sleep(step)
+        try:
+            return self._client.request(**step.request)
+        except httpx.TransportError as exc:
+            return exc

@@ -34,7 +34,7 @@ from rayslice.core.exceptions import (
     SubmissionConflictError,
     UnsatisfiableRequestError,
 )
-from rayslice.core.step import ERROR_MARKER, RESULT_MARKER, Owner, StepSpec, parse_error, parse_result
+from rayslice.core.step import ERROR_MARKER, HOST_DONE_MARKER, RESULT_MARKER, Owner, StepSpec, parse_error, parse_result
 
 ENTRYPOINT = "python -m rayslice.cluster spec.json"
 #: Ad-hoc steps (no Airflow task instance) get this prefix and a fresh UUID per submission.
@@ -272,7 +272,7 @@ class LogFollower:
             for marker in (RESULT_MARKER, ERROR_MARKER):
                 if marker in piece:
                     self._markers[marker] = piece
-            if piece.strip() and not piece.startswith((RESULT_MARKER, ERROR_MARKER)):
+            if piece.strip() and not piece.startswith((RESULT_MARKER, ERROR_MARKER)) and HOST_DONE_MARKER not in piece:
                 self.emit(_strip_ansi(piece))
 
 
@@ -313,10 +313,20 @@ class JobFollow:
     `END_GRACE_S` after the end is closed and the rest read with one `client.logs`. Status polls
     that fail for longer than `unreachable_grace` raise `RayUnreachableError` naming the job;
     stream failures alone never do (the job's end is known from its status).
+
+    The step's marker line is the launcher's last line, and its driver exits right after it: once
+    it arrived, the status is polled every `MARKER_POLL_S`, and once the job ended the open stream
+    is read until it has been quiet for `QUIET_S`, then closed (the dashboard keeps a stream open
+    for seconds after the end): the caller gets the result without waiting out either.
     """
 
     #: How long a stream may stay open after the job ended before the rest is read with one GET.
     END_GRACE_S = 15.0
+    #: The status poll interval once the marker line arrived (for at most MARKER_FAST_S).
+    MARKER_POLL_S = 0.1
+    MARKER_FAST_S = 10.0
+    #: After the end, with the marker line relayed: this much stream silence completes the log.
+    QUIET_S = 0.3
 
     def __init__(
         self,
@@ -353,12 +363,14 @@ class JobFollow:
         async with contextlib.AsyncExitStack() as stack:
             tail: LogTail | None = None
             closed_normally = opened_after_end = ended_while_open = False
-            ended_at = opened_at = 0.0
+            ended_at = opened_at = marker_at = 0.0
             next_poll = next_open = 0.0
+            finishing = False  # ended, marker relayed, stream open: done once the stream is quiet
             while True:
                 now = time.monotonic()
                 if tail is None or now >= next_poll:
-                    next_poll = now + self.poll
+                    fast = marker_at and now - marker_at < self.MARKER_FAST_S
+                    next_poll = now + (min(self.poll, self.MARKER_POLL_S) if fast else self.poll)
                     job = await self._get()
                     if job is not None:
                         self.job = job
@@ -386,9 +398,14 @@ class JobFollow:
                         if await self._read_rest():
                             break
                         continue
+                    finishing = ended and bool(self.lines.markers)
+                wait = next_poll - time.monotonic()
                 try:
-                    text = await asyncio.wait_for(tail.next(), max(0.0, next_poll - time.monotonic()))
+                    text = await asyncio.wait_for(tail.next(), max(0.0, min(wait, self.QUIET_S) if finishing else wait))
                 except TimeoutError:
+                    if finishing:  # the marker was the last line, and nothing more came
+                        await stack.aclose()
+                        break
                     continue  # time to poll the status
                 except RayUnreachableError as exc:
                     await stack.aclose()
@@ -401,6 +418,9 @@ class JobFollow:
                     continue
                 self._stream_trouble = False
                 self.lines.chunk(text)
+                if not marker_at and self.lines.markers:
+                    marker_at = time.monotonic()
+                    next_poll = min(next_poll, marker_at + self.MARKER_POLL_S)
         self.lines.flush()
         self.complete = True
 

@@ -3,8 +3,9 @@
 Plain dicts, no kubernetes client and no ray import, so they can be rendered anywhere (CI, a
 laptop, the Airflow side). Each TPU pod type becomes one multi-host worker group: KubeRay and
 the Ray autoscaler add and remove a group replica as a whole slice, which is what a step's gang
-needs. ``validate`` checks a manifest against the real CRD schema, plus the few KubeRay
-operator rules that a schema cannot express, so a bad manifest fails here and not in the cluster.
+needs. ``validate`` checks a manifest against a KubeRay CRD schema (``kuberay_crds``: a file, or the
+one installed in the target cluster; none ships with the package), plus the few KubeRay operator
+rules that a schema cannot express, so a bad manifest fails here and not in the cluster.
 """
 
 from __future__ import annotations
@@ -12,20 +13,19 @@ from __future__ import annotations
 import copy
 import os
 import re
-from functools import cache
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
 
+from rayslice.cloud.kuberay_crds import HOW_TO_VALIDATE, CrdUnavailableError, KubeRayCrds
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV
 from rayslice.core.exceptions import InvalidRequestError
 
 DEFAULT_IMAGE = "rayproject/ray:2.60.0-py311"
-CRDS_ENV = "RAYSLICE_KUBERAY_CRDS"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: GKE's node label for each TPU version (cloud.google.com/gke-tpu-accelerator).
 #: v2/v3 have no GKE node pools, so they are missing on purpose.
@@ -198,75 +198,6 @@ def render_rayjob(
     return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": _metadata(name, namespace), "spec": spec}
 
 
-def _crd_folder() -> Path:
-    return Path(os.environ.get(CRDS_ENV) or _REPO_ROOT.parent / "shared" / "reference")
-
-
-@cache
-def _crds(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every ray.io CRD in the folder's YAML files, by kind."""
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"no KubeRay CRD folder at {folder}: point {CRDS_ENV} at a folder holding the CRD YAML "
-            "(KubeRay's ray-operator/config/crd/bases, e.g. ray.io_rayclusters.yaml)"
-        )
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB each
-    found = {}
-    for path in sorted(folder.glob("*.y*ml")):
-        for doc in yaml.load_all(path.read_text(), Loader=loader):
-            if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition" \
-                    and doc["spec"].get("group") == "ray.io":
-                found[doc["spec"]["names"]["kind"]] = doc
-    return found
-
-
-def _to_json_schema(node: Any) -> Any:
-    """Kubernetes structural schema -> JSON Schema, with the apiserver's meaning kept.
-
-    int-or-string may come without a ``type`` (so allow both), ``nullable`` allows null, and
-    unknown fields are rejected as ``kubectl apply`` (strict field validation) does.
-    """
-    if isinstance(node, list):
-        return [_to_json_schema(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    out = {key: value for key, value in node.items() if key != "description"}
-    if isinstance(out.get("properties"), dict):
-        out["properties"] = {key: _to_json_schema(value) for key, value in out["properties"].items()}
-        if "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
-            out["additionalProperties"] = False
-    for key in ("items", "additionalProperties", "not", "anyOf", "allOf", "oneOf"):
-        if isinstance(out.get(key), dict | list):
-            out[key] = _to_json_schema(out[key])
-    if out.get("x-kubernetes-int-or-string") and "anyOf" not in out:
-        out.pop("type", None)
-        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    if out.get("nullable"):
-        if "type" in out:
-            out["type"] = [out["type"], "null"]
-        if "anyOf" in out:
-            out["anyOf"] = [*out["anyOf"], {"type": "null"}]
-        if "enum" in out:
-            out["enum"] = [*out["enum"], None]
-    return out
-
-
-@cache
-def _validator(folder: Path, kind: str, version: str) -> Any:
-    try:
-        import jsonschema
-    except ImportError as exc:  # a dev extra, not a runtime dependency
-        raise ImportError("validate() needs jsonschema: pip install 'rayslice[dev]' or jsonschema") from exc
-    crd = _crds(folder).get(kind)
-    if crd is None:
-        raise InvalidRequestError(f"no CRD for kind {kind!r} in {folder}: it has {sorted(_crds(folder))}")
-    versions = {v["name"]: v for v in crd["spec"]["versions"] if v.get("served")}
-    if version not in versions:
-        raise InvalidRequestError(f"ray.io/{version} is not a served {kind} version: use {sorted(versions)}")
-    schema = _to_json_schema(versions[version]["schema"]["openAPIV3Schema"])
-    return jsonschema.Draft4Validator(schema)
-
-
 def _operator_rules(manifest: dict[str, Any]) -> None:
     """KubeRay's own admission rules our manifests could break, which no CRD schema states."""
     kind, spec = manifest["kind"], manifest.get("spec") or {}
@@ -289,24 +220,66 @@ def _operator_rules(manifest: dict[str, Any]) -> None:
             raise InvalidRequestError(f"{where}.workerGroupSpecs[{i}]: minReplicas > maxReplicas")
 
 
-def validate(manifest: dict[str, Any]) -> None:
-    """Raise InvalidRequestError (a ValueError) naming the JSON path of the first problem.
-
-    The schema is the served CRD version named by ``apiVersion``, read from the folder in
-    ``$RAYSLICE_KUBERAY_CRDS`` (default ``../shared/reference`` next to the repository).
-    """
+def check_rules(manifest: dict[str, Any]) -> None:
+    """KubeRay's own rules, which hold whatever the CRD: a ray.io RayCluster or RayJob, names, autoscaler."""
     api_version, kind = str(manifest.get("apiVersion", "")), manifest.get("kind")
-    group, _, version = api_version.partition("/")
-    if group != "ray.io" or kind not in _MAX_NAME:
+    if api_version.partition("/")[0] != "ray.io" or kind not in _MAX_NAME:
         raise InvalidRequestError(f"not a KubeRay manifest (apiVersion {api_version!r}, kind {kind!r}): "
                                   "validate handles ray.io RayCluster and RayJob")
-    validator = _validator(_crd_folder().resolve(), kind, version)
-    from jsonschema.exceptions import best_match  # importable once _validator found jsonschema
-
-    error = best_match(validator.iter_errors(manifest))
-    if error is not None:
-        raise InvalidRequestError(f"{kind} invalid at {error.json_path}: {error.message}")
     _operator_rules(manifest)
+
+
+def validate(manifest: dict[str, Any], crds: KubeRayCrds) -> str:
+    """Check ``manifest`` against ``crds`` and KubeRay's own rules; returns what it was checked against.
+
+    Raises InvalidRequestError (a ValueError) naming the JSON path of the first problem, or
+    CrdUnavailableError when ``crds`` has no CRD of the manifest's kind.
+    """
+    check_rules(manifest)
+    return crds.validate(manifest)
+
+
+def _cluster_crds(kubeconfig: str | None, context: str | None) -> tuple[KubeRayCrds, Callable[[], None]]:
+    """The CRDs of the cluster the kubeconfig (or the pod's service account) names, and how to close the client."""
+    try:
+        from rayslice.cloud.kuberay_client import KubeRayError, default_kubeconfig, load_api_client
+    except ImportError:
+        raise CrdUnavailableError("reading the cluster's CRDs needs the kubernetes package: "
+                                  "pip install 'rayslice[kubernetes]'") from None
+    in_cluster = False
+    if not kubeconfig and not context:
+        default = [Path(p).expanduser() for p in default_kubeconfig().split(os.pathsep) if p]
+        if not any(p.is_file() for p in default):
+            if not os.environ.get("KUBERNETES_SERVICE_HOST"):
+                raise CrdUnavailableError(f"no Kubernetes cluster to read the CRDs from (no kubeconfig at "
+                                          f"{', '.join(map(str, default))}, not running in a pod)")
+            in_cluster = True
+    try:
+        api = load_api_client(kubeconfig=kubeconfig, context=context, in_cluster=in_cluster, retries=1)
+    except KubeRayError as exc:
+        raise CrdUnavailableError(str(exc)) from None
+    return KubeRayCrds.from_cluster(api), api.close
+
+
+def _validate_as_told(manifest: dict[str, Any], crd: list[Path], kubeconfig: str | None, context: str | None, *,
+                      require: bool) -> str:
+    """Validate against the CRD the options name (or the default cluster's); the line saying against what.
+
+    A source the user named that cannot be used raises, and so does a missing one with ``require``;
+    otherwise the line says that the manifest was not validated, why, and how to validate it.
+    """
+    close: Callable[[], None] = lambda: None  # noqa: E731
+    try:
+        crds = KubeRayCrds.from_files(crd) if crd else None
+        if crds is None:
+            crds, close = _cluster_crds(kubeconfig, context)
+        return f"validated against {validate(manifest, crds)}"
+    except CrdUnavailableError as exc:
+        if crd or kubeconfig or context or require:
+            raise
+        return f"NOT validated against a KubeRay CRD: {exc}. To validate, {HOW_TO_VALIDATE}"
+    finally:
+        close()
 
 
 app = typer.Typer(help="KubeRay manifests: a GKE Ray cluster with whole-TPU-slice worker groups.",
@@ -330,11 +303,25 @@ def manifest(
     idle_timeout: Annotated[int, typer.Option("--idle-timeout", help="Seconds before idle nodes go.")] = 60,
     rayjob: Annotated[bool, typer.Option("--rayjob", help="Print a RayJob bringing the cluster up.")] = False,
     entrypoint: Annotated[str | None, typer.Option("--entrypoint", help="The RayJob's command.")] = None,
-    check: Annotated[bool, typer.Option("--validate/--no-validate", help="Check against the CRDs.")] = True,
+    crd: Annotated[list[Path], typer.Option(
+        "--crd", help="A KubeRay CRD file (or a folder of them) to validate against; repeat for more.")] = [],  # noqa: B006
+    kubeconfig: Annotated[str | None, typer.Option(
+        "--kubeconfig", help="Validate against this kubeconfig's cluster's CRDs (default: ~/.kube/config).")] = None,
+    context: Annotated[str | None, typer.Option("--context", help="The kubeconfig context to use.")] = None,
+    check: Annotated[bool | None, typer.Option(
+        "--validate/--no-validate",
+        help="--validate: fail when no CRD can be found; --no-validate: skip. Default: validate when a "
+             "--crd file or a cluster is at hand, else print it unvalidated and say so.")] = None,
     checkpoint_root: Annotated[str | None, typer.Option(
         "--checkpoint-root", help="RAYSLICE_CHECKPOINT_ROOT on every pod, e.g. gs://bucket/checkpoints.")] = None,
 ) -> None:
-    """Print the RayCluster (or RayJob) YAML, validated against the KubeRay CRDs first."""
+    """Print the RayCluster (or RayJob) YAML; stderr says whether, and against which CRD, it was validated.
+
+    The CRD comes from --crd files, else from the cluster of the kubeconfig (--kubeconfig/--context, or
+    the default one), read through the Kubernetes API. A source named with --crd, --kubeconfig or
+    --context that fails is an error; without them, a manifest that could not be validated is still
+    printed, with the reason on stderr.
+    """
     try:
         if rayjob and not entrypoint:
             raise InvalidRequestError("--rayjob needs --entrypoint, e.g. --entrypoint 'python train.py'")
@@ -343,10 +330,11 @@ def manifest(
                                    namespace=namespace, checkpoint_root=checkpoint_root)
         if rayjob:
             result = render_rayjob(name, entrypoint=entrypoint or "", cluster=result)
-        if check:
-            validate(result)
-    except (InvalidRequestError, FileNotFoundError, ImportError) as exc:
-        hint = " (or pass --no-validate)" if isinstance(exc, FileNotFoundError | ImportError) else ""
-        typer.echo(f"error: {exc}{hint}", err=True)
+        check_rules(result)
+        note = ("not validated against a KubeRay CRD (--no-validate)" if check is False
+                else _validate_as_told(result, crd, kubeconfig, context, require=bool(check)))
+    except (InvalidRequestError, CrdUnavailableError) as exc:
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(yaml.safe_dump(result, sort_keys=False), nl=False)
+    typer.echo(note, err=True)

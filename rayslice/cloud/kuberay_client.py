@@ -12,12 +12,15 @@ the operators stay fast to parse. Airflow-free; no ``ray`` import.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from rayslice.cloud import kuberay
+from rayslice.cloud.kuberay_crds import CrdUnavailableError, KubeRayCrds
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 
 __all__ = [
@@ -27,8 +30,11 @@ __all__ = [
     "KubeRayClient",
     "KubeRayError",
     "KubeRayNotReadyError",
+    "load_api_client",
     "resolve_dashboard_url",
 ]
+
+logger = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
@@ -111,6 +117,33 @@ class ClusterRef:
         return cls(**value)
 
 
+def default_kubeconfig() -> str:
+    """``$KUBECONFIG`` (one path or several joined by ':') or ``~/.kube/config``, read now (kubectl's rule)."""
+    return os.environ.get("KUBECONFIG") or "~/.kube/config"
+
+
+def load_api_client(*, kubeconfig: str | None = None, context: str | None = None, in_cluster: bool = False,
+                    retries: int = 2, hint: str = "pass --kubeconfig/--context") -> Any:
+    """A ``kubernetes.client.ApiClient`` from a kubeconfig (default ``~/.kube/config``) or the pod's service account."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    try:
+        if in_cluster:
+            config.load_incluster_config(client_configuration=cfg)
+        else:
+            # The client's own default is read once at import: take $KUBECONFIG as it is now.
+            config.load_kube_config(config_file=kubeconfig or default_kubeconfig(), context=context,
+                                    client_configuration=cfg,
+                                    persist_config=False)
+    except (config.ConfigException, OSError) as exc:
+        where = ("the pod's service account (in_cluster)" if in_cluster
+                 else f"kubeconfig {kubeconfig or '~/.kube/config'}")
+        raise KubeRayError(f"cannot load Kubernetes credentials from {where}: {exc}; {hint}") from None
+    cfg.retries = retries
+    return client.ApiClient(cfg)
+
+
 def _owner_of(obj: dict[str, Any]) -> str | None:
     return ((obj.get("metadata") or {}).get("annotations") or {}).get(OWNER_ANNOTATION)
 
@@ -155,24 +188,11 @@ class KubeRayClient:
         self._own_client = api_client is None
         self._deleted_uid: str | None = None
         self._api = api_client if api_client is not None else self._build_api_client()
+        self._crds: KubeRayCrds | None = None
 
     def _build_api_client(self) -> Any:
-        from kubernetes import client, config
-
-        cfg = client.Configuration()
-        try:
-            if self.ref.in_cluster:
-                config.load_incluster_config(client_configuration=cfg)
-            else:
-                config.load_kube_config(config_file=self.ref.kubeconfig, context=self.ref.context,
-                                        client_configuration=cfg, persist_config=False)
-        except (config.ConfigException, OSError) as exc:
-            where = "the pod's service account (in_cluster)" if self.ref.in_cluster else \
-                f"kubeconfig {self.ref.kubeconfig or '~/.kube/config'}"
-            raise KubeRayError(f"cannot load Kubernetes credentials from {where}: {exc}; set the `ray` "
-                               "connection's kuberay 'kubeconfig' or 'in_cluster'") from None
-        cfg.retries = 2
-        return client.ApiClient(cfg)
+        return load_api_client(kubeconfig=self.ref.kubeconfig, context=self.ref.context, in_cluster=self.ref.in_cluster,
+                               hint="set the `ray` connection's kuberay 'kubeconfig' or 'in_cluster'")
 
     def close(self) -> None:
         if self._own_client:
@@ -278,8 +298,10 @@ class KubeRayClient:
     def create(self, manifest: dict[str, Any], *, owner: str) -> dict[str, Any]:
         """Create the RayCluster marked as ``owner``'s; a cluster ``owner`` already made is returned as is.
 
-        The manifest gets ``ref``'s name and namespace and is checked against the KubeRay CRD when
-        the CRDs are at hand (``$RAYSLICE_KUBERAY_CRDS``); the API server checks it again.
+        The manifest gets ``ref``'s name and namespace and is checked against the RayCluster CRD installed
+        in this cluster (read once per client), so a bad manifest fails with its JSON path before it is
+        sent. Where reading the CRD is not allowed (no RBAC on customresourcedefinitions) that is logged
+        and the API server's own check is the only one.
         """
         if not owner:
             raise InvalidRequestError("create needs an owner (e.g. '<dag_id>/<run_id>') to mark the cluster with")
@@ -288,10 +310,7 @@ class KubeRayClient:
         meta["name"], meta["namespace"] = self.ref.name, self.ref.namespace
         meta.setdefault("labels", {})[MANAGED_BY_LABEL] = "rayslice"
         meta.setdefault("annotations", {})[OWNER_ANNOTATION] = owner
-        try:
-            kuberay.validate(body)
-        except FileNotFoundError:
-            pass  # no CRDs here: the API server validates
+        self.check(body)
         try:
             return self._call("create RayCluster", self._custom().create_namespaced_custom_object,
                               GROUP, VERSION, self.ref.namespace, PLURAL, body)
@@ -305,6 +324,21 @@ class KubeRayClient:
         raise KubeRayError(f"RayCluster {self.ref} already exists and was made by {made_by}, not {owner}: it is "
                            "left alone; pick another name, or delete it yourself "
                            f"(`kubectl delete raycluster -n {self.ref.namespace} {self.ref.name}`)", status_code=409)
+
+    def check(self, manifest: dict[str, Any]) -> None:
+        """Validate ``manifest`` against the cluster's KubeRay CRD (see ``create``); KubeRay's own rules always."""
+        if self._crds is None:
+            self._crds = KubeRayCrds.from_cluster(self._api, timeout=self.timeout)
+        try:
+            checked = kuberay.validate(manifest, self._crds)
+        except CrdUnavailableError as exc:
+            if exc.status_code == 404:
+                raise KubeRayError(f"cannot create RayCluster {self.ref}: {exc}", status_code=404) from None
+            kuberay.check_rules(manifest)
+            logger.warning("RayCluster %s not validated before sending (%s); the API server validates it",
+                           self.ref, exc)
+            return
+        logger.info("RayCluster %s validated against %s", self.ref, checked)
 
     def wait_ready(self, *, timeout: float = 900.0, poll_interval: float = 5.0) -> str:
         """Poll until the cluster is ready and its dashboard has an address; returns the dashboard URL."""

@@ -12,12 +12,12 @@ from typing import Any
 
 import ray
 
-from rayslice.cluster import checkpoints, gang, reaper
+from rayslice.cluster import checkpoints, gang, phases, reaper
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, reserve_slices
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
-from rayslice.core.exceptions import CapacityTimeoutError, PreemptedError
+from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError
 from rayslice.core.step import StepSpec
 
 __all__ = ["run_step", "reservation_name"]
@@ -32,24 +32,56 @@ def reservation_name(spec: StepSpec) -> str:
     return f"rayslice:{spec.owner.submission_id or 'adhoc'}"
 
 
-def run_step(spec: StepSpec) -> Any:
-    """Run the step on every host of its capacity; per-host results, or the fraction's one result."""
+def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -> Any:
+    """Run the step on every host of its capacity; per-host results, or the fraction's one result.
+
+    Call it in a Ray driver connected to the cluster (`ray.init(address=...)`); it never starts a Ray.
+    `driver_phases` are the job's first phase times (accepted, driver started), known to the job's
+    driver: every attempt logs its phase times (`rayslice.cluster.phases`) once its capacity is released.
+    """
+    _require_connected_driver()
+    first = phases.Timeline()
+    first.note("run_step")
     _reap_orphans(spec)
+    first.note("reaped")
     checkpoint_dir = checkpoint_dir_for(spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV), spec.owner)
     for attempt in range(spec.preemption_retries + 1):
+        timeline = first if attempt == 0 else phases.Timeline()
+        for phase, at in (driver_phases or {}).items() if attempt == 0 else ():
+            if phase in phases.PHASES:
+                timeline.mark(phase, at)
+            else:
+                timeline.note(phase, at)
         if checkpoint_dir:
             log(checkpoints.describe_and_record(checkpoint_dir, try_number=spec.owner.try_number,
                                                 preemption_attempt=attempt, submission_id=spec.owner.submission_id))
+        timeline.note("checkpoint_described")
         step = gang.Attempt(preemption_attempt=attempt, checkpoint_dir=checkpoint_dir)
         try:
             if isinstance(spec.request, TpuSliceRequest):
-                return _run_on_slices(spec, spec.request, step)
-            return _run_on_fraction(spec, spec.request, step)
+                return _run_on_slices(spec, spec.request, step, timeline)
+            return _run_on_fraction(spec, spec.request, step, timeline)
         except PreemptedError as exc:
             if attempt == spec.preemption_retries:
                 raise
             log(f"preempted: {exc}; retrying the whole gang ({attempt + 1} of {spec.preemption_retries})")
+        finally:
+            for line in timeline.lines():
+                print(line, flush=True)
     raise AssertionError("unreachable")
+
+
+def _require_connected_driver() -> None:
+    """Refuse to run where Ray would reserve nothing real: no driver, or a Ray this process started itself."""
+    connect = ("connect this process to the cluster first: ray.init(address=...) with its GCS address, or "
+               "ray.init() with RAY_ADDRESS set (for the local cluster: eval \"$(rayslice local env)\")")
+    if not ray.is_initialized():
+        raise InvalidRequestError(f"run_step needs a Ray driver connected to a cluster, and none is: {connect}")
+    node = getattr(ray._private.worker, "_global_node", None)
+    if getattr(node, "head", False):  # ray.init() found no cluster to join and started one in this process
+        raise InvalidRequestError(
+            "run_step needs a Ray driver connected to a cluster, but ray.init() started a new local Ray in this "
+            f"process (it found no RAY_ADDRESS), which has no slices: {connect}")
 
 
 def _reap_orphans(spec: StepSpec) -> None:
@@ -61,17 +93,24 @@ def _reap_orphans(spec: StepSpec) -> None:
         log(f"could not sweep orphaned reservations: {type(exc).__name__}: {exc}")
 
 
-def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt) -> list[Any]:
+def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt,
+                   timeline: phases.Timeline) -> list[Any]:
     name = reservation_name(spec)
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
     started = time.monotonic()
+    timeline.note("reserving")
     reservation = reserve_slices(request, timeout=spec.capacity_timeout, name=name)
+    timeline.mark("reserved")
     actors: list[Any] = []
+    spec_json = spec.model_dump_json()
+    drain, drain_from = gang.LogDrain(), []
     try:
         slices = sorted({h.slice_name for h in reservation.hosts})
-        log(f"reserved {', '.join(slices)} in {time.monotonic() - started:.1f} s")
+        log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
-        for host in reservation.hosts:
+        # What a host needs before its coordinator is known (its slice, the megascale coordinator).
+        early = gang.plan_processes(reservation.hosts, multislice=request.multislice, ports={})
+        for host, plan in zip(reservation.hosts, early, strict=True):
             actors.append(
                 gang.HostProcess.options(
                     name=f"{name}/{host.label}",
@@ -81,17 +120,26 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
                         reservation.hosts_group,
                         placement_group_bundle_index=reservation.bundles[(host.slice_index, host.worker_id)],
                     ),
-                ).remote(host.label)
+                ).remote(host.label, spec_json, plan)
             )
+        timeline.note("actors_created")
         ports = gang.await_started(actors, reservation.hosts)
+        timeline.note("actors_started")
         leaders = gang.group_leaders(reservation.hosts, multislice=request.multislice)
         plans = gang.plan_processes(reservation.hosts, multislice=request.multislice,
                                     ports={i: ports[i] for i in leaders})
         log(f"running on {', '.join(slices)}: {len(plans)} hosts x {request.chips_per_host} chips")
-        return gang.run_gang(actors, plans, spec, attempt)
+        results = gang.run_gang(actors, plans, spec, attempt, timeline)
+        drain_from = [plan.label for plan in plans]
+        return results
     finally:
+        timeline.note("gang_returned")
         gang.kill(actors)
-        _log_release(str(request), started, reservation.release())
+        still_held = reservation.release()
+        timeline.mark("released")
+        _log_release(str(request), started, still_held)
+        drain.wait(drain_from)  # after the release: the chips are free while the last host lines arrive
+        drain.close()
 
 
 def _log_release(what: str, started: float, still_held: list[str]) -> None:
@@ -103,13 +151,25 @@ def _log_release(what: str, started: float, still_held: list[str]) -> None:
         log(f"released {what} after {time.monotonic() - started:.1f} s")
 
 
-def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt) -> Any:
+def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
+                     timeline: phases.Timeline) -> Any:
     check_accelerator_satisfiable(request)
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
     started = time.monotonic()
+    plan = HostPlan(
+        slice_index=0,
+        slice_name=str(request),
+        worker_id=0,
+        ip="",
+        process_id=0,
+        num_processes=1,
+        coordinator="",
+        megascale_coordinator="",
+    )
     actor = gang.HostProcess.options(
         name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, **request.ray_options()
-    ).remote(str(request))
+    ).remote(str(request), spec.model_dump_json(), plan)
+    drain, drain_from = gang.LogDrain(), []
     try:
         ready, _ = ray.wait([actor.free_port.remote()], timeout=spec.capacity_timeout)
         if not ready:
@@ -117,18 +177,13 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
                 f"no capacity for {request} within capacity_timeout={spec.capacity_timeout:.0f} s; "
                 "nothing was left reserved. Raise capacity_timeout or add nodes with that accelerator."
             )
-        plan = HostPlan(
-            slice_index=0,
-            slice_name=str(request),
-            worker_id=0,
-            ip="",
-            process_id=0,
-            num_processes=1,
-            coordinator="",
-            megascale_coordinator="",
-        )
         log(f"running on {request}")
-        return gang.run_gang([actor], [plan], spec, attempt)[0]
+        result = gang.run_gang([actor], [plan], spec, attempt, timeline)[0]
+        drain_from = [str(request)]  # the actor's label
+        return result
     finally:
         gang.kill([actor])
+        timeline.mark("released")
         log(f"released {request} after {time.monotonic() - started:.1f} s")
+        drain.wait(drain_from)
+        drain.close()

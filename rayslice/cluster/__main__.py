@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def _stop(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str]) -> int:
+    main_entered = time.time()
     spec = StepSpec.model_validate_json(Path(argv[1] if len(argv) > 1 else "spec.json").read_text())
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
     if spec.pickled and spec.python != here:
@@ -42,12 +44,18 @@ def main(argv: list[str]) -> int:
         return 2
     import ray
 
-    from rayslice.cluster import run_step
+    from rayslice.cluster import phases, run_step
 
+    imported = time.time()
     ray.init(address="auto", logging_level="WARNING")
     signal.signal(signal.SIGTERM, _stop)  # after ray.init, which installs its own handler
+    driver_phases = {"driver_started": phases.process_start_time(), "main": main_entered, "imported": imported,
+                     "connected": time.time()}
+    accepted = phases.job_accepted_time(spec.owner.submission_id)
+    if accepted is not None:
+        driver_phases["accepted"] = accepted
     try:
-        result = run_step(spec)
+        result = run_step(spec, driver_phases=driver_phases)
     except StopRequested:
         # run_step released everything on the way out; exit now instead of in Ray's stop grace period.
         print("[rayslice] stopped on request; capacity released", flush=True)
@@ -78,4 +86,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    # Everything is released and the last line printed: skip the interpreter's and Ray's shutdown
+    # (a second or more on a busy machine), which the job's end and its caller would wait for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,7 +1,8 @@
 """Where a host process runs, and how it wires JAX there. The step code never branches on it.
 
-Like JAX's own cluster environments, each class answers one question set: am I here, and
-what must be set before the step imports JAX. They are tried in the order of
+Like JAX's own cluster environments, each class answers one question set: am I here, what
+must be set before anything imports JAX (`env`), and how the process joins its JAX group
+(`wire`, once the coordinator is known). They are tried in the order of
 `ENVIRONMENTS`; detection has no side effects (it looks at device files and the
 request, never at a metadata server).
 """
@@ -46,22 +47,27 @@ class RealTpuSlice:
         return isinstance(request, TpuSliceRequest) and bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
     @staticmethod
-    def setup(request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
-        env: dict[str, str] = {}
-        if request.multislice:
-            # Computed per attempt: stale values after a slice is replaced hang initialization.
-            env |= {
-                "MEGASCALE_COORDINATOR_ADDRESS": plan.megascale_coordinator,
-                "MEGASCALE_PORT": str(DEFAULT_MEGASCALE_PORT),
-                "MEGASCALE_NUM_SLICES": str(request.num_slices),
-                "MEGASCALE_SLICE_ID": str(plan.slice_index),
-            }
-        os.environ.update(env)
+    def env(request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
+        if not request.multislice:
+            return {}
+        # Computed per attempt: stale values after a slice is replaced hang initialization.
+        return {
+            "MEGASCALE_COORDINATOR_ADDRESS": plan.megascale_coordinator,
+            "MEGASCALE_PORT": str(DEFAULT_MEGASCALE_PORT),
+            "MEGASCALE_NUM_SLICES": str(request.num_slices),
+            "MEGASCALE_SLICE_ID": str(plan.slice_index),
+        }
+
+    @staticmethod
+    def wire(request: TpuSliceRequest, plan: HostPlan) -> None:
         if request.is_multi_host or request.multislice:
             import jax
 
             jax.distributed.initialize()
-        return env
+
+    @classmethod
+    def setup(cls, request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
+        return _setup(cls, request, plan)
 
 
 class SimulatedTpuSlice:
@@ -74,13 +80,15 @@ class SimulatedTpuSlice:
         return isinstance(request, TpuSliceRequest)
 
     @staticmethod
-    def setup(request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
-        env = {
+    def env(request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
+        return {
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={request.chips_per_host}",
         }
-        os.environ.update(env)
-        if plan.num_processes > 1:  # one process needs no wiring: a step that uses JAX imports it itself
+
+    @staticmethod
+    def wire(request: TpuSliceRequest, plan: HostPlan) -> None:
+        if plan.num_processes > 1:  # one process needs no wiring
             import jax
 
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -92,7 +100,10 @@ class SimulatedTpuSlice:
                 cluster_detection_method="deactivate",
                 initialization_timeout=120,
             )
-        return env
+
+    @classmethod
+    def setup(cls, request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
+        return _setup(cls, request, plan)
 
 
 class AcceleratorFraction:
@@ -105,13 +116,37 @@ class AcceleratorFraction:
         return isinstance(request, AcceleratorRequest)
 
     @staticmethod
-    def setup(request: AcceleratorRequest, plan: HostPlan) -> dict[str, str]:
-        env: dict[str, str] = {}
+    def env(request: AcceleratorRequest, plan: HostPlan) -> dict[str, str]:
         if request.resource == "GPU" and request.count < 1:
             # Ray isolates no memory: without this, the first JAX process takes 75% of the GPU.
-            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{request.count * 0.95:.3f}"
-        os.environ.update(env)
-        return env
+            return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{request.count * 0.95:.3f}"}
+        return {}
+
+    @staticmethod
+    def wire(request: AcceleratorRequest, plan: HostPlan) -> None:
+        return None
+
+    @classmethod
+    def setup(cls, request: AcceleratorRequest, plan: HostPlan) -> dict[str, str]:
+        return _setup(cls, request, plan)
+
+
+def _setup(environment: type, request: object, plan: HostPlan) -> dict[str, str]:
+    """Both steps at once: set the environment, then wire JAX (the host process splits them to overlap)."""
+    env = environment.env(request, plan)
+    os.environ.update(env)
+    environment.wire(request, plan)
+    return env
+
+
+def preimports_jax(request: object) -> bool:
+    """Whether a host process imports JAX as soon as it starts: TPU slice steps are JAX programs.
+
+    Importing JAX initializes no backend and opens no device, so nothing is held by it; it
+    overlaps the slowest part of a host's start-up with the driver's round trips. A fraction's
+    step may not use JAX at all, so it imports nothing it did not ask for.
+    """
+    return isinstance(request, TpuSliceRequest)
 
 
 ENVIRONMENTS = (RealTpuSlice, SimulatedTpuSlice, AcceleratorFraction)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import base64
 import importlib
+import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -20,11 +22,11 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from rayslice.cluster import environments, node_probe
+from rayslice.cluster import environments, node_probe, phases
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.context import StepContext, set_step_context
 from rayslice.core.exceptions import HostLostError, PreemptedError, StepFailedError, StepTimeoutError
-from rayslice.core.step import StepSpec
+from rayslice.core.step import HOST_DONE_MARKER, StepSpec
 
 #: How long a lost host's node may take to be declared dead (Ray's default health checks: 3 s x 5).
 NODE_DEATH_WINDOW_S = 30.0
@@ -40,10 +42,22 @@ PEER_LOSS_SIGNS = ("Connection reset", "Connection closed", "Connection refused"
 
 @ray.remote(max_restarts=0, max_task_retries=0)
 class HostProcess:
-    """The step's process on one host. Its repr prefixes every line it prints in the job log."""
+    """The step's process on one host. Its repr prefixes every line it prints in the job log.
 
-    def __init__(self, label: str) -> None:
+    It starts preparing at once, in a thread, while the driver waits for the whole gang and
+    plans it: it parses the spec, sets the environment JAX needs, imports JAX (slice steps) and
+    loads the step function. `run` waits for that, then wires JAX and calls the step.
+    """
+
+    def __init__(self, label: str, spec_json: str | None = None, plan: HostPlan | None = None) -> None:
         self._label = label
+        self._times = {"hosts_started": phases.process_start_time(), "actor_init": time.time()}
+        self._prepared: tuple[StepSpec, Any] | None = None
+        self._failed: BaseException | None = None
+        self._preparing: threading.Thread | None = None
+        if spec_json is not None and plan is not None:
+            self._preparing = threading.Thread(target=self._prepare, args=(spec_json, plan), daemon=True)
+            self._preparing.start()
 
     def __repr__(self) -> str:
         return self._label
@@ -53,9 +67,32 @@ class HostProcess:
             sock.bind(("", 0))
             return sock.getsockname()[1]
 
-    def run(self, spec_json: str, plan: HostPlan, attempt: Attempt) -> Any:
-        spec = StepSpec.model_validate_json(spec_json)
-        environments.detect(spec.request).setup(spec.request, plan)
+    def _prepare(self, spec_json: str, plan: HostPlan) -> None:
+        try:
+            spec = StepSpec.model_validate_json(spec_json)
+            environment = environments.detect(spec.request)
+            os.environ.update(environment.env(spec.request, plan))
+            if environments.preimports_jax(spec.request):
+                import jax  # noqa: F401  (no backend is initialized: nothing is opened or held)
+            self._times["jax_imported"] = time.time()
+            self._prepared = (spec, load_step(spec))
+            self._times["prepared"] = time.time()
+        except BaseException as exc:  # raised again by run(), in the step's own words
+            self._failed = exc
+
+    def run(self, spec_json: str, plan: HostPlan, attempt: Attempt) -> tuple[Any, dict[str, float]]:
+        """The step's value on this host, and the times of this host's phases."""
+        self._times["run_called"] = time.time()
+        if self._preparing is None:
+            self._prepare(spec_json, plan)
+        else:
+            self._preparing.join()
+        if self._failed is not None:
+            raise self._failed
+        assert self._prepared is not None
+        spec, step = self._prepared
+        environments.detect(spec.request).wire(spec.request, plan)
+        self._times["jax_ready"] = time.time()
         owner = spec.owner
         set_step_context(StepContext(
             dag_id=owner.dag_id, run_id=owner.run_id, task_id=owner.task_id, map_index=owner.map_index,
@@ -64,12 +101,17 @@ class HostProcess:
             slice_name=plan.slice_name, worker_id=plan.worker_id, process_index=plan.process_id,
             num_processes=plan.num_processes, checkpoint_dir=attempt.checkpoint_dir,
         ))
+        self._times["step_started"] = time.time()
         try:
-            result = load_step(spec)(**spec.kwargs)
+            result = step(**spec.kwargs)
         finally:
             set_step_context(None)
+        self._times["step_done"] = time.time()
         _leave_jax_group()
-        return result
+        self._times["left_group"] = time.time()
+        sys.stderr.flush()
+        print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
+        return result, self._times
 
 
 @dataclass(frozen=True)
@@ -132,13 +174,18 @@ def group_leaders(hosts: list[HostPlan], *, multislice: bool) -> list[int]:
     return sorted({h.slice_index: i for i, h in reversed(list(enumerate(hosts)))}.values())
 
 
-def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: Attempt | None = None) -> list[Any]:
-    """Run the step on every actor; return results in host order, or fail on the first error."""
+def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: Attempt | None = None,
+             timeline: phases.Timeline | None = None) -> list[Any]:
+    """Run the step on every actor; return results in host order, or fail on the first error.
+
+    The hosts' phase times go to `timeline` once every host has returned.
+    """
     spec_json = spec.model_dump_json()
     attempt = attempt or Attempt()
     refs = {actor.run.remote(spec_json, plan, attempt): i
             for i, (actor, plan) in enumerate(zip(actors, plans, strict=True))}
     results: list[Any] = [None] * len(plans)
+    reports: list[dict[str, float]] = [{} for _ in plans]
     pending = list(refs)
     deadline = None if spec.step_timeout is None else time.monotonic() + spec.step_timeout
     try:
@@ -150,7 +197,7 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
                 raise StepTimeoutError(f"step exceeded step_timeout={spec.step_timeout:.0f} s; still running on {slow}")
             index = refs[ready[0]]
             try:
-                results[index] = _get(ready[0], plans[index])
+                results[index], reports[index] = _get(ready[0], plans[index])
             except StepFailedError as exc:
                 if type(exc) is not StepFailedError or not _may_be_a_peers_death(exc):
                     raise
@@ -165,6 +212,8 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     except BaseException:
         kill(actors)  # cancel the whole gang at once
         raise
+    if timeline is not None:
+        timeline.hosts(reports)
     return results
 
 
@@ -336,6 +385,42 @@ def _remote_traceback(exc: RayTaskError) -> str:
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return lines[0][:300] if lines else type(exc).__name__
+
+
+class LogDrain:
+    """Sees each host's last line arrive in this driver's log, so the driver's own last line comes after it.
+
+    Ray forwards host output to the driver asynchronously; a driver that printed its result and
+    exited at once could lose a host's final lines. Only where this driver prints host output.
+    """
+
+    def __init__(self) -> None:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        self._dispatcher = dispatcher
+        self.active = any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
+        self._done: set[str] = set()
+        self._seen = threading.Condition()
+        self._name = f"rayslice-drain-{id(self)}"
+        if self.active:
+            dispatcher.add_handler(self._name, self._handle)
+
+    def _handle(self, data: dict) -> None:
+        for line in data.get("lines", ()):
+            at = line.find(HOST_DONE_MARKER)
+            if at >= 0:
+                with self._seen:
+                    self._done.add(line[at + len(HOST_DONE_MARKER):].strip())
+                    self._seen.notify_all()
+
+    def wait(self, labels: list[str], timeout: float = 2.0) -> None:
+        if self.active:
+            with self._seen:
+                self._seen.wait_for(lambda: self._done.issuperset(labels), timeout)
+
+    def close(self) -> None:
+        if self.active:
+            self._dispatcher.remove_handler(self._name)
 
 
 def kill(actors: list[Any]) -> None:

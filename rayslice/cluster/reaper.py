@@ -44,6 +44,12 @@ def submission_id_of(name: str) -> str | None:
 
 def job_status(sid: str) -> str | None:
     """The Jobs API status of submission `sid`, read from the GCS; None when no such job was submitted."""
+    info = job_info(sid)
+    return None if info is None else str(info.get("status"))
+
+
+def job_info(sid: str) -> dict | None:
+    """The Jobs API record of submission `sid` (status, start_time, ...) from the GCS; None when there is none."""
     from ray._private import ray_constants
     from ray.dashboard.modules.job.common import JobInfoStorageClient
 
@@ -51,7 +57,7 @@ def job_status(sid: str) -> str | None:
     gcs = ray._private.worker.global_worker.gcs_client
     namespace = ray_constants.KV_NAMESPACE_JOB
     raw = gcs.internal_kv_get(key, namespace.encode() if isinstance(namespace, str) else namespace)
-    return None if raw is None else str(json.loads(raw).get("status"))
+    return None if raw is None else json.loads(raw)
 
 
 def find_orphans(exclude: str | None = None) -> list[Orphan]:

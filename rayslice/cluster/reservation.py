@@ -80,7 +80,8 @@ class SliceReservation:
 def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str) -> SliceReservation:
     """Reserve `request.num_slices` whole slices within `timeout` seconds, or hold nothing."""
     deadline = time.monotonic() + timeout
-    broken = check_satisfiable(request)
+    nodes = ray.nodes()  # one snapshot for the whole reservation (refreshed only for a node that joined since)
+    broken = check_satisfiable(request, nodes)
     head_selector = {POD_TYPE_LABEL: request.pod_type, WORKER_ID_LABEL: "0"}
     if broken:  # a slice that lost a host could take the head and then never get its hosts
         head_selector[SLICE_NAME_LABEL] = f"!in({','.join(sorted(broken))})"
@@ -94,7 +95,7 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str) -> Sl
     try:
         if not wait_ready(heads, deadline):
             raise _capacity_timeout(request, timeout, "no free slice heads")
-        slices = _slice_names(heads)
+        slices = _slice_names(heads, nodes)
         plan = [(s, slice_name, w) for s, slice_name in enumerate(slices) for w in range(request.hosts_per_slice)]
         reservation.hosts_group = placement_group(
             [{"TPU": request.chips_per_host, "CPU": 1} for _ in plan],
@@ -108,7 +109,7 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str) -> Sl
         if not wait_ready(reservation.hosts_group, deadline):
             busy = f"held the heads of {', '.join(slices)}, but their hosts stayed busy"
             raise _capacity_timeout(request, timeout, busy)
-        _map_hosts(reservation, plan)
+        _map_hosts(reservation, plan, nodes)
     except BaseException:
         reservation.release()
         raise
@@ -130,14 +131,14 @@ def wait_ready(group: PlacementGroup, deadline: float) -> bool:
             return False
 
 
-def check_satisfiable(request: TpuSliceRequest) -> set[str]:
+def check_satisfiable(request: TpuSliceRequest, nodes: list[dict] | None = None) -> set[str]:
     """Fail at once, instead of after capacity_timeout, when no slice could ever appear.
 
     Enough intact slices of the pod type exist (busy or not), or an autoscaler may add them:
     then waiting makes sense. Returns the names of broken slices (alive, but missing hosts),
-    which the reservation avoids.
+    which the reservation avoids. `nodes`: a `ray.nodes()` snapshot to use.
     """
-    alive = [node for node in ray.nodes() if node["Alive"]]
+    alive = [node for node in (ray.nodes() if nodes is None else nodes) if node["Alive"]]
     hosts: dict[str, int] = {}
     for node in alive:
         labels = node.get("Labels", {})
@@ -215,17 +216,17 @@ def _capacity_timeout(request: TpuSliceRequest, timeout: float, why: str) -> Cap
     )
 
 
-def _slice_names(heads: PlacementGroup) -> list[str]:
+def _slice_names(heads: PlacementGroup, nodes: list[dict]) -> list[str]:
     """The slice of each head bundle, from the labels of the node it landed on."""
     on = placement_group_table(heads)["bundles_to_node_id"]
-    labels = {node["NodeID"]: node.get("Labels", {}) for node in ray.nodes()}
+    labels = {node["NodeID"]: node.get("Labels", {}) for node in _covering(nodes, on.values())}
     return [labels[on[index]][SLICE_NAME_LABEL] for index in sorted(on)]
 
 
-def _map_hosts(reservation: SliceReservation, plan: list[tuple[int, str, int]]) -> None:
+def _map_hosts(reservation: SliceReservation, plan: list[tuple[int, str, int]], nodes: list[dict]) -> None:
     """Record each host's node and address: bundle i is (slice, worker) plan[i], pinned by label."""
     on = placement_group_table(reservation.hosts_group)["bundles_to_node_id"]
-    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in _covering(nodes, on.values())}
     reservation.bundles = {(s, w): index for index, (s, _, w) in enumerate(plan)}
     reservation.hosts = [
         HostPlan(
@@ -241,6 +242,12 @@ def _map_hosts(reservation: SliceReservation, plan: list[tuple[int, str, int]]) 
         )
         for index, (s, slice_name, w) in enumerate(plan)
     ]
+
+
+def _covering(nodes: list[dict], node_ids: object) -> list[dict]:
+    """`nodes`, or a fresh `ray.nodes()` if a node the groups landed on joined after the snapshot."""
+    known = {node["NodeID"] for node in nodes}
+    return nodes if all(node_id in known for node_id in node_ids) else ray.nodes()
 
 
 def _removed(group: PlacementGroup) -> bool:

@@ -20,6 +20,8 @@ from rayslice.core.exceptions import InvalidRequestError
 
 RESULT_MARKER = "::rayslice-result::"
 ERROR_MARKER = "::rayslice-error::"
+#: Each host's last line: the driver waits (briefly) until every host's output reached it before its own last line.
+HOST_DONE_MARKER = "::rayslice-host-done::"
 #: The most JSON a step may return: the result travels as one line of the job's log, and then as an XCom.
 RESULT_LIMIT_BYTES = 1024 * 1024
 

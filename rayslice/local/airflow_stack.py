@@ -39,6 +39,7 @@ import httpx
 
 import rayslice.dags
 from rayslice.core.exceptions import RaysliceError
+from rayslice.local import processes
 from rayslice.local.local_cluster import free_port
 
 EXAMPLE_DAGS = Path(rayslice.dags.__file__).parent  # the installed example DAGs (dags/ in a checkout)
@@ -56,8 +57,9 @@ class AirflowStack:
 
     def __init__(self, dashboard_url: str, token: str | None = None, *, dags_folder: Path = EXAMPLE_DAGS,
                  username: str = "admin", password: str = "admin", parallelism: int = 2,
-                 startup_timeout: float = 300) -> None:
+                 startup_timeout: float = 300, extra_env: dict[str, str] | None = None) -> None:
         self.dashboard_url, self.token, self.dags_folder = dashboard_url, token, Path(dags_folder)
+        self.extra_env = dict(extra_env or {})  # Airflow settings for this stack only (AIRFLOW__...)
         self.username, self.password = username, password
         self.parallelism, self.startup_timeout = parallelism, startup_timeout
         self.home: Path | None = None
@@ -107,6 +109,7 @@ class AirflowStack:
             # call can take ~50 s, and the 5 s default then kills the task (its retry conflicts).
             "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "120",
             "AIRFLOW_CONN_RAY_DEFAULT": json.dumps(conn),
+            **self.extra_env,
         }
 
     def start(self) -> AirflowStack:
@@ -145,10 +148,10 @@ class AirflowStack:
         left for Airflow to recover, which is what a test of a crash wants to see.
         """
         old = self.sessions[component]
-        for pid in _session_members({old}):
-            _signal(pid, signal.SIGKILL)
+        for pid in processes.session_members({old}):
+            processes.send_signal(pid, signal.SIGKILL)
         deadline = time.monotonic() + timeout
-        while _session_members({old}):
+        while processes.session_members({old}):
             if time.monotonic() > deadline:
                 raise RaysliceError(f"airflow {component} (session {old}) did not exit after SIGKILL")
             self._reap()
@@ -212,7 +215,7 @@ class AirflowStack:
 
         Still answers after `stop()`, so a test can check that nothing was left behind.
         """
-        return _session_members(self._started)
+        return processes.session_members(self._started)
 
     def stop(self, grace: float = 20, keep_logs: bool = False) -> None:
         """End exactly the sessions this stack started (SIGTERM, then SIGKILL), then delete its home.
@@ -231,10 +234,10 @@ class AirflowStack:
 
     def _end_sessions(self, sessions: set[int], grace: float = 20) -> None:
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5)):
-            for pid in _session_members(sessions):
-                _signal(pid, sig)
+            for pid in processes.session_members(sessions):
+                processes.send_signal(pid, sig)
             deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _session_members(sessions):
+            while time.monotonic() < deadline and processes.session_members(sessions):
                 self._reap()
                 time.sleep(0.2)
         self._reap()
@@ -248,35 +251,6 @@ class AirflowStack:
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         self.stop(keep_logs=exc_type is not None)
-
-
-def _session_members(sessions: set[int]) -> set[int]:
-    members = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) in sessions and _alive(int(entry.name)):
-                    members.add(int(entry.name))
-            except (OSError, ProcessLookupError):
-                continue
-    members.discard(os.getpid())
-    return members
-
-
-def _alive(pid: int) -> bool:
-    """Running, and not a zombie (an exited child we have not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _tail(path: Path, lines: int = 30) -> str:

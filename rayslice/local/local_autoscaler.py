@@ -29,7 +29,7 @@ import httpx
 
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import RaysliceError
-from rayslice.local import local_cluster
+from rayslice.local import local_cluster, processes
 from rayslice.local.local_cluster import NODE_IP, ClusterRecord, NodeRecord
 
 PROVIDER = "rayslice.local.fake_tpu_provider.FakeTpuHostProvider"
@@ -192,7 +192,7 @@ def _wait_for_head(record: ClusterRecord, deadline: float) -> None:
     """Until the autoscaler has found the head: before that it has not reported to the GCS."""
     monitor_log = Path(record.temp_dir) / "session_latest" / "logs" / "monitor.log"
     while time.monotonic() < deadline:
-        if not local_cluster._alive(record.nodes[0].pid):
+        if not processes.alive(record.nodes[0].pid):
             raise RaysliceError(f"ray start exited early; see {local_cluster.state_dir() / (record.name + '.log')}")
         lines = monitor_log.read_text().splitlines() if monitor_log.exists() else []
         if any("->RAY_RUNNING" in line and f"type={HEAD_TYPE}" in line for line in lines):

@@ -29,6 +29,7 @@ import httpx
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV
 from rayslice.core.exceptions import RaysliceError
+from rayslice.local import processes
 
 #: Every node advertises this loopback address. Not 127.0.0.1: Ray swaps that for the
 #: machine's outward address, and a local cluster must only ever talk over loopback.
@@ -88,6 +89,26 @@ class ClusterRecord:
         data = json.loads(path.read_text())
         data["nodes"] = [NodeRecord(**node) for node in data["nodes"]]
         return cls(**data)
+
+    def driver_env(self) -> dict[str, str]:
+        """What a user's shell needs to reach this cluster (`rayslice local env`): `ray.init()`,
+        the README's examples and `dag.test()` connect with it and nothing else."""
+        conn: dict[str, str] = {"conn_type": "ray", "host": self.dashboard_url}
+        if self.token:
+            conn["password"] = self.token
+        env = {
+            "RAY_ADDRESS": self.gcs_address,  # ray.init() connects here instead of starting a Ray of its own
+            # Explicit either way: with RAY_AUTH_MODE unset, Ray turns token auth on by itself when
+            # ~/.ray/auth_token exists, and a token driver cannot start workers on a cluster without auth.
+            "RAY_AUTH_MODE": "token" if self.token else "disabled",
+            "RAYSLICE_DASHBOARD_URL": self.dashboard_url,
+            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps(conn),
+        }
+        if self.token:
+            env["RAY_AUTH_TOKEN"] = self.token
+        if self.checkpoint_root:
+            env[CHECKPOINT_ROOT_ENV] = self.checkpoint_root
+        return env
 
     def ray_env(self) -> dict[str, str]:
         """Environment for anything that talks to this cluster (drivers, `ray` CLI)."""
@@ -300,7 +321,7 @@ def restart_node(record: ClusterRecord, index: int, timeout: float = 180) -> Non
     node = record.nodes[index]
     if not node.args:
         raise RaysliceError(f"node {index} of {record.name!r} has no recorded start command")
-    if _alive(node.pid):
+    if processes.alive(node.pid):
         raise RaysliceError(f"node {index} of {record.name!r} is still running (pid {node.pid})")
     sockets = Path(record.temp_dir) / "session_latest" / "sockets"
     node.pid = _launch(node.args, node.env, state_dir() / f"{record.name}.log", sockets)
@@ -319,7 +340,7 @@ def _wait_for_nodes(record: ClusterRecord, deadline: float, relaunch=None, attem
     retries = dict.fromkeys(range(len(record.nodes)), attempts)
     while time.monotonic() < deadline:
         for index, node in enumerate(record.nodes):
-            if _alive(node.pid):
+            if processes.alive(node.pid):
                 continue
             if relaunch is None or node.role == "head" or retries[index] == 0:
                 raise RaysliceError(
@@ -341,35 +362,9 @@ def _wait_for_nodes(record: ClusterRecord, deadline: float, relaunch=None, attem
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped) is not alive
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def owned_pids(record: ClusterRecord) -> set[int]:
     """Every live process of this cluster: our sessions, and anything naming our temp dir."""
-    sessions = {n.pid for n in record.nodes}
-    owned = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        try:
-            if os.getsid(pid) in sessions or record.temp_dir in (entry / "cmdline").read_bytes().decode(
-                errors="replace"
-            ):
-                owned.add(pid)
-        except (OSError, ProcessLookupError):
-            continue
-    owned.discard(os.getpid())
-    return {pid for pid in owned if _alive(pid)}
+    return processes.session_members({n.pid for n in record.nodes}, naming=record.temp_dir)
 
 
 def down(name: str = "default", grace: float = 10) -> int:
@@ -377,12 +372,12 @@ def down(name: str = "default", grace: float = 10) -> int:
     record = ClusterRecord.load(name)
     pids = owned_pids(record)
     for node in record.nodes:  # `ray start --block` stops its own children on SIGTERM
-        _signal(node.pid, signal.SIGTERM)
+        processes.send_signal(node.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and owned_pids(record):
         time.sleep(0.2)
     for pid in owned_pids(record):
-        _signal(pid, signal.SIGKILL)
+        processes.send_signal(pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and owned_pids(record):
         time.sleep(0.1)
@@ -395,20 +390,8 @@ def down(name: str = "default", grace: float = 10) -> int:
 
 
 def _kill_session(session: int) -> None:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == session:
-                    _signal(int(entry.name), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                continue
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+    for pid in processes.session_members({session}):
+        processes.sendprocesses.send_signal(pid, signal.SIGKILL)
 
 
 def new_token() -> str:

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from rayslice.client import capacity
@@ -30,7 +31,8 @@ from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import submit_step
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.step import Owner, StepSpec
-from rayslice.local.airflow_stack import AirflowStack, _alive
+from rayslice.local.airflow_stack import AirflowStack
+from rayslice.local.processes import alive
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 from tests.e2e.conftest import ARTIFACTS, browser_page, needs_chromium
 
@@ -268,7 +270,7 @@ async def _submit(url: str, token: str | None, specs: list[StepSpec]) -> list[st
 
 
 def _ray_processes(url: str, token: str | None, ids: list[str]) -> dict[int, str]:
-    """pid -> start time (/proc stat field 22) of each job's driver, supervisor and step actors."""
+    """pid -> start time (psutil's create_time) of each job's driver, supervisor and step actors."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     actors = httpx.get(f"{url}/api/v0/actors", headers=headers, timeout=30, params={
         "detail": "1", "limit": "10000", "filter_keys": "state", "filter_predicates": "=",
@@ -282,15 +284,14 @@ def _ray_processes(url: str, token: str | None, ids: list[str]) -> dict[int, str
 
 def _start_time(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[-1].split()[19]
-    except OSError:
+        return str(psutil.Process(pid).create_time())
+    except psutil.Error:
         return ""
 
 
 def _still_running(procs: dict[int, str]) -> dict[int, str]:
     """The same processes (pid and start time: not a reused pid), still alive."""
-    return {pid: started for pid, started in procs.items() if _alive(pid) and _start_time(pid) == started}
+    return {pid: started for pid, started in procs.items() if alive(pid) and _start_time(pid) == started}
 
 
 async def _wait_jobs(url: str, token: str | None, ids: list[str], timeout: float) -> bool:

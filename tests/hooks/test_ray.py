@@ -143,13 +143,14 @@ def test_provider_info_validates_and_registers_the_connection_form():
 
     import jsonschema
     from airflow.providers_manager import ProvidersManager
+    from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
 
     from rayslice.provider import get_provider_info
 
     schema = json.loads(importlib.resources.files("airflow").joinpath("provider_info.schema.json").read_text())
     jsonschema.validate(get_provider_info(), schema)
     manager = ProvidersManager()
-    assert manager.hooks["ray"].hook_class_name == "rayslice.hooks.ray.RayHook"
+    assert ProvidersManagerTaskRuntime().hooks["ray"].hook_class_name == "rayslice.hooks.ray.RayHook"
     behaviour = manager.field_behaviours["ray"]
     assert behaviour["relabeling"] == {"host": "Ray dashboard URL", "password": "Ray auth token"}
     assert {"extra__ray__verify", "extra__ray__headers"} <= set(manager.connection_form_widgets)

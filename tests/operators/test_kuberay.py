@@ -81,8 +81,8 @@ NO_RAY = COMMON + textwrap.dedent(
 
 
 @pytest.fixture
-def fake(monkeypatch, tmp_path):
-    with FakeKubernetes() as server:
+def fake(monkeypatch, tmp_path, reference_crds):
+    with FakeKubernetes(crds=reference_crds) as server:
         kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
         extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": str(kubeconfig)}}
         monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
@@ -194,6 +194,19 @@ def test_a_setup_that_never_gets_ready_deletes_its_own_cluster(fake, no_ray_dags
     posts = [r for r in fake.requests if r[0] == "POST"]
     deletes = [r for r in fake.requests if r[0] == "DELETE"]
     assert len(posts) == 1 and len(deletes) == 1
+    # Checked against the cluster's own RayCluster CRD before it was sent.
+    paths = [p for _, p, _ in fake.requests]
+    crd = paths.index("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/rayclusters.ray.io")
+    assert crd < paths.index(posts[0][1])
+
+
+def test_a_setup_on_a_cluster_without_kuberay_creates_nothing_and_says_so(fake, no_ray_dags, capfd):
+    fake.installed_crds.clear()
+    dr = no_ray_dags["kr_setup_teardown"].test()
+    out = capfd.readouterr().out
+    assert task_states(dr)["create"] == "failed"
+    assert "rayclusters.ray.io" in out and "install the KubeRay operator" in out
+    assert not [r for r in fake.requests if r[0] == "POST"]
 
 
 def test_a_pre_existing_cluster_is_never_deleted(fake, no_ray_dags, capfd):

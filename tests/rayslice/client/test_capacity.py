@@ -20,10 +20,11 @@ from rayslice.client import capacity
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import submit_step
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.core.exceptions import RayUnreachableError
+from rayslice.core.exceptions import RayAuthError, RayUnreachableError
 from rayslice.core.step import Owner, StepSpec
 from rayslice.local.local_cluster import free_port
 from tests.conftest import wait_until
+from tests.http_fake import JsonHttpFake, Request
 
 DAG = "capacity_test"
 
@@ -183,3 +184,35 @@ def test_a_gpu_actor_that_fits_is_starting_not_waiting():
     full = parse(actor("other", "ALIVE", "g", 0.75), actor("sid", "PENDING_CREATION", None, 0.5))
     assert [(p.starting, p.holder.task_id) for p in full.pending] == [(False, "t")]
     assert [(n.used, n.free) for n in full.gpu_nodes] == [(0.75, 0.25)]
+
+
+class StateApiFake(JsonHttpFake):
+    """A dashboard with an empty cluster behind a token, whose first answers are 503 (a restarting proxy)."""
+
+    def __init__(self, token: str, unavailable: int = 0) -> None:
+        self.token, self.unavailable = token, unavailable
+        super().__init__()
+
+    def answer(self, request: Request) -> tuple[int, object]:
+        if self.unavailable:
+            self.unavailable -= 1
+            return 503, {"error": "restarting"}
+        if request.authorization != f"Bearer {self.token}":
+            return 401, {"error": f"bad token {request.authorization}"}
+        return 200, [] if request.path == "/api/jobs/" else _state([])
+
+
+def test_reads_share_the_jobs_clients_retries_tls_settings_and_errors():
+    """503s are retried, a CA bundle path works (no DeprecationWarning), a refused token is named, never shown."""
+    import certifi
+
+    with StateApiFake("right-token", unavailable=2) as fake:
+        snap = capacity.snapshot(fake.url, token="right-token", verify=certifi.where())
+        assert (snap.slices, snap.gpu_nodes, snap.pending, fake.unavailable) == ([], [], [], 0)
+        fake.unavailable = 1
+        assert asyncio.run(capacity.asnapshot(fake.url, token="right-token", verify=certifi.where())).slices == []
+        for read in (lambda: capacity.snapshot(fake.url, token="wrong-secret"),
+                     lambda: asyncio.run(capacity.asnapshot(fake.url, token="wrong-secret"))):
+            with pytest.raises(RayAuthError, match="password") as info:
+                read()
+            assert "wrong-secret" not in str(info.value)

@@ -41,6 +41,7 @@ from rayslice.core.exceptions import (
     RayJobsError,
     RayUnreachableError,
 )
+from rayslice.local import processes
 
 CLIENTS = [pytest.param(RayJobsClient, id="sync"), pytest.param(AsyncRayJobsClient, id="async")]
 
@@ -112,23 +113,6 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes in session ``sid``: only our head's descendants can be there."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # state ppid pgrp session ...
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
-
-
 def _stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
     sid = proc.pid  # start_new_session: the leader's pid is the group's and the session's id
     try:
@@ -146,7 +130,7 @@ def _stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
     except ProcessLookupError:
         pass
     deadline = time.monotonic() + 15
-    while (left := _session_pids(sid)) and time.monotonic() < deadline:
+    while (left := processes.session_members({sid})) and time.monotonic() < deadline:
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)

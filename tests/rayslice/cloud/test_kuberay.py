@@ -1,35 +1,40 @@
-"""KubeRay manifests: their shape (against KubeRay's own TPU sample) and validation against the real CRDs."""
+"""KubeRay manifests: their shape (against KubeRay's own TPU sample) and validation against the real CRDs.
+
+The CRDs and the sample are the reference files (`reference_crds`, tests/conftest.py): missing, these
+tests fail under CI and skip elsewhere. The CLI reads CRDs from `--crd` files or, through the
+Kubernetes API, from a cluster (the HTTP fake of tests/fake_kubernetes.py, serving the same files).
+"""
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
-from rayslice.cloud import kuberay
+from rayslice.cloud import kuberay, kuberay_crds
+from rayslice.cloud.kuberay_crds import CrdUnavailableError, KubeRayCrds
 from rayslice.core.exceptions import InvalidRequestError
+from tests.conftest import reference_file
+from tests.fake_kubernetes import FakeKubernetes
 
-REFERENCE = Path(kuberay.__file__).resolve().parents[1].parent / "shared" / "reference"
-SAMPLE = REFERENCE / "kuberay-sample-tpu-v6e-16-multihost.yaml"
 
-
-@pytest.fixture(autouse=True)
-def crds(monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Pin the CRD folder to the reference copy; skip (saying why) where it is not checked out."""
-    monkeypatch.delenv(kuberay.CRDS_ENV, raising=False)
-    if not (REFERENCE / "kuberay-crd-rayclusters.yaml").is_file():
-        pytest.skip(f"KubeRay CRDs not found in {REFERENCE} (set {kuberay.CRDS_ENV} to a folder with them)")
-    return REFERENCE
+@pytest.fixture(scope="module")
+def crds(reference_crds) -> KubeRayCrds:
+    return KubeRayCrds.from_files(reference_crds)
 
 
 @pytest.fixture(scope="module")
 def sample() -> dict:
-    if not SAMPLE.is_file():
-        pytest.skip(f"the KubeRay sample is not checked out at {SAMPLE}")
-    return yaml.safe_load(SAMPLE.read_text())
+    return yaml.safe_load(reference_file("kuberay-sample-tpu-v6e-16-multihost.yaml").read_text())
+
+
+@pytest.fixture(autouse=True)
+def no_default_kubeconfig(monkeypatch, tmp_path):
+    """No test reads the machine's own ~/.kube/config: the CLI's cluster comes from --kubeconfig."""
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +47,15 @@ def _group(manifest: dict, name: str) -> dict:
     return next(g for g in groups if g["groupName"] == name)
 
 
-def _rejected(manifest: dict) -> str:
+def _rejected(manifest: dict, crds: KubeRayCrds) -> str:
     with pytest.raises(ValueError) as err:
-        kuberay.validate(manifest)
+        kuberay.validate(manifest, crds)
     assert isinstance(err.value, InvalidRequestError)
     return str(err.value)
 
 
-def test_cluster_validates_against_the_raycluster_crd(cluster):
-    kuberay.validate(cluster)
+def test_cluster_validates_against_the_raycluster_crd(cluster, crds):
+    kuberay.validate(cluster, crds)
     assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
     assert [g["groupName"] for g in cluster["spec"]["workerGroupSpecs"]] == ["tpu-v6e-16", "gpu-nvidia-l4"]
 
@@ -104,9 +109,9 @@ def test_no_gpu_group_without_gpu_nodes():
     assert kuberay.render_raycluster("rs", tpus="v6e-16") == manifest  # one type as a bare string
 
 
-def test_one_group_per_tpu_type():
+def test_one_group_per_tpu_type(crds):
     manifest = kuberay.render_raycluster("rs", tpus=["v6e-16", "v6e-4", "v5e-16", "v4-8"], max_slices=2)
-    kuberay.validate(manifest)
+    kuberay.validate(manifest, crds)
     groups = manifest["spec"]["workerGroupSpecs"]
     assert [g["groupName"] for g in groups] == ["tpu-v6e-16", "tpu-v6e-4", "tpu-v5litepod-16", "tpu-v4-8"]
     assert [g["numOfHosts"] for g in groups] == [4, 1, 4, 1]
@@ -123,9 +128,9 @@ def test_one_group_per_tpu_type():
         ("v7x-16", "tpu7x", "2x2x2", "4", 2),
     ],
 )
-def test_gke_selectors_and_chip_counts(tpu, accelerator, topology, chips, hosts):
+def test_gke_selectors_and_chip_counts(tpu, accelerator, topology, chips, hosts, crds):
     manifest = kuberay.render_raycluster("rs", tpus=[tpu])
-    kuberay.validate(manifest)
+    kuberay.validate(manifest, crds)
     group = manifest["spec"]["workerGroupSpecs"][0]
     assert group["template"]["spec"]["nodeSelector"] == {
         "cloud.google.com/gke-tpu-accelerator": accelerator,
@@ -143,9 +148,9 @@ def test_v5e_hosts_ask_for_less_memory_than_they_have():
     assert limits["memory"] == "160G"  # the host has 192 GB
 
 
-def test_rayjob_validates_against_the_rayjob_crd(cluster):
+def test_rayjob_validates_against_the_rayjob_crd(cluster, crds):
     job = kuberay.render_rayjob("train", entrypoint="python train.py", cluster=cluster)
-    kuberay.validate(job)
+    kuberay.validate(job, crds)
     assert job["kind"] == "RayJob" and job["apiVersion"] == "ray.io/v1"
     assert job["spec"]["entrypoint"] == "python train.py"
     assert job["spec"]["shutdownAfterJobFinishes"] is True
@@ -154,11 +159,11 @@ def test_rayjob_validates_against_the_rayjob_crd(cluster):
     assert job["spec"]["rayClusterSpec"] is not cluster["spec"]
 
 
-def test_rayjob_takes_a_bare_spec_and_drops_the_ttl_when_the_cluster_stays(cluster):
+def test_rayjob_takes_a_bare_spec_and_drops_the_ttl_when_the_cluster_stays(cluster, crds):
     job = kuberay.render_rayjob(
         "train", entrypoint="python t.py", cluster=cluster["spec"], shutdown_after_job_finishes=False
     )
-    kuberay.validate(job)
+    kuberay.validate(job, crds)
     assert "ttlSecondsAfterFinished" not in job["spec"]  # KubeRay rejects a TTL without shutdown
 
 
@@ -168,8 +173,8 @@ def test_rayjob_keeps_the_clusters_namespace():
     assert kuberay.render_rayjob("j", entrypoint="x", cluster=cluster)["metadata"]["namespace"] == "ml"
 
 
-def test_the_kuberay_sample_passes(sample):
-    kuberay.validate(sample)
+def test_the_kuberay_sample_passes(sample, crds):
+    kuberay.validate(sample, crds)
 
 
 @pytest.mark.parametrize(
@@ -182,41 +187,41 @@ def test_the_kuberay_sample_passes(sample):
         (("workerGroupSpecs", 0, "numOfHost"), 4, "$.spec.workerGroupSpecs[0]"),  # a typo: unknown field
     ],
 )
-def test_broken_manifests_are_rejected_with_their_path(cluster, path, value, where):
+def test_broken_manifests_are_rejected_with_their_path(cluster, path, value, where, crds):
     broken = copy.deepcopy(cluster)
     node = broken["spec"]
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
-    message = _rejected(broken)
+    message = _rejected(broken, crds)
     assert where in message
 
 
-def test_missing_required_fields_are_rejected(cluster):
+def test_missing_required_fields_are_rejected(cluster, crds):
     broken = copy.deepcopy(cluster)
     del broken["spec"]["workerGroupSpecs"][0]["template"]
-    assert "'template' is a required property" in _rejected(broken)
+    assert "'template' is a required property" in _rejected(broken, crds)
     broken = copy.deepcopy(cluster)
     del broken["spec"]["headGroupSpec"]
-    assert "'headGroupSpec' is a required property" in _rejected(broken)
+    assert "'headGroupSpec' is a required property" in _rejected(broken, crds)
 
 
-def test_quantities_are_int_or_string(cluster):
+def test_quantities_are_int_or_string(cluster, crds):
     """x-kubernetes-int-or-string: both forms pass, anything else and bad strings fail."""
     manifest = copy.deepcopy(cluster)
     limits = manifest["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     limits["cpu"] = 8
-    kuberay.validate(manifest)
+    kuberay.validate(manifest, crds)
     limits["cpu"] = "lots"
-    assert "resources.limits.cpu" in _rejected(manifest)
+    assert "resources.limits.cpu" in _rejected(manifest, crds)
     limits["cpu"] = [8]
-    assert "resources.limits.cpu" in _rejected(manifest)
+    assert "resources.limits.cpu" in _rejected(manifest, crds)
 
 
 def test_int_or_string_without_a_type_and_nullable_are_understood():
     import jsonschema
 
-    schema = kuberay._to_json_schema({
+    schema = kuberay_crds._to_json_schema({
         "type": "object",
         "properties": {
             "port": {"x-kubernetes-int-or-string": True},
@@ -230,34 +235,40 @@ def test_int_or_string_without_a_type_and_nullable_are_understood():
         assert list(validator.iter_errors(bad)), bad
 
 
-def test_kubray_operator_rules_are_checked(cluster):
+def test_kubray_operator_rules_are_checked(cluster, crds):
     both = copy.deepcopy(cluster)
     head = both["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     head["env"] = [{"name": "RAY_enable_autoscaler_v2", "value": "1"}]
-    assert "RAY_enable_autoscaler_v2" in _rejected(both)
+    assert "RAY_enable_autoscaler_v2" in _rejected(both, crds)
     long_name = copy.deepcopy(cluster)
     long_name["metadata"]["name"] = "x" * 54
-    assert "at most 53" in _rejected(long_name)
+    assert "at most 53" in _rejected(long_name, crds)
     upside_down = copy.deepcopy(cluster)
     upside_down["spec"]["workerGroupSpecs"][0]["minReplicas"] = 5
-    assert "minReplicas > maxReplicas" in _rejected(upside_down)
+    assert "minReplicas > maxReplicas" in _rejected(upside_down, crds)
 
 
-def test_not_a_kuberay_manifest(cluster):
-    assert "not a KubeRay manifest" in _rejected({**cluster, "apiVersion": "apps/v1"})
-    assert "not a served RayCluster version" in _rejected({**cluster, "apiVersion": "ray.io/v2"})
+def test_not_a_kuberay_manifest(cluster, crds):
+    assert "not a KubeRay manifest" in _rejected({**cluster, "apiVersion": "apps/v1"}, crds)
+    assert "not a served RayCluster version" in _rejected({**cluster, "apiVersion": "ray.io/v2"}, crds)
 
 
-def test_crd_folder_comes_from_the_env(monkeypatch, tmp_path, cluster):
-    monkeypatch.setenv(kuberay.CRDS_ENV, str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match=kuberay.CRDS_ENV):
-        kuberay.validate(cluster)
-    (tmp_path / "crds").mkdir()
-    (tmp_path / "crds" / "ray.io_rayclusters.yaml").symlink_to(REFERENCE / "kuberay-crd-rayclusters.yaml")
-    monkeypatch.setenv(kuberay.CRDS_ENV, str(tmp_path / "crds"))
-    kuberay.validate(cluster)
+def test_crds_from_files_and_folders(tmp_path, cluster, reference_crds):
+    folder = tmp_path / "crds"
+    folder.mkdir()
+    (folder / "ray.io_rayclusters.yaml").symlink_to(reference_crds[0])
+    (folder / "README.md").write_text("not a CRD")
+    only_clusters = KubeRayCrds.from_files([folder])
+    assert kuberay.validate(cluster, only_clusters) == \
+        f"the RayCluster CRD (ray.io/v1) from {folder / 'ray.io_rayclusters.yaml'}"
     job = kuberay.render_rayjob("j", entrypoint="x", cluster=cluster)
-    assert "no CRD for kind 'RayJob'" in _rejected(job)
+    with pytest.raises(CrdUnavailableError, match="no RayJob CRD in .* add KubeRay's rayjobs.ray.io file"):
+        kuberay.validate(job, only_clusters)
+    assert "rayjobs.yaml" in kuberay.validate(job, KubeRayCrds.from_files(reference_crds))
+    with pytest.raises(CrdUnavailableError, match="no CRD file or folder at .*nowhere"):
+        KubeRayCrds.from_files([tmp_path / "nowhere"])
+    with pytest.raises(CrdUnavailableError, match="no ray.io CustomResourceDefinition in .*README.md"):
+        KubeRayCrds.from_files([folder / "README.md"])
 
 
 @pytest.mark.parametrize(
@@ -294,9 +305,9 @@ def test_invalid_rayjob_inputs(cluster):
         kuberay.render_rayjob("j", entrypoint="x", cluster=cluster, ttl_seconds_after_finished=-1)
 
 
-def test_gpu_only_cluster():
+def test_gpu_only_cluster(crds):
     manifest = kuberay.render_raycluster("rs", tpus=[], gpu_nodes=2, gpu_type="nvidia-tesla-t4")
-    kuberay.validate(manifest)
+    kuberay.validate(manifest, crds)
     (group,) = manifest["spec"]["workerGroupSpecs"]
     assert group["groupName"] == "gpu-nvidia-tesla-t4" and group["maxReplicas"] == 2
 
@@ -306,22 +317,22 @@ def test_gpu_only_cluster():
 runner = CliRunner()
 
 
-def test_cli_prints_yaml_that_round_trips_and_validates():
+def test_cli_prints_yaml_that_round_trips_and_validates(crds):
     args = ["manifest", "--tpu", "v6e-16", "--max-slices", "4", "--gpu-nodes", "1"]
     result = runner.invoke(kuberay.app, args)
     assert result.exit_code == 0, result.output
     manifest = yaml.safe_load(result.stdout)
-    kuberay.validate(manifest)
+    kuberay.validate(manifest, crds)
     assert manifest == kuberay.render_raycluster("rayslice", tpus=["v6e-16"], max_slices=4, gpu_nodes=1)
 
 
-def test_cli_several_tpus_and_a_rayjob():
+def test_cli_several_tpus_and_a_rayjob(crds):
     args = ["manifest", "--tpu", "v6e-16", "--tpu", "v4-32", "--name", "nightly", "--rayjob",
             "--entrypoint", "python -m train", "--namespace", "ml", "--idle-timeout", "120"]
     result = runner.invoke(kuberay.app, args)
     assert result.exit_code == 0, result.output
     job = yaml.safe_load(result.stdout)
-    kuberay.validate(job)
+    kuberay.validate(job, crds)
     assert job["kind"] == "RayJob" and job["metadata"] == {"name": "nightly", "namespace": "ml"}
     assert job["spec"]["entrypoint"] == "python -m train"
     spec = job["spec"]["rayClusterSpec"]
@@ -344,14 +355,88 @@ def test_cli_errors_go_to_stderr(args, message):
     assert result.stdout == ""
 
 
-def test_cli_without_crds_says_how_to_go_on(monkeypatch, tmp_path):
-    monkeypatch.setenv(kuberay.CRDS_ENV, str(tmp_path / "nowhere"))
-    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16"])
-    assert result.exit_code == 1
-    assert kuberay.CRDS_ENV in result.stderr and "--no-validate" in result.stderr
-    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--no-validate"])
-    assert result.exit_code == 0
+def test_cli_without_a_crd_or_a_cluster_prints_it_and_says_it_is_not_validated():
+    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout) == kuberay.render_raycluster("rayslice", tpus=["v6e-16"], max_slices=2)
+    assert "NOT validated against a KubeRay CRD: no Kubernetes cluster to read the CRDs from" in result.stderr
+    assert "pass --crd" in result.stderr and "--kubeconfig" in result.stderr  # how to validate
+    strict = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--validate"])
+    assert strict.exit_code == 1 and strict.stdout == ""
+    assert "error: no Kubernetes cluster" in strict.stderr
+    skipped = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--no-validate"])
+    assert skipped.exit_code == 0 and yaml.safe_load(skipped.stdout)["kind"] == "RayCluster"
+    assert "not validated against a KubeRay CRD (--no-validate)" in skipped.stderr
+
+
+def test_cli_validates_against_a_crd_file(reference_crds):
+    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--crd", str(reference_crds[0])])
+    assert result.exit_code == 0, result.output
     assert yaml.safe_load(result.stdout)["kind"] == "RayCluster"
+    assert f"validated against the RayCluster CRD (ray.io/v1) from {reference_crds[0]}" in result.stderr
+    folder = str(reference_crds[1].parent)
+    job = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-4", "--rayjob", "--entrypoint", "x", "--crd", folder])
+    assert job.exit_code == 0, job.output
+    assert f"validated against the RayJob CRD (ray.io/v1) from {reference_crds[1]}" in job.stderr
+
+
+def test_cli_rejects_what_the_named_crd_rejects(tmp_path, reference_crds):
+    """A CRD file that caps maxReplicas at 1 (an older or stricter KubeRay): the manifest fails against it."""
+    crd = yaml.safe_load(reference_crds[0].read_text())
+    group = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "workerGroupSpecs"]["items"]["properties"]["maxReplicas"]
+    group["maximum"] = 1
+    strict = tmp_path / "strict.yaml"
+    strict.write_text(yaml.safe_dump(crd))
+    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2", "--crd", str(strict)])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert "workerGroupSpecs[0].maxReplicas" in result.stderr and str(strict) in result.stderr
+    missing = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-4", "--rayjob", "--entrypoint", "x",
+                                          "--crd", str(reference_crds[0])])
+    assert missing.exit_code == 1 and "error: no RayJob CRD in" in missing.stderr
+
+
+def test_cli_validates_against_the_clusters_crd(tmp_path, reference_crds):
+    """With a kubeconfig, the CRD is the one installed in that cluster, read through the Kubernetes API."""
+    with FakeKubernetes(crds=reference_crds) as server:
+        kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig"))
+        result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--kubeconfig", kubeconfig])
+        assert result.exit_code == 0, result.output
+        assert ("validated against the RayCluster CRD (ray.io/v1) from rayclusters.ray.io in the cluster at "
+                f"{server.url}") in result.stderr
+        assert ("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/rayclusters.ray.io", None) \
+            in server.requests
+        # The default kubeconfig ($KUBECONFIG) is used the same way.
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("KUBECONFIG", kubeconfig)
+            assert "in the cluster at" in runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-4"]).stderr
+        # The cluster's schema decides: one that caps maxReplicas rejects two slices.
+        crd = copy.deepcopy(server.installed_crds["rayclusters.ray.io"])
+        crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+            "workerGroupSpecs"]["items"]["properties"]["maxReplicas"]["maximum"] = 1
+        server.installed_crds["rayclusters.ray.io"] = crd
+        capped = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2",
+                                             "--kubeconfig", kubeconfig])
+        assert capped.exit_code == 1 and "maxReplicas" in capped.stderr and server.url in capped.stderr
+
+
+def test_cli_cluster_without_kuberay_or_unreachable(tmp_path, reference_crds):
+    with FakeKubernetes(crds=reference_crds) as server:
+        kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig"))
+        server.installed_crds.clear()
+        named = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--kubeconfig", kubeconfig])
+        assert named.exit_code == 1  # a cluster the user named and that cannot validate is an error
+        assert "rayclusters.ray.io" in named.stderr and "install the KubeRay operator" in named.stderr
+        with pytest.MonkeyPatch.context() as env:  # the default kubeconfig: printed, and said why not validated
+            env.setenv("KUBECONFIG", kubeconfig)
+            default = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16"])
+        assert default.exit_code == 0 and yaml.safe_load(default.stdout)["kind"] == "RayCluster"
+        assert "NOT validated against a KubeRay CRD" in default.stderr
+        assert "install the KubeRay operator" in default.stderr
+        url = server.url
+    gone = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--kubeconfig", kubeconfig])
+    assert gone.exit_code == 1 and f"could not read the CRD rayclusters.ray.io from the Kubernetes API at {url}" \
+        in gone.stderr
 
 
 def test_cli_help_lists_manifest():
@@ -359,9 +444,9 @@ def test_cli_help_lists_manifest():
     assert result.exit_code == 0 and "manifest" in result.stdout
 
 
-def test_a_checkpoint_root_reaches_every_pod_and_still_validates():
+def test_a_checkpoint_root_reaches_every_pod_and_still_validates(crds):
     manifest = kuberay.render_raycluster("rs", tpus=["v6e-16"], gpu_nodes=1, checkpoint_root="gs://bucket/ckpt")
-    kuberay.validate(manifest)
+    kuberay.validate(manifest, crds)
     templates = [manifest["spec"]["headGroupSpec"]["template"],
                  *(g["template"] for g in manifest["spec"]["workerGroupSpecs"])]
     for template in templates:
@@ -369,3 +454,13 @@ def test_a_checkpoint_root_reaches_every_pod_and_still_validates():
         assert {"name": "RAYSLICE_CHECKPOINT_ROOT", "value": "gs://bucket/ckpt"} in container["env"]
     with pytest.raises(InvalidRequestError, match="must be a URL every pod reaches"):
         kuberay.render_raycluster("rs", tpus=["v6e-16"], checkpoint_root="/local/only")
+
+
+def test_missing_reference_files_fail_under_ci_and_skip_elsewhere(monkeypatch):
+    """So a green CI run means the CRD tests ran: `CI=true` turns the skip into a failure."""
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="reference file .*not-there.yaml is missing"):
+        reference_file("not-there.yaml")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="not-there.yaml is missing"):
+        reference_file("not-there.yaml")

@@ -30,8 +30,8 @@ OWNER = "nightly/manual__2026-01-01T00:00:00+00:00"
 
 
 @pytest.fixture
-def fake():
-    with FakeKubernetes() as server:
+def fake(reference_crds):
+    with FakeKubernetes(crds=reference_crds) as server:
         yield server
 
 
@@ -96,7 +96,7 @@ def test_create_marks_the_owner_and_sends_a_manifest_the_crd_accepts(fake, kubec
         created = kube.create(manifest, owner=OWNER)
     [(method, path, body)] = [r for r in fake.requests if r[0] == "POST"]
     assert path == "/apis/ray.io/v1/namespaces/ml/rayclusters"
-    kuberay.validate(body)  # what went over the wire is a valid RayCluster
+    kuberay.validate(body, fake.schemas)  # what went over the wire is a valid RayCluster
     assert body["metadata"]["name"] == "rs" and body["metadata"]["namespace"] == "ml"
     assert body["metadata"]["labels"][MANAGED_BY_LABEL] == "rayslice"
     assert body["metadata"]["annotations"][OWNER_ANNOTATION] == OWNER
@@ -104,11 +104,43 @@ def test_create_marks_the_owner_and_sends_a_manifest_the_crd_accepts(fake, kubec
     assert created["metadata"]["uid"] == fake.cluster("ml", "rs")["metadata"]["uid"]
 
 
-def test_an_invalid_manifest_fails_before_any_request(fake, kubeconfig, manifest):
+def test_an_invalid_manifest_fails_before_it_is_sent(fake, kubeconfig, manifest):
+    """Checked against the CRD the cluster has installed (read through apiextensions), not sent."""
     manifest["spec"]["workerGroupSpecs"][0]["replicas"] = "many"
-    with client(kubeconfig) as kube, pytest.raises(InvalidRequestError, match="replicas"):
+    with client(kubeconfig) as kube, pytest.raises(InvalidRequestError, match="replicas") as info:
         kube.create(manifest, owner=OWNER)
-    assert not fake.requests
+    assert f"rayclusters.ray.io in the cluster at {fake.url}" in str(info.value)
+    assert [(m, p) for m, p, _ in fake.requests] == [
+        ("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/rayclusters.ray.io")]
+
+
+def test_the_clusters_own_crd_decides(fake, kubeconfig, manifest):
+    """A cluster whose KubeRay caps maxReplicas at 1: two slices fail there before the POST, with the path."""
+    crd = copy.deepcopy(fake.installed_crds["rayclusters.ray.io"])
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "workerGroupSpecs"]["items"]["properties"]["maxReplicas"]["maximum"] = 1
+    fake.installed_crds["rayclusters.ray.io"] = crd
+    with client(kubeconfig) as kube:
+        kube.create(manifest, owner=OWNER)  # max_slices=1 fits
+        two = kuberay.render_raycluster("ignored", tpus=["v6e-16"], max_slices=2)
+        with pytest.raises(InvalidRequestError, match=r"workerGroupSpecs\[0\]\.maxReplicas"):
+            client(kubeconfig, name="rs2").create(two, owner=OWNER)
+    assert [p for m, p, _ in fake.requests if m == "POST"] == ["/apis/ray.io/v1/namespaces/ml/rayclusters"]
+
+
+def test_a_cluster_without_kuberay_is_named(fake, kubeconfig, manifest):
+    fake.installed_crds.clear()
+    with client(kubeconfig) as kube, pytest.raises(KubeRayError, match="install the KubeRay operator") as info:
+        kube.create(manifest, owner=OWNER)
+    assert info.value.status_code == 404 and not [r for r in fake.requests if r[0] == "POST"]
+
+
+def test_no_right_to_read_crds_leaves_the_check_to_the_api_server(fake, kubeconfig, manifest, caplog):
+    fake.fail_next("GET", "customresourcedefinitions/rayclusters.ray.io$", 403)
+    with client(kubeconfig) as kube:
+        kube.create(manifest, owner=OWNER)
+    assert "not validated before sending" in caplog.text and "customresourcedefinitions" in caplog.text
+    assert fake.cluster("ml", "rs") is not None  # the fake API server validated it on POST
 
 
 def test_wait_ready_returns_the_load_balancer_dashboard(fake, kubeconfig, manifest):
@@ -119,7 +151,7 @@ def test_wait_ready_returns_the_load_balancer_dashboard(fake, kubeconfig, manife
             kube.dashboard_url()  # the fake's operator has not readied it yet
         assert kube.wait_ready(timeout=30, poll_interval=0.01) == "http://203.0.113.9:8265"
     served = fake.cluster("ml", "rs")
-    kuberay.validate(served)  # status included
+    kuberay.validate(served, fake.schemas)  # status included
     assert served["status"]["state"] == "ready" and served["status"]["endpoints"]["dashboard"] == "8265"
 
 
@@ -240,11 +272,11 @@ def test_forbidden_names_the_rbac_it_needs(fake, kubeconfig):
         kube.get()
 
 
-def test_an_unreachable_api_server(tmp_path):
+def test_an_unreachable_api_server(tmp_path, reference_crds):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = FakeKubernetes()
+    server = FakeKubernetes(crds=reference_crds)
     kc = tmp_path / "kc"
     server.write_kubeconfig(kc)
     kc.write_text(kc.read_text().replace(server.url, f"http://127.0.0.1:{port}"))

@@ -42,7 +42,7 @@ def last_marked_line(out: str) -> tuple[str, object]:
 
 
 def test_a_value_that_is_not_json_gets_the_not_json_message(spec_file, no_cluster, monkeypatch, capsys):
-    monkeypatch.setattr("rayslice.cluster.run_step", lambda spec: {1, 2})
+    monkeypatch.setattr("rayslice.cluster.run_step", lambda spec, **_: {1, 2})
     assert driver.main(["launcher", spec_file]) == 1
     marker, error = last_marked_line(capsys.readouterr().out)
     assert marker == ERROR_MARKER and error["type"] == "StepFailedError"
@@ -50,7 +50,7 @@ def test_a_value_that_is_not_json_gets_the_not_json_message(spec_file, no_cluste
 
 
 def test_a_launcher_bug_is_reported_as_one_not_as_the_steps_value(spec_file, no_cluster, monkeypatch, capsys):
-    def launcher_bug(spec):
+    def launcher_bug(spec, **_):
         raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
 
     monkeypatch.setattr("rayslice.cluster.run_step", launcher_bug)
@@ -64,14 +64,14 @@ def test_a_launcher_bug_is_reported_as_one_not_as_the_steps_value(spec_file, no_
 
 
 def test_a_json_value_is_the_result_line(spec_file, no_cluster, monkeypatch, capsys):
-    monkeypatch.setattr("rayslice.cluster.run_step", lambda spec: [[4, 0]])
+    monkeypatch.setattr("rayslice.cluster.run_step", lambda spec, **_: [[4, 0]])
     assert driver.main(["launcher", spec_file]) == 0
     assert last_marked_line(capsys.readouterr().out) == (RESULT_MARKER, [[4, 0]])
 
 
 def test_a_result_too_large_for_the_result_line_says_the_limit_and_what_to_do(spec_file, no_cluster, monkeypatch,
                                                                                capsys):
-    monkeypatch.setattr("rayslice.cluster.run_step", lambda spec: ["x" * 1024] * 2048)  # 2 MiB of JSON
+    monkeypatch.setattr("rayslice.cluster.run_step", lambda spec, **_: ["x" * 1024] * 2048)  # 2 MiB of JSON
     assert driver.main(["launcher", spec_file]) == 1
     marker, error = last_marked_line(capsys.readouterr().out)
     assert marker == ERROR_MARKER and error["type"] == "StepFailedError"

@@ -155,60 +155,54 @@ def _kill_worker_of(ti_id: str) -> list[int]:
     raise AssertionError(f"no task process for task instance {ti_id}")
 
 
-@pytest.mark.timeout(720)  # Airflow starts in ~90 s, in up to 4 min on a loaded two-core machine
-def test_reap_frees_the_slice_of_a_killed_airflow_worker(cluster, tmp_path, monkeypatch):
-    from rayslice.local.airflow_stack import AirflowStack
-
+@pytest.mark.timeout(600)
+def test_reap_frees_the_slice_of_a_killed_airflow_worker(cluster, airflow, tmp_path):
     folder = tmp_path / "flags"
     folder.mkdir()
-    dags = tmp_path / "dags"
-    dags.mkdir()
-    (dags / "reaper_orphan.py").write_text(textwrap.dedent(ORPHAN_DAG.format(folder=str(folder))))
-    # The scheduler notices a worker that stopped heartbeating after this long (default 300 s).
-    monkeypatch.setenv("AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT", "15")
-    monkeypatch.setenv("AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL", "3")
+    # The session's Airflow picks the DAG up within seconds; its scheduler notices a worker that
+    # stopped heartbeating after HEARTBEAT_TIMEOUT_S (see tests/conftest.py).
+    (airflow.dags_folder / "reaper_orphan.py").write_text(textwrap.dedent(ORPHAN_DAG.format(folder=str(folder))))
     stranger = None
-    with AirflowStack(cluster.dashboard_url, cluster.token, dags_folder=dags) as airflow:
-        token = airflow.api_token()
-        api = httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=60, headers={"Authorization": f"Bearer {token}"})
-        try:
-            assert wait_until(lambda: api.get("/dags/reaper_orphan").status_code == 200, timeout=180)
-            run = api.post("/dags/reaper_orphan/dagRuns", json={"logical_date": None})
-            assert run.status_code == 200, run.text
-            run_id = run.json()["dag_run_id"]
-            # A live step of no Airflow at all (another team's, a test's): the reaper must not touch it either.
-            stranger = submit(cluster, AcceleratorRequest(resource="GPU", count=0.25), str(folder), "stranger",
-                              dag_id="not_in_this_airflow")
-            assert wait_until(lambda: {"hold", "live", "stranger"} <= set(os.listdir(folder)), timeout=300), \
-                os.listdir(folder)
-            sids = {t: task_job_id(cluster, "reaper_orphan", run_id, t) for t in ("hold", "live")}
-            ti = api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/hold").json()
-            _kill_worker_of(ti["id"])
+    token = airflow.api_token()
+    api = httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=60, headers={"Authorization": f"Bearer {token}"})
+    try:
+        assert wait_until(lambda: api.get("/dags/reaper_orphan").status_code == 200, timeout=180)
+        run = api.post("/dags/reaper_orphan/dagRuns", json={"logical_date": None})
+        assert run.status_code == 200, run.text
+        run_id = run.json()["dag_run_id"]
+        # A live step of no Airflow at all (another team's, a test's): the reaper must not touch it either.
+        stranger = submit(cluster, AcceleratorRequest(resource="GPU", count=0.25), str(folder), "stranger",
+                          dag_id="not_in_this_airflow")
+        assert wait_until(lambda: {"hold", "live", "stranger"} <= set(os.listdir(folder)), timeout=300), \
+            os.listdir(folder)
+        sids = {t: task_job_id(cluster, "reaper_orphan", run_id, t) for t in ("hold", "live")}
+        ti = api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/hold").json()
+        _kill_worker_of(ti["id"])
 
-            def hold_state() -> str:
-                return api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/hold").json()["state"]
+        def hold_state() -> str:
+            return api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/hold").json()["state"]
 
-            assert wait_until(lambda: hold_state() == "failed", timeout=120, interval=1), hold_state()
-            # The orphan is real: Airflow gave up on the task, the Ray job still holds the slice.
-            assert job_status(cluster, sids["hold"]) == "RUNNING" and not v6e4_free(cluster)
+        assert wait_until(lambda: hold_state() == "failed", timeout=120, interval=1), hold_state()
+        # The orphan is real: Airflow gave up on the task, the Ray job still holds the slice.
+        assert job_status(cluster, sids["hold"]) == "RUNNING" and not v6e4_free(cluster)
 
-            started = time.monotonic()
-            reaper = subprocess.Popen(
-                [RAYSLICE, "reap", "--address", cluster.dashboard_url,
-                 "--airflow-url", airflow.url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                env={**os.environ, "RAYSLICE_AIRFLOW_TOKEN": token})
-            assert wait_until(lambda: v6e4_free(cluster), timeout=30, interval=0.2), "slice still held after 30 s"
-            freed_after = time.monotonic() - started
-            out, _ = reaper.communicate(timeout=120)
-            assert reaper.returncode == 0, out
-            assert freed_after < 30
-            assert f"stopping Ray job {sids['hold']}" in out, out
-            assert sids["live"] not in out and stranger not in out, out
-            assert job_status(cluster, sids["hold"]) == "STOPPED"
-            assert job_status(cluster, sids["live"]) == "RUNNING" and job_status(cluster, stranger) == "RUNNING"
-            assert api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/live").json()["state"] == "running"
-        finally:
-            (folder / "release").touch()
-        assert wait_until(lambda: api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/live")
-                          .json()["state"] == "success", timeout=120, interval=1)
-        assert wait_until(lambda: job_status(cluster, stranger) == "SUCCEEDED", timeout=60)
+        started = time.monotonic()
+        reaper = subprocess.Popen(
+            [RAYSLICE, "reap", "--address", cluster.dashboard_url,
+             "--airflow-url", airflow.url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "RAYSLICE_AIRFLOW_TOKEN": token})
+        assert wait_until(lambda: v6e4_free(cluster), timeout=30, interval=0.2), "slice still held after 30 s"
+        freed_after = time.monotonic() - started
+        out, _ = reaper.communicate(timeout=120)
+        assert reaper.returncode == 0, out
+        assert freed_after < 30
+        assert f"stopping Ray job {sids['hold']}" in out, out
+        assert sids["live"] not in out and stranger not in out, out
+        assert job_status(cluster, sids["hold"]) == "STOPPED"
+        assert job_status(cluster, sids["live"]) == "RUNNING" and job_status(cluster, stranger) == "RUNNING"
+        assert api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/live").json()["state"] == "running"
+    finally:
+        (folder / "release").touch()
+    assert wait_until(lambda: api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/live")
+                      .json()["state"] == "success", timeout=120, interval=1)
+    assert wait_until(lambda: job_status(cluster, stranger) == "SUCCEEDED", timeout=60)

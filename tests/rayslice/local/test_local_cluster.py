@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rayslice.local import local_cluster
+from rayslice.local import local_cluster, processes
 
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))
 
@@ -52,8 +52,8 @@ def test_down_stops_exactly_its_own_processes(cluster, home: Path):
     finally:
         stopped = cli("local", "down", "--name", "mine", home=home)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    assert not [pid for pid in mine if local_cluster._alive(pid)]
-    assert all(local_cluster._alive(node.pid) for node in cluster.nodes)  # the other cluster is untouched ...
+    assert not [pid for pid in mine if processes.alive(pid)]
+    assert all(processes.alive(node.pid) for node in cluster.nodes)  # the other cluster is untouched ...
     headers = {"Authorization": f"Bearer {cluster.token}"} if cluster.token else {}
     assert httpx.get(f"{cluster.dashboard_url}/api/version", timeout=10, headers=headers).status_code == 200  # serving
 

@@ -1,0 +1,115 @@
+"""Where a step's time goes: a timestamp per phase, printed in the Ray job's log.
+
+Phases, in order: the job accepted by Ray's job manager, the driver's process started, the
+capacity reserved, every host process started, JAX imported and wired on every host, the step
+started on every host, the step done on every host, the capacity released. A host phase is
+the latest host's time (the gang waits for its slowest member). Times are `time.time()` of the
+machine that saw them (hosts of a real slice must have synchronized clocks, as NTP gives GCE VMs).
+
+The log gets one readable line per phase and one `[rayslice] phases: {json}` line with the
+epoch times, which benchmarks parse (`parse_phases`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+#: Phase name -> what the log line says.
+PHASES = {
+    "accepted": "job accepted by Ray",
+    "driver_started": "driver process started",
+    "reserved": "capacity reserved",
+    "hosts_started": "every host process started",
+    "jax_ready": "JAX imported and wired on every host",
+    "step_started": "step started on every host",
+    "step_done": "step done on every host",
+    "released": "capacity released",
+}
+#: The prefix of the machine-readable line.
+MARKER = "[rayslice] phases: "
+#: What hosts report back with their results (each a `time.time()`).
+HOST_PHASES = ("hosts_started", "jax_ready", "step_started", "step_done")
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock), from /proc; now where /proc has no answer.
+
+    Counted back from the time since boot (not /proc/stat's btime, which is rounded to the second).
+    """
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
+class Timeline:
+    """The phase times of one step attempt (a preemption retry starts a new one)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self.detail: dict[str, float] = {}  # finer driver-side moments, in the JSON line only
+        self.per_host: list[dict[str, float]] = []
+
+    def note(self, moment: str, at: float | None = None) -> None:
+        self.detail[moment] = time.time() if at is None else at
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
+        self.times[phase] = time.time() if at is None else at
+
+    def hosts(self, reports: list[dict[str, float]]) -> None:
+        """Each host phase at its latest host (a host that did not reach a phase leaves it unset)."""
+        self.per_host = reports
+        for phase in HOST_PHASES:
+            values = [report[phase] for report in reports if phase in report]
+            if values and len(values) == len(reports):
+                self.times[phase] = max(values)
+
+    def lines(self) -> list[str]:
+        """One readable line per phase reached (seconds since the first), then the JSON line."""
+        known = [(phase, self.times[phase]) for phase in PHASES if phase in self.times]
+        if not known:
+            return []
+        first = known[0][1]
+        out, previous = [], first
+        for phase, at in known:
+            out.append(f"[rayslice] phase {at - first:7.2f} s (+{at - previous:5.2f} s)  {PHASES[phase]}")
+            previous = at
+        record: dict = {phase: round(at, 4) for phase, at in known}
+        if self.detail:
+            record["detail"] = {moment: round(at, 4) for moment, at in self.detail.items()}
+        if self.per_host:
+            record["hosts"] = [{k: round(v, 4) for k, v in host.items()} for host in self.per_host]
+        out.append(MARKER + json.dumps(record))
+        return out
+
+
+def parse_phases(log: str) -> list[dict[str, float]]:
+    """Every phases line of a job log (one per attempt), as {phase: epoch seconds} (plus "detail", "hosts")."""
+    found = []
+    for line in log.splitlines():
+        at = line.find(MARKER)
+        if at >= 0:
+            found.append(json.loads(line[at + len(MARKER):]))
+    return found
+
+
+def job_accepted_time(submission_id: str) -> float | None:
+    """When Ray's job manager accepted this job (its JobInfo start_time), or None outside a Ray job."""
+    if not submission_id:
+        return None
+    try:
+        from rayslice.cluster.reaper import job_info
+
+        info = job_info(submission_id)
+        start = info.get("start_time") if info else None
+        return float(start) / 1000 if start else None
+    except Exception:  # a phase line must never fail the step
+        return None
+

@@ -1,0 +1,48 @@
+"""rayslice.local.processes on real processes: a session's whole tree is found and ended, nothing else."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from rayslice.local import processes
+from tests.conftest import wait_until
+
+
+def test_a_sessions_tree_is_found_by_session_and_by_name_and_ended():
+    marker = f"rs-proc-{uuid.uuid4().hex[:8]}"
+    # A session leader with a child of its own, as `ray start --block` has; the marker names both.
+    code = ("import subprocess, sys, time; "
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}']); time.sleep(60)")
+    code += f"  # {marker}"
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # someone else's process
+    try:
+        members = wait_until(lambda: (m := processes.session_members({leader.pid})) and len(m) == 2 and m, timeout=20)
+        assert members and leader.pid in members and os.getpid() not in members
+        assert processes.session_members(set(), naming=marker) == members
+        assert other.pid not in members and processes.alive(other.pid)
+        for pid in members:
+            processes.send_signal(pid, signal.SIGKILL)
+        leader.wait(timeout=10)
+        assert wait_until(lambda: not processes.session_members({leader.pid}), timeout=10)
+        assert not processes.alive(leader.pid)  # reaped
+        processes.send_signal(leader.pid, signal.SIGKILL)  # already gone: no error
+    finally:
+        for pid in processes.session_members({leader.pid, other.pid}):
+            processes.send_signal(pid, signal.SIGKILL)
+        for proc in (leader, other):
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_a_zombie_is_not_alive():
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while processes.alive(child.pid) and time.monotonic() < deadline:  # exited, not yet reaped: a zombie
+        time.sleep(0.05)
+    assert not processes.alive(child.pid) and child.poll() == 0

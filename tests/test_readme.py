@@ -1,0 +1,68 @@
+"""Every Python example in the README runs as written against the local cluster.
+
+Each one runs as its own `python example.py`, in the environment a user gets from the README's
+`eval "$(rayslice local env)"` (and, for the DAG file, the tests' Airflow home, with the file in
+its DAG folder), and must print what the README says it prints.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.airflow_env import REPO, TEST_DAGS, init_db
+
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+EXAMPLES = BLOCK.findall((REPO / "README.md").read_text())
+RAYSLICE = str(Path(sys.executable).with_name("rayslice"))
+
+#: What each example prints, in README order (a pattern per printed line).
+PRINTS = [
+    [r"\[16, 16, 16, 16\]", r"\[32, 32, 32, 32, 32, 32, 32, 32\]"],
+    [r"\[12\.0\]"],
+    [r"[0-2]"],
+    [r"success"],
+]
+
+
+def test_the_table_covers_every_example():
+    assert len(EXAMPLES) == len(PRINTS), "a README example was added or removed: say what it prints in PRINTS"
+
+
+def local_env(cluster) -> dict[str, str]:
+    """What `eval "$(rayslice local env --name ...)"` sets, parsed from the command's own output."""
+    out = subprocess.run([RAYSLICE, "local", "env", "--name", cluster.name], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    pairs = [shlex.split(line.removeprefix("export "))[0].split("=", 1) for line in out.splitlines()]
+    return dict(pairs)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("index", range(len(PRINTS)), ids=["run_step", "checkpoints", "run_step_job", "dag"])
+def test_a_readme_example_runs_as_written(cluster, index, tmp_path):
+    source = EXAMPLES[index]
+    folder = tmp_path
+    if "@dag" in source:  # a DAG file lives in a DAG folder; dag.test() needs the metadata DB
+        init_db()
+        folder = TEST_DAGS
+    example = folder / f"readme_example_{index}.py"
+    example.write_text(source)
+    env = {**os.environ, **local_env(cluster)}
+    try:
+        done = subprocess.run([sys.executable, str(example)], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=540)
+    finally:
+        if folder == TEST_DAGS:
+            example.unlink()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    # What the example printed, without the launcher's progress lines ("[rayslice] ...") between them.
+    printed = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith("[rayslice]")]
+    tail = printed[-len(PRINTS[index]):]
+    assert all(re.fullmatch(pattern, line) for pattern, line in zip(PRINTS[index], tail, strict=True)), \
+        "\n".join(printed[-40:])
