@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from rayslice.cluster import environments, phases
+from rayslice.cluster import environments, node_probe, phases
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.context import StepContext, set_step_context
 from rayslice.core.exceptions import HostLostError, PreemptedError, StepFailedError, StepTimeoutError
@@ -352,16 +352,18 @@ def node_was_lost(exc: BaseException) -> bool:
 
 
 def _node_died(node_id: str, actor: Any, within: float = NODE_DEATH_WINDOW_S) -> bool:
-    """Whether a lost host's node is gone, as far as the GCS can tell within `within` seconds.
+    """Whether a lost host's node is gone, as far as the GCS or its raylet can tell within `within` seconds.
 
     A killed node first surfaces as an unreachable actor ("Socket closed"); the GCS marks the
-    node dead only after its health checks fail. A process that died on a live node is
+    node dead only after its health checks fail (~10 s), so a raylet that accepts no connection
+    twice in a row is taken as the node's loss at once. A process that died on a live node is
     reported dead by its raylet at once, so that case returns quickly.
     """
     if not node_id:
         return False
     actor_id = actor._actor_id.hex()
     deadline = time.monotonic() + within
+    unreachable = 0
     while True:
         actor_info = ray._private.state.state.actor_table(actor_id)
         node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
@@ -369,6 +371,9 @@ def _node_died(node_id: str, actor: Any, within: float = NODE_DEATH_WINDOW_S) ->
             return True
         if actor_info.get("State") == "DEAD" or time.monotonic() > deadline:
             return False  # the process died on a node that is still alive
+        unreachable = unreachable + 1 if node_probe.raylet_unreachable(node_id) else 0
+        if unreachable >= 2:
+            return True
         time.sleep(0.2)
 
 

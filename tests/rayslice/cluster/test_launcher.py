@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.core.exceptions import HostLostError, StepFailedError
+from rayslice.core.exceptions import HostLostError, PreemptedError, StepFailedError
 from rayslice.core.step import Owner, StepSpec
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 
@@ -122,6 +122,7 @@ def test_host_process_death_fails_the_step(ray_driver):
     with pytest.raises(HostLostError, match="host1") as info:
         run(TpuSliceRequest(tpu="v6e-16"), die_on_host_1)
     assert info.value.worker_id == 1
+    assert not isinstance(info.value, PreemptedError)  # its node's raylet is alive: not a preemption
     assert_all_released(ray_driver)
 
 
