@@ -20,6 +20,7 @@ from tests.airflow_env import REPO, TEST_DAGS, init_db
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 EXAMPLES = BLOCK.findall((REPO / "README.md").read_text())
+HOST_LINE = re.compile(r"^(\x1b\[\d+m)?\([\w.-]+/(host\d+|GPU) pid=\d+\)")
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))
 
 #: What each example prints, in README order (a pattern per printed line).
@@ -61,8 +62,10 @@ def test_a_readme_example_runs_as_written(cluster, index, tmp_path):
         if folder == TEST_DAGS:
             example.unlink()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    # What the example printed, without the launcher's progress lines ("[rayslice] ...") between them.
-    printed = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith("[rayslice]")]
+    # What the example printed, without the launcher's progress lines ("[rayslice] ...") and the hosts'
+    # own output relayed by Ray ("(v6e-16-a/host0 pid=...) ...") between them.
+    printed = [line for line in done.stdout.splitlines()
+               if line.strip() and not line.startswith("[rayslice]") and not HOST_LINE.match(line)]
     tail = printed[-len(PRINTS[index]):]
     assert all(re.fullmatch(pattern, line) for pattern, line in zip(PRINTS[index], tail, strict=True)), \
         "\n".join(printed[-40:])

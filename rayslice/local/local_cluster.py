@@ -391,7 +391,7 @@ def down(name: str = "default", grace: float = 10) -> int:
 
 def _kill_session(session: int) -> None:
     for pid in processes.session_members({session}):
-        processes.sendprocesses.send_signal(pid, signal.SIGKILL)
+        processes.send_signal(pid, signal.SIGKILL)
 
 
 def new_token() -> str:
