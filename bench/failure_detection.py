@@ -56,7 +56,7 @@ from _common import (
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import StepFailedError
 from rayslice.core.step import Owner, StepSpec
-from rayslice.local import local_cluster
+from rayslice.local import local_cluster, processes
 
 NAME = "failure_detection"
 SPEC = local_cluster.ClusterSpec(tpus=("v6e-16",))
@@ -368,7 +368,7 @@ def _measure(ray: Any, record: Any, victim_index: int, row: Row, kind: str, fn: 
             killer.join()
         if cleanup:
             cleanup(mark_dir)
-        if kind == "node" and not local_cluster._alive(record.nodes[victim_index].pid):
+        if kind == "node" and not processes.alive(record.nodes[victim_index].pid):
             log("restarting the killed node")
             local_cluster.restart_node(record, victim_index)
             deadline = time.monotonic() + 60
