@@ -72,8 +72,6 @@ RAYSLICE, HAND, ON_SLICE, FLOOR = (
     "(b) run_on_slice (one-shot) + JAX wiring, as a Ray job",
     "floor: N plain processes (start + JAX import + jax.distributed), no Ray",
 )
-#: The floor's phases, named as rayslice's host phases.
-FLOOR_PHASES = ("hosts_started", "jax_ready", "step_started")
 
 
 def jax_step() -> dict[str, Any]:
@@ -228,7 +226,8 @@ def floor(request: TpuSliceRequest) -> tuple[float, list[dict], float, dict]:
     if any(child.returncode for child in children):
         raise RuntimeError(f"floor processes failed: {[c.returncode for c in children]}")
     hosts = [json.loads(out.decode().strip().splitlines()[-1]) for out in outputs]
-    phases = {"hosts_started": max(h["first"] for h in hosts) - t0, "jax_ready": max(h["wired"] for h in hosts) - t0,
+    phases = {"hosts_started": max(h["first"] for h in hosts) - t0,
+              "jax_imported": max(h["imported"] for h in hosts) - t0, "jax_ready": max(h["wired"] for h in hosts) - t0,
               "step_started": max(h["t"] for h in hosts) - t0}
     # The floor runs one group; a multislice request's hosts form one group too, a single slice's likewise.
     return t0, hosts * (request.total_hosts // processes), t1, {"relative": phases}
@@ -263,6 +262,9 @@ def _measure(ray: Any, row: Row, request: TpuSliceRequest, record: bool = True) 
         detail, per_host = phases.get("detail", {}), phases.get("hosts", [])
         if "reserving" in detail and "reserved" in phases:
             relative["reservation"] = phases["reserved"] - detail["reserving"]
+        for moment, key in (("actor_init", "workers_up"), ("jax_imported", "jax_imported")):  # host by host
+            if per_host and all(moment in h for h in per_host):
+                relative[key] = max(h[moment] for h in per_host) - t0
         if "released" in phases and per_host and all("left_group" in h for h in per_host):
             relative["release"] = phases["released"] - max(h["left_group"] for h in per_host)
         row.phases.append(relative)
@@ -313,8 +315,10 @@ def _table(results: dict[str, list[Row]]) -> Table:
 
 
 def _phase_table(results: dict[str, list[Row]]) -> Table:
-    shown = [*PHASES, "result", "reservation", "release"]
-    names = {**{p: p.replace("_", " ") for p in PHASES}, "result": "result in caller",
+    at = list(PHASES).index("hosts_started") + 1
+    shown = [*list(PHASES)[:at], "workers_up", "jax_imported", *list(PHASES)[at:], "result", "reservation", "release"]
+    names = {**{p: p.replace("_", " ") for p in PHASES}, "workers_up": "Ray workers up",
+             "jax_imported": "JAX imported", "result": "result in caller",
              "reservation": "reservation took", "release": "release after the last host returned"}
     table = Table("Where the time goes: seconds after submission (median per phase)",
                   ["method", *[names[p] for p in shown]])
@@ -334,7 +338,9 @@ def _phase_table(results: dict[str, list[Row]]) -> Table:
     table.notes = [
         "accepted: the job's start_time in Ray's job table; driver started: the job driver's process start; "
         "reserved: the launcher's placement groups ready; host phases: the latest host's time (hosts started = "
-        "its process start, from /proc); released: rayslice's placement groups REMOVED; result: the caller has it",
+        "its process start, from /proc); Ray workers up: the latest host's Ray worker booted and its actor "
+        "constructed; JAX imported: the latest host's `import jax` done; released: rayslice's placement groups "
+        "REMOVED; result: the caller has it",
         "reservation took: from reserve_slices() called to both placement groups ready (free slices); release after "
         "the last host returned: from the last host's return (after leaving its JAX group) to every placement "
         "group REMOVED",

@@ -31,6 +31,7 @@ from pydantic import BaseModel, computed_field
 
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.core.exceptions import RaysliceError
+from rayslice.core.step import TaskRef
 
 __all__ = ["GpuNode", "GpuShare", "Holder", "Host", "Pending", "Slice", "Snapshot", "asnapshot", "render",
            "snapshot"]
@@ -52,15 +53,10 @@ _ACTIVE_ACTORS = ("ALIVE", "PENDING_CREATION", "RESTARTING", "DEPENDENCIES_UNREA
 _NOT_ACCELERATORS = {"CPU", "memory", "object_store_memory", "bundle"}
 
 
-class Holder(BaseModel):
+class Holder(TaskRef):
     """Who holds capacity: a rayslice step's Airflow task, or whatever Ray job or name we found."""
 
     submission_id: str = ""
-    dag_id: str = ""
-    run_id: str = ""
-    task_id: str = ""
-    map_index: int = -1
-    try_number: int = 0
     request: str = ""
     job_id: str | None = None
     job_status: str | None = None
@@ -237,9 +233,7 @@ class _Holders:
             return Holder(submission_id=sid, job_id=job_id, name="" if sid else name)
         meta = job.get("metadata") or {}
         return Holder(
-            submission_id=sid or job.get("submission_id") or "",
-            dag_id=meta.get("dag_id", ""), run_id=meta.get("run_id", ""), task_id=meta.get("task_id", ""),
-            map_index=_int(meta.get("map_index"), -1), try_number=_int(meta.get("try_number"), 0),
+            submission_id=sid or job.get("submission_id") or "", **TaskRef.fields_from(meta),
             request=meta.get("request", ""), job_id=job.get("job_id") or job_id, job_status=job.get("status"),
             name="" if sid or job.get("submission_id") else name,
         )

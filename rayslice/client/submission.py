@@ -22,17 +22,11 @@ from typing import Any
 
 from rayslice.client.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, LogTail, zip_directory
 from rayslice.core.exceptions import (
-    CapacityTimeoutError,
-    HostLostError,
-    InvalidRequestError,
+    STEP_ERRORS,
     JobNotFoundError,
-    PreemptedError,
-    RaysliceError,
     RayUnreachableError,
     StepFailedError,
-    StepTimeoutError,
     SubmissionConflictError,
-    UnsatisfiableRequestError,
 )
 from rayslice.core.step import ERROR_MARKER, HOST_DONE_MARKER, RESULT_MARKER, Owner, StepSpec, parse_error, parse_result
 
@@ -41,18 +35,6 @@ ENTRYPOINT = "python -m rayslice.cluster spec.json"
 ADHOC_PREFIX = "rayslice-adhoc-"
 #: How long `wait_for_step` waits out an unreachable dashboard before it gives up on the job.
 UNREACHABLE_GRACE_S = 300.0
-_ERRORS: dict[str, type[RaysliceError]] = {
-    cls.__name__: cls
-    for cls in (
-        CapacityTimeoutError,
-        HostLostError,
-        InvalidRequestError,
-        PreemptedError,
-        StepFailedError,
-        StepTimeoutError,
-        UnsatisfiableRequestError,
-    )
-}
 
 
 def submission_id(owner: Owner) -> str:
@@ -292,7 +274,7 @@ def outcome(job: JobDetails, log: str) -> Any:
         return value
     error = parse_error(log)
     if error:
-        raise _ERRORS.get(error["type"], StepFailedError)(error["message"])
+        raise STEP_ERRORS.get(error["type"], StepFailedError)(error["message"])
     if job.status == JobStatus.STOPPED:
         raise StepFailedError(f"Ray job {job.submission_id} was stopped before the step finished")
     raise StepFailedError(f"Ray job {job.submission_id} {job.status.value}: {job.message or 'no message'}")

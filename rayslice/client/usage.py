@@ -35,6 +35,7 @@ from rayslice.client.capacity import (
     _int,
 )
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
+from rayslice.core.step import TaskRef
 
 __all__ = ["Bar", "Lane", "Usage", "UsageRow", "ausage", "parse", "totals", "usage"]
 
@@ -55,7 +56,7 @@ class Lane(BaseModel):
     detail: str = ""
 
 
-class Bar(BaseModel):
+class Bar(TaskRef):
     """One step on one lane. `amount` is chips (TPU) or the GPU share; `hours` its accelerator-hours in the window."""
 
     lane: str
@@ -63,11 +64,6 @@ class Bar(BaseModel):
     submission_id: str
     job_id: str | None = None
     job_status: str | None = None
-    dag_id: str = ""
-    run_id: str = ""
-    task_id: str = ""
-    map_index: int = -1
-    try_number: int = 0
     request: str = ""
     start: datetime
     end: datetime | None = None  # None: still holding it
@@ -165,9 +161,8 @@ def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: fl
         job_start = _ms(job.get("start_time"))
         bars.append(Bar(
             lane=key, kind=kind, submission_id=sid, job_id=job.get("job_id"), job_status=job.get("status"),
-            dag_id=meta.get("dag_id", ""), run_id=meta.get("run_id", ""), task_id=meta.get("task_id", ""),
-            map_index=_int(meta.get("map_index"), -1), try_number=_int(meta.get("try_number"), 0),
-            request=meta.get("request", ""), start=_at(first), end=_at(end) if end is not None else None,
+            **TaskRef.fields_from(meta), request=meta.get("request", ""), start=_at(first),
+            end=_at(end) if end is not None else None,
             amount=round(_concurrent(procs), 6), hours=round(used, 6),
             waited_s=round(max(0.0, first - job_start), 1) if job_start else None))
     bars.sort(key=lambda b: (b.start, b.lane))

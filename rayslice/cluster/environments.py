@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 
@@ -37,14 +38,44 @@ class HostPlan:
         return f"{self.slice_name}/host{self.worker_id}"
 
 
-class RealTpuSlice:
+class Environment:
+    """One place a host process can run: `detect`, `env` and `wire` are each environment's own."""
+
+    name = ""
+    #: The requests this environment serves.
+    request_type: type = object
+
+    @classmethod
+    def detect(cls, request: object) -> bool:
+        """Whether this process runs here; no side effects (device files and the request, no metadata server)."""
+        return isinstance(request, cls.request_type)
+
+    @staticmethod
+    def env(request: Any, plan: HostPlan) -> dict[str, str]:
+        raise NotImplementedError
+
+    @staticmethod
+    def wire(request: Any, plan: HostPlan) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def setup(cls, request: Any, plan: HostPlan) -> dict[str, str]:
+        """Both steps at once: set the environment, then wire JAX (the host process splits them to overlap)."""
+        env = cls.env(request, plan)
+        os.environ.update(env)
+        cls.wire(request, plan)
+        return env
+
+
+class RealTpuSlice(Environment):
     """Real TPU VMs: libtpu and JAX find their peers themselves; multislice needs fresh MEGASCALE_*."""
 
     name = "tpu"
+    request_type = TpuSliceRequest
 
-    @staticmethod
-    def detect(request: object) -> bool:
-        return isinstance(request, TpuSliceRequest) and bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+    @classmethod
+    def detect(cls, request: object) -> bool:
+        return super().detect(request) and bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
     @staticmethod
     def env(request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
@@ -65,19 +96,12 @@ class RealTpuSlice:
 
             jax.distributed.initialize()
 
-    @classmethod
-    def setup(cls, request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
-        return _setup(cls, request, plan)
 
-
-class SimulatedTpuSlice:
+class SimulatedTpuSlice(Environment):
     """A local simulated slice: CPU devices = chips per host, gloo collectives across processes."""
 
     name = "simulated-tpu"
-
-    @staticmethod
-    def detect(request: object) -> bool:
-        return isinstance(request, TpuSliceRequest)
+    request_type = TpuSliceRequest
 
     @staticmethod
     def env(request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
@@ -101,19 +125,12 @@ class SimulatedTpuSlice:
                 initialization_timeout=120,
             )
 
-    @classmethod
-    def setup(cls, request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
-        return _setup(cls, request, plan)
 
-
-class AcceleratorFraction:
+class AcceleratorFraction(Environment):
     """One process holding a (fraction of an) accelerator; JAX may use only its share of memory."""
 
     name = "accelerator"
-
-    @staticmethod
-    def detect(request: object) -> bool:
-        return isinstance(request, AcceleratorRequest)
+    request_type = AcceleratorRequest
 
     @staticmethod
     def env(request: AcceleratorRequest, plan: HostPlan) -> dict[str, str]:
@@ -125,18 +142,6 @@ class AcceleratorFraction:
     @staticmethod
     def wire(request: AcceleratorRequest, plan: HostPlan) -> None:
         return None
-
-    @classmethod
-    def setup(cls, request: AcceleratorRequest, plan: HostPlan) -> dict[str, str]:
-        return _setup(cls, request, plan)
-
-
-def _setup(environment: type, request: object, plan: HostPlan) -> dict[str, str]:
-    """Both steps at once: set the environment, then wire JAX (the host process splits them to overlap)."""
-    env = environment.env(request, plan)
-    os.environ.update(env)
-    environment.wire(request, plan)
-    return env
 
 
 def preimports_jax(request: object) -> bool:
@@ -152,7 +157,7 @@ def preimports_jax(request: object) -> bool:
 ENVIRONMENTS = (RealTpuSlice, SimulatedTpuSlice, AcceleratorFraction)
 
 
-def detect(request: object) -> type:
+def detect(request: object) -> type[Environment]:
     for environment in ENVIRONMENTS:
         if environment.detect(request):
             return environment

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from rayslice.cluster import environments, node_probe, phases
 from rayslice.cluster.environments import HostPlan
@@ -312,31 +312,20 @@ def _where(plan: HostPlan) -> str:
 
 
 def _get(ref: Any, plan: HostPlan) -> Any:
+    """A host's return value, or the error that names the host and why it failed."""
     where = _where(plan)
     try:
         return ray.get(ref)
     except RayTaskError as exc:
-        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-        summary = f"{type(cause).__name__}: {cause}"
-        raise StepFailedError(
-            f"step failed on {where}: {summary}\n{_remote_traceback(exc)}",
-            slice_index=plan.slice_index,
-            worker_id=plan.worker_id,
-            host=plan.ip,
-            cause=summary,
-        ) from None
+        raised = exc.cause if isinstance(exc.cause, BaseException) else exc
+        cause = f"{type(raised).__name__}: {raised}"
+        error, message = StepFailedError, f"step failed on {where}: {cause}\n{_remote_traceback(exc)}"
     except RayActorError as exc:
         node_lost = node_was_lost(exc)
-        why = "its node was preempted or removed" if node_lost else "its process died"
-        raise (PreemptedError if node_lost else HostLostError)(
-            f"host {where} was lost: {why} ({_first_line(exc)})",
-            slice_index=plan.slice_index,
-            worker_id=plan.worker_id,
-            host=plan.ip,
-            cause=why,
-        ) from None
-    except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
-        raise
+        cause = "its node was preempted or removed" if node_lost else "its process died"
+        error = PreemptedError if node_lost else HostLostError
+        message = f"host {where} was lost: {cause} ({_first_line(exc)})"
+    raise error(message, slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip, cause=cause) from None
 
 
 def node_was_lost(exc: BaseException) -> bool:

@@ -94,3 +94,11 @@ class RayAuthError(RayJobsError):
 
 class JobNotFoundError(RayJobsError):
     """Raised when the Ray Jobs API does not know the submission id (404)."""
+
+
+#: The errors a step's Ray job reports by name (the launcher's error line), raised again as such on the Airflow side.
+STEP_ERRORS: dict[str, type[RaysliceError]] = {
+    cls.__name__: cls
+    for cls in (CapacityTimeoutError, HostLostError, InvalidRequestError, PreemptedError, StepFailedError,
+                StepTimeoutError, UnsatisfiableRequestError)
+}

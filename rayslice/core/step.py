@@ -26,7 +26,31 @@ HOST_DONE_MARKER = "::rayslice-host-done::"
 RESULT_LIMIT_BYTES = 1024 * 1024
 
 
-class Owner(BaseModel):
+class TaskRef(BaseModel):
+    """Which Airflow task try a step belongs to: what every record of a step (owner, holder, usage bar) names."""
+
+    dag_id: str = ""
+    run_id: str = ""
+    task_id: str = ""
+    map_index: int = -1
+    try_number: int = 0
+
+    @staticmethod
+    def fields_from(metadata: dict[str, Any]) -> dict[str, Any]:
+        """These fields as a rayslice Ray job's metadata holds them (all strings), with the defaults for gaps."""
+
+        def number(key: str, default: int) -> int:
+            try:
+                return int(metadata.get(key, default))
+            except (TypeError, ValueError):
+                return default
+
+        return {"dag_id": metadata.get("dag_id", ""), "run_id": metadata.get("run_id", ""),
+                "task_id": metadata.get("task_id", ""), "map_index": number("map_index", -1),
+                "try_number": number("try_number", 0)}
+
+
+class Owner(TaskRef):
     """Who a reservation belongs to, so it can be traced back to its Airflow task (and reaped).
 
     `ti_id` is the Airflow task instance's id: Airflow 3 gives every try its own UUID, so it tells
@@ -35,11 +59,6 @@ class Owner(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    dag_id: str = ""
-    run_id: str = ""
-    task_id: str = ""
-    map_index: int = -1
-    try_number: int = 0
     ti_id: str = ""
     submission_id: str = ""
 

@@ -150,34 +150,8 @@ def up(
     log = local_cluster.state_dir() / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    args = [
-        "--head",
-        "--port",
-        str(gcs_port),
-        "--autoscaling-config",
-        str(config_path),
-        "--dashboard-host",
-        "127.0.0.1",
-        "--dashboard-port",
-        str(dashboard_port),
-        "--ray-client-server-port",
-        str(local_cluster.free_port()),
-        "--temp-dir",
-        temp_dir,
-        "--num-cpus",
-        str(head_cpus),
-        "--object-store-memory",
-        str(150 * 1024 * 1024),
-        "--node-ip-address",
-        NODE_IP,
-        "--disable-usage-stats",
-        "--min-worker-port",
-        "0",
-        "--max-worker-port",
-        "0",
-        "--dashboard-agent-listen-port",
-        str(local_cluster.free_port()),
-    ]
+    args = [*local_cluster.head_args(gcs_port, dashboard_port, temp_dir, head_cpus),
+            "--autoscaling-config", str(config_path)]
     try:
         record.nodes.append(NodeRecord(role="head", pid=local_cluster._launch(args, env, log)))
         record.save()

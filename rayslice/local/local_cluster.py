@@ -149,6 +149,20 @@ class ClusterSpec:
         return out
 
 
+def common_args() -> list[str]:
+    """What every node of a local cluster starts with: its address, no usage stats, any worker ports, an agent port."""
+    return ["--node-ip-address", NODE_IP, "--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0",
+            "--dashboard-agent-listen-port", str(free_port())]
+
+
+def head_args(gcs_port: int, dashboard_port: int, temp_dir: str, num_cpus: int,
+              object_store_bytes: int = _HEAD_OBJECT_STORE_BYTES) -> list[str]:
+    """`ray start` arguments of a local head (the dashboard on 127.0.0.1 only)."""
+    return ["--head", "--port", str(gcs_port), "--dashboard-host", "127.0.0.1", "--dashboard-port",
+            str(dashboard_port), "--ray-client-server-port", str(free_port()), "--temp-dir", temp_dir,
+            "--num-cpus", str(num_cpus), "--object-store-memory", str(object_store_bytes), *common_args()]
+
+
 def _ray_bin() -> str:
     candidate = Path(sys.executable).with_name("ray")
     return str(candidate) if candidate.exists() else "ray"
@@ -214,41 +228,9 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     sockets = Path(temp_dir) / "session_latest" / "sockets"
-    common = [
-        "--node-ip-address",
-        NODE_IP,
-        "--disable-usage-stats",
-        "--min-worker-port",
-        "0",
-        "--max-worker-port",
-        "0",
-        "--dashboard-agent-listen-port",
-    ]
     deadline = time.monotonic() + timeout
     try:
-        head = _launch(
-            [
-                "--head",
-                "--port",
-                str(gcs_port),
-                "--dashboard-host",
-                "127.0.0.1",
-                "--dashboard-port",
-                str(dashboard_port),
-                "--ray-client-server-port",
-                str(free_port()),
-                "--temp-dir",
-                temp_dir,
-                "--num-cpus",
-                str(spec.head_cpus),
-                "--object-store-memory",
-                str(_HEAD_OBJECT_STORE_BYTES),
-                *common,
-                str(free_port()),
-            ],
-            env,
-            log,
-        )
+        head = _launch(head_args(gcs_port, dashboard_port, temp_dir, spec.head_cpus), env, log)
         record.nodes.append(NodeRecord(role="head", pid=head))
         record.save()
         # Raylets that join before the head has registered itself stall until they time out.
@@ -261,7 +243,6 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
             "--object-store-memory",
             str(_OBJECT_STORE_BYTES),
             "--include-log-monitor=false",
-            *common,
         ]
         for slice_name, request in spec.slices():
             hostnames = ",".join(["127.0.0.1"] * request.hosts_per_slice)
@@ -275,7 +256,7 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
                 }
                 args = [
                     *join,
-                    str(free_port()),
+                    *common_args(),
                     "--num-cpus",
                     str(spec.host_cpus),
                     "--resources",
@@ -294,7 +275,7 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
                     )
                 )
         if spec.gpus:
-            args = [*join, str(free_port()), "--num-cpus", "4", "--num-gpus", str(spec.gpus)]
+            args = [*join, *common_args(), "--num-cpus", "4", "--num-gpus", str(spec.gpus)]
             record.nodes.append(NodeRecord(role="gpu", pid=_launch(args, env, log, sockets), args=args, env=env))
         record.save()
 
