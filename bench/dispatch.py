@@ -5,7 +5,9 @@ One run, one warm private cluster (a v6e-4 and two v6e-16), three sizes: 1 host 
 with JAX wired across the gang. Every Ray method is a Ray job submitted through the Jobs REST API
 and followed by the same follower (`rayslice.client.submission.wait_for_step`):
 
-- rayslice (`run_step_job`);
+- rayslice (`run_step_job`), twice: the launcher shipped with each job (the default) and the
+  launcher installed on the cluster (`launcher="installed"`: the job carries only the step, and
+  its host processes start without a runtime env);
 - (a) the hand-written head-targeted pattern of Ray's TPU docs (a task on `TPU-<type>-head` that
   starts one task per host with `{<slice name>: 1, "TPU": 4}`), each host wiring `jax.distributed`
   over gloo itself (`bench/_job_baseline.py`);
@@ -66,8 +68,9 @@ SHAPES = {
     "v6e-16": ("v6e-16 (4 hosts)", TpuSliceRequest(tpu="v6e-16")),
     "2xv6e-16": ("2 × v6e-16 multislice (8 hosts)", TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True)),
 }
-RAYSLICE, HAND, ON_SLICE, FLOOR = (
-    "rayslice as a Ray job (run_step_job)",
+RAYSLICE, INSTALLED, HAND, ON_SLICE, FLOOR = (
+    "rayslice as a Ray job, launcher shipped (run_step_job)",
+    "rayslice as a Ray job, launcher installed (run_step_job)",
     "(a) hand-written head-targeted pattern + JAX wiring, as a Ray job",
     "(b) run_on_slice (one-shot) + JAX wiring, as a Ray job",
     "floor: N plain processes (start + JAX import + jax.distributed), no Ray",
@@ -169,14 +172,18 @@ def _rows(record: Any, slice_names: list[str], args: Any) -> list[Row]:
 
     package = zip_file(Path(__file__).with_name("_job_baseline.py"))
 
-    def rayslice_job(request: TpuSliceRequest) -> tuple[float, list[dict], float, dict]:
-        lines: list[str] = []
-        t0 = time.time()
-        spec = StepSpec.for_function(jax_step, request=request, owner=Owner(submission_id=f"bench-{time.time_ns()}"))
-        results = asyncio.run(run_step_job(record.dashboard_url, spec, token=record.token, emit=lines.append))
-        t1 = time.time()
-        found = parse_phases("\n".join(lines))
-        return t0, results, t1, found[-1] if found else {}
+    def rayslice_job(launcher: str) -> Callable:
+        def run(request: TpuSliceRequest) -> tuple[float, list[dict], float, dict]:
+            lines: list[str] = []
+            t0 = time.time()
+            spec = StepSpec.for_function(jax_step, request=request, launcher=launcher,
+                                         owner=Owner(submission_id=f"bench-{time.time_ns()}"))
+            results = asyncio.run(run_step_job(record.dashboard_url, spec, token=record.token, emit=lines.append))
+            t1 = time.time()
+            found = parse_phases("\n".join(lines))
+            return t0, results, t1, found[-1] if found else {}
+
+        return run
 
     async def baseline_job(method: str, request: TpuSliceRequest) -> list[dict]:
         shape = {"head_resource": request.head_resource, "hosts": request.hosts_per_slice,
@@ -200,7 +207,8 @@ def _rows(record: Any, slice_names: list[str], args: Any) -> list[Row]:
 
         return run
 
-    rows = [Row(RAYSLICE, rayslice_job), Row(HAND, baseline("a")), Row(ON_SLICE, baseline("b")), Row(FLOOR, floor)]
+    rows = [Row(RAYSLICE, rayslice_job("shipped")), Row(INSTALLED, rayslice_job("installed")),
+            Row(HAND, baseline("a")), Row(ON_SLICE, baseline("b")), Row(FLOOR, floor)]
     if args.nojax_rows:
         rows += [Row("(a) hand-written head-targeted pattern, no JAX, as a Ray job", baseline("a-nojax")),
                  Row("(b) run_on_slice (one-shot), no JAX, as a Ray job", baseline("b-nojax"))]
@@ -325,7 +333,7 @@ def _phase_table(results: dict[str, list[Row]]) -> Table:
     for label, rows in results.items():
         table.section(label)
         for row in rows:
-            if row.label not in (RAYSLICE, FLOOR) or not row.phases:
+            if row.label not in (RAYSLICE, INSTALLED, FLOOR) or not row.phases:
                 continue
             cells = []
             for phase in shown:

@@ -8,6 +8,9 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
 - password: the cluster's auth token (``RAY_AUTH_MODE=token``), optional;
 - extras: ``verify`` (bool, or a CA bundle path) and ``headers`` (a dict), e.g. for a proxy;
   ``checkpoint_root`` (a URL such as ``gs://bucket/ckpt``): where steps' checkpoint folders go;
+  ``launcher``: ``"shipped"`` (default: each job uploads rayslice's cluster side) or ``"installed"``
+  (the cluster's image has this same rayslice version: jobs carry only the step, and host processes
+  start without a runtime env, about 1.5 CPU-seconds faster each);
   ``kuberay`` (a dict) names a KubeRay RayCluster instead of a host,
   ``{"namespace": "ml", "name": "rayslice", "in_cluster": true}`` or ``..., "kubeconfig": "/path"``:
   the dashboard URL is then looked up through the Kubernetes API (``rayslice.cloud.kuberay_client``)
@@ -46,6 +49,7 @@ class RayConnectionSettings:
     timeout: float = 10.0
     retries: int = 3
     checkpoint_root: str | None = None  # extra ``checkpoint_root``: the steps' checkpoint folders live under it
+    launcher: str = "shipped"  # extra ``launcher``: "shipped" or "installed" (rayslice is in the cluster's image)
 
     def _kwargs(self) -> dict[str, Any]:
         return {"token": self.token, "verify": self.verify, "headers": dict(self.headers),
@@ -138,7 +142,21 @@ def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int =
         timeout=timeout,
         retries=retries,
         checkpoint_root=_checkpoint_root(extra.get("checkpoint_root")),
+        launcher=_launcher(extra.get("launcher")),
     )
+
+
+LAUNCHERS = ("shipped", "installed")
+
+
+def _launcher(value: Any) -> str:
+    if value in (None, ""):
+        return "shipped"
+    if value not in LAUNCHERS:
+        raise InvalidRequestError(f"the `ray` connection's extra 'launcher' must be 'shipped' (each job uploads "
+                                  f"rayslice's cluster side) or 'installed' (the cluster's image has this rayslice), "
+                                  f"got {value!r}")
+    return value
 
 
 def _checkpoint_root(value: Any) -> str | None:

@@ -248,7 +248,8 @@ class RayStepOperator(BaseOperator):
                       "capacity_timeout": float(self.capacity_timeout),
                       "step_timeout": None if self.step_timeout is None else float(self.step_timeout),
                       "preemption_retries": self.preemption_retries,
-                      "checkpoint_root": self.checkpoint_root or (self._settings and self._settings.checkpoint_root)}
+                      "checkpoint_root": self.checkpoint_root or (self._settings and self._settings.checkpoint_root),
+                      "launcher": self._settings.launcher if self._settings else "shipped"}
             if self.entrypoint is not None:
                 spec = StepSpec(entrypoint=self.entrypoint, **fields)
             else:

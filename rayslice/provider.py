@@ -86,6 +86,13 @@ def get_provider_info() -> dict:
                                        "gs://bucket/checkpoints (else the cluster's RAYSLICE_CHECKPOINT_ROOT)",
                         "schema": {"type": ["string", "null"]},
                     },
+                    "launcher": {
+                        "label": "Launcher (optional)",
+                        "description": "shipped (default): each job uploads rayslice's cluster side; installed: the "
+                                       "cluster's image has this rayslice version, so jobs carry only the step and "
+                                       "start faster",
+                        "schema": {"type": ["string", "null"]},
+                    },
                     "cloud_tpu": {
                         "label": "Cloud TPU zone check (optional)",
                         "description": 'JSON {"project": "...", "zone": "us-east5-b"}: TPU slice types are checked '

@@ -51,11 +51,10 @@ def init_db() -> None:
 
 
 def ray_connection_json(dashboard_url: str, token: str | None = None) -> str:
-    """The `ray_default` connection in the JSON form of AIRFLOW_CONN_RAY_DEFAULT."""
-    conn = {"conn_type": "ray", "host": dashboard_url}
-    if token:
-        conn["password"] = token
-    return json.dumps(conn)
+    """The `ray_default` connection in the JSON form of AIRFLOW_CONN_RAY_DEFAULT, as `rayslice local` gives it."""
+    from rayslice.local.local_cluster import ray_connection
+
+    return json.dumps(ray_connection(dashboard_url, token))
 
 
 # ---------------------------------------------------------------- helpers shared by the Airflow tests

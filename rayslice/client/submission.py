@@ -2,7 +2,9 @@
 
 The job carries everything the cluster needs: the launcher (this package, plus cloudpickle)
 as `py_modules`, and the step's `spec.json` as its `working_dir`, so a cluster whose image has
-`ray` and `jax` but not `rayslice` still runs it. No `ray` import here.
+`ray` and `jax` but not `rayslice` still runs it. A cluster whose image has this rayslice
+(`launcher="installed"`) gets the spec alone, and its host processes start without a runtime
+env (see `rayslice.cluster.__main__`). No `ray` import here.
 """
 
 from __future__ import annotations
@@ -173,19 +175,17 @@ async def submit_step(
         submitter = "this try" if spec.owner.ti_id else "this caller"
         emit(f"[rayslice] reattaching to Ray job {sid} that {submitter} submitted ({existing.status.value})")
         return sid
-    py_modules = [await client.ensure_package(package) for package in launcher_packages()]
-    working_dir = await client.ensure_package(spec_package(spec))
+    # Every host's lines in the task log, not Ray's "[repeated 3x across cluster]" digest.
+    runtime_env: dict[str, Any] = {"working_dir": await client.ensure_package(spec_package(spec)),
+                                   "env_vars": {"RAY_DEDUP_LOGS": "0"}}
+    if spec.launcher == "shipped":
+        runtime_env["py_modules"] = [await client.ensure_package(package) for package in launcher_packages()]
     owner = spec.owner.model_dump(mode="json")
     # Idempotent by id: a retried POST whose first answer was lost finds its own job.
     await client.submit(
         ENTRYPOINT,
         submission_id=sid,
-        # Every host's lines in the task log, not Ray's "[repeated 3x across cluster]" digest.
-        runtime_env={
-            "py_modules": py_modules,
-            "working_dir": working_dir,
-            "env_vars": {"RAY_DEDUP_LOGS": "0"},
-        },
+        runtime_env=runtime_env,
         metadata={"rayslice": "1", "request": str(spec.request), **{k: str(v) for k, v in owner.items()}},
     )
     emit(f"[rayslice] submitted {spec.request} as Ray job {sid}")
@@ -277,7 +277,11 @@ def outcome(job: JobDetails, log: str) -> Any:
         raise STEP_ERRORS.get(error["type"], StepFailedError)(error["message"])
     if job.status == JobStatus.STOPPED:
         raise StepFailedError(f"Ray job {job.submission_id} was stopped before the step finished")
-    raise StepFailedError(f"Ray job {job.submission_id} {job.status.value}: {job.message or 'no message'}")
+    message = job.message or "no message"
+    if "No module named 'rayslice" in message:  # `python -m rayslice.cluster` found no rayslice
+        message += ("\nThe cluster has no rayslice for a job that expects it installed: install this rayslice in "
+                    "the cluster's image, or set the `ray` connection's extra 'launcher' to 'shipped'")
+    raise StepFailedError(f"Ray job {job.submission_id} {job.status.value}: {message}")
 
 
 class JobFollow:

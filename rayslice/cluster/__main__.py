@@ -6,6 +6,7 @@ finally one marked result or error line that the Airflow side reads back.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -25,6 +26,22 @@ def _stop(signum: int, frame: object) -> None:
     raise StopRequested
 
 
+def _hosts_without_runtime_env() -> None:
+    """Drop the job's runtime env from what this driver's workers inherit (an installed launcher only).
+
+    The hosts need none of it (`spec.json` and `RAY_DEDUP_LOGS` are this driver's), and Ray starts
+    a worker that has no runtime env without its `setup_worker` step: about 1.5 CPU-seconds less
+    per host process. The job's metadata stays.
+    """
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    injected = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
+    if injected:
+        config = json.loads(injected)
+        config.pop("runtime_env", None)
+        os.environ[RAY_JOB_CONFIG_JSON_ENV_VAR] = json.dumps(config)
+
+
 def main(argv: list[str]) -> int:
     main_entered = time.time()
     spec = StepSpec.model_validate_json(Path(argv[1] if len(argv) > 1 else "spec.json").read_text())
@@ -42,6 +59,16 @@ def main(argv: list[str]) -> int:
             )
         )
         return 2
+    if spec.launcher == "installed":
+        from rayslice import __version__
+
+        if spec.rayslice_version != __version__:
+            print(format_error("InvalidRequestError", (
+                f"the step was submitted by rayslice {spec.rayslice_version} to run on the rayslice installed on the "
+                f"cluster, which is {__version__}: install rayslice=={spec.rayslice_version} in the cluster's image, "
+                "or set the `ray` connection's extra 'launcher' to 'shipped' so each job carries its own launcher")))
+            return 2
+        _hosts_without_runtime_env()
     import ray
 
     from rayslice.cluster import phases, run_step

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import sys
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -80,6 +80,11 @@ class StepSpec(BaseModel):
         None, description="root URL of checkpoint folders (else the cluster's RAYSLICE_CHECKPOINT_ROOT)"
     )
     owner: Owner = Field(default_factory=Owner)
+    launcher: Literal["shipped", "installed"] = Field(
+        "shipped", description="ship rayslice's cluster side with the job, or use the copy installed on the cluster"
+    )
+    rayslice_version: str = Field(default_factory=lambda: _rayslice_version(),
+                                  description="the submitter's rayslice; an installed launcher must match it")
 
     @model_validator(mode="after")
     def _exactly_one_callable(self) -> StepSpec:
@@ -104,6 +109,12 @@ class StepSpec(BaseModel):
             if by_value:
                 cloudpickle.unregister_pickle_by_value(module)
         return cls(pickled=base64.b64encode(blob).decode(), **fields)
+
+
+def _rayslice_version() -> str:
+    from rayslice import __version__  # the package imports this module: read it at call time
+
+    return __version__
 
 
 def _is_installed(module: Any) -> bool:

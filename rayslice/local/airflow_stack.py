@@ -41,7 +41,7 @@ import httpx
 import rayslice.dags
 from rayslice.core.exceptions import RaysliceError
 from rayslice.local import processes
-from rayslice.local.local_cluster import free_port
+from rayslice.local.local_cluster import free_port, ray_connection
 
 EXAMPLE_DAGS = Path(rayslice.dags.__file__).parent  # the installed example DAGs (dags/ in a checkout)
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
@@ -83,9 +83,6 @@ class AirflowStack:
     def env(self) -> dict[str, str]:
         """The environment every component (and `airflow` CLI call) of this stack runs with."""
         assert self.home is not None
-        conn: dict[str, str] = {"conn_type": "ray", "host": self.dashboard_url}
-        if self.token:
-            conn["password"] = self.token
         return {
             **os.environ,
             "AIRFLOW_HOME": str(self.home),
@@ -115,7 +112,7 @@ class AirflowStack:
             # Task processes talk to the API server; behind a SQLite lock on a loaded machine one
             # call can take ~50 s, and the 5 s default then kills the task (its retry conflicts).
             "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "120",
-            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps(conn),
+            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps(ray_connection(self.dashboard_url, self.token)),
             **self.extra_env,
         }
 

@@ -65,7 +65,8 @@ def show_capacity(record: local_cluster.ClusterRecord, when: str) -> None:
 def run_examples(record: local_cluster.ClusterRecord) -> None:
     for title, request, fn in EXAMPLES:
         console.print(Rule(f"{title}: {request}"))
-        spec = StepSpec.for_function(fn, request=request, owner=Owner(dag_id="demo", run_id=uuid.uuid4().hex))
+        spec = StepSpec.for_function(fn, request=request, owner=Owner(dag_id="demo", run_id=uuid.uuid4().hex),
+                                     launcher="installed")  # the local cluster runs this environment
         started = time.monotonic()
         result = asyncio.run(
             run_step_job(record.dashboard_url, spec, token=record.token, emit=lambda line: console.print(f"  {line}"))
@@ -94,7 +95,7 @@ def run_pipeline(record: local_cluster.ClusterRecord) -> bool:
             "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
             "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([bundle]),
-            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps({"conn_type": "ray", "host": record.dashboard_url}),
+            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps(local_cluster.ray_connection(record.dashboard_url, record.token)),
         }
     )
     console.print(Rule("Airflow: rayslice_training_pipeline (prepare -> train on a slice -> evaluate -> report)"))

@@ -62,6 +62,18 @@ class NodeRecord:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def ray_connection(dashboard_url: str, token: str | None = None) -> dict:
+    """The Airflow `ray` connection (JSON form) to a local cluster.
+
+    Its nodes run this very Python environment, so rayslice is installed there: jobs need not
+    ship the launcher (`launcher: installed`, see `hooks/ray.py`).
+    """
+    conn: dict = {"conn_type": "ray", "host": dashboard_url, "extra": {"launcher": "installed"}}
+    if token:
+        conn["password"] = token
+    return conn
+
+
 @dataclass
 class ClusterRecord:
     name: str
@@ -93,16 +105,13 @@ class ClusterRecord:
     def driver_env(self) -> dict[str, str]:
         """What a user's shell needs to reach this cluster (`rayslice local env`): `ray.init()`,
         the README's examples and `dag.test()` connect with it and nothing else."""
-        conn: dict[str, str] = {"conn_type": "ray", "host": self.dashboard_url}
-        if self.token:
-            conn["password"] = self.token
         env = {
             "RAY_ADDRESS": self.gcs_address,  # ray.init() connects here instead of starting a Ray of its own
             # Explicit either way: with RAY_AUTH_MODE unset, Ray turns token auth on by itself when
             # ~/.ray/auth_token exists, and a token driver cannot start workers on a cluster without auth.
             "RAY_AUTH_MODE": "token" if self.token else "disabled",
             "RAYSLICE_DASHBOARD_URL": self.dashboard_url,
-            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps(conn),
+            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps(ray_connection(self.dashboard_url, self.token)),
         }
         if self.token:
             env["RAY_AUTH_TOKEN"] = self.token

@@ -76,6 +76,16 @@ def test_the_checkpoint_root_extra_is_a_url_or_nothing():
         settings({"checkpoint_root": "/local/ckpt"})
 
 
+def test_the_launcher_extra_is_shipped_by_default_or_installed():
+    def settings(extra):
+        return settings_from_connection(Connection(conn_id="r", conn_type="ray", host="http://h:1",
+                                                   extra=json.dumps(extra)))
+
+    assert settings({}).launcher == "shipped" and settings({"launcher": "installed"}).launcher == "installed"
+    with pytest.raises(InvalidRequestError, match="'launcher' must be 'shipped' .* or 'installed' .*got 'local'"):
+        settings({"launcher": "local"})
+
+
 def test_missing_host_names_the_fix():
     with pytest.raises(InvalidRequestError, match="host to the Ray dashboard URL"):
         dashboard_url("")

@@ -95,6 +95,18 @@ def test_a_new_try_finds_every_earlier_try_still_running_by_metadata():
     assert [j.submission_id for j in jobs_of_task(jobs, TASK)] == [j.submission_id for j in jobs[:4]]
 
 
+def test_a_cluster_without_the_installed_launcher_says_what_to_set():
+    from rayslice.client.submission import outcome
+    from rayslice.core.exceptions import StepFailedError
+
+    job = JobDetails(status=JobStatus.FAILED, submission_id="s1", message=(
+        "Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):\n"
+        "/usr/bin/python: Error while finding module specification for 'rayslice.cluster' "
+        "(ModuleNotFoundError: No module named 'rayslice')"))
+    with pytest.raises(StepFailedError, match="set the `ray` connection's extra 'launcher' to 'shipped'"):
+        outcome(job, "")
+
+
 def test_the_reaper_counts_a_try_of_a_deleted_run_as_ended():
     """`rayslice reap`: Airflow reporting another task-instance id at the same try means the run was re-created."""
     from rayslice.client.orphans import task_has_ended
@@ -143,3 +155,43 @@ def test_an_explicit_submission_id_reattaches_its_own_job_and_refuses_anyone_els
     assert str(info.value).startswith(f"Ray job {sid} already exists and belongs to an ad-hoc step, "
                                       "not to Airflow task train.fit[2] of run manual__")
     assert "Leave the submission id empty to get a fresh one" in str(info.value)
+
+
+def where_it_runs():
+    import ray
+
+    return {"runtime_env": ray.get_runtime_context().runtime_env, "rayslice": __import__("rayslice").__file__}
+
+
+@pytest.mark.parametrize("launcher", ["shipped", "installed"])
+def test_an_installed_launcher_ships_only_the_step_and_its_hosts_start_without_a_runtime_env(cluster, launcher):
+    spec = StepSpec.for_function(where_it_runs, request=QUARTER_GPU, launcher=launcher)
+    sid = f"test-launcher-{launcher}-{uuid.uuid4().hex[:8]}"
+    host = asyncio.run(run_step_job(cluster.dashboard_url, spec, token=cluster.token, submission_id=sid,
+                                    emit=lambda _: None))
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+        job = client.get(sid)
+    assert set(job.runtime_env or {}) >= {"working_dir", "env_vars"}  # spec.json and the driver's log setting
+    if launcher == "shipped":
+        assert "py_modules" in job.runtime_env
+        assert "py_modules" in host["runtime_env"] and "/runtime_resources/" in host["rayslice"]
+    else:
+        assert "py_modules" not in job.runtime_env
+        assert host["runtime_env"] == {}  # no setup_worker step for the host process
+        assert "/runtime_resources/" not in host["rayslice"]  # the cluster's own copy
+
+
+def test_an_installed_launcher_of_another_version_is_refused_before_anything_is_reserved(cluster):
+    from rayslice import __version__
+    from rayslice.core.exceptions import InvalidRequestError
+
+    spec = StepSpec.for_function(first_step, request=QUARTER_GPU, launcher="installed", rayslice_version="0.0.1")
+    lines: list[str] = []
+    with pytest.raises(InvalidRequestError) as info:
+        asyncio.run(run_step_job(cluster.dashboard_url, spec, token=cluster.token, emit=lines.append))
+    message = str(info.value)
+    assert f"submitted by rayslice 0.0.1 to run on the rayslice installed on the cluster, which is {__version__}" \
+        in message
+    assert not any("waiting for capacity" in line or "running on" in line for line in lines), lines  # stopped first
+    assert "install rayslice==0.0.1 in the cluster's image, or set the `ray` connection's extra 'launcher' to " \
+           "'shipped'" in message
