@@ -34,6 +34,8 @@ NODE_DEATH_WINDOW_S = 30.0
 HOST_START_TIMEOUT_S = 300.0
 #: How long a failed collective waits for Ray to report the peer whose death caused it.
 PEER_DEATH_WINDOW_S = 2.0
+#: How long a lost host waits for its group's coordinator to be reported lost too (then the coordinator is named).
+COORDINATOR_DEATH_WINDOW_S = 1.0
 #: Failures that may be a peer's death: JAX/XLA runtime errors, and what a broken link says.
 RUNTIME_ERRORS = ("JaxRuntimeError", "XlaRuntimeError")
 PEER_LOSS_SIGNS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "UNAVAILABLE",
@@ -198,14 +200,17 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
             index = refs[ready[0]]
             try:
                 results[index], reports[index] = _get(ready[0], plans[index])
+            except HostLostError as exc:
+                index, error = _coordinator_first(index, exc, pending, refs, plans)
+                raise error from None
             except StepFailedError as exc:
-                if type(exc) is not StepFailedError or not _may_be_a_peers_death(exc):
+                if not _may_be_a_peers_death(exc):
                     raise
                 # A peer killed mid-collective makes the survivors' collectives fail first: blame the dead host.
                 lost = _lost_peer(pending, refs, plans)
                 if lost is None:
                     raise
-                index, error = lost
+                index, error = _coordinator_first(*lost, pending, refs, plans)
                 raise error from None
     except HostLostError as exc:
         raise _lost_host(exc, index, actors, plans) from None
@@ -305,6 +310,33 @@ def _lost_peer(
         except StepFailedError:
             continue
     return None
+
+
+def _coordinator_first(index: int, error: HostLostError, pending: list[Any], refs: dict[Any, int],
+                       plans: list[HostPlan], within: float = COORDINATOR_DEATH_WINDOW_S) -> tuple[int, HostLostError]:
+    """The lost host to name: its group's coordinator, if that died too, else `index`.
+
+    JAX ends every process of a group whose coordinator process died, and Ray may report one of
+    those deaths before the coordinator's own. So a lost host that is not its group's coordinator
+    waits up to `within` for the coordinator's outcome; a coordinator lost too is the cause.
+    """
+    plan = plans[index]
+    if plan.process_id == 0 or plan.num_processes <= 1:
+        return index, error
+    coordinator = [ref for ref in pending
+                   if plans[refs[ref]].process_id == 0 and plans[refs[ref]].coordinator == plan.coordinator]
+    ready, _ = ray.wait(coordinator, timeout=within) if coordinator else ([], [])
+    if not ready:
+        return index, error
+    try:
+        _get(ready[0], plans[refs[ready[0]]])
+    except HostLostError as lost:
+        message = f"{lost}; {plan.label} ended with it (JAX ends every process of a group whose coordinator died)"
+        return refs[ready[0]], type(lost)(message, slice_index=lost.slice_index, worker_id=lost.worker_id,
+                                          host=lost.host, cause=lost.cause)
+    except StepFailedError:
+        pass
+    return index, error
 
 
 def _where(plan: HostPlan) -> str:
