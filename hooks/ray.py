@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 from airflow.sdk import BaseHook
 
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
+from rayslice.core.step import Launcher
 
 __all__ = ["RayConnectionSettings", "RayHook"]
 
@@ -49,7 +50,7 @@ class RayConnectionSettings:
     timeout: float = 10.0
     retries: int = 3
     checkpoint_root: str | None = None  # extra ``checkpoint_root``: the steps' checkpoint folders live under it
-    launcher: str = "shipped"  # extra ``launcher``: "shipped" or "installed" (rayslice is in the cluster's image)
+    launcher: Launcher = "shipped"  # extra ``launcher``: "shipped" or "installed" (rayslice is in the cluster's image)
 
     def _kwargs(self) -> dict[str, Any]:
         return {"token": self.token, "verify": self.verify, "headers": dict(self.headers),
@@ -146,13 +147,10 @@ def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int =
     )
 
 
-LAUNCHERS = ("shipped", "installed")
-
-
-def _launcher(value: Any) -> str:
+def _launcher(value: Any) -> Launcher:
     if value in (None, ""):
         return "shipped"
-    if value not in LAUNCHERS:
+    if value not in get_args(Launcher):
         raise InvalidRequestError(f"the `ray` connection's extra 'launcher' must be 'shipped' (each job uploads "
                                   f"rayslice's cluster side) or 'installed' (the cluster's image has this rayslice), "
                                   f"got {value!r}")

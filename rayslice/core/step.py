@@ -63,6 +63,16 @@ class Owner(TaskRef):
     submission_id: str = ""
 
 
+#: Where the cluster side comes from: uploaded with each job, or the copy in the cluster's image.
+Launcher = Literal["shipped", "installed"]
+
+
+def _rayslice_version() -> str:
+    from rayslice import __version__  # the package imports this module: read it at call time
+
+    return __version__
+
+
 class StepSpec(BaseModel):
     """Everything the launcher needs to run one step; the job's `spec.json`."""
 
@@ -80,10 +90,10 @@ class StepSpec(BaseModel):
         None, description="root URL of checkpoint folders (else the cluster's RAYSLICE_CHECKPOINT_ROOT)"
     )
     owner: Owner = Field(default_factory=Owner)
-    launcher: Literal["shipped", "installed"] = Field(
+    launcher: Launcher = Field(
         "shipped", description="ship rayslice's cluster side with the job, or use the copy installed on the cluster"
     )
-    rayslice_version: str = Field(default_factory=lambda: _rayslice_version(),
+    rayslice_version: str = Field(default_factory=_rayslice_version,
                                   description="the submitter's rayslice; an installed launcher must match it")
 
     @model_validator(mode="after")
@@ -109,12 +119,6 @@ class StepSpec(BaseModel):
             if by_value:
                 cloudpickle.unregister_pickle_by_value(module)
         return cls(pickled=base64.b64encode(blob).decode(), **fields)
-
-
-def _rayslice_version() -> str:
-    from rayslice import __version__  # the package imports this module: read it at call time
-
-    return __version__
 
 
 def _is_installed(module: Any) -> bool:
