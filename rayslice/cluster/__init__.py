@@ -6,8 +6,10 @@ JAX is imported only inside the host processes.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.request
 from typing import Any
 
 import ray
@@ -82,6 +84,35 @@ def _require_connected_driver() -> None:
         raise InvalidRequestError(
             "run_step needs a Ray driver connected to a cluster, but ray.init() started a new local Ray in this "
             f"process (it found no RAY_ADDRESS), which has no slices: {connect}")
+    _require_matching_auth(getattr(node, "webui_url", None))
+
+
+def _require_matching_auth(dashboard: str | None) -> None:
+    """Refuse a token-auth driver on a cluster without auth: Ray would start its host processes and lose them.
+
+    With RAY_AUTH_MODE unset, Ray turns token auth on in any process that finds ~/.ray/auth_token
+    (which any `ray.init()` that started its own Ray writes). Such a driver connects to a cluster
+    without auth, but the workers that cluster starts for it cannot talk back to it, and Ray reports
+    an `ActorDiedError` naming neither. The dashboard says which mode the cluster runs in.
+    """
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    if not dashboard or not is_token_auth_enabled():
+        return
+    try:
+        url = dashboard if "://" in dashboard else f"http://{dashboard}"
+        with urllib.request.urlopen(f"{url}/api/authentication_mode", timeout=5) as resp:
+            cluster_mode = json.load(resp).get("authentication_mode")
+    except (OSError, ValueError):
+        return  # cannot tell: Ray's own error stays the only one
+    if cluster_mode == "disabled":
+        why = ("RAY_AUTH_MODE=token is set" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else
+               "RAY_AUTH_MODE is unset and a token exists (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+               "~/.ray/auth_token, which a ray.init() that started its own Ray writes)")
+        raise InvalidRequestError(
+            f"this driver uses Ray token auth ({why}) but the cluster at {dashboard} runs without auth, so the "
+            "processes it starts for this driver could not reach it: set RAY_AUTH_MODE=disabled before "
+            "ray.init() (for the local cluster, eval \"$(rayslice local env)\" sets it)")
 
 
 def _reap_orphans(spec: StepSpec) -> None:
