@@ -45,12 +45,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first = items.index(users[0])
         rest = [item for item in items if item not in users]
         items[:] = rest[:first] + users + rest[first:]
-    # Under pytest-xdist (`--dist loadgroup`, what ./scripts/test runs) each worker is its own session
-    # with its own cluster: the session Airflow's users go to one worker together, every other file
-    # whole to one worker, so no module's cluster or stack starts twice.
-    for item in items:
-        group = "session-airflow" if item in users else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _uses_session_airflow(item: pytest.Item) -> bool:

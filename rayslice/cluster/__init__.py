@@ -90,10 +90,10 @@ def _require_connected_driver() -> None:
 def _require_matching_auth(dashboard: str | None) -> None:
     """Refuse a token-auth driver on a cluster without auth: Ray would start its host processes and lose them.
 
-    With RAY_AUTH_MODE unset, Ray turns token auth on in any process that finds ~/.ray/auth_token
-    (which any `ray.init()` that started its own Ray writes). Such a driver connects to a cluster
-    without auth, but the workers that cluster starts for it cannot talk back to it, and Ray reports
-    an `ActorDiedError` naming neither. The dashboard says which mode the cluster runs in.
+    Such a driver (RAY_AUTH_MODE=token, or unset where Ray turned token auth on because it found a
+    token) connects to a cluster without auth, but the workers that cluster starts for it cannot
+    talk back to it, and Ray reports an `ActorDiedError` naming neither. The dashboard says which
+    mode the cluster runs in; the check costs one local HTTP call, and only in token mode.
     """
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
@@ -107,8 +107,8 @@ def _require_matching_auth(dashboard: str | None) -> None:
         return  # cannot tell: Ray's own error stays the only one
     if cluster_mode == "disabled":
         why = ("RAY_AUTH_MODE=token is set" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else
-               "RAY_AUTH_MODE is unset and a token exists (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
-               "~/.ray/auth_token, which a ray.init() that started its own Ray writes)")
+               "RAY_AUTH_MODE is unset and Ray turned it on because it found a token: RAY_AUTH_TOKEN, "
+               "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which a ray.init() that started its own Ray writes")
         raise InvalidRequestError(
             f"this driver uses Ray token auth ({why}) but the cluster at {dashboard} runs without auth, so the "
             "processes it starts for this driver could not reach it: set RAY_AUTH_MODE=disabled before "
