@@ -130,12 +130,6 @@ class ClusterRecord:
             "RAY_health_check_period_ms": "2000",
             "RAY_health_check_timeout_ms": "5000",
             "RAY_health_check_failure_threshold": "5",
-            # No speculative workers: Ray prestarts idle workers when a job's driver registers and when
-            # leases queue, and a local cluster's job uses none of them (its host actors ask for their
-            # own runtime env). Each costs ~1.3 CPU-s of two cores; three trivial Ray jobs used 26 CPU-s
-            # with them and 20 without (2026-12-01).
-            "RAY_enable_worker_prestart": "0",
-            "RAY_prestart_worker_first_driver": "0",
         }
         if self.token:  # explicit either way: Ray turns token auth on by itself if a token file exists
             env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
