@@ -95,8 +95,10 @@ def _require_matching_auth(dashboard: str | None) -> None:
     talk back to it, and Ray reports an `ActorDiedError` naming neither. The dashboard says which
     mode the cluster runs in; the check costs one local HTTP call, and only in token mode.
     """
-    from ray._private.authentication.authentication_utils import is_token_auth_enabled
-
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token auth: no mode to mismatch
+        return
     if not dashboard or not is_token_auth_enabled():
         return
     try:
