@@ -23,6 +23,8 @@ from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, 
 from rayslice.core.step import StepSpec
 
 __all__ = ["run_step", "reservation_name"]
+#: What sets a shell up for the local cluster (RAY_ADDRESS, RAY_AUTH_MODE, ...), named in refusals.
+LOCAL_ENV = 'eval "$(rayslice local env)"'
 
 
 def log(message: str) -> None:
@@ -76,7 +78,7 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
 def _require_connected_driver() -> None:
     """Refuse to run where Ray would reserve nothing real: no driver, or a Ray this process started itself."""
     connect = ("connect this process to the cluster first: ray.init(address=...) with its GCS address, or "
-               "ray.init() with RAY_ADDRESS set (for the local cluster: eval \"$(rayslice local env)\")")
+               f"ray.init() with RAY_ADDRESS set (for the local cluster: {LOCAL_ENV})")
     if not ray.is_initialized():
         raise InvalidRequestError(f"run_step needs a Ray driver connected to a cluster, and none is: {connect}")
     node = getattr(ray._private.worker, "_global_node", None)
@@ -108,13 +110,11 @@ def _require_matching_auth(dashboard: str | None) -> None:
     except (OSError, ValueError):
         return  # cannot tell: Ray's own error stays the only one
     if cluster_mode == "disabled":
-        why = ("RAY_AUTH_MODE=token is set" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else
-               "RAY_AUTH_MODE is unset and Ray turned it on because it found a token: RAY_AUTH_TOKEN, "
-               "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which a ray.init() that started its own Ray writes")
+        mode = os.environ.get("RAY_AUTH_MODE", "unset")
         raise InvalidRequestError(
-            f"this driver uses Ray token auth ({why}) but the cluster at {dashboard} runs without auth, so the "
-            "processes it starts for this driver could not reach it: set RAY_AUTH_MODE=disabled before "
-            "ray.init() (for the local cluster, eval \"$(rayslice local env)\" sets it)")
+            f"this driver uses Ray token auth (RAY_AUTH_MODE={mode}) but the cluster at {dashboard} runs without "
+            "auth, so the processes it starts for this driver could not reach it: set RAY_AUTH_MODE=disabled before "
+            f"ray.init() (for the local cluster, {LOCAL_ENV} sets it)")
 
 
 def _reap_orphans(spec: StepSpec) -> None:

@@ -54,10 +54,10 @@ def test_a_ray_that_ray_init_started_itself_is_refused(tmp_path):
 def test_a_token_auth_driver_on_a_cluster_without_auth_is_told_what_to_set(cluster, tmp_path):
     """Ray's own error here is a host process that "died unexpectedly"; ours names the setting, before reserving."""
     assert not cluster.token  # the session's cluster runs without auth
-    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray").mkdir()  # token mode needs a token to connect with
     (tmp_path / ".ray" / "auth_token").write_text("rs-test-" + "0" * 32)
     out = run_driver("connect", tmp_path, RAY_ADDRESS=cluster.gcs_address, RAY_AUTH_MODE="token")
-    assert "InvalidRequestError this driver uses Ray token auth (RAY_AUTH_MODE=token is set)" in out, out
+    assert "InvalidRequestError this driver uses Ray token auth (RAY_AUTH_MODE=token)" in out, out
     assert f"the cluster at {cluster.dashboard_url.removeprefix('http://')} runs without auth" in out, out
     assert "set RAY_AUTH_MODE=disabled before ray.init()" in out and 'eval "$(rayslice local env)"' in out, out
     assert "waiting for capacity" not in out and "reserved" not in out, out  # refused before anything was reserved
