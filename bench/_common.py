@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import importlib.util
 import math
 import os
 import platform
@@ -511,9 +512,13 @@ def machine() -> str:
                 model = line.split(":", 1)[1].strip()
                 break
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    # Without cached bytecode every Ray worker and JAX process compiles ray and jax from source:
+    # about twice the CPU per process start (scripts/bootstrap compiles it).
+    compiled = all(Path(importlib.util.cache_from_source(m.__file__)).exists() for m in (jax, ray))
     return (
         f"{os.cpu_count()} CPUs ({model}), {mem_gib:.1f} GiB RAM, Python {platform.python_version()}, "
-        f"Ray {ray.__version__}, JAX {jax.__version__}"
+        f"Ray {ray.__version__}, JAX {jax.__version__}, "
+        f"{'venv bytecode compiled' if compiled else 'venv bytecode NOT compiled'}"
     )
 
 
