@@ -2,7 +2,7 @@
 
 A real Airflow 3 (`rayslice.local.airflow_stack`: api-server, scheduler, dag-processor, triggerer)
 runs against the session's local Ray cluster; headless Chromium logs in, fills the trigger
-form (slice type, learning rate), and follows the run until it succeeds, looking at the
+form (slice type, learning rate, steps), and follows the run until it succeeds, looking at the
 Slices page while the training step holds its v6e-4 slice and again once it is released,
 then finds the run on the usage timeline (a bar on the slice's lane, the right DAG, task and
 run) and its non-zero TPU chip-hours and GPU-hours in the per-task table.
@@ -25,7 +25,9 @@ from rayslice.local.airflow_stack import AirflowStack
 from tests.e2e.conftest import ARTIFACTS, browser_page, needs_chromium
 
 DAG_ID = "rayslice_training_pipeline"
-SLICE_TYPE, LEARNING_RATE = "v6e-4", "0.05"
+# Enough steps that `train` holds its slice for several of the page's refreshes: with the default 6
+# it can start and end between two of them.
+SLICE_TYPE, LEARNING_RATE, STEPS = "v6e-4", "0.05", "60"
 RUN_TIMEOUT_S = 240
 
 pytestmark = needs_chromium
@@ -62,6 +64,7 @@ def _run_pipeline_from_the_ui(page, airflow: AirflowStack, api: httpx.Client) ->
     page.get_by_role("option", name=SLICE_TYPE, exact=True).click()
     expect(form.locator("input[name=element_slice_type]")).to_have_value(SLICE_TYPE)
     form.locator("input[name=element_learning_rate]").fill(LEARNING_RATE)
+    form.locator("input[name=element_steps]").fill(STEPS)
     form.get_by_role("button", name="Advanced Options").click()
     run_id = f"e2e-{uuid.uuid4().hex[:8]}"
     form.locator("input[name=dagRunId]").fill(run_id)
@@ -70,7 +73,8 @@ def _run_pipeline_from_the_ui(page, airflow: AirflowStack, api: httpx.Client) ->
 
     run = _wait_for(lambda: _get(api, f"/dags/{DAG_ID}/dagRuns/{run_id}"), 120,
                     f"the trigger form did not create run {run_id}")
-    assert run["conf"] == {"slice_type": SLICE_TYPE, "learning_rate": float(LEARNING_RATE), "steps": 6}, run["conf"]
+    want = {"slice_type": SLICE_TYPE, "learning_rate": float(LEARNING_RATE), "steps": int(STEPS)}
+    assert run["conf"] == want, run["conf"]
 
     # The Slices page (inside Airflow's UI) while `train` runs: our run holds a v6e-4 slice.
     page.get_by_role("link", name="Slices").click()  # the plugin's nav entry: /rayslice/ in an iframe
