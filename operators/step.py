@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RayStepOperator", "is_templated"]
 
+#: A deferred task resumes no sooner than this after deferring (Airflow's scheduler race; see `min_deferral`).
+MIN_DEFERRAL_S = 15.0
 #: How long a new try waits for the earlier tries' stopped jobs to end before giving up.
 PREVIOUS_TRY_STOP_TIMEOUT_S = 120.0
 
@@ -74,6 +76,10 @@ class RayStepOperator(BaseOperator):
         ``RAYSLICE_CHECKPOINT_ROOT``. The step finds its folder in ``rayslice.get_step_context()``.
     :param deferrable: wait in the triggerer instead of holding a worker slot.
     :param poll_interval: seconds between polls of the job's status (its log is streamed as it is written).
+    :param min_deferral: when deferred, the task resumes no sooner than this many seconds after it
+        deferred, even if the step ended earlier: Airflow's scheduler (3.3.2 and earlier) fails a task
+        that resumes before it has seen the deferring worker's exit (apache/airflow#67287, #72716).
+        Capacity is released when the step ends either way; 0 turns the wait off.
     """
 
     template_fields: Sequence[str] = ("entrypoint", "op_kwargs", "checkpoint_root")
@@ -96,6 +102,7 @@ class RayStepOperator(BaseOperator):
         checkpoint_root: str | None = None,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         poll_interval: float = 2,
+        min_deferral: float = MIN_DEFERRAL_S,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -112,6 +119,10 @@ class RayStepOperator(BaseOperator):
             raise InvalidRequestError(
                 f"entrypoint {entrypoint!r} of {self.task_id!r} must look like 'package.module:function'"
             )
+        if isinstance(min_deferral, bool) or not isinstance(min_deferral, (int, float)) or not min_deferral >= 0:
+            raise InvalidRequestError(
+                f"min_deferral of {self.task_id!r} must be a number of seconds >= 0, got {min_deferral!r}"
+            )
         if isinstance(preemption_retries, bool) or not isinstance(preemption_retries, int) or preemption_retries < 0:
             raise InvalidRequestError(
                 f"preemption_retries of {self.task_id!r} must be a whole number >= 0, got {preemption_retries!r}"
@@ -127,6 +138,7 @@ class RayStepOperator(BaseOperator):
         self._check_checkpoint_root(checkpoint_root)
         self.deferrable = deferrable
         self.poll_interval = poll_interval
+        self.min_deferral = float(min_deferral)
         self._submission_id: str | None = None
         self._settings: RayConnectionSettings | None = None
 
@@ -176,7 +188,8 @@ class RayStepOperator(BaseOperator):
             self.defer(
                 trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, submission_id=sid,
                                        poll_interval=self.poll_interval,
-                                       deadline=None if timeout is None else started + timeout.total_seconds()),
+                                       deadline=None if timeout is None else started + timeout.total_seconds(),
+                                       resume_not_before=time.time() + self.min_deferral),
                 method_name="execute_complete",
             )
         return result

@@ -14,6 +14,15 @@ triggerer relayed appear twice; none is lost). Events carry the offset relayed u
 touches the job; `on_kill()` (Airflow 3.3+: the user marked the deferred task failed,
 success or cleared it) stops the job, whose end releases all its capacity.
 
+`resume_not_before` works around a race in Airflow's scheduler (3.3.2 and earlier; apache/airflow
+#67287, #72716): the worker process that deferred exits, and the executor reports that exit as
+"success" for the same try. If the trigger fires, and the scheduler queues or starts the resumed
+task, before the scheduler has read that report, it takes the report for the resumed task's end
+and fails the task ("finished with state success, but the task instance's state attribute is
+queued") while the step itself succeeded: with retries, the step runs again. The report arrived
+up to 6 s after the deferral here (`min_deferral` on the operators, default 15 s), so the trigger
+holds its event until then; it never holds capacity (the job has already ended and released it).
+
 `deadline` carries the task's `execution_timeout` into the deferral: Airflow 3 does not
 apply it to deferred time (the execution API leaves a TODO there), so without it a deferred
 step would hold its slice past the timeout. At the deadline the trigger stops the job,
@@ -51,6 +60,7 @@ class RayStepTrigger(BaseTrigger):
         log_offset: int = 0,
         call_timeout: float = 30.0,
         deadline: float | None = None,
+        resume_not_before: float | None = None,
     ) -> None:
         super().__init__()
         self.ray_conn_id = ray_conn_id
@@ -59,6 +69,8 @@ class RayStepTrigger(BaseTrigger):
         self.log_offset = int(log_offset)
         self.call_timeout = float(call_timeout)
         self.deadline = None if deadline is None else float(deadline)  # Unix time: stop the job then
+        # Unix time: no event before then (see the module's docstring)
+        self.resume_not_before = None if resume_not_before is None else float(resume_not_before)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -70,6 +82,7 @@ class RayStepTrigger(BaseTrigger):
                 "log_offset": self.log_offset,
                 "call_timeout": self.call_timeout,
                 "deadline": self.deadline,
+                "resume_not_before": self.resume_not_before,
             },
         )
 
@@ -78,6 +91,15 @@ class RayStepTrigger(BaseTrigger):
         return RayHook(self.ray_conn_id, timeout=min(10.0, self.call_timeout), retries=2)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        async for event in self._follow():
+            wait = (self.resume_not_before or 0.0) - time.time()
+            if wait > 0:
+                self.log.info("[rayslice] Ray job %s ended; resuming the task in %.1f s (min_deferral)",
+                              self.submission_id, wait)
+                await asyncio.sleep(wait)
+            yield event
+
+    async def _follow(self) -> AsyncIterator[TriggerEvent]:
         lines = LogFollower(self.log.info, offset=self.log_offset)
         sid = self.submission_id
         try:

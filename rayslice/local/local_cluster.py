@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -44,9 +45,31 @@ def state_dir() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port nothing is bound to, below the kernel's ephemeral range.
+
+    A port from `bind(0)` is an ephemeral one, which any outgoing connection on a busy machine can
+    take before `ray start` binds it (a head whose Ray client server then dies of "Address already
+    in use" takes the whole node down); below the range only explicit binders compete.
+    """
+    low = _ephemeral_range_start()
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # that whole band is in use: let the kernel choose
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 @dataclass

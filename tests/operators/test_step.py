@@ -75,12 +75,12 @@ DAGS = textwrap.dedent(
 
     with DAG("rt_fail", schedule=None, start_date=START):
         TpuSliceOperator(task_id="fail", tpu="v6e-16", python_callable=fail_on_host1, deferrable=True,
-                         poll_interval=0.5)
+                         poll_interval=0.5, min_deferral=0)  # dag.test() has no scheduler to race
 
     with DAG("rt_retry", schedule=None, start_date=START):
         AcceleratorOperator(task_id="step", accelerator="GPU", count=0.25, python_callable=token,
                             retries=2, retry_delay=timedelta(0), pre_execute=crash_before_try_3,
-                            deferrable=True, poll_interval=0.5)
+                            deferrable=True, poll_interval=0.5, min_deferral=0)
 
     with DAG("rt_rerun", schedule=None, start_date=START):
         AcceleratorOperator(task_id="step", accelerator="GPU", count=0.25, python_callable=token, poll_interval=0.5)

@@ -52,3 +52,13 @@ def test_preemption_retries_reach_the_step_and_bad_values_fail_at_parse_time():
     assert op._spec(op.build_request(), Owner(), context={}).preemption_retries == 2
     with pytest.raises(InvalidRequestError, match="preemption_retries of 't' must be a whole number >= 0"):
         TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn", preemption_retries=-1)
+
+
+def test_min_deferral_reaches_the_trigger_and_bad_values_fail_at_parse_time():
+    from rayslice.operators.step import MIN_DEFERRAL_S
+
+    assert TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="pkg.mod:fn").min_deferral == MIN_DEFERRAL_S
+    assert TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="pkg.mod:fn", min_deferral=0).min_deferral == 0
+    for bad in (-1, "15", True, float("nan")):
+        with pytest.raises(InvalidRequestError, match="min_deferral of 't' must be a number of seconds >= 0"):
+            TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="pkg.mod:fn", min_deferral=bad)

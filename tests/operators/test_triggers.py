@@ -27,12 +27,26 @@ def chatty_sleeper():
 
 
 def test_serialize_round_trips_through_airflow_serde():
-    trigger = RayStepTrigger(ray_conn_id="ray_x", submission_id="sid-1", poll_interval=0.5, log_offset=12)
+    trigger = RayStepTrigger(ray_conn_id="ray_x", submission_id="sid-1", poll_interval=0.5, log_offset=12,
+                             resume_not_before=1234.5)
     classpath, kwargs = trigger.serialize()
     assert classpath == "rayslice.operators.triggers.RayStepTrigger"
     again = RayStepTrigger(**deserialize(serialize(kwargs)))
     assert again.serialize() == (classpath, kwargs)
-    assert kwargs["log_offset"] == 12 and kwargs["ray_conn_id"] == "ray_x"
+    assert kwargs["log_offset"] == 12 and kwargs["ray_conn_id"] == "ray_x" and kwargs["resume_not_before"] == 1234.5
+
+
+async def test_the_event_waits_for_resume_not_before(ray_default):
+    """A step that ends at once still resumes its task no sooner than the operator's min_deferral allows."""
+    trigger = RayStepTrigger(ray_conn_id="ray_default", submission_id="rayslice-no-such-job", poll_interval=0.1)
+    started = time.time()
+    await asyncio.wait_for(anext(trigger.run()), 30)
+    unheld = time.time() - started
+    trigger = RayStepTrigger(ray_conn_id="ray_default", submission_id="rayslice-no-such-job", poll_interval=0.1,
+                             resume_not_before=time.time() + unheld + 2.0)
+    event = await asyncio.wait_for(anext(trigger.run()), 30)
+    assert time.time() >= trigger.resume_not_before, "the event came before resume_not_before"
+    assert event.payload["error_type"] == "JobNotFoundError"  # held, not changed
 
 
 async def test_unknown_job_yields_an_error_event(ray_default):

@@ -42,6 +42,7 @@ from rayslice.core.exceptions import (
     RayUnreachableError,
 )
 from rayslice.local import processes
+from rayslice.local.local_cluster import free_port
 
 CLIENTS = [pytest.param(RayJobsClient, id="sync"), pytest.param(AsyncRayJobsClient, id="async")]
 
@@ -101,16 +102,13 @@ class LocalHead:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free ports, from below the ephemeral range (see `local_cluster.free_port`)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _stop_head(proc: subprocess.Popen, temp_dir: str) -> None:

@@ -70,3 +70,12 @@ def test_a_second_cluster_with_the_same_name_is_refused(home: Path, monkeypatch:
     local_cluster.ClusterRecord(name="taken", gcs_address="", dashboard_url="", temp_dir="/nonexistent").save()
     with pytest.raises(local_cluster.RaysliceError, match="already recorded"):
         local_cluster.up(local_cluster.ClusterSpec(), name="taken")
+
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """Outgoing connections take ephemeral ports: a port `up` picks there can be gone before `ray start` binds it."""
+    low = local_cluster._ephemeral_range_start()
+    ports = [local_cluster.free_port() for _ in range(50)]
+    assert all(1024 <= port < low for port in ports), ports
+    assert len(set(ports)) > 40  # spread out, so two clusters starting at once rarely pick the same one
