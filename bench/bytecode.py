@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 from _common import Report, Series, Table, cluster, fmt_ratio, fmt_s, log, parse_args
 
@@ -86,31 +87,24 @@ def main() -> None:
     spec = local_cluster.ClusterSpec(gpus=1)
     walls: dict[str, Series] = {}
     for mode in MODES:
-        saved = {k: os.environ.get(k) for k in mode_env("from source", empty)}
-        os.environ.update(mode_env(mode, empty))  # the cluster's processes, and so every worker, inherit it
-        try:
-            with cluster(spec, f"{NAME}-{mode.replace(' ', '-')}", private=True) as record:
-                wall, cpu = Series(), Series()
-                request = AcceleratorRequest(resource="GPU", count=0.25)
-                for rep in range(args.reps + 1):  # the first is not recorded
-                    step = StepSpec.for_function(device_count, request=request, launcher="installed")
-                    cpu_before, started = machine_cpu_seconds(), time.perf_counter()
-                    result = asyncio.run(run_step_job(record.dashboard_url, step, emit=lambda _line: None))
-                    took, used = time.perf_counter() - started, machine_cpu_seconds() - cpu_before
-                    assert result == 1, result
-                    if rep:
-                        wall.add(took)
-                        cpu.add(used)
-                log(f"{mode}: job {fmt_s(wall.median())}, machine CPU {cpu.median():.1f} s")
-                walls[mode] = wall
-                jobs.add(mode, wall.n, fmt_s(wall.median()), fmt_s(wall.p90()), f"{cpu.median():.1f}",
-                         f"{cpu.p90():.1f}", fmt_ratio(wall.median(), walls["cached"].median()))
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        # the cluster's processes, and so every worker, inherit the row's setting
+        with mock.patch.dict(os.environ, mode_env(mode, empty)), \
+                cluster(spec, f"{NAME}-{mode.replace(' ', '-')}", private=True) as record:
+            wall, cpu = Series(), Series()
+            request = AcceleratorRequest(resource="GPU", count=0.25)
+            for rep in range(args.reps + 1):  # the first is not recorded
+                step = StepSpec.for_function(device_count, request=request, launcher="installed")
+                cpu_before, started = machine_cpu_seconds(), time.perf_counter()
+                result = asyncio.run(run_step_job(record.dashboard_url, step, emit=lambda _line: None))
+                took, used = time.perf_counter() - started, machine_cpu_seconds() - cpu_before
+                assert result == 1, result
+                if rep:
+                    wall.add(took)
+                    cpu.add(used)
+            log(f"{mode}: job {fmt_s(wall.median())}, machine CPU {cpu.median():.1f} s")
+            walls[mode] = wall
+            jobs.add(mode, wall.n, fmt_s(wall.median()), fmt_s(wall.p90()), f"{cpu.median():.1f}",
+                     f"{cpu.p90():.1f}", fmt_ratio(wall.median(), walls["cached"].median()))
     jobs.notes = [
         "a private cluster per row (a head and one node with 1 logical GPU), started with that row's bytecode "
         "setting, which its job supervisors, drivers and host processes inherit; launcher installed",
