@@ -54,7 +54,7 @@ def test_preemption_retries_reach_the_step_and_bad_values_fail_at_parse_time():
         TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn", preemption_retries=-1)
 
 
-def test_min_deferral_reaches_the_trigger_and_bad_values_fail_at_parse_time():
+def test_min_deferral_is_kept_and_bad_values_fail_at_parse_time():
     from rayslice.operators.step import MIN_DEFERRAL_S
 
     assert TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="pkg.mod:fn").min_deferral == MIN_DEFERRAL_S
