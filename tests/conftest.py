@@ -38,13 +38,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.airflow)
         if needs & BROWSER_FIXTURES or item.get_closest_marker("browser"):
             item.add_marker(pytest.mark.browser)
-    # The tests that use the session's Airflow run one after another (in their files' order), so it
-    # can stop after the last of them instead of idling through the rest of the session.
-    users = [item for item in items if _uses_session_airflow(item)]
-    if users:
-        first = items.index(users[0])
-        rest = [item for item in items if item not in users]
-        items[:] = rest[:first] + users + rest[first:]
+    # The tests that use the session's Airflow run first and one after another (in their files'
+    # order), so it stops after the last of them instead of idling through the rest of the session.
+    # Under pytest-xdist (`./scripts/test` runs two workers with `--dist loadgroup`) they are one
+    # group, handed out first, so one worker starts that Airflow and keeps it busy while the other
+    # runs the rest; every other file is a group of its own, so no module's cluster starts twice.
+    users = {item for item in items if _uses_session_airflow(item)}
+    items.sort(key=lambda item: item not in users)  # stable: each side keeps its order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("session-airflow" if item in users else item.nodeid.split("::")[0]))
 
 
 def _uses_session_airflow(item: pytest.Item) -> bool:
