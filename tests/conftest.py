@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from rayslice.local import local_cluster
+from tests import xdist_groups
 
 TEST_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
 TOTAL_TPU_CHIPS = 36
@@ -27,6 +28,11 @@ TOTAL_TPU_CHIPS = 36
 CLUSTER_FIXTURES = {"cluster", "small_cluster", "autoscaling_cluster", "token_cluster", "ray_driver", "_head_factory"}
 AIRFLOW_FIXTURES = {"airflow", "airflow_stack"}
 BROWSER_FIXTURES = {"browser"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(xdist_groups.GroupsPlugin())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,13 +46,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.browser)
     # The tests that use the session's Airflow run first and one after another (in their files'
     # order), so it stops after the last of them instead of idling through the rest of the session.
-    # Under pytest-xdist (`./scripts/test` runs two workers with `--dist loadgroup`) they are one
-    # group, handed out first, so one worker starts that Airflow and keeps it busy while the other
-    # runs the rest; every other file is a group of its own, so no module's cluster starts twice.
+    # Under pytest-xdist (`./scripts/test` runs two workers) they are one group, handed out first, so
+    # one worker starts that Airflow and keeps it busy while the other runs the rest; every other
+    # file is a group of its own, so no module's cluster starts twice (tests/xdist_groups.py).
     users = {item for item in items if _uses_session_airflow(item)}
     items.sort(key=lambda item: item not in users)  # stable: each side keeps its order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("session-airflow" if item in users else item.nodeid.split("::")[0]))
+    xdist_groups.write_groups(config, {item.nodeid: xdist_groups.group_of(item.nodeid, {u.nodeid for u in users})
+                                       for item in items})
 
 
 def _uses_session_airflow(item: pytest.Item) -> bool:
