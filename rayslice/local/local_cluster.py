@@ -337,23 +337,33 @@ def restart_node(record: ClusterRecord, index: int, timeout: float = 180) -> Non
     if processes.alive(node.pid):
         raise RaysliceError(f"node {index} of {record.name!r} is still running (pid {node.pid})")
     sockets = Path(record.temp_dir) / "session_latest" / "sockets"
-    node.pid = _launch(node.args, node.env, state_dir() / f"{record.name}.log", sockets)
+
+    def relaunch(i: int) -> int:
+        if i != index:
+            raise RaysliceError(f"node {i} of {record.name!r} is down too; restart_node starts node {index} only")
+        return _launch(node.args, node.env, state_dir() / f"{record.name}.log", sockets)
+
+    node.pid = relaunch(index)
     record.save()
-    _wait_for_nodes(record, time.monotonic() + timeout)
+    _wait_for_nodes(record, time.monotonic() + timeout, relaunch)
 
 
 def _wait_for_nodes(record: ClusterRecord, deadline: float, relaunch=None, attempts: int = 2) -> None:
     """Wait until every recorded node has joined; restart a worker node whose `ray start` gave up.
 
-    On a loaded two-core machine a raylet can miss its registration deadline; a second try
-    then usually joins. The head is never restarted.
+    On a loaded two-core machine a raylet can miss its registration deadline, or abort when its
+    dashboard agent takes longer than Ray allows to publish its ports (about 17 s; seen at 20 s
+    with both cores saturated); a second try then usually joins. A worker node's raylet exists
+    once `_launch` returns, so a node whose `ray start` runs on without one has failed: `ray start`
+    itself only notices minutes later. The head is never restarted.
     """
     expected = len(record.nodes)
     seen = 0
     retries = dict.fromkeys(range(len(record.nodes)), attempts)
     while time.monotonic() < deadline:
+        with_raylet = processes.sessions_running("raylet")
         for index, node in enumerate(record.nodes):
-            if processes.alive(node.pid):
+            if processes.alive(node.pid) and (node.role == "head" or node.pid in with_raylet):
                 continue
             if relaunch is None or node.role == "head" or retries[index] == 0:
                 raise RaysliceError(

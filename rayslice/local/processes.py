@@ -36,6 +36,18 @@ def session_members(sessions: set[int], *, naming: str | None = None) -> set[int
     return members
 
 
+def sessions_running(name: str) -> set[int]:
+    """The sessions (by their leader's PID) that hold a live process called `name`."""
+    sessions = set()
+    for proc in psutil.process_iter(["name", "status"]):
+        try:
+            if proc.info["name"] == name and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                sessions.add(os.getsid(proc.pid))
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile, or not ours to read
+    return sessions
+
+
 def send_signal(pid: int, sig: int) -> None:
     """`os.kill` that accepts a process that is already gone."""
     try:

@@ -46,3 +46,24 @@ def test_a_zombie_is_not_alive():
     while processes.alive(child.pid) and time.monotonic() < deadline:  # exited, not yet reaped: a zombie
         time.sleep(0.05)
     assert not processes.alive(child.pid) and child.poll() == 0
+
+
+def test_sessions_running_a_named_process_are_found_and_only_while_it_lives(tmp_path):
+    # A node's `ray start` session with its raylet as a child: the raylet is found by its process name.
+    raylet = tmp_path / "raylet"
+    raylet.symlink_to("/bin/sleep")
+    leader = subprocess.Popen(["sh", "-c", f"{raylet} 60 & exec sleep 60"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert wait_until(lambda: leader.pid in processes.sessions_running("raylet"), timeout=10)
+        assert other.pid not in processes.sessions_running("raylet")
+        child = next(pid for pid in processes.session_members({leader.pid}) if pid != leader.pid)
+        processes.send_signal(child, signal.SIGKILL)  # the raylet dies; its session leader lives on
+        assert wait_until(lambda: leader.pid not in processes.sessions_running("raylet"), timeout=10)
+        assert processes.alive(leader.pid)
+    finally:
+        for pid in processes.session_members({leader.pid, other.pid}):
+            processes.send_signal(pid, signal.SIGKILL)
+        for proc in (leader, other):
+            proc.kill()
+            proc.wait(timeout=10)
