@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from rayslice.local import local_cluster
-from tests import xdist_groups
 
 TEST_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
 TOTAL_TPU_CHIPS = 36
@@ -30,11 +29,6 @@ AIRFLOW_FIXTURES = {"airflow", "airflow_stack"}
 BROWSER_FIXTURES = {"browser"}
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    if config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(xdist_groups.GroupsPlugin())
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         needs = set(getattr(item, "fixturenames", ()))
@@ -44,15 +38,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.airflow)
         if needs & BROWSER_FIXTURES or item.get_closest_marker("browser"):
             item.add_marker(pytest.mark.browser)
-    # The tests that use the session's Airflow run first and one after another (in their files'
-    # order), so it stops after the last of them instead of idling through the rest of the session.
-    # Under pytest-xdist (`./scripts/test` runs two workers) they are one group, handed out first, so
-    # one worker starts that Airflow and keeps it busy while the other runs the rest; every other
-    # file is a group of its own, so no module's cluster starts twice (tests/xdist_groups.py).
-    users = {item for item in items if _uses_session_airflow(item)}
-    items.sort(key=lambda item: item not in users)  # stable: each side keeps its order
-    xdist_groups.write_groups(config, {item.nodeid: xdist_groups.group_of(item.nodeid, {u.nodeid for u in users})
-                                       for item in items})
+    # The tests that use the session's Airflow run one after another (in their files' order), so it
+    # can stop after the last of them instead of idling through the rest of the session.
+    users = [item for item in items if _uses_session_airflow(item)]
+    if users:
+        first = items.index(users[0])
+        rest = [item for item in items if item not in users]
+        items[:] = rest[:first] + users + rest[first:]
 
 
 def _uses_session_airflow(item: pytest.Item) -> bool:
