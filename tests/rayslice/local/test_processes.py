@@ -33,11 +33,7 @@ def test_a_sessions_tree_is_found_by_session_and_by_name_and_ended():
         assert not processes.alive(leader.pid)  # reaped
         processes.send_signal(leader.pid, signal.SIGKILL)  # already gone: no error
     finally:
-        for pid in processes.session_members({leader.pid, other.pid}):
-            processes.send_signal(pid, signal.SIGKILL)
-        for proc in (leader, other):
-            proc.kill()
-            proc.wait(timeout=10)
+        _end_sessions(leader, other)
 
 
 def test_a_zombie_is_not_alive():
@@ -62,8 +58,13 @@ def test_sessions_running_a_named_process_are_found_and_only_while_it_lives(tmp_
         assert wait_until(lambda: leader.pid not in processes.sessions_running("raylet"), timeout=10)
         assert processes.alive(leader.pid)
     finally:
-        for pid in processes.session_members({leader.pid, other.pid}):
-            processes.send_signal(pid, signal.SIGKILL)
-        for proc in (leader, other):
-            proc.kill()
-            proc.wait(timeout=10)
+        _end_sessions(leader, other)
+
+
+def _end_sessions(*leaders: subprocess.Popen) -> None:
+    """Kill everything in the leaders' sessions, then reap the leaders."""
+    for pid in processes.session_members({leader.pid for leader in leaders}):
+        processes.send_signal(pid, signal.SIGKILL)
+    for leader in leaders:
+        leader.kill()
+        leader.wait(timeout=10)
