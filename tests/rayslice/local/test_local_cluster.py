@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from rayslice.core.exceptions import RaysliceError
 from rayslice.local import local_cluster, processes
+from tests.conftest import wait_until
 
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))
 
@@ -79,3 +83,42 @@ def test_free_ports_come_from_below_the_ephemeral_range():
     ports = [local_cluster.free_port() for _ in range(50)]
     assert all(1024 <= port < low for port in ports), ports
     assert len(set(ports)) > 40  # spread out, so two clusters starting at once rarely pick the same one
+
+
+def test_a_worker_node_whose_raylet_died_is_started_again(home: Path, monkeypatch: pytest.MonkeyPatch):
+    # Stand-ins for `ray start` sessions: one with its raylet, one whose raylet died while it waits.
+    monkeypatch.setenv("RAYSLICE_HOME", str(home))
+    raylet = home / "raylet"
+    raylet.symlink_to("/bin/sleep")
+    started: list[subprocess.Popen] = []
+
+    def start(with_raylet: bool) -> int:
+        command = f"{raylet} 60 & exec sleep 60" if with_raylet else "exec sleep 60"
+        started.append(subprocess.Popen(["sh", "-c", command], start_new_session=True))
+        return started[-1].pid
+
+    relaunched: list[int] = []
+
+    def relaunch(index: int) -> int:
+        relaunched.append(index)
+        return start(with_raylet=True)
+
+    record = local_cluster.ClusterRecord(
+        name="stand-in", gcs_address="", temp_dir=str(home),
+        dashboard_url=f"http://127.0.0.1:{local_cluster.free_port()}",  # no dashboard: no node ever joins
+        nodes=[local_cluster.NodeRecord(role="tpu", pid=start(with_raylet=True)),
+               local_cluster.NodeRecord(role="tpu", pid=start(with_raylet=False))],
+    )
+    try:
+        assert wait_until(lambda: started[0].pid in processes.sessions_running("raylet"), timeout=10)
+        with pytest.raises(RaysliceError, match="only 0 of 2 Ray nodes joined"):
+            local_cluster._wait_for_nodes(record, time.monotonic() + 3, relaunch)
+        assert relaunched == [1]  # once: the new session has its raylet
+        assert record.nodes[1].pid == started[2].pid and not processes.alive(started[1].pid)
+        assert record.nodes[0].pid == started[0].pid and processes.alive(started[0].pid)
+    finally:
+        for pid in processes.session_members({proc.pid for proc in started}):
+            processes.send_signal(pid, signal.SIGKILL)
+        for proc in started:
+            proc.kill()
+            proc.wait(timeout=10)
