@@ -139,11 +139,14 @@ def test_execution_timeout_stops_the_job(airflow, api, jobs, ray_driver, mode):
     timeout_s = _execution_timeout_s(api, dag_id)
     sid = _wait_holding(airflow, api, jobs, ray_driver, dag_id, run, {mode})
     # The timeout counts from execute(), whose first act is pushing the submission id: a slightly late origin.
-    timed_out = _xcom_time(api, dag_id, run, "ray_submission_id") + timeout_s
+    executing = _xcom_time(api, dag_id, run, "ray_submission_id")
+    held_after = time.time() - executing
+    assert held_after < timeout_s, f"the step held its slice only {held_after:.1f} s into execute(): past the timeout"
+    timed_out = executing + timeout_s
     stopped, free = _wait_stopped_and_free(jobs, ray_driver, sid, timeout=timeout_s + 60)
     ended = max(stopped, free)
-    print(f"\n[lifecycle] {mode} execution_timeout -> job STOPPED {stopped - timed_out:.1f} s, "
-          f"chips free {free - timed_out:.1f} s")
+    print(f"\n[lifecycle] {mode}: slice held {held_after:.1f} s into execute(); execution_timeout -> "
+          f"job STOPPED {stopped - timed_out:.1f} s, chips free {free - timed_out:.1f} s")
     assert ended - timed_out <= KILL_BOUND_S, f"{ended - timed_out:.1f} s after the timeout"
     ti = _wait_state(api, dag_id, run, {"success", "failed", "up_for_retry"}, 120)
     assert ti["state"] == "failed", _diagnose(airflow, api, dag_id, run)
