@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from rayslice.client import capacity
@@ -145,8 +146,8 @@ async def _stop_if_running(client: AsyncRayJobsClient, sid: str) -> None:
 def _ray_worker(pid: int) -> bool:
     """Only a Ray worker process is ever killed here (its title is `ray::...`)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline()).startswith("ray::")
+    except psutil.Error:
         return False
 
 

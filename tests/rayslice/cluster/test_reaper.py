@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from rayslice.client import capacity
@@ -140,17 +141,14 @@ reaper_orphan()
 
 def _kill_worker_of(ti_id: str) -> list[int]:
     """SIGKILL the task process titled `airflow worker -- <ti id>` and its supervisor: a worker lost hard."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for proc in psutil.process_iter():
         try:
-            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if title.startswith(f"airflow worker -- {ti_id}"):
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                for pid in (parent, int(entry.name)):
+            if " ".join(proc.cmdline()).startswith(f"airflow worker -- {ti_id}"):
+                victims = [proc.ppid(), proc.pid]
+                for pid in victims:
                     os.kill(pid, signal.SIGKILL)
-                return [parent, int(entry.name)]
-        except (OSError, ValueError):
+                return victims
+        except psutil.Error:
             continue
     raise AssertionError(f"no task process for task instance {ti_id}")
 
