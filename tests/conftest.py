@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from rayslice.local import local_cluster
+from rayslice.local import local_cluster, processes
 
 TEST_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
 TOTAL_TPU_CHIPS = 36
@@ -168,6 +170,15 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
     finally:
         if _session_airflow:  # the run stopped early (-x, Ctrl-C, an error before its last user)
             _session_airflow.pop()()
+
+
+def end_sessions(*leaders: subprocess.Popen) -> None:
+    """Kill everything in the leaders' sessions (processes started with `start_new_session`), then reap the leaders."""
+    for pid in processes.session_members({leader.pid for leader in leaders}):
+        processes.send_signal(pid, signal.SIGKILL)
+    for leader in leaders:
+        leader.kill()
+        leader.wait(timeout=10)
 
 
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.05):

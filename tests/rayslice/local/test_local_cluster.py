@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 
 from rayslice.core.exceptions import RaysliceError
 from rayslice.local import local_cluster, processes
-from tests.conftest import wait_until
+from tests.conftest import end_sessions, wait_until
 
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))
 
@@ -117,8 +116,4 @@ def test_a_worker_node_whose_raylet_died_is_started_again(home: Path, monkeypatc
         assert record.nodes[1].pid == started[2].pid and not processes.alive(started[1].pid)
         assert record.nodes[0].pid == started[0].pid and processes.alive(started[0].pid)
     finally:
-        for pid in processes.session_members({proc.pid for proc in started}):
-            processes.send_signal(pid, signal.SIGKILL)
-        for proc in started:
-            proc.kill()
-            proc.wait(timeout=10)
+        end_sessions(*started)

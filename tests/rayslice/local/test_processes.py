@@ -10,7 +10,7 @@ import time
 import uuid
 
 from rayslice.local import processes
-from tests.conftest import wait_until
+from tests.conftest import end_sessions, wait_until
 
 
 def test_a_sessions_tree_is_found_by_session_and_by_name_and_ended():
@@ -33,7 +33,7 @@ def test_a_sessions_tree_is_found_by_session_and_by_name_and_ended():
         assert not processes.alive(leader.pid)  # reaped
         processes.send_signal(leader.pid, signal.SIGKILL)  # already gone: no error
     finally:
-        _end_sessions(leader, other)
+        end_sessions(leader, other)
 
 
 def test_a_zombie_is_not_alive():
@@ -58,13 +58,4 @@ def test_sessions_running_a_named_process_are_found_and_only_while_it_lives(tmp_
         assert wait_until(lambda: leader.pid not in processes.sessions_running("raylet"), timeout=10)
         assert processes.alive(leader.pid)
     finally:
-        _end_sessions(leader, other)
-
-
-def _end_sessions(*leaders: subprocess.Popen) -> None:
-    """Kill everything in the leaders' sessions, then reap the leaders."""
-    for pid in processes.session_members({leader.pid for leader in leaders}):
-        processes.send_signal(pid, signal.SIGKILL)
-    for leader in leaders:
-        leader.kill()
-        leader.wait(timeout=10)
+        end_sessions(leader, other)
