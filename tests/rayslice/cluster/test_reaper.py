@@ -28,6 +28,7 @@ from rayslice.client.jobs_client import RayJobsClient
 from rayslice.client.submission import jobs_of_task, submit_step
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.step import Owner, StepSpec
+from rayslice.local import processes
 from tests.conftest import wait_until
 
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))  # the installed console script
@@ -146,7 +147,7 @@ def _kill_worker_of(ti_id: str) -> list[int]:
             if " ".join(proc.cmdline()).startswith(f"airflow worker -- {ti_id}"):
                 victims = [proc.ppid(), proc.pid]
                 for pid in victims:
-                    os.kill(pid, signal.SIGKILL)
+                    processes.send_signal(pid, signal.SIGKILL)
                 return victims
         except psutil.Error:
             continue
