@@ -25,7 +25,7 @@ from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV
 from rayslice.core.exceptions import InvalidRequestError
 
-DEFAULT_IMAGE = "rayproject/ray:2.60.0-py311"
+DEFAULT_IMAGE = "rayproject/ray:2.60.0-py312"
 
 #: GKE's node label for each TPU version (cloud.google.com/gke-tpu-accelerator).
 #: v2/v3 have no GKE node pools, so they are missing on purpose.
