@@ -68,7 +68,10 @@ class RayStepOperator(BaseOperator):
     :param op_kwargs: keyword arguments for the function; must be JSON (templated).
     :param ray_conn_id: the `ray` connection (the Ray dashboard URL and token).
     :param capacity_timeout: seconds to wait for free capacity before failing.
-    :param step_timeout: seconds the step may run once started (None: no limit).
+    :param step_timeout: seconds the step may run once started (None: no limit). On real TPUs this is what
+        ends a hung step (a collective that a host never joins).
+    :param hang_timeout: simulated cluster only: fail the step (``CollectiveHangError``) once every host
+        process has sat idle inside JAX this many seconds, and release its slice (None: never; default 300).
     :param preemption_retries: times the whole gang is retried on a fresh slice when a host's node is
         lost (preemption), separately from Airflow's ``retries`` (which also cover the step's own errors).
     :param checkpoint_root: root URL of the step's checkpoint folder (``gs://…``, ``s3://…``, ``file://…``;
@@ -98,6 +101,7 @@ class RayStepOperator(BaseOperator):
         ray_conn_id: str = RayHook.default_conn_name,
         capacity_timeout: float = 600,
         step_timeout: float | None = None,
+        hang_timeout: float | None = 300,
         preemption_retries: int = 0,
         checkpoint_root: str | None = None,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
@@ -123,6 +127,12 @@ class RayStepOperator(BaseOperator):
             raise InvalidRequestError(
                 f"min_deferral of {self.task_id!r} must be a number of seconds >= 0, got {min_deferral!r}"
             )
+        if hang_timeout is not None and (
+            isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float)) or not hang_timeout > 0
+        ):
+            raise InvalidRequestError(
+                f"hang_timeout of {self.task_id!r} must be a number of seconds > 0 or None, got {hang_timeout!r}"
+            )
         if isinstance(preemption_retries, bool) or not isinstance(preemption_retries, int) or preemption_retries < 0:
             raise InvalidRequestError(
                 f"preemption_retries of {self.task_id!r} must be a whole number >= 0, got {preemption_retries!r}"
@@ -133,6 +143,7 @@ class RayStepOperator(BaseOperator):
         self.ray_conn_id = ray_conn_id
         self.capacity_timeout = capacity_timeout
         self.step_timeout = step_timeout
+        self.hang_timeout = hang_timeout
         self.preemption_retries = preemption_retries
         self.checkpoint_root = checkpoint_root
         self._check_checkpoint_root(checkpoint_root)
@@ -260,6 +271,7 @@ class RayStepOperator(BaseOperator):
             fields = {"request": request, "kwargs": self.step_kwargs(context), "owner": owner,
                       "capacity_timeout": float(self.capacity_timeout),
                       "step_timeout": None if self.step_timeout is None else float(self.step_timeout),
+                      "hang_timeout": None if self.hang_timeout is None else float(self.hang_timeout),
                       "preemption_retries": self.preemption_retries,
                       "checkpoint_root": self.checkpoint_root or (self._settings and self._settings.checkpoint_root),
                       "launcher": self._settings.launcher if self._settings else "shipped"}

@@ -7,6 +7,7 @@ from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest, requ
 from rayslice.core.context import StepContext, as_path, get_step_context
 from rayslice.core.exceptions import (
     CapacityTimeoutError,
+    CollectiveHangError,
     HostLostError,
     InvalidRequestError,
     PreemptedError,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcceleratorRequest",
     "CapacityTimeoutError",
+    "CollectiveHangError",
     "HostLostError",
     "InvalidRequestError",
     "Owner",

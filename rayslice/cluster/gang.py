@@ -16,16 +16,25 @@ import sys
 import threading
 import time
 import traceback
+import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rayslice.cluster import environments, node_probe, phases
+from rayslice.cluster import environments, hang_watch, node_probe, phases
 from rayslice.cluster.environments import HostPlan
+from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import StepContext, set_step_context
-from rayslice.core.exceptions import HostLostError, PreemptedError, StepFailedError, StepTimeoutError
+from rayslice.core.exceptions import (
+    CollectiveHangError,
+    HostLostError,
+    PreemptedError,
+    StepFailedError,
+    StepTimeoutError,
+)
 from rayslice.core.step import HOST_DONE_MARKER, StepSpec
 
 #: How long a lost host's node may take to be declared dead (Ray's default health checks: 3 s x 5).
@@ -93,7 +102,8 @@ class HostProcess:
             raise self._failed
         assert self._prepared is not None
         spec, step = self._prepared
-        environments.detect(spec.request).wire(spec.request, plan)
+        environment = environments.detect(spec.request)
+        environment.wire(spec.request, plan)
         self._times["jax_ready"] = time.time()
         owner = spec.owner
         set_step_context(StepContext(
@@ -104,12 +114,15 @@ class HostProcess:
             num_processes=plan.num_processes, checkpoint_dir=attempt.checkpoint_dir,
         ))
         self._times["step_started"] = time.time()
-        try:
-            result = step(**spec.kwargs)
-        finally:
-            set_step_context(None)
-        self._times["step_done"] = time.time()
-        _leave_jax_group()
+        watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice
+        with (hang_watch.HostWatch(attempt.hang_watch + self._label, threading.get_ident(), attempt.hang_interval)
+              if watched else nullcontext()):
+            try:
+                result = step(**spec.kwargs)
+            finally:
+                set_step_context(None)
+            self._times["step_done"] = time.time()
+            _leave_jax_group()  # a barrier: a peer still stuck in a collective keeps this host in JAX too
         self._times["left_group"] = time.time()
         sys.stderr.flush()
         print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
@@ -122,6 +135,8 @@ class Attempt:
 
     preemption_attempt: int = 0
     checkpoint_dir: str | None = None
+    hang_watch: str = ""  # the key prefix simulated hosts publish their idleness under ("": not watched)
+    hang_interval: float = 0.0
 
 
 def _leave_jax_group() -> None:
@@ -184,6 +199,11 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     """
     spec_json = spec.model_dump_json()
     attempt = attempt or Attempt()
+    watch_keys: dict[str, str] = {}
+    if spec.hang_timeout is not None and isinstance(spec.request, TpuSliceRequest):
+        prefix = f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}:"
+        attempt = replace(attempt, hang_watch=prefix, hang_interval=hang_watch.poll_interval(spec.hang_timeout))
+        watch_keys = {plan.label: prefix + plan.label for plan in plans}
     refs = {actor.run.remote(spec_json, plan, attempt): i
             for i, (actor, plan) in enumerate(zip(actors, plans, strict=True))}
     results: list[Any] = [None] * len(plans)
@@ -193,10 +213,16 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     try:
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if watch_keys:
+                timeout = attempt.hang_interval if timeout is None else min(timeout, attempt.hang_interval)
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:
-                slow = ", ".join(plans[refs[r]].label for r in pending)
-                raise StepTimeoutError(f"step exceeded step_timeout={spec.step_timeout:.0f} s; still running on {slow}")
+                if deadline is not None and time.monotonic() >= deadline:
+                    slow = ", ".join(plans[refs[r]].label for r in pending)
+                    raise StepTimeoutError(
+                        f"step exceeded step_timeout={spec.step_timeout:.0f} s; still running on {slow}")
+                _check_hang(spec, [plans[refs[r]] for r in pending], watch_keys)
+                continue
             index = refs[ready[0]]
             try:
                 results[index], reports[index] = _get(ready[0], plans[index])
@@ -217,9 +243,32 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     except BaseException:
         kill(actors)  # cancel the whole gang at once
         raise
+    finally:
+        hang_watch.forget(watch_keys)
     if timeline is not None:
         timeline.hosts(reports)
     return results
+
+
+def _check_hang(spec: StepSpec, running: list[HostPlan], watch_keys: dict[str, str]) -> None:
+    """Fail the step once every still-running host has sat idle inside JAX for its hang_timeout."""
+    if not watch_keys or spec.hang_timeout is None:
+        return
+    states = hang_watch.read({plan.label: watch_keys[plan.label] for plan in running})
+    idle = hang_watch.all_idle_for(states)
+    if idle < spec.hang_timeout:
+        return
+    where = {s.label: s.where for s in states}
+    hosts = "; ".join(f"{_where(plan)} in {where[plan.label]}" for plan in running)
+    first = running[0]
+    raise CollectiveHangError(
+        f"collective hang: every host process still running has sat idle inside JAX for {idle:.0f} s "
+        f"(hang_timeout={spec.hang_timeout:.0f} s: no CPU time used, the step blocked in a JAX call): {hosts}. "
+        "Every process must run the same collectives in the same order; one that skips, adds or reorders one "
+        "(or a CPU-collectives bug) leaves its peers waiting forever. The slice is released. (Simulated "
+        "cluster only; hang_timeout=None turns this off. On real TPUs, step_timeout covers a hung step.)",
+        slice_index=first.slice_index, worker_id=first.worker_id, host=first.ip, cause="collective hang",
+    )
 
 
 def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOST_START_TIMEOUT_S) -> list[int]:

@@ -68,6 +68,10 @@ class PreemptedError(HostLostError):
     """Raised when a host's whole node died or was drained: preemption, retried as a whole gang."""
 
 
+class CollectiveHangError(StepFailedError):
+    """Raised on the simulated cluster when every host process sat idle inside JAX for the step's hang_timeout."""
+
+
 class StepTimeoutError(RaysliceError, TimeoutError):
     """Raised when a running step exceeded its execution timeout."""
 
@@ -99,6 +103,6 @@ class JobNotFoundError(RayJobsError):
 #: The errors a step's Ray job reports by name (the launcher's error line), raised again as such on the Airflow side.
 STEP_ERRORS: dict[str, type[RaysliceError]] = {
     cls.__name__: cls
-    for cls in (CapacityTimeoutError, HostLostError, InvalidRequestError, PreemptedError, StepFailedError,
-                StepTimeoutError, UnsatisfiableRequestError)
+    for cls in (CapacityTimeoutError, CollectiveHangError, HostLostError, InvalidRequestError, PreemptedError,
+                StepFailedError, StepTimeoutError, UnsatisfiableRequestError)
 }

@@ -85,6 +85,10 @@ class StepSpec(BaseModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     capacity_timeout: float = 600.0
     step_timeout: float | None = None
+    hang_timeout: float | None = Field(
+        300.0, gt=0, description="simulated cluster only: fail the step once every host has sat idle inside JAX "
+        "(a collective no peer joins) this many seconds; None: never",
+    )
     preemption_retries: int = Field(0, ge=0, description="whole-gang retries when a host's node is lost")
     checkpoint_root: str | None = Field(
         None, description="root URL of checkpoint folders (else the cluster's RAYSLICE_CHECKPOINT_ROOT)"
