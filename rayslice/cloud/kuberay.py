@@ -351,13 +351,15 @@ def _group() -> None:
 @app.command()
 def manifest(
     tpu: Annotated[list[str], typer.Option("--tpu", help="A pod type, e.g. v6e-16; repeat for more.")] = [],  # noqa: B006
-    max_slices: Annotated[int, typer.Option("--max-slices", help="Most slices of each TPU type.")] = 1,
-    gpu_nodes: Annotated[int, typer.Option("--gpu-nodes", help="Most 1-GPU nodes (0: no GPU group).")] = 0,
+    max_slices: Annotated[int, typer.Option("--max-slices", min=1, help="Most slices of each TPU type.")] = 1,
+    gpu_nodes: Annotated[int, typer.Option("--gpu-nodes", min=0, help="Most 1-GPU nodes (0: no GPU group).")] = 0,
     gpu_type: Annotated[str, typer.Option("--gpu-type", help="GKE accelerator label.")] = "nvidia-l4",
     name: Annotated[str, typer.Option("--name", help="RayCluster (or RayJob) name.")] = "rayslice",
-    namespace: Annotated[str | None, typer.Option("--namespace")] = None,
-    image: Annotated[str, typer.Option("--image")] = DEFAULT_IMAGE,
-    idle_timeout: Annotated[int, typer.Option("--idle-timeout", help="Seconds before idle nodes go.")] = 60,
+    namespace: Annotated[str | None, typer.Option("--namespace", help="The Kubernetes namespace (default: none "
+                                                  "in the manifest, so kubectl's current one).")] = None,
+    image: Annotated[str, typer.Option("--image", help="The Ray image of every pod (Ray >= 2.52 for token auth).")
+                     ] = DEFAULT_IMAGE,
+    idle_timeout: Annotated[int, typer.Option("--idle-timeout", min=0, help="Seconds before idle nodes go.")] = 60,
     rayjob: Annotated[bool, typer.Option("--rayjob", help="Print a RayJob bringing the cluster up.")] = False,
     entrypoint: Annotated[str | None, typer.Option("--entrypoint", help="The RayJob's command.")] = None,
     crd: Annotated[list[Path], typer.Option(
