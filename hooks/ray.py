@@ -14,7 +14,9 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
   ``kuberay`` (a dict) names a KubeRay RayCluster instead of a host,
   ``{"namespace": "ml", "name": "rayslice", "in_cluster": true}`` or ``..., "kubeconfig": "/path"``:
   the dashboard URL is then looked up through the Kubernetes API (``rayslice.cloud.kuberay_client``)
-  each time the connection is resolved, so it follows the cluster when it is recreated.
+  each time the connection is resolved, so it follows the cluster when it is recreated; with
+  ``"token_secret": "rayslice-ray-token"`` the token is read from that Secret too (when the
+  connection has no password), as clusters rendered by rayslice keep it there.
 
 The token is kept out of reprs, logs and messages: Airflow masks connection passwords,
 and the jobs clients scrub it from every error they raise.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
 import httpx
@@ -120,24 +122,33 @@ def _kuberay_extra(conn: Any) -> Any:
     return (conn.extra_dejson if conn.extra else {}).get("kuberay")
 
 
-def _resolve_url(conn: Any, timeout: float) -> str:
-    """The host's URL, or the dashboard of the RayCluster the ``kuberay`` extra names (a blocking lookup)."""
+def _resolve(conn: Any, timeout: float) -> tuple[str, str | None]:
+    """The dashboard URL and token: the host and password, or the RayCluster the ``kuberay`` extra names.
+
+    For a RayCluster the URL is looked up through the Kubernetes API (blocking), and so is the token when
+    the extra names its Secret (``token_secret``) and the connection has no password.
+    """
     kuberay = _kuberay_extra(conn)
     if kuberay in (None, "", {}):
-        return dashboard_url(conn.host, conn.schema, conn.port)
+        return dashboard_url(conn.host, conn.schema, conn.port), conn.password or None
     if (conn.host or "").strip():
         raise InvalidRequestError("the `ray` connection has both a host and a 'kuberay' extra: keep the host "
                                   "(a fixed dashboard URL) or the extra (a RayCluster to look up), not both")
-    from rayslice.cloud.kuberay_client import ClusterRef, resolve_dashboard_url
+    from rayslice.cloud.kuberay_client import ClusterRef, resolve
 
-    return resolve_dashboard_url(ClusterRef.from_extra(kuberay), timeout=timeout)
+    ref = ClusterRef.from_extra(kuberay)
+    if conn.password:
+        ref = replace(ref, token_secret=None)  # the connection's own token wins
+    url, token = resolve(ref, timeout=timeout)
+    return url, conn.password or token
 
 
 def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int = 3) -> RayConnectionSettings:
     extra = conn.extra_dejson if conn.extra else {}
+    url, token = _resolve(conn, timeout)
     return RayConnectionSettings(
-        dashboard_url=_resolve_url(conn, timeout),
-        token=conn.password or None,
+        dashboard_url=url,
+        token=token,
         verify=_verify(extra.get("verify")),
         headers=_headers(extra.get("headers")),
         timeout=timeout,

@@ -60,52 +60,71 @@ class CreateRayClusterOperator(_ClusterOperator):
     :param name: / :param namespace: override the connection's (templated).
     :param tpus: / max_slices / gpu_nodes / gpu_type / image / idle_timeout_seconds: as ``rayslice kuberay
         manifest`` (``rayslice.cloud.kuberay.render_raycluster``), checked when the DAG file is parsed.
-    :param head_service_type: the head Service type, ``LoadBalancer`` to reach the dashboard from outside
-        the Kubernetes cluster (KubeRay's default is ClusterIP).
-    :param manifest: a complete RayCluster instead of the rendering arguments.
+    :param head_service_type: the head Service type: ``ClusterIP`` (default), or ``NodePort`` /
+        ``LoadBalancer`` to reach the dashboard from outside the Kubernetes cluster (refused without auth,
+        and logged as a warning with it).
+    :param auth: Ray token auth (default on). The token lives in the Secret ``token_secret`` (default
+        ``<name>-ray-token``, key ``auth_token``): created with a random token before the cluster unless it
+        exists, deleted by the teardown when this run made it. Give the `ray` connection's kuberay extra the
+        same ``token_secret`` so the steps authenticate.
+    :param manifest: a complete RayCluster instead of the rendering arguments (its ``authOptions`` and
+        head ``serviceType`` are honoured and checked the same way).
     :param ready_timeout: seconds to wait for the cluster's head to be ready.
     """
 
     def __init__(self, *, tpus: Sequence[str] = (), max_slices: int = 1, gpu_nodes: int = 0,
                  gpu_type: str = "nvidia-l4", image: str = kuberay.DEFAULT_IMAGE, idle_timeout_seconds: int = 60,
-                 head_service_type: str | None = None, manifest: dict[str, Any] | None = None,
-                 ready_timeout: float = 900.0, **kwargs: Any) -> None:
+                 head_service_type: str = "ClusterIP", auth: bool = True, token_secret: str | None = None,
+                 manifest: dict[str, Any] | None = None, ready_timeout: float = 900.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if manifest is not None and (tpus or gpu_nodes):
             raise InvalidRequestError(f"{self.task_id!r}: give either manifest or tpus/gpu_nodes, not both")
-        if head_service_type not in (None, "ClusterIP", "NodePort", "LoadBalancer"):
-            raise InvalidRequestError(f"head_service_type {head_service_type!r} of {self.task_id!r} is invalid: "
-                                      "use ClusterIP, NodePort or LoadBalancer")
         if ready_timeout <= 0:
             raise InvalidRequestError(f"ready_timeout={ready_timeout} of {self.task_id!r} is invalid: use > 0")
         self.render_kwargs = {"tpus": list(tpus), "max_slices": max_slices, "gpu_nodes": gpu_nodes,
-                              "gpu_type": gpu_type, "image": image, "idle_timeout_seconds": idle_timeout_seconds}
-        self.head_service_type = head_service_type
+                              "gpu_type": gpu_type, "image": image, "idle_timeout_seconds": idle_timeout_seconds,
+                              "auth": auth, "token_secret": token_secret, "head_service_type": head_service_type}
         self.manifest = manifest
         self.ready_timeout = ready_timeout
-        if manifest is None:
-            self._render("rayslice")  # bad TPU types, counts... fail when the DAG file is parsed
-        elif not isinstance(manifest, dict) or manifest.get("kind") != "RayCluster":
+        if manifest is not None and (not isinstance(manifest, dict) or manifest.get("kind") != "RayCluster"):
             raise InvalidRequestError(f"manifest of {self.task_id!r} must be a RayCluster dict (kind: RayCluster)")
+        try:  # bad TPU types, counts, an unauthenticated external head... fail when the DAG file is parsed
+            self._render(self.name if self.name and not is_templated(self.name) else "rayslice")
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{self.task_id!r}: {exc}") from None
         self._kube: Any = None
         self._owner: str | None = None
 
     def _render(self, name: str) -> dict[str, Any]:
-        if self.manifest is not None:
-            manifest = dict(self.manifest)
-        else:
-            manifest = kuberay.render_raycluster(name, **self.render_kwargs)
-        if self.head_service_type:
-            manifest["spec"] = {**manifest["spec"], "headGroupSpec": {**manifest["spec"]["headGroupSpec"],
-                                                                       "serviceType": self.head_service_type}}
-        return manifest
+        """The manifest to create, and the exposure check both paths (rendered or given) go through."""
+        if self.manifest is None:
+            return kuberay.render_raycluster(name, **self.render_kwargs)
+        head = (self.manifest.get("spec") or {}).get("headGroupSpec") or {}
+        auth = ((self.manifest.get("spec") or {}).get("authOptions") or {}).get("mode") == "token"
+        kuberay.exposure_warning(head.get("serviceType") or "ClusterIP", auth)
+        return dict(self.manifest)
+
+    @staticmethod
+    def _token_secret(manifest: dict[str, Any]) -> str | None:
+        options = manifest["spec"].get("authOptions") or {}
+        return options.get("secretName") if options.get("mode") == "token" else None
 
     def execute(self, context: Context) -> dict[str, str]:
         owner = self._owner = _owner(context)
         with self._client() as kube:
             self._kube = kube
+            manifest = self._render(kube.ref.name)
+            options = manifest["spec"].get("authOptions") or {}
+            if warning := kuberay.exposure_warning(manifest["spec"]["headGroupSpec"].get("serviceType") or "ClusterIP",
+                                                   options.get("mode") == "token"):
+                self.log.warning("[rayslice] %s", warning)
             try:
-                kube.create(self._render(kube.ref.name), owner=owner)
+                kube.check(manifest)  # a cluster without KubeRay (or a bad manifest) fails before the Secret is made
+                if secret := self._token_secret(manifest):
+                    made = kube.ensure_token_secret(secret, owner=owner)
+                    self.log.info("[rayslice] Ray token auth on: the token is in Secret %s/%s (%s)",
+                                  kube.ref.namespace, secret, "made now" if made else "already there, used as is")
+                kube.create(manifest, owner=owner)
                 self.log.info("[rayslice] created RayCluster %s (owner %s); waiting for its head", kube.ref, owner)
                 url = kube.wait_ready(timeout=self.ready_timeout, poll_interval=self.poll_interval)
             except BaseException:
@@ -120,10 +139,13 @@ class CreateRayClusterOperator(_ClusterOperator):
     def _delete_own(self, kube: Any, owner: str) -> None:
         try:
             outcome = kube.delete(owner=owner)
+            secret = self._token_secret(self._render(kube.ref.name))
+            secret_outcome = kube.delete_token_secret(secret, owner=owner) if secret else None
         except Exception as exc:  # report the original failure, and this one
             self.log.error("[rayslice] could not delete RayCluster %s after the failure: %s", kube.ref, exc)
             return
-        self.log.warning("[rayslice] RayCluster %s after the failed setup: %s", kube.ref, outcome)
+        self.log.warning("[rayslice] RayCluster %s after the failed setup: %s%s", kube.ref, outcome,
+                         f"; its token Secret {secret}: {secret_outcome}" if secret else "")
 
     def on_kill(self) -> None:
         if self._kube is not None and self._owner:
@@ -135,12 +157,16 @@ class DeleteRayClusterOperator(_ClusterOperator):
 
     :param wait: wait until the cluster (and, Foreground deletion, its pods) is gone.
     :param delete_timeout: seconds to wait for that.
+    :param token_secret: the Secret of the cluster's Ray token (default ``<name>-ray-token``), deleted too
+        when this run made it.
     """
 
-    def __init__(self, *, wait: bool = True, delete_timeout: float = 600.0, **kwargs: Any) -> None:
+    def __init__(self, *, wait: bool = True, delete_timeout: float = 600.0, token_secret: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.wait = wait
         self.delete_timeout = delete_timeout
+        self.token_secret = token_secret
 
     def execute(self, context: Context) -> str:
         owner = _owner(context)
@@ -155,4 +181,7 @@ class DeleteRayClusterOperator(_ClusterOperator):
                 if self.wait:
                     kube.wait_gone(timeout=self.delete_timeout, poll_interval=self.poll_interval)
                     self.log.info("[rayslice] RayCluster %s is gone", kube.ref)
+            secret = self.token_secret or kuberay.token_secret_name(kube.ref.name)
+            self.log.info("[rayslice] Ray token Secret %s/%s: %s", kube.ref.namespace, secret,
+                          kube.delete_token_secret(secret, owner=owner))
         return outcome

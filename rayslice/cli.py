@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -33,6 +34,63 @@ def _kuberay() -> None:
 _kuberay()
 
 Name = Annotated[str, typer.Option("--name", help="Which local cluster (several can coexist).")]
+Address = Annotated[str | None, typer.Option(
+    "--address", help="The Ray dashboard URL, e.g. http://head:8265 (default: the local cluster --name).")]
+Token = Annotated[str | None, typer.Option(
+    "--token", envvar="RAYSLICE_RAY_TOKEN", help="The Ray auth token of a cluster with RAY_AUTH_MODE=token.")]
+ConnId = Annotated[str | None, typer.Option(
+    "--conn-id", help="Read the dashboard URL, token and headers from this Airflow `ray` connection.")]
+
+
+def fail(message: str) -> typer.Exit:
+    """Print ``message`` as the CLI's error (no traceback) and return the exit to raise."""
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    return typer.Exit(1)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The cluster a command talks to, and which flag named it (for error messages)."""
+
+    url: str
+    token: str | None
+    flag: str
+    headers: dict[str, str] | None = None
+    verify: bool | str = True
+
+
+def target(address: str | None, token: str | None, conn_id: str | None, name: str) -> Target:
+    """Resolve --address / --conn-id / --name (the local cluster) into a dashboard URL and token."""
+    if address and conn_id:
+        raise fail("give --address or --conn-id, not both")
+    if conn_id:
+        try:
+            from rayslice.hooks.ray import RayHook
+        except ImportError:
+            raise fail("--conn-id reads an Airflow connection: install rayslice[airflow], or use --address") from None
+        try:
+            settings = RayHook(conn_id).settings()
+        except Exception as exc:  # noqa: BLE001 - Airflow raises its own types for a missing connection
+            raise fail(f"--conn-id {conn_id!r}: {exc}") from None
+        return Target(settings.dashboard_url, token or settings.token, f"--conn-id {conn_id}",
+                      dict(settings.headers), settings.verify)
+    if address:
+        from rayslice.hooks.ray import dashboard_url  # the same URL rules as the connection's host
+
+        try:
+            return Target(dashboard_url(address), token, "--address")
+        except RaysliceError as exc:
+            raise fail(str(exc).replace("the `ray` connection's host", "--address")) from None
+    try:
+        record = local_cluster.ClusterRecord.load(name)
+    except RaysliceError as exc:
+        raise fail(f"{exc}: start it (`rayslice local up`), or point at a cluster with --address or --conn-id") \
+            from None
+    return Target(record.dashboard_url, token or record.token, f"--name {name} (the local cluster)")
+
+
+def unreachable(where: Target, exc: Exception) -> typer.Exit:
+    return fail(f"{exc}\n(the cluster was named by {where.flag}: check that flag, and that the cluster is up)")
 
 
 @local.command("up")
@@ -66,13 +124,21 @@ def local_env(name: Name = "default") -> None:
 @local.command("down")
 def local_down(name: Name = "default") -> None:
     """Stop exactly the processes `up` started (by PID); other Ray clusters are untouched."""
+    if not (local_cluster.state_dir() / f"{name}.json").exists():
+        console.print(f"no local cluster {name!r} is running: nothing to stop")
+        return
     stopped = local_cluster.down(name)
     console.print(f"stopped cluster {name!r} ({stopped} processes)")
 
 
 @local.command("status")
 def local_status(name: Name = "default") -> None:
-    record = local_cluster.ClusterRecord.load(name)
+    """Say whether the local cluster runs: its dashboard URL and how many of its processes are alive."""
+    try:
+        record = local_cluster.ClusterRecord.load(name)
+    except RaysliceError:
+        console.print(f"no local cluster {name!r} is running")
+        raise typer.Exit(1) from None
     alive = len(local_cluster.owned_pids(record))
     console.print(f"{name}: {record.dashboard_url} ({len(record.nodes)} nodes recorded, {alive} processes alive)")
 
@@ -88,14 +154,17 @@ def airflow_up(
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="The UI's port (0: any free port).")] = 8080,
     adopt_cluster: Annotated[bool, typer.Option("--adopt-cluster", hidden=True,
                                                 help="`down` also stops a reused cluster.")] = False,
-    dags_folder: Annotated[Path | None, typer.Option("--dags-folder", hidden=True,
-                                                     help="Another DAG folder (tests).")] = None,
+    dags: Annotated[Path | None, typer.Option(
+        "--dags", "--dags-folder", exists=True, file_okay=False, resolve_path=True,
+        help="Your own DAG folder to serve (default: rayslice's example DAGs).")] = None,
+    examples: Annotated[bool | None, typer.Option(
+        "--examples/--no-examples", help="Serve the example DAGs too (default: only without --dags).")] = None,
 ) -> None:
-    """Start Airflow (api-server, scheduler, dag-processor, triggerer) with the example DAGs; print URL and login."""
+    """Start Airflow (api-server, scheduler, dag-processor, triggerer) on your DAGs or the examples; print the login."""
     from rayslice.local import airflow_ui
 
     record, already = airflow_ui.up(name, cluster=cluster, port=port, adopt_cluster=adopt_cluster,
-                                    dags_folder=dags_folder,
+                                    dags_folder=dags, examples=examples if examples is not None else dags is None,
                                     emit=lambda line: console.print(f"[dim]{line}[/dim]"))
     if already:
         console.print(f"Airflow {name!r} is already up.")
@@ -110,6 +179,9 @@ def airflow_down(name: UiName = "default") -> None:
     from rayslice.local import airflow_ui
 
     record = airflow_ui.UiRecord.load(name)
+    if record is None:
+        console.print(f"no Airflow {name!r} is running: nothing to stop")
+        return
     stopped = airflow_ui.down(name)
     cluster = f" and the local cluster {record.cluster!r}" if record and record.started_cluster else ""
     console.print(f"stopped Airflow {name!r} ({stopped} processes){cluster}")
@@ -117,6 +189,7 @@ def airflow_down(name: UiName = "default") -> None:
 
 @airflow.command("status")
 def airflow_status(name: UiName = "default") -> None:
+    """Say whether the local Airflow runs and is healthy, with its URL and login."""
     from rayslice.local import airflow_ui
 
     record = airflow_ui.UiRecord.load(name)
@@ -130,18 +203,20 @@ def airflow_status(name: UiName = "default") -> None:
 
 @app.command()
 def capacity(
-    address: Annotated[str | None, typer.Option(help="Dashboard URL; default: the local cluster's.")] = None,
+    address: Address = None,
+    token: Token = None,
+    conn_id: ConnId = None,
     name: Name = "default",
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Every TPU slice (free/busy, who holds it) and GPU node (free share)."""
     from rayslice.client import capacity as cap
 
-    token = None
-    if address is None:
-        record = local_cluster.ClusterRecord.load(name)
-        address, token = record.dashboard_url, record.token
-    snapshot = cap.snapshot(address, token=token)
+    where = target(address, token, conn_id, name)
+    try:
+        snapshot = cap.snapshot(where.url, token=where.token, headers=where.headers, verify=where.verify)
+    except RaysliceError as exc:
+        raise unreachable(where, exc) from None
     if as_json:
         console.print_json(json.dumps(snapshot.model_dump(mode="json")))
     else:
@@ -150,7 +225,9 @@ def capacity(
 
 @app.command()
 def reap(
-    address: Annotated[str | None, typer.Option(help="Dashboard URL; default: the local cluster's.")] = None,
+    address: Address = None,
+    token: Token = None,
+    conn_id: ConnId = None,
     name: Name = "default",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only say what would be stopped and removed.")] = False,
     airflow_url: Annotated[str | None, typer.Option(envvar="RAYSLICE_AIRFLOW_URL",
@@ -163,12 +240,12 @@ def reap(
 
     from rayslice.client import orphans
 
-    token = None
-    if address is None:
-        record = local_cluster.ClusterRecord.load(name)
-        address, token = record.dashboard_url, record.token
-    report = asyncio.run(orphans.reap(address, token=token, airflow_url=airflow_url, airflow_token=airflow_token,
-                                      dry_run=dry_run, emit=console.print))
+    where = target(address, token, conn_id, name)
+    try:
+        report = asyncio.run(orphans.reap(where.url, token=where.token, airflow_url=airflow_url,
+                                          airflow_token=airflow_token, dry_run=dry_run, emit=console.print))
+    except RaysliceError as exc:
+        raise unreachable(where, exc) from None
     verb = "would free" if dry_run else "freed"
     console.print(f"{verb}: {len(report.stopped)} job(s) stopped, {len(report.reaped)} leftover(s) removed")
     if not airflow_url:
@@ -190,7 +267,7 @@ def demo(
 
 def main() -> None:
     try:
-        app()
+        app(prog_name="rayslice")
     except RaysliceError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise SystemExit(1) from None

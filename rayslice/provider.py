@@ -77,7 +77,8 @@ def get_provider_info() -> dict:
                     "kuberay": {
                         "label": "KubeRay cluster (instead of a URL)",
                         "description": 'JSON naming a RayCluster whose dashboard is looked up, e.g. {"namespace": '
-                                       '"ml", "name": "rayslice", "in_cluster": true} or "kubeconfig": "/path"',
+                                       '"ml", "name": "rayslice", "in_cluster": true} or "kubeconfig": "/path"; '
+                                       '"token_secret": "rayslice-ray-token" reads the Ray token from that Secret',
                         "schema": {"type": ["object", "null"]},
                     },
                     "checkpoint_root": {

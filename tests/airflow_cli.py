@@ -37,7 +37,7 @@ class CliAirflow:
 
     def up(self) -> subprocess.CompletedProcess:
         out = rayslice("airflow", "up", "--name", self.name, "--cluster", self.cluster, "--port", str(self.port),
-                       "--dags-folder", str(self.dags), env=self.settings)
+                       "--dags", str(self.dags), env=self.settings)
         assert out.returncode == 0, out.stdout + out.stderr
         self.port = int(re.search(r"Airflow UI:\s+http://127\.0\.0\.1:(\d+)", out.stdout).group(1))
         return out

@@ -13,6 +13,7 @@ conditions, a head Service shaped like KubeRay's) after a few GETs.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import uuid
@@ -28,6 +29,7 @@ from tests.http_fake import JsonHttpFake, Request
 
 _CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^/]+))?$")
 _SERVICE = re.compile(r"^/api/v1/namespaces/([^/]+)/services/([^/]+)$")
+_SECRETS = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets(?:/([^/]+))?$")
 _CRD = re.compile(r"^/apis/apiextensions\.k8s\.io/v1/customresourcedefinitions/([^/]+)$")
 
 
@@ -55,6 +57,7 @@ class FakeKubernetes(JsonHttpFake):
         self.load_balancer_ip = load_balancer_ip
         self.clusters: dict[tuple[str, str], dict[str, Any]] = {}
         self.services: dict[tuple[str, str], dict[str, Any]] = {}
+        self.secrets: dict[tuple[str, str], dict[str, Any]] = {}  # as stored: ``data`` base64, like the API
         self.requests: list[tuple[str, str, Any]] = []  # method, path, JSON body
         self.failures: list[tuple[str, re.Pattern[str], int]] = []
         self._gets: dict[str, int] = {}
@@ -184,6 +187,8 @@ class FakeKubernetes(JsonHttpFake):
                                     "not found", name=m[1], group="apiextensions.k8s.io",
                                     kind="customresourcedefinitions")
             return 200, crd
+        if m := _SECRETS.match(path):
+            return self._secret(method, m[1], m[2], body)
         if m := _SERVICE.match(path):
             if method != "GET":
                 return 405, _status(405, "MethodNotAllowed", "the fake serves GET on services")
@@ -232,6 +237,30 @@ class FakeKubernetes(JsonHttpFake):
                 self._remove(obj)
             return 200, self._served(obj)
         return 405, _status(405, "MethodNotAllowed", f"the fake does not serve {method} {path}")
+
+    def _secret(self, method: str, ns: str, name: str | None, body: Any) -> tuple[int, Any]:
+        """Secrets as the API server keeps them: ``stringData`` folded into base64 ``data`` on create."""
+        if method == "POST" and name is None:
+            meta = body.get("metadata") or {}
+            key = (ns, meta.get("name"))
+            if key in self.secrets:
+                return 409, _status(409, "AlreadyExists", f'secrets "{key[1]}" already exists', name=key[1],
+                                    kind="secrets")
+            data = dict(body.get("data") or {})
+            data |= {k: base64.b64encode(str(v).encode()).decode() for k, v in (body.get("stringData") or {}).items()}
+            obj = {"apiVersion": "v1", "kind": "Secret", "type": body.get("type", "Opaque"), "data": data,
+                   "metadata": {**meta, "namespace": ns, "uid": str(uuid.uuid4()), "creationTimestamp": _now()}}
+            self.secrets[key] = obj
+            return 201, obj
+        obj = self.secrets.get((ns, name or ""))
+        if obj is None:
+            return 404, _status(404, "NotFound", f'secrets "{name}" not found', name=name, kind="secrets")
+        if method == "GET":
+            return 200, obj
+        if method == "DELETE":
+            del self.secrets[(ns, name)]
+            return 200, _status(200, "", "deleted") | {"status": "Success"}
+        return 405, _status(405, "MethodNotAllowed", f"the fake does not serve {method} on secrets")
 
     def answer(self, request: Request) -> tuple[int, Any]:
         return self._handle(request.method, request.path, request.body, request.authorization)

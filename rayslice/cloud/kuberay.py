@@ -45,6 +45,40 @@ _GPU_HOST = {"cpu": "3", "memory": "10G"}
 # KubeRay: names become Services ("<name>-serve-svc" <= 63), RayJobs add a 6-char suffix.
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = {"RayCluster": 53, "RayJob": 47}
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+#: The head Service types KubeRay accepts; only ClusterIP stays inside the Kubernetes cluster.
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+#: The key KubeRay reads the token from in the Secret that ``authOptions.secretName`` names.
+TOKEN_SECRET_KEY = "auth_token"
+
+
+def token_secret_name(cluster_name: str) -> str:
+    """The default name of the Secret holding a cluster's Ray auth token (``<cluster>-ray-token``)."""
+    return f"{cluster_name}-ray-token"
+
+
+def exposure_warning(head_service_type: str, auth: bool) -> str | None:
+    """What to tell the user about how the rendered head is exposed, or None when nothing is worth saying.
+
+    Raises InvalidRequestError for the one combination never rendered: a dashboard (the Jobs API, which runs
+    any code it is given) reachable from outside the Kubernetes cluster without a token.
+    """
+    if head_service_type not in SERVICE_TYPES:
+        raise InvalidRequestError(f"head service type {head_service_type!r} is invalid: use ClusterIP, NodePort "
+                                  "or LoadBalancer")
+    external = head_service_type != "ClusterIP"
+    if external and not auth:
+        raise InvalidRequestError(f"a {head_service_type} head Service without Ray token auth would let anyone who "
+                                  "reaches it run code on the cluster: keep auth on, or use ClusterIP")
+    if external:
+        return (f"warning: the head Service is {head_service_type}: the dashboard (Jobs API, port 8265) and the "
+                "GCS (6379) are reachable from outside the Kubernetes cluster, guarded by the Ray token only and "
+                "unencrypted; prefer ClusterIP with Airflow in the cluster, or restrict "
+                "loadBalancerSourceRanges")
+    if not auth:
+        return ("warning: Ray token auth is off: any pod that reaches the head Service can submit jobs (run code) "
+                "on the cluster")
+    return None
 
 
 def _check_name(name: str, kind: str) -> None:
@@ -113,17 +147,33 @@ def render_raycluster(
     idle_timeout_seconds: int = 60,
     namespace: str | None = None,
     checkpoint_root: str | None = None,
+    auth: bool = True,
+    token_secret: str | None = None,
+    head_service_type: str = "ClusterIP",
 ) -> dict[str, Any]:
     """A ``ray.io/v1`` RayCluster: a CPU-less head, autoscaler v2, and groups that start at zero.
 
     Nothing runs on the head (``num-cpus: "0"``), so every step lands on a TPU or GPU group the
     autoscaler adds on demand and removes after ``idle_timeout_seconds``. ``checkpoint_root``
     (a bucket URL) becomes ``RAYSLICE_CHECKPOINT_ROOT`` on every pod: the steps' checkpoint folders.
+
+    Secure by default: Ray token auth is on (``authOptions``, KubeRay >= 1.5.1, Ray >= 2.52), with the
+    token in the Secret ``token_secret`` (default ``<name>-ray-token``, key ``auth_token``), which must
+    exist before the pods start (``CreateRayClusterOperator`` makes it); the `ray` connection reads the
+    same Secret. The head Service is ClusterIP unless ``head_service_type`` says otherwise, and an
+    external one (NodePort, LoadBalancer) is refused without auth (``exposure_warning``).
     """
     if checkpoint_root is not None and "://" not in checkpoint_root:
         raise InvalidRequestError(f"checkpoint_root must be a URL every pod reaches, like 'gs://bucket/checkpoints', "
                                   f"got {checkpoint_root!r}")
     _check_name(name, "RayCluster")
+    exposure_warning(head_service_type, auth)
+    if token_secret is not None and not auth:
+        raise InvalidRequestError("token_secret names the Secret of the Ray auth token: it needs auth on")
+    token_secret = token_secret or token_secret_name(name)
+    if not _DNS1123_SUBDOMAIN.match(token_secret) or len(token_secret) > 253:
+        raise InvalidRequestError(f"token_secret {token_secret!r} is not a Kubernetes Secret name "
+                                  "(lowercase letters, digits, '-' and '.')")
     tpus = [tpus] if isinstance(tpus, str) else list(tpus)
     _at_least(1, max_slices=max_slices)
     _at_least(0, gpu_nodes=gpu_nodes, idle_timeout_seconds=idle_timeout_seconds)
@@ -151,6 +201,12 @@ def render_raycluster(
     spec: dict[str, Any] = {}
     if version := re.search(r":(\d+\.\d+\.\d+)", image):
         spec["rayVersion"] = version[1]
+        if auth and tuple(map(int, version[1].split("."))) < (2, 52, 0):
+            raise InvalidRequestError(f"image {image!r} runs Ray {version[1]}: Ray token auth needs Ray 2.52 or "
+                                      "newer; use a newer image")
+    if auth:
+        # KubeRay sets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (from the Secret) on every Ray container.
+        spec["authOptions"] = {"mode": "token", "secretName": token_secret}
     spec |= {
         "enableInTreeAutoscaling": True,
         # Only `version: v2`: KubeRay rejects it together with RAY_enable_autoscaler_v2 on the head.
@@ -158,6 +214,7 @@ def render_raycluster(
                               "idleTimeoutSeconds": idle_timeout_seconds},
         "headGroupSpec": {
             "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+            "serviceType": head_service_type,
             "template": {"spec": {"containers": [head]}},
         },
         "workerGroupSpecs": groups,
@@ -294,13 +351,15 @@ def _group() -> None:
 @app.command()
 def manifest(
     tpu: Annotated[list[str], typer.Option("--tpu", help="A pod type, e.g. v6e-16; repeat for more.")] = [],  # noqa: B006
-    max_slices: Annotated[int, typer.Option("--max-slices", help="Most slices of each TPU type.")] = 1,
-    gpu_nodes: Annotated[int, typer.Option("--gpu-nodes", help="Most 1-GPU nodes (0: no GPU group).")] = 0,
+    max_slices: Annotated[int, typer.Option("--max-slices", min=1, help="Most slices of each TPU type.")] = 1,
+    gpu_nodes: Annotated[int, typer.Option("--gpu-nodes", min=0, help="Most 1-GPU nodes (0: no GPU group).")] = 0,
     gpu_type: Annotated[str, typer.Option("--gpu-type", help="GKE accelerator label.")] = "nvidia-l4",
     name: Annotated[str, typer.Option("--name", help="RayCluster (or RayJob) name.")] = "rayslice",
-    namespace: Annotated[str | None, typer.Option("--namespace")] = None,
-    image: Annotated[str, typer.Option("--image")] = DEFAULT_IMAGE,
-    idle_timeout: Annotated[int, typer.Option("--idle-timeout", help="Seconds before idle nodes go.")] = 60,
+    namespace: Annotated[str | None, typer.Option("--namespace", help="The Kubernetes namespace (default: none "
+                                                  "in the manifest, so kubectl's current one).")] = None,
+    image: Annotated[str, typer.Option("--image", help="The Ray image of every pod (Ray >= 2.52 for token auth).")
+                     ] = DEFAULT_IMAGE,
+    idle_timeout: Annotated[int, typer.Option("--idle-timeout", min=0, help="Seconds before idle nodes go.")] = 60,
     rayjob: Annotated[bool, typer.Option("--rayjob", help="Print a RayJob bringing the cluster up.")] = False,
     entrypoint: Annotated[str | None, typer.Option("--entrypoint", help="The RayJob's command.")] = None,
     crd: Annotated[list[Path], typer.Option(
@@ -314,6 +373,14 @@ def manifest(
              "--crd file or a cluster is at hand, else print it unvalidated and say so.")] = None,
     checkpoint_root: Annotated[str | None, typer.Option(
         "--checkpoint-root", help="RAYSLICE_CHECKPOINT_ROOT on every pod, e.g. gs://bucket/checkpoints.")] = None,
+    auth: Annotated[bool, typer.Option(
+        "--auth/--no-auth", help="Ray token auth (default on); the token is in the Secret --token-secret.")] = True,
+    token_secret: Annotated[str | None, typer.Option(
+        "--token-secret", help="The Secret (key auth_token) with the Ray token (default: <name>-ray-token).")
+    ] = None,
+    head_service_type: Annotated[str, typer.Option(
+        "--head-service-type", help="ClusterIP (default), NodePort or LoadBalancer; the last two need --auth.")
+    ] = "ClusterIP",
 ) -> None:
     """Print the RayCluster (or RayJob) YAML; stderr says whether, and against which CRD, it was validated.
 
@@ -327,7 +394,8 @@ def manifest(
             raise InvalidRequestError("--rayjob needs --entrypoint, e.g. --entrypoint 'python train.py'")
         result = render_raycluster(name, tpus=tpu, max_slices=max_slices, gpu_nodes=gpu_nodes,
                                    gpu_type=gpu_type, image=image, idle_timeout_seconds=idle_timeout,
-                                   namespace=namespace, checkpoint_root=checkpoint_root)
+                                   namespace=namespace, checkpoint_root=checkpoint_root, auth=auth,
+                                   token_secret=token_secret, head_service_type=head_service_type)
         if rayjob:
             result = render_rayjob(name, entrypoint=entrypoint or "", cluster=result)
         check_rules(result)
@@ -338,3 +406,11 @@ def manifest(
         raise typer.Exit(1) from None
     typer.echo(yaml.safe_dump(result, sort_keys=False), nl=False)
     typer.echo(note, err=True)
+    if auth:
+        secret = token_secret or token_secret_name(name)
+        typer.echo(f"Ray token auth is on: create the Secret before applying, e.g. `kubectl create secret generic "
+                   f"{secret} {f'-n {namespace} ' if namespace else ''}--from-literal={TOKEN_SECRET_KEY}=\"$(openssl "
+                   f"rand -hex 32)\"`, and give the `ray` connection the same token (its password, or the kuberay "
+                   f"extra's \"token_secret\": \"{secret}\")", err=True)
+    if warning := exposure_warning(head_service_type, auth):
+        typer.echo(warning, err=True)

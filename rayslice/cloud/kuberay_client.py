@@ -31,6 +31,7 @@ __all__ = [
     "KubeRayError",
     "KubeRayNotReadyError",
     "load_api_client",
+    "resolve",
     "resolve_dashboard_url",
 ]
 
@@ -76,6 +77,7 @@ class ClusterRef:
     in_cluster: bool = False
     address: str = "auto"
     scheme: str = "http"
+    token_secret: str | None = None  # the Secret (key ``auth_token``) holding the cluster's Ray token
 
     def __post_init__(self) -> None:
         kuberay._check_name(self.name, "RayCluster")
@@ -293,6 +295,74 @@ class KubeRayClient:
             host = f"[{host}]"  # IPv6
         return f"{self.ref.scheme}://{host}:{port}"
 
+    # ---- the Ray token's Secret
+
+    def _core(self) -> Any:
+        from kubernetes import client
+
+        return client.CoreV1Api(self._api)
+
+    def read_token(self, secret: str) -> str:
+        """The Ray auth token in ``secret`` (key ``auth_token``), for the `ray` connection."""
+        import base64
+
+        try:
+            obj = self._call("read the Ray token Secret of", self._core().read_namespaced_secret,
+                             secret, self.ref.namespace)
+        except KubeRayError as exc:
+            if exc.status_code == 404:
+                raise KubeRayError(f"no Secret {self.ref.namespace}/{secret} with the Ray token of {self.ref}: "
+                                   "create it, or fix the kuberay extra's 'token_secret'", status_code=404) from None
+            raise
+        value = (obj.data or {}).get(kuberay.TOKEN_SECRET_KEY)
+        if not value:
+            raise KubeRayError(f"the Secret {self.ref.namespace}/{secret} has no '{kuberay.TOKEN_SECRET_KEY}' key")
+        return base64.b64decode(value).decode()
+
+    def ensure_token_secret(self, secret: str, *, owner: str) -> bool:
+        """Make ``secret`` with a fresh random token unless it exists; True when this call made it.
+
+        An existing Secret is used as it is (a token the operator rotates or shares); a new one carries the
+        owner mark, so ``delete_token_secret`` removes only what this owner made.
+        """
+        import secrets as random
+
+        from kubernetes import client
+
+        body = client.V1Secret(
+            metadata=client.V1ObjectMeta(name=secret, namespace=self.ref.namespace,
+                                         labels={MANAGED_BY_LABEL: "rayslice"},
+                                         annotations={OWNER_ANNOTATION: owner}),
+            type="Opaque", string_data={kuberay.TOKEN_SECRET_KEY: random.token_hex(32)})
+        try:
+            self._call("create the Ray token Secret of", self._core().create_namespaced_secret,
+                       self.ref.namespace, body)
+        except KubeRayError as exc:
+            if exc.status_code == 409:
+                return False
+            raise
+        return True
+
+    def delete_token_secret(self, secret: str, *, owner: str) -> Deleted:
+        """Delete ``secret`` only if ``owner`` made it: 'deleted', 'absent' or 'not-owned'."""
+        try:
+            obj = self._call("read the Ray token Secret of", self._core().read_namespaced_secret,
+                             secret, self.ref.namespace)
+        except KubeRayError as exc:
+            if exc.status_code == 404:
+                return "absent"
+            raise
+        if not owner or ((obj.metadata and obj.metadata.annotations) or {}).get(OWNER_ANNOTATION) != owner:
+            return "not-owned"
+        try:
+            self._call("delete the Ray token Secret of", self._core().delete_namespaced_secret,
+                       secret, self.ref.namespace)
+        except KubeRayError as exc:
+            if exc.status_code == 404:
+                return "absent"
+            raise
+        return "deleted"
+
     # ---- lifecycle
 
     def create(self, manifest: dict[str, Any], *, owner: str) -> dict[str, Any]:
@@ -395,8 +465,14 @@ class KubeRayClient:
 
 def resolve_dashboard_url(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None) -> str:
     """The dashboard URL of the RayCluster ``ref`` names (one GET of the cluster, one of its Service)."""
+    return resolve(ref, timeout=timeout, api_client=api_client)[0]
+
+
+def resolve(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None) -> tuple[str, str | None]:
+    """The dashboard URL of ``ref``'s RayCluster, and its Ray token when ``ref.token_secret`` names its Secret."""
     with KubeRayClient(ref, timeout=timeout, api_client=api_client) as kube:
-        return kube.dashboard_url()
+        url = kube.dashboard_url()
+        return url, kube.read_token(ref.token_secret) if ref.token_secret else None
 
 
 def owner_for_run(dag_id: str, run_id: str) -> str:

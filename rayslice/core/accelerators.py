@@ -11,13 +11,14 @@ construction, with a message that says what was wrong and what would be valid.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from itertools import product
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -150,7 +151,7 @@ def _parse_tpu(tpu: str, topology: str | None) -> tuple[str, str]:
 
 
 @contextmanager
-def _invalid_request(what: str) -> Iterator[None]:
+def _invalid_request(what: str, arguments: Iterable[str] = ()) -> Iterator[None]:
     """Turn pydantic's ValidationError into our InvalidRequestError with a readable message."""
     try:
         yield
@@ -163,12 +164,32 @@ def _invalid_request(what: str) -> Iterator[None]:
             loc = ".".join(str(p) for p in e["loc"])
             if isinstance(cause, Exception):  # our own validators name the field themselves
                 problems.append(str(cause))
-            elif e["type"] in ("missing", "extra_forbidden"):
-                problems.append(f"{loc}: {e['msg'].lower()}")
+            elif e["type"] == "extra_forbidden":
+                problems.append(_unknown_argument(loc, arguments))
+            elif e["type"] == "missing":
+                problems.append(f"{loc} is required")
+            elif e["type"] in _TYPE_WORDS:
+                problems.append(f"{loc} must be {_TYPE_WORDS[e['type']]} (got {e['input']!r})")
             else:
                 msg = f"{e['msg'][:1].lower()}{e['msg'][1:]} (got {e['input']!r})"
                 problems.append(f"{loc}: {msg}" if loc else msg)
         raise InvalidRequestError(f"invalid {what}: {'; '.join(problems)}") from None
+
+
+#: pydantic's error types for a value of the wrong kind, in the words a DAG author would use.
+_TYPE_WORDS = {
+    "int_type": "a whole number", "int_parsing": "a whole number", "int_from_float": "a whole number",
+    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+    "bool_parsing": "true or false", "string_type": "a string",
+}
+
+
+def _unknown_argument(name: str, arguments: Iterable[str]) -> str:
+    """``num_slice`` -> "unknown argument 'num_slice': did you mean 'num_slices'? ..." (difflib's closest)."""
+    known = sorted(set(arguments) - {"kind"})  # the discriminator is set by the class, never by a user
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" did you mean {close[0]!r}?" if close else ""
+    return f"unknown argument {name!r}:{hint} the arguments are {', '.join(known)}"
 
 
 class _Request(BaseModel):
@@ -180,18 +201,21 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: What the request is called in error messages (the user's words, not the class name).
+    _what: ClassVar[str] = "request"
+
     def __init__(self, **data: Any) -> None:
-        with _invalid_request(type(self).__name__):
+        with _invalid_request(self._what, type(self).model_fields):
             super().__init__(**data)
 
     @classmethod
     def model_validate(cls, *args: Any, **kwargs: Any) -> Any:
-        with _invalid_request(cls.__name__):
+        with _invalid_request(cls._what, cls.model_fields):
             return super().model_validate(*args, **kwargs)
 
     @classmethod
     def model_validate_json(cls, *args: Any, **kwargs: Any) -> Any:
-        with _invalid_request(cls.__name__):
+        with _invalid_request(cls._what, cls.model_fields):
             return super().model_validate_json(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -206,6 +230,8 @@ class TpuSliceRequest(_Request):
     ``multislice=True`` with ``num_slices=1`` is a no-op (normalized to False): one slice
     is a valid degenerate multislice, and parametrized DAGs should not have to special-case it.
     """
+
+    _what: ClassVar[str] = "TPU slice request"
 
     kind: Literal["tpu_slice"] = "tpu_slice"
     tpu: str
@@ -318,6 +344,8 @@ _TPU_ACCELERATOR_TYPES = [f"TPU-{v.upper()}" for v in TPU_TOPOLOGIES]
 
 class AcceleratorRequest(_Request):
     """Some of one Ray accelerator resource: ``AcceleratorRequest(resource="GPU", count=0.25)``."""
+
+    _what: ClassVar[str] = "accelerator request"
 
     kind: Literal["accelerator"] = "accelerator"
     resource: ResourceName

@@ -135,13 +135,28 @@ def _cluster(name: str, emit: Callable[[str], None]) -> tuple[local_cluster.Clus
     return local_cluster.up(DEMO_SPEC, name=name), True
 
 
+def dags_to_serve(home: Path, dags_folder: Path | None, examples: bool) -> Path:
+    """The DAG folder Airflow reads: the user's, the examples, or a folder linking both (Airflow has one)."""
+    if dags_folder is None or not examples:
+        return dags_folder or example_dags()
+    both = home / "dags"
+    if both.is_symlink() or both.is_file():
+        both.unlink()
+    both.mkdir(exist_ok=True)
+    for link, target in (("yours", dags_folder), ("rayslice_examples", example_dags())):
+        (both / link).unlink(missing_ok=True)
+        (both / link).symlink_to(target, target_is_directory=True)  # Airflow follows links when it lists DAG files
+    return both
+
+
 def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_PORT, dags_folder: Path | None = None,
-       adopt_cluster: bool = False, startup_timeout: float = 300,
+       examples: bool | None = None, adopt_cluster: bool = False, startup_timeout: float = 300,
        emit: Callable[[str], None] = print) -> tuple[UiRecord, bool]:
     """Start the UI (and the cluster if needed); returns (its record, whether it was already up).
 
-    `adopt_cluster`: `down` also stops the (reused) cluster, as if `up` had started it (the demo
-    hands its cluster over this way). `port` 0 picks a free port.
+    `dags_folder`: the user's DAGs (default: the examples); `examples` serves the examples beside them
+    (default: only without `dags_folder`). `adopt_cluster`: `down` also stops the (reused) cluster, as if
+    `up` had started it (the demo hands its cluster over this way). `port` 0 picks a free port.
     """
     existing = UiRecord.load(name)
     if existing is not None:
@@ -160,7 +175,8 @@ def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_P
         password = json.loads(passwords.read_text())[USERNAME]
     except (OSError, ValueError, KeyError):
         password = secrets.token_urlsafe(12)
-    stack = AirflowStack(ray.dashboard_url, ray.token, dags_folder=dags_folder or example_dags(),
+    examples = dags_folder is None if examples is None else examples
+    stack = AirflowStack(ray.dashboard_url, ray.token, dags_folder=dags_to_serve(home, dags_folder, examples),
                          username=USERNAME, password=password, home=home, port=port,
                          startup_timeout=startup_timeout)
     emit(f"starting Airflow (api-server, scheduler, dag-processor, triggerer); logs in {home / 'logs'}")

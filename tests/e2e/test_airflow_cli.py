@@ -46,3 +46,8 @@ def test_up_prints_url_and_login_twice_then_down_leaves_nothing_and_up_works_aga
     resp = httpx.get(f"{airflow.url}/rayslice/api/capacity", timeout=60,
                      headers={"Authorization": f"Bearer {airflow.api_token()}"})
     assert resp.status_code == 200 and resp.json()["dashboard_url"] == cluster.dashboard_url, resp.text[:300]
+    # `--dags` served the given folder: its own DAG file (not one of the examples) is listed with the examples'.
+    dag_ids = {d["dag_id"] for d in httpx.get(f"{airflow.url}/api/v2/dags", params={"limit": 1000}, timeout=60,
+                                              headers={"Authorization": f"Bearer {airflow.api_token()}"}
+                                              ).json()["dags"]}
+    assert {"lc_wait", "rayslice_training_pipeline"} <= dag_ids, sorted(dag_ids)

@@ -117,6 +117,33 @@ def test_the_hook_finds_the_dashboard_of_the_named_raycluster(fake):
     assert RayHook(CONN).cluster_ref().namespace == "ml"
 
 
+def test_the_hook_reads_the_token_from_the_clusters_secret(fake, monkeypatch, tmp_path):
+    import base64
+
+    from rayslice.hooks.ray import RayHook
+
+    fake.secrets[("ml", "rs-ray-token")] = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "rs-ray-token"},
+                                            "data": {"auth_token": base64.b64encode(b"t0ken").decode()}}
+    ready_cluster(fake)
+    kubeconfig = fake.write_kubeconfig(tmp_path / "kc")
+    extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": str(kubeconfig),
+                         "token_secret": "rs-ray-token"}}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
+    assert RayHook(CONN).settings().token == "t0ken"
+    assert asyncio.run(RayHook(CONN).asettings()).token == "t0ken"
+    # A password on the connection wins, and the Secret is then not read at all.
+    fake.requests.clear()
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
+                       json.dumps({"conn_type": "ray", "password": "own", "extra": extra}))
+    assert RayHook(CONN).settings().token == "own"
+    assert not [p for _, p, _ in fake.requests if "/secrets/" in p]
+    # A Secret that is not there is named, with the extra to fix.
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps(
+        {"conn_type": "ray", "extra": {"kuberay": {**extra["kuberay"], "token_secret": "nope"}}}))
+    with pytest.raises(KubeRayError, match="no Secret ml/nope with the Ray token of ml/rs.*'token_secret'"):
+        RayHook(CONN).settings()
+
+
 def test_the_hook_says_when_the_cluster_is_missing_or_not_ready(fake):
     from rayslice.hooks.ray import RayHook
 
@@ -158,6 +185,11 @@ def test_the_connection_form_has_the_kuberay_field():
         ("tpus=[]", "can run nothing"),
         ('tpus=["v6e-16"], name="Bad_Name"', "DNS-1035"),
         ('tpus=["v6e-16"], head_service_type="Ingress"', "use ClusterIP, NodePort or LoadBalancer"),
+        ('tpus=["v6e-16"], head_service_type="LoadBalancer", auth=False', "without Ray token auth"),
+        ('tpus=["v6e-16"], head_service_type="NodePort", auth=False', "without Ray token auth"),
+        ('manifest=render_raycluster("x", tpus=["v6e-4"], auth=False) | {"spec": {"headGroupSpec": '
+         '{"serviceType": "LoadBalancer"}}}', "without Ray token auth"),
+        ('tpus=["v6e-16"], auth=False, token_secret="mine"', "needs auth on"),
         ('tpus=["v6e-16"], manifest={"kind": "RayCluster"}', "either manifest or tpus"),
         ('manifest={"kind": "Pod"}', "must be a RayCluster"),
         ('tpus=["v6e-16"], ready_timeout=0', "ready_timeout=0"),
@@ -171,6 +203,30 @@ def test_bad_arguments_fail_the_dag_import(tmp_path, airflow_db, args, message):
     assert not dags
     [error] = errors.values()
     assert "InvalidRequestError" in error and message in error
+
+
+def test_each_operators_cluster_has_token_auth_and_no_open_head(reference_crds):
+    """What CreateRayClusterOperator sends, rendered or given, for every way of calling it that is accepted."""
+    from rayslice.operators.kuberay import CreateRayClusterOperator
+
+    from rayslice.cloud.kuberay_crds import KubeRayCrds
+
+    crds = KubeRayCrds.from_files(reference_crds)
+    given = kuberay.render_raycluster("given", tpus=["v6e-4"], head_service_type="LoadBalancer")
+    cases = [  # (arguments, the token Secret, the head Service type)
+        ({"tpus": ["v6e-16"]}, "rs-ray-token", "ClusterIP"),
+        ({"tpus": ["v6e-16"], "gpu_nodes": 1, "head_service_type": "LoadBalancer"}, "rs-ray-token", "LoadBalancer"),
+        ({"gpu_nodes": 2, "token_secret": "shared-token"}, "shared-token", "ClusterIP"),
+        ({"manifest": given}, "given-ray-token", "LoadBalancer"),
+    ]
+    for kwargs, secret, service_type in cases:
+        manifest = CreateRayClusterOperator(task_id="c", **kwargs)._render("rs")
+        kuberay.validate(manifest, crds)
+        assert manifest["spec"]["authOptions"] == {"mode": "token", "secretName": secret}, kwargs
+        assert manifest["spec"]["headGroupSpec"]["serviceType"] == service_type, kwargs
+    # The one unauthenticated cluster it renders when told to stays inside the Kubernetes cluster.
+    open_ = CreateRayClusterOperator(task_id="c", tpus=["v6e-16"], auth=False)._render("rs")
+    assert "authOptions" not in open_["spec"] and open_["spec"]["headGroupSpec"]["serviceType"] == "ClusterIP"
 
 
 def test_a_templated_name_is_checked_at_run_time():
@@ -191,8 +247,9 @@ def test_a_setup_that_never_gets_ready_deletes_its_own_cluster(fake, no_ray_dags
     assert task_states(dr)["create"] == "failed"
     assert "not ready after 0.5 s" in out
     assert fake.cluster("ml", "rs") is None  # the failed setup removed what it created
-    posts = [r for r in fake.requests if r[0] == "POST"]
-    deletes = [r for r in fake.requests if r[0] == "DELETE"]
+    assert not fake.secrets  # and the token Secret it made for it
+    posts = [r for r in fake.requests if r[0] == "POST" and "rayclusters" in r[1]]
+    deletes = [r for r in fake.requests if r[0] == "DELETE" and "rayclusters" in r[1]]
     assert len(posts) == 1 and len(deletes) == 1
     # Checked against the cluster's own RayCluster CRD before it was sent.
     paths = [p for _, p, _ in fake.requests]
@@ -219,7 +276,22 @@ def test_a_pre_existing_cluster_is_never_deleted(fake, no_ray_dags, capfd):
     assert task_states(dr) == {"use_cluster": "success", "delete": "success"}
     assert xcom_values(dr, "delete") == ["not-owned"]
     assert fake.cluster("ml", "rs") is theirs
-    assert not [r for r in fake.requests if r[0] == "DELETE"]
+    assert not [r for r in fake.requests if r[0] == "DELETE" and "rayclusters" in r[1]]
+    assert not fake.secrets  # the token Secret the failed setup made is gone again
+
+
+def test_a_token_secret_made_elsewhere_is_used_and_kept(fake, no_ray_dags, capfd):
+    import base64
+
+    token = base64.b64encode(b"operators-own-token").decode()
+    fake.secrets[("ml", "rs-ray-token")] = {"apiVersion": "v1", "kind": "Secret", "data": {"auth_token": token},
+                                            "metadata": {"name": "rs-ray-token", "namespace": "ml"}}
+    fake.ready_after_gets = None
+    fake.gone_after_gets = 0
+    dr = no_ray_dags["kr_setup_teardown"].test()  # never ready: the setup fails and cleans up what it made
+    assert task_states(dr)["create"] == "failed"
+    assert "already there, used as is" in capfd.readouterr().out
+    assert fake.secrets[("ml", "rs-ray-token")]["data"] == {"auth_token": token}
 
 
 def test_teardown_of_a_missing_cluster_succeeds(fake, no_ray_dags):

@@ -439,6 +439,51 @@ def test_cli_cluster_without_kuberay_or_unreachable(tmp_path, reference_crds):
         in gone.stderr
 
 
+def test_token_auth_is_on_by_default_and_validates(cluster, crds):
+    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": "rayslice-ray-token"}
+    assert cluster["spec"]["headGroupSpec"]["serviceType"] == "ClusterIP"
+    kuberay.validate(cluster, crds)
+    job = kuberay.render_rayjob("train", entrypoint="python t.py", cluster=cluster)
+    assert job["spec"]["rayClusterSpec"]["authOptions"]["mode"] == "token"
+    kuberay.validate(job, crds)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"head_service_type": "LoadBalancer", "auth": False}, "without Ray token auth would let anyone"),
+        ({"head_service_type": "NodePort", "auth": False}, "without Ray token auth would let anyone"),
+        ({"head_service_type": "Ingress"}, "use ClusterIP, NodePort or LoadBalancer"),
+        ({"token_secret": "Not_A_Name"}, "is not a Kubernetes Secret name"),
+        ({"token_secret": "x", "auth": False}, "needs auth on"),
+        ({"image": "rayproject/ray:2.50.1-py311"}, "token auth needs Ray 2.52 or newer"),
+    ],
+)
+def test_insecure_or_impossible_exposure_is_refused(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        kuberay.render_raycluster("rs", tpus=["v6e-4"], **kwargs)
+
+
+def test_cli_never_prints_an_open_external_head(crds):
+    runner = CliRunner()
+    from rayslice.cli import app
+
+    refused = runner.invoke(app, ["kuberay", "manifest", "--tpu", "v6e-16", "--no-auth",
+                                  "--head-service-type", "LoadBalancer", "--no-validate"])
+    assert refused.exit_code == 1 and refused.stdout == ""
+    assert "without Ray token auth" in refused.stderr and "Traceback" not in refused.output
+    exposed = runner.invoke(app, ["kuberay", "manifest", "--tpu", "v6e-16", "--head-service-type", "LoadBalancer",
+                                  "--no-validate"])
+    assert exposed.exit_code == 0
+    spec = yaml.safe_load(exposed.stdout)["spec"]
+    assert spec["authOptions"]["mode"] == "token" and spec["headGroupSpec"]["serviceType"] == "LoadBalancer"
+    assert "warning: the head Service is LoadBalancer" in exposed.stderr
+    assert "kubectl create secret generic rayslice-ray-token" in exposed.stderr
+    unauthenticated = runner.invoke(app, ["kuberay", "manifest", "--tpu", "v6e-16", "--no-auth", "--no-validate"])
+    assert unauthenticated.exit_code == 0 and "authOptions" not in yaml.safe_load(unauthenticated.stdout)["spec"]
+    assert "warning: Ray token auth is off" in unauthenticated.stderr
+
+
 def test_cli_help_lists_manifest():
     result = runner.invoke(kuberay.app, ["--help"])
     assert result.exit_code == 0 and "manifest" in result.stdout

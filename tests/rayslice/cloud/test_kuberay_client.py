@@ -259,6 +259,22 @@ def test_a_replaced_cluster_fails_the_uid_precondition(fake, kubeconfig, manifes
 # --- API errors
 
 
+def test_the_token_secret_is_made_once_read_back_and_deleted_only_by_its_owner(fake, kubeconfig):
+    with client(kubeconfig) as kube:
+        assert kube.ensure_token_secret("rs-ray-token", owner=OWNER) is True
+        token = kube.read_token("rs-ray-token")
+        assert len(token) == 64 and int(token, 16) >= 0  # 32 random bytes, hex
+        assert kube.ensure_token_secret("rs-ray-token", owner="someone/else") is False  # kept, not replaced
+        assert kube.read_token("rs-ray-token") == token
+        stored = fake.secrets[("ml", "rs-ray-token")]["metadata"]
+        assert stored["annotations"][OWNER_ANNOTATION] == OWNER and stored["labels"][MANAGED_BY_LABEL] == "rayslice"
+        assert kube.delete_token_secret("rs-ray-token", owner="someone/else") == "not-owned"
+        assert kube.delete_token_secret("rs-ray-token", owner=OWNER) == "deleted"
+        assert kube.delete_token_secret("rs-ray-token", owner=OWNER) == "absent"
+        with pytest.raises(KubeRayError, match="no Secret ml/rs-ray-token"):
+            kube.read_token("rs-ray-token")
+
+
 def test_a_wrong_token_is_a_clear_401(fake, tmp_path):
     path = str(fake.write_kubeconfig(tmp_path / "kc", token="wrong"))
     with client(path) as kube, pytest.raises(KubeRayError, match="HTTP 401 .*credentials") as info:

@@ -189,8 +189,12 @@ def test_accelerator_str():
         (dict(tpu="v6e-16", num_slices=-2), ["num_slices", "got -2"]),
         (dict(tpu="v6e-16", chips_per_host=3), ["chips_per_host=3", "v6e-16", "1, 2, 4 or 8"]),
         (dict(tpu="v6e-4", chips_per_host=8), ["chips_per_host=8", "1, 2 or 4"]),
-        (dict(tpu="v6e-16", num_slice=2), ["num_slice", "extra inputs"]),
-        (dict(), ["tpu", "field required"]),
+        (dict(tpu="v6e-16", num_slice=2), ["unknown argument 'num_slice'", "did you mean 'num_slices'",
+                                           "the arguments are chips_per_host, multislice, num_slices, topology, tpu"]),
+        (dict(tpu="v6e-16", num_slices="two"), ["num_slices must be a whole number (got 'two')"]),
+        (dict(tpu="v6e-16", multislice="maybe"), ["multislice must be true or false (got 'maybe')"]),
+        (dict(tpu=16), ["tpu must be a string (got 16)"]),
+        (dict(), ["tpu is required"]),
     ],
     ids=repr,
 )
@@ -198,7 +202,7 @@ def test_bad_tpu_requests(kwargs, words):
     with pytest.raises(InvalidRequestError) as info:
         TpuSliceRequest(**kwargs)
     message = str(info.value)
-    assert message.startswith("invalid TpuSliceRequest: ")
+    assert message.startswith("invalid TPU slice request: ")
     for word in words:
         assert word in message
 
@@ -220,7 +224,10 @@ def test_bad_tpu_requests(kwargs, words):
         (dict(resource="GPU", count=1, accelerator_type=""), ["accelerator_type ''", "'H100'"]),
         (dict(resource="GPU", count=1, accelerator_type="accelerator_type:H100"), ["not a Ray accelerator"]),
         (dict(resource="TPU", count=4, accelerator_type="v6e"), ["not a TPU type", "TPU-V6E"]),
-        (dict(resource="GPU"), ["count", "field required"]),
+        (dict(resource="GPU"), ["count is required"]),
+        (dict(resource="GPU", count=0.5, acelerator_type="H100"), ["unknown argument 'acelerator_type'",
+                                                                  "did you mean 'accelerator_type'"]),
+        (dict(resource="GPU", count="half"), ["count must be a number (got 'half')"]),
     ],
     ids=repr,
 )
@@ -228,7 +235,7 @@ def test_bad_accelerator_requests(kwargs, words):
     with pytest.raises(InvalidRequestError) as info:
         AcceleratorRequest(**kwargs)
     message = str(info.value)
-    assert message.startswith("invalid AcceleratorRequest: ")
+    assert message.startswith("invalid accelerator request: ")
     for word in words:
         assert word in message
 
@@ -236,8 +243,8 @@ def test_bad_accelerator_requests(kwargs, words):
 @pytest.mark.parametrize(
     "text,words",
     [
-        ('{"kind": "tpu_slice", "tpu": "v6e-15"}', ["invalid TpuSliceRequest", "not a v6e slice"]),
-        ('{"kind": "accelerator", "resource": "GPU", "count": 1.5}', ["invalid AcceleratorRequest"]),
+        ('{"kind": "tpu_slice", "tpu": "v6e-15"}', ["invalid TPU slice request", "not a v6e slice"]),
+        ('{"kind": "accelerator", "resource": "GPU", "count": 1.5}', ["invalid accelerator request"]),
         ('{"kind": "fpga"}', ["invalid step request", "'tpu_slice', 'accelerator'"]),
         ('{"tpu": "v6e-16"}', ["invalid step request", "kind"]),
         ("not json", ["invalid step request", "JSON"]),
