@@ -345,7 +345,6 @@ def test_cli_several_tpus_and_a_rayjob(crds):
     [
         (["--tpu", "v6e-16", "--rayjob"], "--rayjob needs --entrypoint"),
         (["--tpu", "v6e-17"], "not a v6e slice"),
-        (["--tpu", "v6e-16", "--max-slices", "0"], "max_slices=0"),
     ],
 )
 def test_cli_errors_go_to_stderr(args, message):
