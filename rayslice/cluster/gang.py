@@ -428,10 +428,9 @@ class LogDrain:
 
     def _handle(self, data: dict) -> None:
         for line in data.get("lines", ()):
-            at = line.find(HOST_DONE_MARKER)
-            if at >= 0:
+            if line.startswith(HOST_DONE_MARKER):
                 with self._seen:
-                    self._done.add(line[at + len(HOST_DONE_MARKER):].strip())
+                    self._done.add(line[len(HOST_DONE_MARKER):].strip())
                     self._seen.notify_all()
 
     def wait(self, labels: list[str], timeout: float = 2.0) -> None:
