@@ -136,7 +136,8 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
     timeline.mark("reserved")
     actors: list[Any] = []
     spec_json = spec.model_dump_json()
-    drain, drain_from = gang.LogDrain(), []
+    # After a failure: the last line of a host that raised, and a quiet second for hosts that died.
+    drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     try:
         slices = sorted({h.slice_name for h in reservation.hosts})
         log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")
@@ -162,8 +163,12 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
         plans = gang.plan_processes(reservation.hosts, multislice=request.multislice,
                                     ports={i: ports[i] for i in leaders})
         log(f"running on {', '.join(slices)}: {len(plans)} hosts x {request.chips_per_host} chips")
-        results = gang.run_gang(actors, plans, spec, attempt, timeline)
-        drain_from = [plan.label for plan in plans]
+        try:
+            results = gang.run_gang(actors, plans, spec, attempt, timeline)
+        except BaseException as exc:
+            drain_from = gang.raised_on(exc, plans)
+            raise
+        drain_from, quiet = [plan.label for plan in plans], 0.0
         return results
     finally:
         timeline.note("gang_returned")
@@ -171,7 +176,7 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
         still_held = reservation.release()
         timeline.mark("released")
         _log_release(str(request), started, still_held)
-        drain.wait(drain_from)  # after the release: the chips are free while the last host lines arrive
+        drain.wait(drain_from, quiet=quiet)  # after the release: the chips are free while the last lines arrive
         drain.close()
 
 
@@ -202,7 +207,7 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
     actor = gang.HostProcess.options(
         name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, **request.ray_options()
     ).remote(str(request), spec.model_dump_json(), plan)
-    drain, drain_from = gang.LogDrain(), []
+    drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     try:
         ready, _ = ray.wait([actor.free_port.remote()], timeout=spec.capacity_timeout)
         if not ready:
@@ -211,12 +216,16 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
                 "nothing was left reserved. Raise capacity_timeout or add nodes with that accelerator."
             )
         log(f"running on {request}")
-        result = gang.run_gang([actor], [plan], spec, attempt, timeline)[0]
-        drain_from = [str(request)]  # the actor's label
+        try:
+            result = gang.run_gang([actor], [plan], spec, attempt, timeline)[0]
+        except BaseException as exc:
+            drain_from = [str(request)] if gang.raised_on(exc, [plan]) else []  # the actor's label
+            raise
+        drain_from, quiet = [str(request)], 0.0
         return result
     finally:
         gang.kill([actor])
         timeline.mark("released")
         log(f"released {request} after {time.monotonic() - started:.1f} s")
-        drain.wait(drain_from)
+        drain.wait(drain_from, quiet=quiet)
         drain.close()

@@ -18,11 +18,21 @@ from rayslice.core.exceptions import RaysliceError, StepFailedError
 from rayslice.core.step import ResultTooLargeError, StepSpec, format_error, format_result
 
 
-class StopRequested(BaseException):
-    """The job was stopped (SIGTERM from `ray job stop`): unwind through every release path."""
+class StopRequested(KeyboardInterrupt):
+    """The job was stopped (SIGTERM from `ray job stop`): unwind through every release path.
+
+    A KeyboardInterrupt, because that is the one exception Ray's blocking calls (`ray.wait`,
+    `ray.get`) let out of a signal handler: they turn it into a plain KeyboardInterrupt and drop
+    any other. So the handler also sets `_stop_requested`, which tells the two apart.
+    """
+
+
+_stop_requested = False
 
 
 def _stop(signum: int, frame: object) -> None:
+    global _stop_requested
+    _stop_requested = True
     raise StopRequested
 
 
@@ -89,9 +99,12 @@ def main(argv: list[str]) -> int:
         driver_phases["accepted"] = accepted
     try:
         result = run_step(spec, driver_phases=driver_phases)
-    except StopRequested:
+    except KeyboardInterrupt:
+        if not _stop_requested:
+            raise
         # run_step released everything on the way out; exit now instead of in Ray's stop grace period.
         print("[rayslice] stopped on request; capacity released", flush=True)
+        sys.stderr.flush()
         os._exit(143)
     except RaysliceError as exc:
         print(format_error(type(exc).__name__, str(exc), tag), flush=True)

@@ -105,14 +105,16 @@ class HostProcess:
         ))
         self._times["step_started"] = time.time()
         try:
-            result = step(**spec.kwargs)
-        finally:
-            set_step_context(None)
-        self._times["step_done"] = time.time()
-        _leave_jax_group()
-        self._times["left_group"] = time.time()
-        sys.stderr.flush()
-        print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
+            try:
+                result = step(**spec.kwargs)
+            finally:
+                set_step_context(None)
+            self._times["step_done"] = time.time()
+            _leave_jax_group()
+            self._times["left_group"] = time.time()
+        finally:  # also when the step raised: the driver waits for this host's last lines either way
+            sys.stderr.flush()
+            print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
         return result, self._times
 
 
@@ -409,11 +411,18 @@ def _first_line(exc: BaseException) -> str:
 
 
 class LogDrain:
-    """Sees each host's last line arrive in this driver's log, so the driver's own last line comes after it.
+    """Sees the hosts' output arrive in this driver's log, so the driver's own last line comes after it.
 
-    Ray forwards host output to the driver asynchronously; a driver that printed its result and
-    exited at once could lose a host's final lines. Only where this driver prints host output.
+    Ray forwards host output to the driver asynchronously (each node's log monitor tails the
+    processes' files); a driver that printed its result and exited at once could lose a host's
+    final lines, and after a failure those are the lines a user needs. Only where this driver
+    prints host output.
     """
+
+    #: The longest a drain waits, on success or failure.
+    TIMEOUT_S = 5.0
+    #: After a failure, how long host output must have been quiet: a killed host prints no last line.
+    QUIET_S = 1.0
 
     def __init__(self) -> None:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
@@ -422,25 +431,48 @@ class LogDrain:
         self.active = any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
         self._done: set[str] = set()
         self._seen = threading.Condition()
+        self._last_line = 0.0
         self._name = f"rayslice-drain-{id(self)}"
         if self.active:
             dispatcher.add_handler(self._name, self._handle)
 
     def _handle(self, data: dict) -> None:
-        for line in data.get("lines", ()):
-            if line.startswith(HOST_DONE_MARKER):
-                with self._seen:
+        with self._seen:
+            self._last_line = time.monotonic()
+            for line in data.get("lines", ()):
+                if line.startswith(HOST_DONE_MARKER):
                     self._done.add(line[len(HOST_DONE_MARKER):].strip())
-                    self._seen.notify_all()
+            self._seen.notify_all()
 
-    def wait(self, labels: list[str], timeout: float = 2.0) -> None:
-        if self.active:
-            with self._seen:
-                self._seen.wait_for(lambda: self._done.issuperset(labels), timeout)
+    def wait(self, labels: list[str], *, quiet: float = 0.0) -> None:
+        """Until every host in `labels` printed its last line and host output was quiet for `quiet` s; bounded.
+
+        On success every host prints a last line. After a failure, the hosts that raised did
+        (`HostProcess.run` prints it on the way out), and the ones that died or were killed
+        did not: for those, `quiet` seconds without a line (counted from this call) stand for it.
+        """
+        if not self.active:
+            return
+        start = time.monotonic()
+        deadline = start + self.TIMEOUT_S
+        with self._seen:
+            while True:
+                now = time.monotonic()
+                quiet_at = max(start, self._last_line) + quiet
+                if now >= deadline or (self._done.issuperset(labels) and now >= quiet_at):
+                    return
+                self._seen.wait(min(deadline, quiet_at if self._done.issuperset(labels) else deadline) - now)
 
     def close(self) -> None:
         if self.active:
             self._dispatcher.remove_handler(self._name)
+
+
+def raised_on(exc: BaseException, plans: list[HostPlan]) -> list[str]:
+    """The label of the host whose step raised `exc` (it printed its last line), if one did."""
+    if not isinstance(exc, StepFailedError) or isinstance(exc, HostLostError):
+        return []
+    return [plan.label for plan in plans if (plan.slice_index, plan.worker_id) == (exc.slice_index, exc.worker_id)]
 
 
 def kill(actors: list[Any]) -> None:
