@@ -36,6 +36,8 @@ HOST_START_TIMEOUT_S = 300.0
 PEER_DEATH_WINDOW_S = 2.0
 #: How long a lost host waits for its group's coordinator to be reported lost too (then the coordinator is named).
 COORDINATOR_DEATH_WINDOW_S = 1.0
+#: How long hosts that all returned may take to leave their JAX groups before they are killed anyway.
+LEAVE_TIMEOUT_S = 10.0
 #: Failures that may be a peer's death: JAX/XLA runtime errors, and what a broken link says.
 RUNTIME_ERRORS = ("JaxRuntimeError", "XlaRuntimeError")
 PEER_LOSS_SIGNS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "UNAVAILABLE",
@@ -110,12 +112,23 @@ class HostProcess:
             finally:
                 set_step_context(None)
             self._times["step_done"] = time.time()
-            _leave_jax_group()
-            self._times["left_group"] = time.time()
         finally:  # also when the step raised: the driver waits for this host's last lines either way
             sys.stderr.flush()
             print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
         return result, self._times
+
+    def leave(self) -> float:
+        """Leave the JAX group, once every host has returned: its shutdown is a barrier with the peers.
+
+        Called only then, so no host waits at the barrier for one still working (which fails
+        once JAX's shutdown timeout passes); a failure here is logged, never the step's outcome.
+        """
+        try:
+            _leave_jax_group()
+        except Exception as exc:
+            print(f"[rayslice] leaving the JAX group failed after the step succeeded: {type(exc).__name__}: {exc}",
+                  flush=True)
+        return time.time()
 
 
 @dataclass(frozen=True)
@@ -219,9 +232,23 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     except BaseException:
         kill(actors)  # cancel the whole gang at once
         raise
+    _leave_group(actors, plans, reports)
     if timeline is not None:
         timeline.hosts(reports)
     return results
+
+
+def _leave_group(actors: list[Any], plans: list[HostPlan], reports: list[dict[str, float]]) -> None:
+    """Every host has returned: let them leave their JAX groups together (bounded; the results are in)."""
+    if all(plan.num_processes <= 1 for plan in plans):
+        return
+    refs = {actor.leave.remote(): i for i, actor in enumerate(actors)}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=LEAVE_TIMEOUT_S)
+    for ref in ready:
+        try:
+            reports[refs[ref]]["left_group"] = ray.get(ref)
+        except Exception:  # a host lost after it returned: the step's value stands
+            pass
 
 
 def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOST_START_TIMEOUT_S) -> list[int]:

@@ -254,3 +254,44 @@ def test_only_runtime_failures_wait_to_blame_a_dead_peer(cause, may_be_a_death):
     from rayslice.cluster.gang import _may_be_a_peers_death
 
     assert _may_be_a_peers_death(StepFailedError("step failed", cause=cause)) is may_be_a_death
+
+
+SLOW_COORDINATOR_DRIVER = """
+import json, sys
+import ray
+from rayslice import StepSpec, TpuSliceRequest
+from rayslice.cluster import run_step
+from tests.rayslice.cluster.test_launcher import process_0_works_on
+
+ray.init(address=sys.argv[1], logging_level="ERROR", runtime_env={"env_vars": {"RAYSLICE_JAX_SHUTDOWN_TIMEOUT_S": "2"}})
+try:
+    print(json.dumps(run_step(StepSpec.for_function(process_0_works_on, request=TpuSliceRequest(tpu="v6e-16")))))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def process_0_works_on():
+    """Process 0 goes on working (an upload) well past the group's shutdown timeout after the others returned."""
+    import time
+
+    import jax
+
+    if jax.process_index() == 0:
+        time.sleep(8)
+    return jax.process_index()
+
+
+def test_a_coordinator_that_works_on_past_the_shutdown_timeout_still_succeeds(cluster, tmp_path):
+    """Leaving the JAX group (a barrier) never turns a step that returned everywhere into a failure."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.airflow_env import REPO
+
+    env = {**os.environ, **cluster.ray_env(), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", SLOW_COORDINATOR_DRIVER, cluster.gcs_address], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, 1, 2, 3], done.stdout[-3000:]
