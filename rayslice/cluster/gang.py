@@ -262,6 +262,7 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
     pending = list(refs)
     deadline = time.monotonic() + timeout
     index = 0
+    slow: list[int] = []
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending),
@@ -276,17 +277,35 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
                 index = refs[ref]
                 if plans[index].node_id in dead:
                     plan = plans[index]
-                    raise PreemptedError(
+                    raise _with_node(PreemptedError(
                         f"host {_where(plan)} was lost before the step started: its node was preempted or removed",
                         slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip,
                         cause="its node was preempted or removed",
-                    )
+                    ), plan)
             if time.monotonic() >= deadline:
-                slow = ", ".join(plans[refs[ref]].label for ref in pending)
-                raise HostLostError(f"the host processes on {slow} did not start within {timeout:.0f} s")
+                slow = [refs[ref] for ref in pending]
+                break
     except HostLostError as exc:
         raise _lost_host(exc, index, actors, plans) from None
+    if slow:  # alive as far as the GCS knows (checked each second): one probe of its raylet, no death window
+        kill(actors)
+        plan = plans[slow[0]]
+        where = ", ".join(plans[i].label for i in slow)
+        if node_probe.raylet_unreachable(plan.node_id):
+            raise _with_node(PreemptedError(
+                f"host {_where(plan)} was lost before the step started: its node does not answer",
+                slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip,
+                cause="its node was preempted or removed"), plan)
+        raise HostLostError(f"the host processes on {where} did not start within {timeout:.0f} s",
+                            slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip)
     return ports
+
+
+def _with_node(error: PreemptedError, plan: HostPlan) -> PreemptedError:
+    """The lost host's node and slice ride on the error: the retry avoids them while the GCS still shows them."""
+    error.node_id = plan.node_id
+    error.slice_name = plan.slice_name
+    return error
 
 
 def _lost_host(exc: HostLostError, index: int, actors: list[Any], plans: list[HostPlan]) -> HostLostError:
@@ -296,13 +315,13 @@ def _lost_host(exc: HostLostError, index: int, actors: list[Any], plans: list[Ho
     kill([actors[index]])
     if not preempted:
         return exc
-    return PreemptedError(
+    return _with_node(PreemptedError(
         str(exc).replace("its process died", "its node was preempted or removed"),
         slice_index=exc.slice_index,
         worker_id=exc.worker_id,
         host=exc.host,
         cause="its node was preempted or removed",
-    )
+    ), plans[index])
 
 
 def _dead_nodes(node_ids: set[str]) -> set[str]:

@@ -295,3 +295,20 @@ def test_a_coordinator_that_works_on_past_the_shutdown_timeout_still_succeeds(cl
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, 1, 2, 3], done.stdout[-3000:]
+
+
+def test_hosts_that_do_not_start_in_time_on_live_nodes_fail_without_the_node_death_window(ray_driver):
+    """A live but slow host is one probe of its raylet, not NODE_DEATH_WINDOW_S of watching."""
+    from rayslice.cluster import gang
+    from rayslice.cluster.environments import HostPlan
+    from rayslice.core.exceptions import HostLostError, PreemptedError
+
+    node = next(n for n in ray_driver.nodes() if n["Alive"] and n["Resources"].get("GPU"))
+    never = gang.HostProcess.options(resources={"no-such-resource": 1}).remote("never/host0")
+    plan = HostPlan(slice_index=0, slice_name="never", worker_id=0, ip=node["NodeManagerAddress"], process_id=0,
+                    num_processes=1, coordinator="", megascale_coordinator="", node_id=node["NodeID"])
+    started = time.monotonic()
+    with pytest.raises(HostLostError, match="did not start within 2 s") as info:
+        gang.await_started([never], [plan], timeout=2)
+    assert not isinstance(info.value, PreemptedError)
+    assert time.monotonic() - started < gang.NODE_DEATH_WINDOW_S  # old code watched the live node that long
