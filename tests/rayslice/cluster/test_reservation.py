@@ -220,6 +220,8 @@ def test_a_slice_with_a_busy_worker_is_passed_over_for_a_wholly_free_one(cluster
             SLICE_NAME_LABEL: busy, WORKER_ID_LABEL: "1"})(type("Holder", (), {"ping": lambda self: 1})).remote()
         try:
             assert ray_driver.get(holder.ping.remote(), timeout=120) == 1
+            request = TpuSliceRequest(tpu="v6e-16")
+            assert reservation.free_slices(request, ray_driver.nodes(), set()) == set(slices) - {busy}
             spec = StepSpec.for_function(which_slice, request=TpuSliceRequest(tpu="v6e-16"), capacity_timeout=60,
                                          owner=Owner(submission_id=f"test-busy-worker-{time.time_ns()}"))
             assert set(run_step(spec)) == set(slices) - {busy}
