@@ -23,6 +23,10 @@ cap its tasks are force-cancelled.
     .venv/bin/python bench/failure_detection.py --kind raise      # its own 5-node cluster, ~5 min
     .venv/bin/python bench/failure_detection.py --kind sigkill
     .venv/bin/python bench/failure_detection.py --kind node
+    .venv/bin/python bench/failure_detection.py --kind stop      # stop -> job ended, chips free
+
+For `stop` the "failure" time is the benchmark's just before it asks the Jobs API to stop the job;
+"step failed" is when the job's status first reads ended.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ KINDS = {
     "raise": "the step raises on worker 2",
     "sigkill": "worker 2's process is SIGKILLed",
     "node": "worker 2's node dies (preemption)",
+    "stop": "`ray job stop` of the step's running Ray job (rayslice row only)",
 }
 
 
@@ -85,6 +90,15 @@ def fail_here(mark_dir: str, kind: str) -> None:
     if kind == "raise":
         raise ValueError("bad batch on host 2")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_for_stop(mark_dir: str) -> None:
+    """Runs until the benchmark stops its job."""
+    import time
+    from pathlib import Path
+
+    Path(mark_dir, "ready").touch()
+    time.sleep(3600)
 
 
 def rayslice_step(mark_dir: str, kind: str) -> int:
@@ -183,7 +197,7 @@ class SliceWatcher:
 
 def main() -> None:
     args = parse_args(__doc__.split("\n")[0], default_reps=5, extra=_flags)
-    kinds = args.kind or list(KINDS)
+    kinds = args.kind or [kind for kind in KINDS if kind != "stop"]
     rows_wanted = args.row or ["rayslice", "a"]
     report = Report(NAME + ("" if len(kinds) == 3 else "_" + "_".join(kinds)), args)
     with cluster(SPEC, NAME) as record, driver(record) as ray:
@@ -215,6 +229,34 @@ def main() -> None:
             except StepFailedError as exc:
                 return time.time(), f"{type(exc).__name__} on worker {exc.worker_id}"
             return None, "succeeded?!"
+
+        def stopped_job(mark_dir: str, kind: str, cap: float) -> tuple[float | None, str]:
+            """Submit the step as a real Ray job; once it runs, `ray job stop` it (the Jobs API's stop)."""
+            import asyncio
+
+            from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
+            from rayslice.client.submission import submit_step
+
+            spec = StepSpec.for_function(wait_for_stop, request=REQUEST, kwargs={"mark_dir": mark_dir},
+                                         owner=Owner(submission_id=f"bench-stop-{time.time_ns()}"))
+
+            async def submit() -> str:
+                async with AsyncRayJobsClient(record.dashboard_url, token=record.token) as client:
+                    return await submit_step(client, spec, emit=lambda _: None)
+
+            sid = asyncio.run(submit())
+            with RayJobsClient(record.dashboard_url, token=record.token) as client:
+                while not Path(mark_dir, "ready").exists():
+                    time.sleep(0.05)
+                time.sleep(1.0)  # every host in its step
+                Path(mark_dir, "failed").write_text(repr(time.time()))
+                client.stop(sid)
+                while not client.get(sid).is_terminal:
+                    time.sleep(0.05)
+                ended = time.time()
+                said = "stopped on request" in client.logs(sid)
+            return ended, "job ended" + (
+                ", 'stopped on request'" if said else ", no 'stopped on request' line")
 
         def hand_written(mark_dir: str, kind: str, cap: float) -> tuple[float | None, str]:
             with socket.socket() as sock:  # simulation only: every host is this machine
@@ -274,12 +316,15 @@ def main() -> None:
         warm_up_workers(ray)
         rows = []
         for kind in kinds:
+            if kind == "stop":
+                rows.append((kind, Row("stop: rayslice job, `ray job stop`"), stopped_job, None))
+                continue
             if "rayslice" in rows_wanted:
                 rows.append((kind, Row(f"{kind}: rayslice run_step"), rayslice, None))
             if "a" in rows_wanted:
                 rows.append((kind, Row(f"{kind}: (a) hand-written head-targeted tasks, JAX wired"), hand_written,
                              cleanup_hand))
-        if "rayslice" in rows_wanted:  # warm-up, unrecorded
+        if "rayslice" in rows_wanted and kinds != ["stop"]:  # warm-up, unrecorded
             _measure(ray, record, victim_index, Row("warm-up"), "raise", rayslice, 60, None)
         started = time.monotonic()
         for rep in range(args.reps):

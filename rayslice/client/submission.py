@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import io
 import re
+import secrets
 import time
 import uuid
 import zipfile
@@ -30,7 +31,18 @@ from rayslice.core.exceptions import (
     StepFailedError,
     SubmissionConflictError,
 )
-from rayslice.core.step import ERROR_MARKER, HOST_DONE_MARKER, RESULT_MARKER, Owner, StepSpec, parse_error, parse_result
+from rayslice.core.step import (
+    ERROR_MARKER,
+    HOST_DONE_MARKER,
+    MARKER_TAG_KEY,
+    RESULT_MARKER,
+    Owner,
+    StepSpec,
+    error_marker,
+    parse_error,
+    parse_result,
+    result_marker,
+)
 
 ENTRYPOINT = "python -m rayslice.cluster spec.json"
 #: Ad-hoc steps (no Airflow task instance) get this prefix and a fresh UUID per submission.
@@ -165,6 +177,8 @@ async def submit_step(
     if not spec.owner.submission_id:
         owner = spec.owner.model_copy(update={"submission_id": submission_id(spec.owner)})
         spec = spec.model_copy(update={"owner": owner})
+    if not spec.marker_tag:  # the driver's marker lines carry it; text a step prints does not
+        spec = spec.model_copy(update={"marker_tag": secrets.token_hex(8)})
     sid = spec.owner.submission_id
     try:
         existing: JobDetails | None = await client.get(sid)
@@ -186,7 +200,8 @@ async def submit_step(
         ENTRYPOINT,
         submission_id=sid,
         runtime_env=runtime_env,
-        metadata={"rayslice": "1", "request": str(spec.request), **{k: str(v) for k, v in owner.items()}},
+        metadata={"rayslice": "1", "request": str(spec.request), **{k: str(v) for k, v in owner.items()},
+                  MARKER_TAG_KEY: spec.marker_tag},
     )
     emit(f"[rayslice] submitted {spec.request} as Ray job {sid}")
     return sid
@@ -201,9 +216,10 @@ class LogFollower:
     a line a chunk cut in two is relayed whole. The step's marker lines are kept, not relayed.
     """
 
-    def __init__(self, emit: Callable[[str], None], offset: int = 0) -> None:
+    def __init__(self, emit: Callable[[str], None], offset: int = 0, tag: str = "") -> None:
         self.emit = emit
         self.offset = int(offset)
+        self.tag = tag  # the job's marker tag (`marker_tag`): set from its metadata before its log is read
         self._partial = ""  # the current stream's text past `offset` that has no newline yet
         self._received = 0  # characters of the current stream seen so far
         self._markers: dict[str, str] = {}  # the last line carrying each marker
@@ -250,16 +266,28 @@ class LogFollower:
         self._handle(line)
 
     def _handle(self, line: str) -> None:
+        # Only the driver's own marker lines count: they start the line (see `parse_result`);
+        # a marker anywhere else (a host's line, after a "\r") is the step's text, relayed as such.
+        for kind, marker in ((RESULT_MARKER, result_marker(self.tag)), (ERROR_MARKER, error_marker(self.tag))):
+            if line.startswith(marker):
+                self._markers[kind] = line
+                return
         for piece in line.splitlines():  # "\r" progress bars and the like: one line each, as before
-            for marker in (RESULT_MARKER, ERROR_MARKER):
-                if marker in piece:
-                    self._markers[marker] = piece
-            if piece.strip() and not piece.startswith((RESULT_MARKER, ERROR_MARKER)) and HOST_DONE_MARKER not in piece:
+            if piece.strip() and not _HOST_DONE_LINE.match(_strip_ansi(piece)):
                 self.emit(_strip_ansi(piece))
+
+
+#: A host's last line, `(label pid=...) ::rayslice-host-done::label`: kept out of the task log.
+_HOST_DONE_LINE = re.compile(r"^\(.*\) " + re.escape(HOST_DONE_MARKER) + r"\S")
 
 
 def _strip_ansi(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def marker_tag_of(job: JobDetails) -> str:
+    """The tag of the job's marker lines; "" for a job submitted without one (plain markers)."""
+    return str((job.metadata or {}).get(MARKER_TAG_KEY, ""))
 
 
 def outcome(job: JobDetails, log: str) -> Any:
@@ -267,12 +295,13 @@ def outcome(job: JobDetails, log: str) -> Any:
 
     `log` needs only the marker lines (`LogFollower.markers`); the whole log works too.
     """
+    tag = marker_tag_of(job)
     if job.status == JobStatus.SUCCEEDED:
-        found, value = parse_result(log)
+        found, value = parse_result(log, tag)
         if not found:
             raise StepFailedError(f"Ray job {job.submission_id} succeeded but printed no rayslice result")
         return value
-    error = parse_error(log)
+    error = parse_error(log, tag)
     if error:
         raise STEP_ERRORS.get(error["type"], StepFailedError)(error["message"])
     if job.status == JobStatus.STOPPED:
@@ -427,6 +456,7 @@ class JobFollow:
             self.warn(f"Ray dashboard not answering ({cause}); still following {self.sid}")
             return None
         self._unreachable_since = None
+        self.lines.tag = marker_tag_of(job)  # known before the first stream opens (the job has left PENDING)
         return job
 
     async def _open(self, stack: contextlib.AsyncExitStack) -> LogTail | None:

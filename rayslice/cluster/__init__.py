@@ -10,6 +10,7 @@ import json
 import os
 import time
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -49,6 +50,7 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
     _reap_orphans(spec)
     first.note("reaped")
     checkpoint_dir = checkpoint_dir_for(spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV), spec.owner)
+    waits = Waits(capacity=spec.capacity_timeout, start=gang.HOST_START_TIMEOUT_S)
     for attempt in range(spec.preemption_retries + 1):
         timeline = first if attempt == 0 else phases.Timeline()
         for phase, at in (driver_phases or {}).items() if attempt == 0 else ():
@@ -63,16 +65,35 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
         step = gang.Attempt(preemption_attempt=attempt, checkpoint_dir=checkpoint_dir)
         try:
             if isinstance(spec.request, TpuSliceRequest):
-                return _run_on_slices(spec, spec.request, step, timeline)
-            return _run_on_fraction(spec, spec.request, step, timeline)
+                return _run_on_slices(spec, spec.request, step, timeline, waits)
+            return _run_on_fraction(spec, spec.request, step, timeline, waits)
         except PreemptedError as exc:
             if attempt == spec.preemption_retries:
                 raise
-            log(f"preempted: {exc}; retrying the whole gang ({attempt + 1} of {spec.preemption_retries})")
+            if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
+                waits.lost_nodes |= {exc.node_id}
+            log(f"preempted: {exc}; retrying the whole gang ({attempt + 1} of {spec.preemption_retries})"
+                + (f", avoiding {exc.slice_name}" if getattr(exc, "slice_name", "") else ""))
         finally:
             for line in timeline.lines():
                 print(line, flush=True)
     raise AssertionError("unreachable")
+
+
+@dataclass
+class Waits:
+    """What a step may still spend waiting, over all its attempts together (preemption retries included).
+
+    Capacity: `capacity_timeout` in all; host processes starting: `HOST_START_TIMEOUT_S` in all.
+    So a step never waits longer than capacity_timeout + 300 s in total, however many retries.
+    """
+
+    capacity: float
+    start: float
+    lost_nodes: frozenset[str] = frozenset()
+
+    def spend(self, kind: str, since: float) -> None:
+        setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
 
 
 def _require_connected_driver() -> None:
@@ -127,16 +148,21 @@ def _reap_orphans(spec: StepSpec) -> None:
 
 
 def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt,
-                   timeline: phases.Timeline) -> list[Any]:
+                   timeline: phases.Timeline, waits: Waits) -> list[Any]:
     name = reservation_name(spec)
-    log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
+    log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s, "
+        f"{waits.capacity:.0f} s of it left)")
     started = time.monotonic()
     timeline.note("reserving")
-    reservation = reserve_slices(request, timeout=spec.capacity_timeout, name=name)
+    try:
+        reservation = reserve_slices(request, timeout=waits.capacity, name=name, lost_nodes=waits.lost_nodes)
+    finally:
+        waits.spend("capacity", started)
     timeline.mark("reserved")
     actors: list[Any] = []
     spec_json = spec.model_dump_json()
-    drain, drain_from = gang.LogDrain(), []
+    # After a failure: the last line of a host that raised, and a quiet second for hosts that died.
+    drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     try:
         slices = sorted({h.slice_name for h in reservation.hosts})
         log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")
@@ -156,14 +182,22 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
                 ).remote(host.label, spec_json, plan)
             )
         timeline.note("actors_created")
-        ports = gang.await_started(actors, reservation.hosts)
+        starting = time.monotonic()
+        try:
+            ports = gang.await_started(actors, reservation.hosts, timeout=waits.start)
+        finally:
+            waits.spend("start", starting)
         timeline.note("actors_started")
         leaders = gang.group_leaders(reservation.hosts, multislice=request.multislice)
         plans = gang.plan_processes(reservation.hosts, multislice=request.multislice,
                                     ports={i: ports[i] for i in leaders})
         log(f"running on {', '.join(slices)}: {len(plans)} hosts x {request.chips_per_host} chips")
-        results = gang.run_gang(actors, plans, spec, attempt, timeline)
-        drain_from = [plan.label for plan in plans]
+        try:
+            results = gang.run_gang(actors, plans, spec, attempt, timeline)
+        except BaseException as exc:
+            drain_from = gang.raised_on(exc, plans)
+            raise
+        drain_from, quiet = [plan.label for plan in plans], 0.0
         return results
     finally:
         timeline.note("gang_returned")
@@ -171,7 +205,7 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
         still_held = reservation.release()
         timeline.mark("released")
         _log_release(str(request), started, still_held)
-        drain.wait(drain_from)  # after the release: the chips are free while the last host lines arrive
+        drain.wait(drain_from, quiet=quiet)  # after the release: the chips are free while the last lines arrive
         drain.close()
 
 
@@ -185,7 +219,7 @@ def _log_release(what: str, started: float, still_held: list[str]) -> None:
 
 
 def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
-                     timeline: phases.Timeline) -> Any:
+                     timeline: phases.Timeline, waits: Waits) -> Any:
     check_accelerator_satisfiable(request)
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
     started = time.monotonic()
@@ -202,21 +236,26 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
     actor = gang.HostProcess.options(
         name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, **request.ray_options()
     ).remote(str(request), spec.model_dump_json(), plan)
-    drain, drain_from = gang.LogDrain(), []
+    drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     try:
-        ready, _ = ray.wait([actor.free_port.remote()], timeout=spec.capacity_timeout)
+        ready, _ = ray.wait([actor.free_port.remote()], timeout=waits.capacity)
+        waits.spend("capacity", started)
         if not ready:
             raise CapacityTimeoutError(
                 f"no capacity for {request} within capacity_timeout={spec.capacity_timeout:.0f} s; "
                 "nothing was left reserved. Raise capacity_timeout or add nodes with that accelerator."
             )
         log(f"running on {request}")
-        result = gang.run_gang([actor], [plan], spec, attempt, timeline)[0]
-        drain_from = [str(request)]  # the actor's label
+        try:
+            result = gang.run_gang([actor], [plan], spec, attempt, timeline)[0]
+        except BaseException as exc:
+            drain_from = [str(request)] if gang.raised_on(exc, [plan]) else []  # the actor's label
+            raise
+        drain_from, quiet = [str(request)], 0.0
         return result
     finally:
         gang.kill([actor])
         timeline.mark("released")
         log(f"released {request} after {time.monotonic() - started:.1f} s")
-        drain.wait(drain_from)
+        drain.wait(drain_from, quiet=quiet)
         drain.close()

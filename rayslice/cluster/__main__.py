@@ -18,11 +18,21 @@ from rayslice.core.exceptions import RaysliceError, StepFailedError
 from rayslice.core.step import ResultTooLargeError, StepSpec, format_error, format_result
 
 
-class StopRequested(BaseException):
-    """The job was stopped (SIGTERM from `ray job stop`): unwind through every release path."""
+class StopRequested(KeyboardInterrupt):
+    """The job was stopped (SIGTERM from `ray job stop`): unwind through every release path.
+
+    A KeyboardInterrupt, because that is the one exception Ray's blocking calls (`ray.wait`,
+    `ray.get`) let out of a signal handler: they turn it into a plain KeyboardInterrupt and drop
+    any other. So the handler also sets `_stop_requested`, which tells the two apart.
+    """
+
+
+_stop_requested = False
 
 
 def _stop(signum: int, frame: object) -> None:
+    global _stop_requested
+    _stop_requested = True
     raise StopRequested
 
 
@@ -45,6 +55,7 @@ def _hosts_without_runtime_env() -> None:
 def main(argv: list[str]) -> int:
     main_entered = time.time()
     spec = StepSpec.model_validate_json(Path(argv[1] if len(argv) > 1 else "spec.json").read_text())
+    tag = spec.marker_tag
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
     if spec.pickled and spec.python != here:
         print(
@@ -56,6 +67,7 @@ def main(argv: list[str]) -> int:
                     "Match the versions, or give an import path (entrypoint='package.module:function') "
                     "installed on the cluster."
                 ),
+                tag,
             )
         )
         return 2
@@ -66,9 +78,13 @@ def main(argv: list[str]) -> int:
             print(format_error("InvalidRequestError", (
                 f"the step was submitted by rayslice {spec.rayslice_version} to run on the rayslice installed on the "
                 f"cluster, which is {__version__}: install rayslice=={spec.rayslice_version} in the cluster's image, "
-                "or set the `ray` connection's extra 'launcher' to 'shipped' so each job carries its own launcher")))
+                "or set the `ray` connection's extra 'launcher' to 'shipped' so each job carries its own launcher"),
+                tag))
             return 2
         _hosts_without_runtime_env()
+    # Ray's "Unhandled error" report would print a host's exception (text the step chose) unprefixed
+    # into the driver's output, where only the driver's own lines may start with a marker.
+    os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
     import ray
 
     from rayslice.cluster import phases, run_step
@@ -83,30 +99,34 @@ def main(argv: list[str]) -> int:
         driver_phases["accepted"] = accepted
     try:
         result = run_step(spec, driver_phases=driver_phases)
-    except StopRequested:
+    except KeyboardInterrupt:
+        if not _stop_requested:
+            raise
         # run_step released everything on the way out; exit now instead of in Ray's stop grace period.
         print("[rayslice] stopped on request; capacity released", flush=True)
+        sys.stderr.flush()
         os._exit(143)
     except RaysliceError as exc:
-        print(format_error(type(exc).__name__, str(exc)), flush=True)
+        print(format_error(type(exc).__name__, str(exc), tag), flush=True)
         return 1
     except Exception as exc:  # not the step's failure (that is a StepFailedError): the launcher's or Ray's
-        traceback.print_exc()
+        for line in traceback.format_exc().splitlines():  # prefixed: the text may hold the step's own words
+            print(f"[rayslice] {line}", file=sys.stderr, flush=True)
         message = (f"the rayslice launcher itself failed ({type(exc).__name__}: {exc}); this is a bug in "
                    "rayslice or an unexpected Ray error, not your step's: the traceback is in the Ray job's log")
-        print(format_error("LauncherError", message), flush=True)
+        print(format_error("LauncherError", message, tag), flush=True)
         return 1
     try:
-        line = format_result(result)
+        line = format_result(result, tag)
     except ResultTooLargeError as exc:
-        print(format_error("StepFailedError", str(exc)), flush=True)
+        print(format_error("StepFailedError", str(exc), tag), flush=True)
         return 1
     except (TypeError, ValueError) as exc:  # json.dumps: the step's value only, never the launcher's own bugs
         err = StepFailedError(
             f"the step returned a value that is not JSON ({exc}); return lists, dicts, "
             "numbers, strings or None (e.g. `float(loss)`, `array.tolist()`)"
         )
-        print(format_error(type(err).__name__, str(err)), flush=True)
+        print(format_error(type(err).__name__, str(err), tag), flush=True)
         return 1
     print(line, flush=True)
     return 0

@@ -17,6 +17,8 @@ from typing import Any
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 
 DEFAULT_MEGASCALE_PORT = 8081
+#: How long a simulated slice's JAX group waits at `jax.distributed.shutdown` for every process (JAX: 300 s).
+JAX_SHUTDOWN_TIMEOUT_ENV = "RAYSLICE_JAX_SHUTDOWN_TIMEOUT_S"
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class SimulatedTpuSlice(Environment):
                 local_device_ids=list(range(request.chips_per_host)),
                 cluster_detection_method="deactivate",
                 initialization_timeout=120,
+                shutdown_timeout_seconds=int(os.environ.get(JAX_SHUTDOWN_TIMEOUT_ENV, "300")),
             )
 
 

@@ -45,6 +45,8 @@ HOST_START_TIMEOUT_S = 300.0
 PEER_DEATH_WINDOW_S = 2.0
 #: How long a lost host waits for its group's coordinator to be reported lost too (then the coordinator is named).
 COORDINATOR_DEATH_WINDOW_S = 1.0
+#: How long hosts that all returned may take to leave their JAX groups before they are killed anyway.
+LEAVE_TIMEOUT_S = 10.0
 #: Failures that may be a peer's death: JAX/XLA runtime errors, and what a broken link says.
 RUNTIME_ERRORS = ("JaxRuntimeError", "XlaRuntimeError")
 PEER_LOSS_SIGNS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "UNAVAILABLE",
@@ -115,18 +117,31 @@ class HostProcess:
         ))
         self._times["step_started"] = time.time()
         watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice
-        with (hang_watch.HostWatch(attempt.hang_watch + self._label, threading.get_ident(), attempt.hang_interval)
-              if watched else nullcontext()):
-            try:
-                result = step(**spec.kwargs)
-            finally:
-                set_step_context(None)
+        try:
+            with (hang_watch.HostWatch(attempt.hang_watch + self._label, threading.get_ident(), attempt.hang_interval)
+                  if watched else nullcontext()):
+                try:
+                    result = step(**spec.kwargs)
+                finally:
+                    set_step_context(None)
             self._times["step_done"] = time.time()
-            _leave_jax_group()  # a barrier: a peer still stuck in a collective keeps this host in JAX too
-        self._times["left_group"] = time.time()
-        sys.stderr.flush()
-        print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
+        finally:  # also when the step raised: the driver waits for this host's last lines either way
+            sys.stderr.flush()
+            print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
         return result, self._times
+
+    def leave(self) -> float:
+        """Leave the JAX group, once every host has returned: its shutdown is a barrier with the peers.
+
+        Called only then, so no host waits at the barrier for one still working (which fails
+        once JAX's shutdown timeout passes); a failure here is logged, never the step's outcome.
+        """
+        try:
+            _leave_jax_group()
+        except Exception as exc:
+            print(f"[rayslice] leaving the JAX group failed after the step succeeded: {type(exc).__name__}: {exc}",
+                  flush=True)
+        return time.time()
 
 
 @dataclass(frozen=True)
@@ -245,6 +260,7 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
         raise
     finally:
         hang_watch.forget(watch_keys)
+    _leave_group(actors, plans, reports)
     if timeline is not None:
         timeline.hosts(reports)
     return results
@@ -271,6 +287,19 @@ def _check_hang(spec: StepSpec, running: list[HostPlan], watch_keys: dict[str, s
     )
 
 
+def _leave_group(actors: list[Any], plans: list[HostPlan], reports: list[dict[str, float]]) -> None:
+    """Every host has returned: let them leave their JAX groups together (bounded; the results are in)."""
+    if all(plan.num_processes <= 1 for plan in plans):
+        return
+    refs = {actor.leave.remote(): i for i, actor in enumerate(actors)}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=LEAVE_TIMEOUT_S)
+    for ref in ready:
+        try:
+            reports[refs[ref]]["left_group"] = ray.get(ref)
+        except Exception:  # a host lost after it returned: the step's value stands
+            pass
+
+
 def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOST_START_TIMEOUT_S) -> list[int]:
     """Wait until every host process runs; each returns a free port (the group leaders' become coordinators).
 
@@ -282,6 +311,7 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
     pending = list(refs)
     deadline = time.monotonic() + timeout
     index = 0
+    slow: list[int] = []
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending),
@@ -296,17 +326,35 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
                 index = refs[ref]
                 if plans[index].node_id in dead:
                     plan = plans[index]
-                    raise PreemptedError(
+                    raise _with_node(PreemptedError(
                         f"host {_where(plan)} was lost before the step started: its node was preempted or removed",
                         slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip,
                         cause="its node was preempted or removed",
-                    )
+                    ), plan)
             if time.monotonic() >= deadline:
-                slow = ", ".join(plans[refs[ref]].label for ref in pending)
-                raise HostLostError(f"the host processes on {slow} did not start within {timeout:.0f} s")
+                slow = [refs[ref] for ref in pending]
+                break
     except HostLostError as exc:
         raise _lost_host(exc, index, actors, plans) from None
+    if slow:  # alive as far as the GCS knows (checked each second): one probe of its raylet, no death window
+        kill(actors)
+        plan = plans[slow[0]]
+        where = ", ".join(plans[i].label for i in slow)
+        if node_probe.raylet_unreachable(plan.node_id):
+            raise _with_node(PreemptedError(
+                f"host {_where(plan)} was lost before the step started: its node does not answer",
+                slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip,
+                cause="its node was preempted or removed"), plan)
+        raise HostLostError(f"the host processes on {where} did not start within {timeout:.0f} s",
+                            slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip)
     return ports
+
+
+def _with_node(error: PreemptedError, plan: HostPlan) -> PreemptedError:
+    """The lost host's node and slice ride on the error: the retry avoids them while the GCS still shows them."""
+    error.node_id = plan.node_id
+    error.slice_name = plan.slice_name
+    return error
 
 
 def _lost_host(exc: HostLostError, index: int, actors: list[Any], plans: list[HostPlan]) -> HostLostError:
@@ -316,13 +364,13 @@ def _lost_host(exc: HostLostError, index: int, actors: list[Any], plans: list[Ho
     kill([actors[index]])
     if not preempted:
         return exc
-    return PreemptedError(
+    return _with_node(PreemptedError(
         str(exc).replace("its process died", "its node was preempted or removed"),
         slice_index=exc.slice_index,
         worker_id=exc.worker_id,
         host=exc.host,
         cause="its node was preempted or removed",
-    )
+    ), plans[index])
 
 
 def _dead_nodes(node_ids: set[str]) -> set[str]:
@@ -458,11 +506,18 @@ def _first_line(exc: BaseException) -> str:
 
 
 class LogDrain:
-    """Sees each host's last line arrive in this driver's log, so the driver's own last line comes after it.
+    """Sees the hosts' output arrive in this driver's log, so the driver's own last line comes after it.
 
-    Ray forwards host output to the driver asynchronously; a driver that printed its result and
-    exited at once could lose a host's final lines. Only where this driver prints host output.
+    Ray forwards host output to the driver asynchronously (each node's log monitor tails the
+    processes' files); a driver that printed its result and exited at once could lose a host's
+    final lines, and after a failure those are the lines a user needs. Only where this driver
+    prints host output.
     """
+
+    #: The longest a drain waits, on success or failure.
+    TIMEOUT_S = 5.0
+    #: After a failure, how long host output must have been quiet: a killed host prints no last line.
+    QUIET_S = 1.0
 
     def __init__(self) -> None:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
@@ -471,26 +526,48 @@ class LogDrain:
         self.active = any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
         self._done: set[str] = set()
         self._seen = threading.Condition()
+        self._last_line = 0.0
         self._name = f"rayslice-drain-{id(self)}"
         if self.active:
             dispatcher.add_handler(self._name, self._handle)
 
     def _handle(self, data: dict) -> None:
-        for line in data.get("lines", ()):
-            at = line.find(HOST_DONE_MARKER)
-            if at >= 0:
-                with self._seen:
-                    self._done.add(line[at + len(HOST_DONE_MARKER):].strip())
-                    self._seen.notify_all()
+        with self._seen:
+            self._last_line = time.monotonic()
+            for line in data.get("lines", ()):
+                if line.startswith(HOST_DONE_MARKER):
+                    self._done.add(line[len(HOST_DONE_MARKER):].strip())
+            self._seen.notify_all()
 
-    def wait(self, labels: list[str], timeout: float = 2.0) -> None:
-        if self.active:
-            with self._seen:
-                self._seen.wait_for(lambda: self._done.issuperset(labels), timeout)
+    def wait(self, labels: list[str], *, quiet: float = 0.0) -> None:
+        """Until every host in `labels` printed its last line and host output was quiet for `quiet` s; bounded.
+
+        On success every host prints a last line. After a failure, the hosts that raised did
+        (`HostProcess.run` prints it on the way out), and the ones that died or were killed
+        did not: for those, `quiet` seconds without a line (counted from this call) stand for it.
+        """
+        if not self.active:
+            return
+        start = time.monotonic()
+        deadline = start + self.TIMEOUT_S
+        with self._seen:
+            while True:
+                now = time.monotonic()
+                quiet_at = max(start, self._last_line) + quiet
+                if now >= deadline or (self._done.issuperset(labels) and now >= quiet_at):
+                    return
+                self._seen.wait(min(deadline, quiet_at if self._done.issuperset(labels) else deadline) - now)
 
     def close(self) -> None:
         if self.active:
             self._dispatcher.remove_handler(self._name)
+
+
+def raised_on(exc: BaseException, plans: list[HostPlan]) -> list[str]:
+    """The label of the host whose step raised `exc` (it printed its last line), if one did."""
+    if not isinstance(exc, StepFailedError) or isinstance(exc, HostLostError):
+        return []
+    return [plan.label for plan in plans if (plan.slice_index, plan.worker_id) == (exc.slice_index, exc.worker_id)]
 
 
 def kill(actors: list[Any]) -> None:

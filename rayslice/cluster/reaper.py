@@ -6,9 +6,10 @@ not detached). So this sweep is a safety net for what outlives its job anyway: d
 groups, or a GCS that has not caught up. The common orphan, a job that keeps running after its
 Airflow worker died, is stopped from the Airflow side (`rayslice.client.orphans`), whose end frees it.
 
-The rule is narrow on purpose: only names starting `rayslice:`, and only when the Jobs API record of
-`<sid>` says the job ended. A name with no such record (a step run by a plain driver, e.g. a test)
-is left alone: Ray frees those when their driver exits.
+The rule is narrow on purpose: only names starting `rayslice:`, and only when the Ray job that
+*created* the group or actor (its driver, as the GCS records it) has ended. The name is never trusted
+to say whose it is: a submission id may hold a `/`, and a hand re-run of an old `spec.json` names its
+reservation after a job that ended long ago while it is itself alive.
 
 `python -m rayslice.cluster.reaper [--dry-run]` runs the sweep as a Ray job (see `rayslice reap`).
 """
@@ -23,7 +24,6 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
 PREFIX = "rayslice:"
-LIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
 
 
 @dataclass(frozen=True)
@@ -61,25 +61,47 @@ def job_info(sid: str) -> dict | None:
 
 
 def find_orphans(exclude: str | None = None) -> list[Orphan]:
-    """Named groups and actors whose job ended. Cheap: one placement group table, one named-actor list."""
-    groups = [(pg["name"], "placement_group") for pg in placement_group_table().values() if pg["state"] != "REMOVED"]
-    actors = [(a["name"], "actor") for a in ray.util.list_named_actors(all_namespaces=True)]
+    """Named groups and actors whose creating driver has ended. Cheap: the GCS's job and group tables."""
+    from ray.core.generated import gcs_pb2
+
+    gcs = ray._private.state.state
+    ended = {job["JobID"] for job in gcs.job_table() if job["IsDead"]}
+    found: list[tuple[str, str]] = []
+    for raw in gcs._connect_and_get_accessor().get_placement_group_table():
+        group = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        removed = group.state == gcs_pb2.PlacementGroupTableData.REMOVED
+        if group.name.startswith(PREFIX) and not removed and (
+                group.creator_job_dead or group.creator_job_id.hex() in ended):
+            found.append((group.name, "placement_group"))
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(PREFIX) and _creator_job(actor) in ended:
+            found.append((actor["name"], "actor"))
     statuses: dict[str, str | None] = {}
     orphans = []
-    for name, kind in groups + actors:
-        sid = submission_id_of(name or "")
-        if sid is None or sid == exclude:
+    for name, kind in found:
+        sid = submission_id_of(name) or ""
+        if exclude and sid == exclude:
             continue
         if sid not in statuses:
-            statuses[sid] = job_status(sid)
-        status = statuses[sid]
-        if status is not None and status not in LIVE_STATUSES:
-            orphans.append(Orphan(kind=kind, name=name, submission_id=sid, job_status=status))
+            statuses[sid] = job_status(sid) if sid else None
+        orphans.append(Orphan(kind=kind, name=name, submission_id=sid,
+                              job_status=statuses[sid] or "ended (its driver exited)"))
     return orphans
 
 
+def _creator_job(actor: dict) -> str | None:
+    """The Ray job id (hex) of the driver that created a named actor: part of the actor's id."""
+    try:
+        return ray.get_actor(actor["name"], namespace=actor["namespace"])._actor_id.job_id.hex()
+    except ValueError:  # gone since it was listed
+        return None
+
+
 def reap(*, dry_run: bool = False, exclude: str | None = None) -> list[Orphan]:
-    """Remove the orphans' placement groups and kill their actors; returns what was (or would be) reaped."""
+    """Remove the orphans' placement groups and kill their actors; returns what was (or would be) reaped.
+
+    `exclude`: a submission id whose leftovers stay (the calling step's own; they have a live creator anyway).
+    """
     orphans = find_orphans(exclude)
     if dry_run:
         return orphans

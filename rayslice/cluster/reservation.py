@@ -35,6 +35,8 @@ SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
 #: How long release waits for Ray to confirm the groups are gone before it leaves them to Ray.
 RELEASE_TIMEOUT_S = 10.0
+#: How long heads wait for the slices that were wholly free before they take any slice.
+FREE_SLICE_WAIT_S = 2.0
 #: Longest single blocking wait, so a SIGTERM (`ray job stop`) is handled within this time.
 _WAIT_SLICE_S = 0.5
 
@@ -77,24 +79,41 @@ class SliceReservation:
         return [_name(group) for group in pending]
 
 
-def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str) -> SliceReservation:
-    """Reserve `request.num_slices` whole slices within `timeout` seconds, or hold nothing."""
+def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
+                   lost_nodes: frozenset[str] = frozenset()) -> SliceReservation:
+    """Reserve `request.num_slices` whole slices within `timeout` seconds, or hold nothing.
+
+    Slices whose every host is free now are preferred: a head bundle claims only worker 0, so a
+    slice whose other hosts run something else (a plain Ray task asking for `TPU`) would be held
+    while its hosts stay busy. `lost_nodes`: nodes a step just lost, which the GCS may still show
+    alive for seconds; their slices are avoided like broken ones.
+    """
     deadline = time.monotonic() + timeout
     nodes = ray.nodes()  # one snapshot for the whole reservation (refreshed only for a node that joined since)
-    broken = check_satisfiable(request, nodes)
+    broken = check_satisfiable(request, nodes, lost=lost_nodes)
     head_selector = {POD_TYPE_LABEL: request.pod_type, WORKER_ID_LABEL: "0"}
     if broken:  # a slice that lost a host could take the head and then never get its hosts
         head_selector[SLICE_NAME_LABEL] = f"!in({','.join(sorted(broken))})"
-    heads = placement_group(
-        [{request.head_resource: 1}] * request.num_slices,
-        strategy="STRICT_SPREAD",
-        name=f"{name}/heads",
-        bundle_label_selector=[head_selector] * request.num_slices,
-    )
+    selectors = [head_selector]
+    free = free_slices(request, nodes, broken)
+    if len(free) >= request.num_slices:  # heads only where every host is free too (a busy worker, not a head)
+        selectors.insert(0, {**head_selector, SLICE_NAME_LABEL: f"in({','.join(sorted(free))})"})
+    for tried, selector in enumerate(selectors, 1):
+        heads = placement_group(
+            [{request.head_resource: 1}] * request.num_slices,
+            strategy="STRICT_SPREAD",
+            name=f"{name}/heads",
+            bundle_label_selector=[selector] * request.num_slices,
+        )
+        last = tried == len(selectors)
+        # The free slices were free a moment ago: if another step took one since, any slice will do.
+        if wait_ready(heads, deadline if last else min(deadline, time.monotonic() + FREE_SLICE_WAIT_S)):
+            break
+        remove_placement_group(heads)
+        if last:
+            raise _capacity_timeout(request, timeout, "no free slice heads")
     reservation = SliceReservation(request=request, heads=heads)
     try:
-        if not wait_ready(heads, deadline):
-            raise _capacity_timeout(request, timeout, "no free slice heads")
         slices = _slice_names(heads, nodes)
         plan = [(s, slice_name, w) for s, slice_name in enumerate(slices) for w in range(request.hosts_per_slice)]
         reservation.hosts_group = placement_group(
@@ -131,14 +150,32 @@ def wait_ready(group: PlacementGroup, deadline: float) -> bool:
             return False
 
 
-def check_satisfiable(request: TpuSliceRequest, nodes: list[dict] | None = None) -> set[str]:
+def free_slices(request: TpuSliceRequest, nodes: list[dict], broken: set[str]) -> set[str]:
+    """The intact slices of the request's pod type whose every host has its chips (and worker 0 its head) free."""
+    from ray._private.state import available_resources_per_node
+
+    available = available_resources_per_node()
+    hosts: dict[str, list[bool]] = {}
+    for node in nodes:
+        labels = node.get("Labels", {})
+        name = labels.get(SLICE_NAME_LABEL)
+        if not node["Alive"] or labels.get(POD_TYPE_LABEL) != request.pod_type or not name or name in broken:
+            continue
+        free = available.get(node["NodeID"], {})
+        head_free = labels.get(WORKER_ID_LABEL) != "0" or free.get(request.head_resource, 0) >= 1
+        hosts.setdefault(name, []).append(head_free and free.get("TPU", 0) >= request.chips_per_host)
+    return {name for name, ok in hosts.items() if len(ok) == request.hosts_per_slice and all(ok)}
+
+
+def check_satisfiable(request: TpuSliceRequest, nodes: list[dict] | None = None,
+                      lost: frozenset[str] = frozenset()) -> set[str]:
     """Fail at once, instead of after capacity_timeout, when no slice could ever appear.
 
     Enough intact slices of the pod type exist (busy or not), or an autoscaler may add them:
     then waiting makes sense. Returns the names of broken slices (alive, but missing hosts),
-    which the reservation avoids. `nodes`: a `ray.nodes()` snapshot to use.
+    which the reservation avoids. `nodes`: a `ray.nodes()` snapshot to use; `lost`: nodes to count as gone.
     """
-    alive = [node for node in (ray.nodes() if nodes is None else nodes) if node["Alive"]]
+    alive = [node for node in (ray.nodes() if nodes is None else nodes) if node["Alive"] and node["NodeID"] not in lost]
     hosts: dict[str, int] = {}
     for node in alive:
         labels = node.get("Labels", {})

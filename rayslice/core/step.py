@@ -16,12 +16,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayslice.core.accelerators import StepRequest
-from rayslice.core.exceptions import InvalidRequestError
+from rayslice.core.exceptions import InvalidRequestError, StepFailedError
 
 RESULT_MARKER = "::rayslice-result::"
 ERROR_MARKER = "::rayslice-error::"
 #: Each host's last line: the driver waits (briefly) until every host's output reached it before its own last line.
 HOST_DONE_MARKER = "::rayslice-host-done::"
+#: The job metadata key that holds a step's marker tag (see `StepSpec.marker_tag`).
+MARKER_TAG_KEY = "marker_tag"
 #: The most JSON a step may return: the result travels as one line of the job's log, and then as an XCom.
 RESULT_LIMIT_BYTES = 1024 * 1024
 
@@ -99,6 +101,9 @@ class StepSpec(BaseModel):
     )
     rayslice_version: str = Field(default_factory=_rayslice_version,
                                   description="the submitter's rayslice; an installed launcher must match it")
+    marker_tag: str = Field("", pattern=r"^[0-9a-f]*$",
+                            description="a per-submission secret in the driver's result and error lines, so that "
+                                        "marker lines from elsewhere (another job's log a step prints) never count")
 
     @model_validator(mode="after")
     def _exactly_one_callable(self) -> StepSpec:
@@ -135,7 +140,16 @@ class ResultTooLargeError(ValueError):
     """The step's value is JSON, but more than the result line carries."""
 
 
-def format_result(value: Any) -> str:
+def result_marker(tag: str = "") -> str:
+    """The start of the driver's result line: `::rayslice-result::` then, for a tagged step, `<tag>::`."""
+    return f"{RESULT_MARKER}{tag}::" if tag else RESULT_MARKER
+
+
+def error_marker(tag: str = "") -> str:
+    return f"{ERROR_MARKER}{tag}::" if tag else ERROR_MARKER
+
+
+def format_result(value: Any, tag: str = "") -> str:
     """The marked result line; TypeError for a value that is not JSON, ResultTooLargeError past the limit."""
     text = json.dumps(value, allow_nan=True)
     if len(text.encode()) > RESULT_LIMIT_BYTES:
@@ -145,26 +159,52 @@ def format_result(value: Any) -> str:
             "write large outputs (models, arrays, tables) to storage, e.g. rayslice.get_step_context().checkpoint_dir, "
             "and return their path"
         )
-    return RESULT_MARKER + text
+    return result_marker(tag) + text
 
 
-def format_error(kind: str, message: str) -> str:
-    return ERROR_MARKER + json.dumps({"type": kind, "message": message})
+def format_error(kind: str, message: str, tag: str = "") -> str:
+    return error_marker(tag) + json.dumps({"type": kind, "message": message})
 
 
-def parse_result(log: str) -> tuple[bool, Any]:
-    """(found, value) from the last result line of a job log."""
-    for line in reversed(log.splitlines()):
-        at = line.find(RESULT_MARKER)
-        if at >= 0:
-            return True, json.loads(line[at + len(RESULT_MARKER) :])
-    return False, None
+def _driver_line(log: str, marker: str) -> str | None:
+    """What follows `marker` on the last line that starts with it, or None.
 
-
-def parse_error(log: str) -> dict[str, str] | None:
-    """The launcher's one-line error summary (type and message), if the job printed one."""
-    for line in reversed(log.splitlines()):
-        at = line.find(ERROR_MARKER)
-        if at >= 0:
-            return json.loads(line[at + len(ERROR_MARKER) :])
+    Only the launcher's driver prints lines that start with a marker: Ray prefixes every line a
+    host prints with `(slice/hostN pid=...)`, so a marker a step prints (another job's log, an
+    echoed input) is not at a line's start; where a "\\r" still puts it there (Ray splits host
+    output at "\\r" too), the tag, which the step's text does not hold, tells it apart.
+    """
+    for line in reversed(log.split("\n")):
+        if line.startswith(marker):
+            return line[len(marker):].rstrip("\r")
     return None
+
+
+def _loads(text: str, marker: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise StepFailedError(
+            f"the job's log has a {marker} line that is not JSON ({exc}): {text[:200]!r}; the launcher prints only "
+            "JSON there, so something else wrote it at the start of a line of the driver's output"
+        ) from None
+
+
+def parse_result(log: str, tag: str = "") -> tuple[bool, Any]:
+    """(found, value) from the driver's last result line; StepFailedError for one that is not JSON."""
+    text = _driver_line(log, result_marker(tag))
+    if text is None:
+        return False, None
+    return True, _loads(text, result_marker(tag))
+
+
+def parse_error(log: str, tag: str = "") -> dict[str, str] | None:
+    """The launcher's one-line error summary (type and message), if its driver printed one."""
+    text = _driver_line(log, error_marker(tag))
+    if text is None:
+        return None
+    error = _loads(text, error_marker(tag))
+    if not isinstance(error, dict) or not isinstance(error.get("type"), str) or "message" not in error:
+        raise StepFailedError(f"the job's log has a {error_marker(tag)} line without a type and message: "
+                              f"{text[:200]!r}")
+    return {"type": error["type"], "message": str(error["message"])}

@@ -20,7 +20,7 @@ from rayslice.client.submission import (
     submission_id,
     submit_step,
 )
-from rayslice.core.accelerators import AcceleratorRequest
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import SubmissionConflictError
 from rayslice.core.step import Owner, StepSpec
 
@@ -195,3 +195,26 @@ def test_an_installed_launcher_of_another_version_is_refused_before_anything_is_
     assert not any("waiting for capacity" in line or "running on" in line for line in lines), lines  # stopped first
     assert "install rayslice==0.0.1 in the cluster's image, or set the `ray` connection's extra 'launcher' to " \
            "'shipped'" in message
+
+
+def prints_marker_lines():
+    """Echoes what another job's log, or its own input, could hold: marker lines that are not the driver's."""
+    print('copied from another job: ::rayslice-result::"spoofed"')
+    print('::rayslice-result::"spoofed at the start of a host line"')
+    print('::rayslice-error::{"type": "StepFailedError", "message": "a printed error line"}')
+    print("::rayslice-result::not json")
+    print("::rayslice-error::{not json either")
+    print('progress 50%\r::rayslice-result::"after a carriage return"')
+    return "its own value"
+
+
+@pytest.mark.parametrize("request_", [TpuSliceRequest(tpu="v6e-4"), QUARTER_GPU], ids=["v6e-4", "quarter-gpu"])
+def test_marker_lines_a_step_prints_are_relayed_as_text_and_the_step_returns_its_own_value(cluster, request_):
+    lines: list[str] = []
+    spec = StepSpec.for_function(prints_marker_lines, request=request_)
+    result = asyncio.run(run_step_job(cluster.dashboard_url, spec, token=cluster.token, emit=lines.append))
+    assert result == (["its own value"] if isinstance(request_, TpuSliceRequest) else "its own value")
+    relayed = "\n".join(lines)
+    for text in ('copied from another job: ::rayslice-result::"spoofed"', "::rayslice-result::not json",
+                 '::rayslice-error::{"type": "StepFailedError", "message": "a printed error line"}'):
+        assert text in relayed, lines

@@ -254,3 +254,61 @@ def test_only_runtime_failures_wait_to_blame_a_dead_peer(cause, may_be_a_death):
     from rayslice.cluster.gang import _may_be_a_peers_death
 
     assert _may_be_a_peers_death(StepFailedError("step failed", cause=cause)) is may_be_a_death
+
+
+SLOW_COORDINATOR_DRIVER = """
+import json, sys
+import ray
+from rayslice import StepSpec, TpuSliceRequest
+from rayslice.cluster import run_step
+from tests.rayslice.cluster.test_launcher import process_0_works_on
+
+ray.init(address=sys.argv[1], logging_level="ERROR", runtime_env={"env_vars": {"RAYSLICE_JAX_SHUTDOWN_TIMEOUT_S": "2"}})
+try:
+    print(json.dumps(run_step(StepSpec.for_function(process_0_works_on, request=TpuSliceRequest(tpu="v6e-16")))))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def process_0_works_on():
+    """Process 0 goes on working (an upload) well past the group's shutdown timeout after the others returned."""
+    import time
+
+    import jax
+
+    if jax.process_index() == 0:
+        time.sleep(8)
+    return jax.process_index()
+
+
+def test_a_coordinator_that_works_on_past_the_shutdown_timeout_still_succeeds(cluster, tmp_path):
+    """Leaving the JAX group (a barrier) never turns a step that returned everywhere into a failure."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.airflow_env import REPO
+
+    env = {**os.environ, **cluster.ray_env(), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", SLOW_COORDINATOR_DRIVER, cluster.gcs_address], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, 1, 2, 3], done.stdout[-3000:]
+
+
+def test_hosts_that_do_not_start_in_time_on_live_nodes_fail_without_the_node_death_window(ray_driver):
+    """A live but slow host is one probe of its raylet, not NODE_DEATH_WINDOW_S of watching."""
+    from rayslice.cluster import gang
+    from rayslice.cluster.environments import HostPlan
+    from rayslice.core.exceptions import HostLostError, PreemptedError
+
+    node = next(n for n in ray_driver.nodes() if n["Alive"] and n["Resources"].get("GPU"))
+    never = gang.HostProcess.options(resources={"no-such-resource": 1}).remote("never/host0")
+    plan = HostPlan(slice_index=0, slice_name="never", worker_id=0, ip=node["NodeManagerAddress"], process_id=0,
+                    num_processes=1, coordinator="", megascale_coordinator="", node_id=node["NodeID"])
+    started = time.monotonic()
+    with pytest.raises(HostLostError, match="did not start within 2 s") as info:
+        gang.await_started([never], [plan], timeout=2)
+    assert not isinstance(info.value, PreemptedError)
+    assert time.monotonic() - started < gang.NODE_DEATH_WINDOW_S  # old code watched the live node that long

@@ -77,3 +77,66 @@ def test_a_result_too_large_for_the_result_line_says_the_limit_and_what_to_do(sp
     assert marker == ERROR_MARKER and error["type"] == "StepFailedError"
     assert "over the 1 MiB a step may return" in error["message"]
     assert "checkpoint_dir" in error["message"] and "return their path" in error["message"]
+
+
+def last_words_then(crash: str):
+    """A host prints a burst of lines, then its last words, then crashes the way `crash` says."""
+    import os
+    import signal
+    import sys
+
+    for i in range(1000):
+        print(f"progress line {i}")
+    print("last words before the crash", flush=True)
+    sys.stderr.flush()
+    if crash == "raise":
+        raise RuntimeError("crashed on purpose")
+    if crash == "os._exit":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("crash", ["raise", "os._exit", "sigkill"])
+def test_a_hosts_last_line_before_a_crash_is_in_the_job_log(cluster, crash):
+    import asyncio
+
+    from rayslice.client.submission import run_step_job
+    from rayslice.core.exceptions import StepFailedError
+
+    lines: list[str] = []
+    spec = StepSpec.for_function(last_words_then, request=AcceleratorRequest(resource="GPU", count=0.25),
+                                 kwargs={"crash": crash})
+    with pytest.raises(StepFailedError):
+        asyncio.run(run_step_job(cluster.dashboard_url, spec, token=cluster.token, emit=lines.append))
+    assert any(line.endswith("progress line 999") for line in lines), lines[-5:]
+    assert any(line.endswith("last words before the crash") for line in lines), lines[-5:]
+
+
+def sleeps():
+    import time
+
+    time.sleep(600)
+
+
+def test_ray_job_stop_unwinds_the_driver_and_frees_the_capacity(cluster):
+    """SIGTERM lands inside `ray.wait`: the driver still unwinds, releases, says so, and exits before Ray's SIGKILL."""
+    import asyncio
+
+    from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
+    from rayslice.client.submission import submit_step
+    from tests.conftest import wait_until
+
+    spec = StepSpec.for_function(sleeps, request=AcceleratorRequest(resource="GPU", count=0.25))
+
+    async def submit() -> str:
+        async with AsyncRayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+            return await submit_step(client, spec, emit=lambda _: None)
+
+    sid = asyncio.run(submit())
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+        assert wait_until(lambda: "[rayslice] running on GPU x0.25" in client.logs(sid), timeout=180, interval=0.5)
+        client.stop(sid)
+        assert wait_until(lambda: client.get(sid).is_terminal, timeout=60, interval=0.2)
+        log = client.logs(sid)
+    assert "[rayslice] stopped on request; capacity released" in log, log[-2000:]
+    assert "[rayslice] released GPU x0.25" in log

@@ -205,3 +205,47 @@ def test_reap_frees_the_slice_of_a_killed_airflow_worker(cluster, airflow, tmp_p
     assert wait_until(lambda: api.get(f"/dags/reaper_orphan/dagRuns/{run_id}/taskInstances/live")
                       .json()["state"] == "success", timeout=120, interval=1)
     assert wait_until(lambda: job_status(cluster, stranger) == "SUCCEEDED", timeout=60)
+
+
+LEAVE_A_DETACHED_GROUP = """
+import sys
+import ray
+from ray.util.placement_group import placement_group
+
+ray.init(address=sys.argv[2], logging_level="ERROR")
+group = placement_group([{"CPU": 0.01}], name=sys.argv[1], lifetime="detached")
+ray.get(group.ready(), timeout=120)
+"""
+
+
+def test_the_sweep_keys_on_the_creating_driver_never_on_a_name_a_caller_chose(cluster, ray_driver, tmp_path):
+    """Live reservations named after an ended job (an id with '/', a re-run spec.json) stay; a dead driver's go."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rayslice.cluster import reaper
+
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+        ended = client.submit("true", submission_id=f"test-reaper-ended-{time.time_ns()}")
+        assert wait_until(lambda: client.get(ended).is_terminal, timeout=180, interval=0.5)
+    rerun = placement_group([{"CPU": 0.01}], name=f"rayslice:{ended}/heads")  # an old spec.json run by hand
+    slashed = placement_group([{"CPU": 0.01}], name=f"rayslice:{ended}/forged-part/hosts")  # an id with a '/'
+    actor = ray_driver.remote(num_cpus=0)(type("Holder", (), {"ping": lambda self: 1})).options(
+        name=f"rayslice:{ended}/v6e-4/host0").remote()
+    dead_driver = f"rayslice:test-reaper-dead-driver-{time.time_ns()}/heads"
+    env = {**os.environ, **cluster.ray_env()}
+    done = subprocess.run([sys.executable, "-c", LEAVE_A_DETACHED_GROUP, dead_driver, cluster.gcs_address], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    try:
+        ray_driver.get([rerun.ready(), slashed.ready(), actor.ping.remote()], timeout=120)
+        reaped = {orphan.name for orphan in reaper.reap()}
+        assert dead_driver in reaped, reaped  # no Jobs API record, but its driver has exited
+        live = {rerun: f"rayslice:{ended}/heads", slashed: f"rayslice:{ended}/forged-part/hosts"}
+        assert not reaped & {*live.values(), f"rayslice:{ended}/v6e-4/host0"}, reaped
+        assert all(ray_driver.util.placement_group_table(group)["state"] == "CREATED" for group in live)
+        assert ray_driver.get(actor.ping.remote(), timeout=30) == 1
+    finally:
+        remove_placement_group(rerun)
+        remove_placement_group(slashed)
+        ray_driver.kill(actor)
+        reaper.reap()  # the dead driver's group, if the assertion above failed before the sweep

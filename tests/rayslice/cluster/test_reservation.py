@@ -200,3 +200,45 @@ def test_an_accelerator_request_no_node_could_hold_fails_at_once(ray_driver, req
     assert time.monotonic() - started < 30  # not the 600 s capacity_timeout
     assert str(request_) in str(info.value) and "Accelerators here: GPU x3" in str(info.value)
     assert wait_until(lambda: ray_driver.available_resources().get("GPU") == 3.0)
+
+
+def which_slice():
+    import rayslice
+
+    return rayslice.get_step_context().slice_name
+
+
+def test_a_slice_with_a_busy_worker_is_passed_over_for_a_wholly_free_one(cluster, ray_driver):
+    """A plain Ray actor asking `TPU: 4` sits on worker 1 of one v6e-16: a v6e-16 step gets the other at once."""
+    from rayslice.cluster import run_step
+    from rayslice.cluster.reservation import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL
+
+    slices = sorted({n["Labels"][SLICE_NAME_LABEL] for n in ray_driver.nodes()
+                     if n["Alive"] and n.get("Labels", {}).get(POD_TYPE_LABEL) == "v6e-16"})
+    for busy in slices:  # whichever slice Ray's scheduler would take first, it is busy once
+        holder = ray_driver.remote(num_cpus=0, resources={"TPU": 4}, label_selector={
+            SLICE_NAME_LABEL: busy, WORKER_ID_LABEL: "1"})(type("Holder", (), {"ping": lambda self: 1})).remote()
+        try:
+            assert ray_driver.get(holder.ping.remote(), timeout=120) == 1
+            request = TpuSliceRequest(tpu="v6e-16")
+            assert reservation.free_slices(request, ray_driver.nodes(), set()) == set(slices) - {busy}
+            spec = StepSpec.for_function(which_slice, request=TpuSliceRequest(tpu="v6e-16"), capacity_timeout=60,
+                                         owner=Owner(submission_id=f"test-busy-worker-{time.time_ns()}"))
+            assert set(run_step(spec)) == set(slices) - {busy}
+        finally:
+            ray_driver.kill(holder)
+
+
+def test_a_retry_avoids_the_slice_of_a_node_just_lost_while_the_gcs_still_shows_it_alive(ray_driver):
+    from rayslice.cluster.reservation import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL
+
+    hosts = {(n["Labels"][SLICE_NAME_LABEL], n["Labels"][WORKER_ID_LABEL]): n["NodeID"] for n in ray_driver.nodes()
+             if n["Alive"] and n.get("Labels", {}).get(POD_TYPE_LABEL) == "v6e-16"}
+    for lost_slice in sorted({name for name, _ in hosts}):
+        lost = frozenset({hosts[(lost_slice, "2")]})
+        held = reserve_slices(TpuSliceRequest(tpu="v6e-16"), timeout=60, name=f"test-lost-{time.time_ns()}",
+                              lost_nodes=lost)
+        try:
+            assert {host.slice_name for host in held.hosts} != {lost_slice}
+        finally:
+            assert held.release() == []
