@@ -17,10 +17,12 @@ per DAG and task over it (`rayslice.client.usage`), drawn on the server too.
 
 # No `from __future__ import annotations`: FastAPI must see the route signatures' real types,
 # which are imported inside build_app().
+import asyncio
 import re
 import time
+from collections.abc import Awaitable, Callable
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.plugins_manager import AirflowPlugin
 
@@ -102,6 +104,21 @@ def scrub(message: str, ray: "RayConnectionSettings") -> str:
 
 _readings: "dict[str, tuple[float, Snapshot]]" = {}
 _usages: "dict[str, tuple[float, Usage]]" = {}
+_inflight: "dict[tuple[int, str], asyncio.Future[Any]]" = {}
+T = TypeVar("T")
+
+
+async def shared(key: str, read: Callable[[], Awaitable[T]]) -> T:
+    """`read()`, once for every caller asking for `key` meanwhile: pages whose cache missed together share a reading.
+
+    A caller that goes away (its request cancelled) does not cancel the reading the others wait for.
+    """
+    slot = (id(asyncio.get_running_loop()), key)
+    reading = _inflight.get(slot)
+    if reading is None:
+        reading = _inflight[slot] = asyncio.ensure_future(read())
+        reading.add_done_callback(lambda _: _inflight.pop(slot, None))
+    return await asyncio.shield(reading)
 
 
 def may_choose(conn_id: str, user: Any) -> bool:
@@ -128,8 +145,8 @@ async def read_usage(conn_id: str, hours: float) -> "Usage":
     if cached and time.monotonic() - cached[0] < USAGE_CACHE_S:
         return cached[1]
     try:
-        found = await usage.ausage(ray.dashboard_url, token=ray.token, hours=hours, verify=ray.verify,
-                                   headers=ray.headers)
+        found = await shared(f"usage {key}", lambda: usage.ausage(
+            ray.dashboard_url, token=ray.token, hours=hours, verify=ray.verify, headers=ray.headers))
     except RaysliceError as exc:
         raise _Problem(502, scrub(str(exc), ray)) from None
     _usages[key] = (time.monotonic(), found)
@@ -179,7 +196,8 @@ async def read(conn_id: str) -> "tuple[Snapshot, str]":
     if cached and time.monotonic() - cached[0] < CACHE_S:
         return cached[1], ray.dashboard_url
     try:
-        snap = await capacity.asnapshot(ray.dashboard_url, token=ray.token, verify=ray.verify, headers=ray.headers)
+        snap = await shared(f"capacity {key}", lambda: capacity.asnapshot(
+            ray.dashboard_url, token=ray.token, verify=ray.verify, headers=ray.headers))
     except RaysliceError as exc:
         raise _Problem(502, scrub(str(exc), ray)) from None
     _readings[key] = (time.monotonic(), snap)

@@ -353,7 +353,7 @@ for actor in actors:
 """
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(720)  # the first e2e test of a run also pays for Airflow's start
 def test_names_planted_on_the_cluster_are_shown_as_text(cluster, airflow, tmp_path: Path):
     """A Ray job's metadata and an actor's name are markup-shaped: the page shows them as text, runs nothing.
 
@@ -376,7 +376,7 @@ def test_names_planted_on_the_cluster_are_shown_as_text(cluster, airflow, tmp_pa
             bars = [b for b in usage.usage(url, token, hours=1).bars if b.submission_id in (sid, _IMG) and not b.end]
             return bars if len(bars) == 2 else None
 
-        assert wait_until(both_bars, timeout=180, interval=2), f"the planted actors never ran: {_job_log(url, sid)}"
+        assert wait_until(both_bars, timeout=300, interval=2), f"the planted actors never ran: {_job_log(url, sid)}"
         with browser_page("slices-page-names-failure.png") as page:
             page.context.add_cookies([{"name": "_token", "value": airflow.api_token(), "url": airflow.url}])
             # Both refreshes of the page's own script must also leave the names as text.

@@ -385,3 +385,32 @@ def test_error_summaries_never_show_the_connections_headers(client, monkeypatch)
     for resp in answers:
         assert "proxy error" in resp.text, resp.text[:500]
         assert "k3y-never-shown" not in resp.text and "cHJveHk6c2VjcmV0" not in resp.text and TOKEN not in resp.text
+
+
+def test_pages_whose_cache_missed_together_share_one_reading(client, monkeypatch):
+    """Five pages refreshing at once cost the dashboard one capacity reading and one usage reading."""
+    import asyncio
+
+    from rayslice.plugins import slices
+
+    from rayslice.client import capacity, usage
+
+    calls: list[str] = []
+    for module, name in ((capacity, "asnapshot"), (usage, "ausage")):
+        real = getattr(module, name)
+
+        async def counting(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return await _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+    monkeypatch.setattr(slices, "_readings", {})
+    monkeypatch.setattr(slices, "_usages", {})
+
+    async def pages():
+        return await asyncio.gather(*(slices.read("ray_default") for _ in range(5)),
+                                    *(slices.read_usage("ray_default", 1) for _ in range(5)))
+
+    answers = asyncio.run(pages())
+    assert sorted(calls) == ["asnapshot", "ausage"], calls
+    assert len({id(snap) for snap, _ in answers[:5]}) == 1 and len({id(u) for u in answers[5:]}) == 1
