@@ -17,7 +17,11 @@ it runs (the lag every other request on that loop, e.g. Airflow's Execution API,
 Then 8 pages refreshing at the same moment: the dashboard requests and bytes they cause (after:
 one shared reading, `rayslice.plugins.slices.shared`).
 
-    .venv/bin/python bench/slices_page.py [--reps 5] [--before 1f4e919]
+    .venv/bin/python bench/slices_page.py [--reps 5] [--before 1f4e919] [--jobs 10000] [--pages 8]
+
+8 pages of the old code at once decode the actor table 8 times over in one process (gigabytes at
+10,000 jobs): run that part on a smaller dashboard (`--jobs 1000`), the single refresh at full size
+(`--pages 0`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-JOBS, ACTORS_PER_JOB, RUNNING = 10_000, 10, 4
+JOBS = int(os.environ.get("SLICES_BENCH_JOBS", "10000"))  # --jobs, passed to the server process
+ACTORS_PER_JOB, RUNNING = 10, 4
 HOURS = 6.0
 
 
@@ -243,10 +248,12 @@ def _child(*args: str) -> str:
 
 
 def main() -> None:
+    global JOBS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--before", default="1f4e919")
-    parser.add_argument("--pages", type=int, default=8)
+    parser.add_argument("--pages", type=int, default=8, help="pages refreshing at once (0: skip that part)")
+    parser.add_argument("--jobs", type=int, default=10_000, help="jobs on the recorded dashboard (10 actors each)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -261,6 +268,8 @@ def main() -> None:
 
     import httpx
 
+    os.environ["SLICES_BENCH_JOBS"] = str(args.jobs)
+    JOBS = args.jobs
     port_file = Path(f"/tmp/slices-page-bench-{os.getpid()}.port")
     server = subprocess.Popen([sys.executable, __file__, "--child", "serve", "x", str(port_file)])
     try:
@@ -286,7 +295,7 @@ def main() -> None:
             rows[variant]["requests"] = {p: after[p][0] - seen.get(p, [0])[0] for p in after
                                          if after[p][0] - seen.get(p, [0])[0]}
         conc = {}
-        for variant in ("before", "after"):
+        for variant in ("before", "after") if args.pages else ():
             seen = counts()
             started = time.perf_counter()
             _child("--pages", str(args.pages), "--before", args.before, "--child", "concurrent", variant, url)
@@ -306,6 +315,8 @@ def main() -> None:
         reqs = ", ".join(f"{p} x{n}" for p, n in sorted(r["requests"].items()))
         print(f"| {variant} | {r['first_s']:.2f} s | {r['median_s']:.2f} s | {r['peak_mb']:.0f} MiB "
               f"| {r['max_lag_ms']:.0f} ms ({r['p99_lag_ms']:.0f} ms) | {reqs} |")
+    if not conc:
+        return
     print(f"\n| {args.pages} pages refreshing at once | dashboard requests | bytes read | wall (incl. start) |")
     print("|---|---|---|---|")
     for variant, (n, mb, took) in conc.items():
