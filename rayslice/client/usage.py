@@ -271,7 +271,8 @@ def usage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAUL
 
 async def ausage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAULT_WINDOW_H,
                  timeout: float = 20.0, verify: bool | str = True, headers: dict[str, str] | None = None) -> Usage:
-    """`usage` for async callers (the UI plugin), in a thread: decoding and parsing the actor table (up
-    to 100,000 ended actors) would otherwise hold the caller's event loop for seconds."""
+    """`usage` for async callers (the UI plugin), in a thread: the reads and the parsing of the actor table
+    (up to 100,000 ended actors) run off the caller's event loop. Its JSON decode is one C call that holds
+    the GIL, so the loop still waits that long (BENCHMARKS.md §9)."""
     return await asyncio.to_thread(usage, dashboard_url, token, hours=hours, timeout=timeout, verify=verify,
                                    headers=headers)
