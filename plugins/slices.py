@@ -17,10 +17,12 @@ per DAG and task over it (`rayslice.client.usage`), drawn on the server too.
 
 # No `from __future__ import annotations`: FastAPI must see the route signatures' real types,
 # which are imported inside build_app().
+import asyncio
 import re
 import time
+from collections.abc import Awaitable, Callable
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.plugins_manager import AirflowPlugin
 
@@ -37,6 +39,7 @@ CACHE_S = 2.0  # many open pages share one reading of the cluster
 USAGE_CACHE_S = 10.0  # the usage reading lists every ended actor: read it less often
 NOT_YOURS = ("only users allowed to read Airflow connections may choose the page's connection; "
              "open the page without ?conn_id= for the default one")
+HIDDEN = "a task in a DAG you cannot read"
 _CONN_ID = re.compile(r"^[\w.-]{1,250}$")
 _ICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" fill="none" stroke="#5b5bd6" stroke-width="2">'
          + "".join(f'<rect x="{x}" y="{y}" width="7" height="7" rx="1"/>' for x in (3, 14) for y in (3, 14))
@@ -91,8 +94,31 @@ def ray_connection(conn_id: str) -> "RayConnectionSettings":
         raise _Problem(400, str(exc)) from None
 
 
+def scrub(message: str, ray: "RayConnectionSettings") -> str:
+    """An error for the page without the connection's secrets: its token and every header value it sends."""
+    for secret in sorted({ray.token or "", *ray.headers.values()}, key=len, reverse=True):
+        if secret:
+            message = message.replace(secret, "***")
+    return message
+
+
 _readings: "dict[str, tuple[float, Snapshot]]" = {}
 _usages: "dict[str, tuple[float, Usage]]" = {}
+_inflight: "dict[tuple[int, str], asyncio.Future[Any]]" = {}
+T = TypeVar("T")
+
+
+async def shared(key: str, read: Callable[[], Awaitable[T]]) -> T:
+    """`read()`, once for every caller asking for `key` meanwhile: pages whose cache missed together share a reading.
+
+    A caller that goes away (its request cancelled) does not cancel the reading the others wait for.
+    """
+    slot = (id(asyncio.get_running_loop()), key)
+    reading = _inflight.get(slot)
+    if reading is None:
+        reading = _inflight[slot] = asyncio.ensure_future(read())
+        reading.add_done_callback(lambda _: _inflight.pop(slot, None))
+    return await asyncio.shield(reading)
 
 
 def may_choose(conn_id: str, user: Any) -> bool:
@@ -119,17 +145,20 @@ async def read_usage(conn_id: str, hours: float) -> "Usage":
     if cached and time.monotonic() - cached[0] < USAGE_CACHE_S:
         return cached[1]
     try:
-        found = await usage.ausage(ray.dashboard_url, token=ray.token, hours=hours, verify=ray.verify,
-                                   headers=ray.headers)
+        found = await shared(f"usage {key}", lambda: usage.ausage(
+            ray.dashboard_url, token=ray.token, hours=hours, verify=ray.verify, headers=ray.headers))
     except RaysliceError as exc:
-        message = str(exc).replace(ray.token, "***") if ray.token else str(exc)
-        raise _Problem(502, message) from None
+        raise _Problem(502, scrub(str(exc), ray)) from None
     _usages[key] = (time.monotonic(), found)
     return found
 
 
 def visible_usage(found: "Usage", user: Any) -> dict[str, Any]:
-    """The usage as JSON with steps of DAGs this user may not read unnamed, and the per-DAG/task tables."""
+    """The usage as JSON with steps of no DAG this user may read unnamed, and the per-DAG/task tables.
+
+    A bar without a DAG (its job record deleted, or never an Airflow task's) is hidden too: its
+    submission id spells the DAG and task it came from.
+    """
     from airflow.api_fastapi.app import get_auth_manager
 
     from rayslice.client import usage
@@ -137,10 +166,10 @@ def visible_usage(found: "Usage", user: Any) -> dict[str, Any]:
     dag_ids = {b.dag_id for b in found.bars if b.dag_id}
     allowed = get_auth_manager().filter_authorized_dag_ids(dag_ids=dag_ids, user=user) if dag_ids else set()
     steps: dict[str, str] = {}  # a hidden step keeps a number of its own (its bars on two lanes: one step)
-    bars = [b if not b.dag_id or b.dag_id in allowed else b.model_copy(update={
+    bars = [b if b.dag_id and b.dag_id in allowed else b.model_copy(update={
         "submission_id": steps.setdefault(b.submission_id, f"hidden-{len(steps) + 1}"), "dag_id": "", "run_id": "",
-        "task_id": "", "map_index": -1, "request": "", "job_id": None, "job_status": None, "hidden": True})
-        for b in found.bars]
+        "task_id": "", "map_index": -1, "try_number": 0, "request": "", "job_id": None, "job_status": None,
+        "hidden": True}) for b in found.bars]
     by_dag, by_task = usage.totals(bars)
     data = found.model_copy(update={"bars": bars}).model_dump(mode="json")
     return {**data, "by_dag": [r.model_dump(mode="json") for r in by_dag],
@@ -167,16 +196,20 @@ async def read(conn_id: str) -> "tuple[Snapshot, str]":
     if cached and time.monotonic() - cached[0] < CACHE_S:
         return cached[1], ray.dashboard_url
     try:
-        snap = await capacity.asnapshot(ray.dashboard_url, token=ray.token, verify=ray.verify, headers=ray.headers)
+        snap = await shared(f"capacity {key}", lambda: capacity.asnapshot(
+            ray.dashboard_url, token=ray.token, verify=ray.verify, headers=ray.headers))
     except RaysliceError as exc:
-        message = str(exc).replace(ray.token, "***") if ray.token else str(exc)
-        raise _Problem(502, message) from None
+        raise _Problem(502, scrub(str(exc), ray)) from None
     _readings[key] = (time.monotonic(), snap)
     return snap, ray.dashboard_url
 
 
 def visible(snap: "Snapshot", user: Any) -> dict[str, Any]:
-    """The snapshot as JSON, with holders in DAGs this user may not read replaced by a hidden one."""
+    """The snapshot as JSON, with holders of no DAG this user may read replaced by a hidden one.
+
+    That includes holders Ray cannot trace to a DAG (a step whose job record was deleted, another
+    Ray workload): their names are whatever their creator chose. What hidden demand asks for is hidden too.
+    """
     from airflow.api_fastapi.app import get_auth_manager
 
     data = snap.model_dump(mode="json")
@@ -186,9 +219,12 @@ def visible(snap: "Snapshot", user: Any) -> dict[str, Any]:
     dag_ids = {h["dag_id"] for h in holders if h and h["dag_id"]}
     allowed = get_auth_manager().filter_authorized_dag_ids(dag_ids=dag_ids, user=user) if dag_ids else set()
     for holder in holders:
-        if holder and holder["dag_id"] and holder["dag_id"] not in allowed:
-            holder.update(submission_id="", dag_id="", run_id="", task_id="", request="", job_id=None,
-                          job_status=None, name="", label="a task in a DAG you cannot read")
+        if holder and holder["dag_id"] not in allowed:
+            holder.update(submission_id="", dag_id="", run_id="", task_id="", map_index=-1, try_number=0, request="",
+                          job_id=None, job_status=None, name="", label=HIDDEN)
+    for demand in data["pending"]:
+        if not demand["holder"] or demand["holder"]["label"] == HIDDEN:
+            demand.update(request="hidden", resources={})
     return data
 
 

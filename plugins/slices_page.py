@@ -206,14 +206,17 @@ def _hms(value: float) -> str:
 
 
 def _step_name(bar: dict[str, Any]) -> str:
+    """The step as the tooltip names it, escaped (its ids come from a Ray job's metadata)."""
     if bar["hidden"]:
         return "a task in a DAG you cannot read"
     index = f"[{bar['map_index']}]" if bar.get("map_index", -1) >= 0 else ""
-    return f"{bar['dag_id'] or 'ad-hoc'} / {bar['task_id'] or bar['submission_id']}{index}"
+    return esc(f"{bar['dag_id'] or 'ad-hoc'} / {bar['task_id'] or bar['submission_id']}{index}")
 
 
 def _unit(bar: dict[str, Any]) -> tuple[str, str]:
-    return ("chips", "chip-hours") if bar["kind"] == "tpu" else ("GPU", "GPU-hours")
+    """What a bar's amount counts and its hours' unit: TPU chips, GPU (share), NPU, neuron_cores ..."""
+    resource = bar.get("resource") or ("TPU" if bar["kind"] == "tpu" else "GPU")
+    return ("chips", "chip-hours") if resource == "TPU" else (esc(resource), f"{esc(resource)}-hours")
 
 
 def timeline(data: dict[str, Any], ctx: dict[str, str]) -> str:
@@ -269,23 +272,32 @@ def _step_detail(i: int, bar: dict[str, Any], lane: dict[str, Any], ctx: dict[st
             f'{waited} &#183; <b>{hours_text(bar["hours"])} {hours_unit}</b> in this window</p></div>')
 
 
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The accelerator-hours columns: TPU chip-hours and GPU-hours always, then every other kind billed."""
+    from rayslice.client.usage import ACCELERATORS
+
+    return [r for r in ACCELERATORS if r in ("TPU", "GPU") or any(row["hours"].get(r) for row in rows)]
+
+
 def usage_tables(data: dict[str, Any]) -> str:
+    columns = _columns(data["by_dag"])
+
+    def hours(r: dict[str, Any]) -> str:
+        return "".join(f'<td class="num">{hours_text(r["hours"].get(c, 0))}</td>' for c in columns)
+
     def row(r: dict[str, Any], with_task: bool) -> str:
         dag = ('<span class="muted">DAGs you cannot read</span>' if r["hidden"] else
                f'<i class="swatch" style="background:{dag_color(r["dag_id"])}"></i>{esc(r["dag_id"])}')
         task = f'<td>{esc(r["task_id"] or "")}</td>' if with_task else ""
-        return (f'<tr><td>{dag}</td>{task}<td class="num">{r["steps"]}</td>'
-                f'<td class="num">{hours_text(r["tpu_chip_hours"])}</td><td class="num">{hours_text(r["gpu_hours"])}'
-                f'</td></tr>')
+        return f'<tr><td>{dag}</td>{task}<td class="num">{r["steps"]}</td>{hours(r)}</tr>'
 
     def table(rows: list[dict[str, Any]], with_task: bool, css: str) -> str:
         head = "<th>task</th>" if with_task else ""
+        sums = {"hours": {c: sum(r["hours"].get(c, 0) for r in rows) for c in columns}}
         total = (f'<tr class="total"><td>total</td>{"<td></td>" if with_task else ""}'
-                 f'<td class="num">{sum(r["steps"] for r in rows)}</td>'
-                 f'<td class="num">{hours_text(sum(r["tpu_chip_hours"] for r in rows))}</td>'
-                 f'<td class="num">{hours_text(sum(r["gpu_hours"] for r in rows))}</td></tr>')
-        return (f'<table class="usage {css}"><tr><th>DAG</th>{head}<th class="num">steps</th>'
-                f'<th class="num">TPU chip-hours</th><th class="num">GPU-hours</th></tr>'
+                 f'<td class="num">{sum(r["steps"] for r in rows)}</td>{hours(sums)}</tr>')
+        units = "".join(f'<th class="num">{"TPU chip" if c == "TPU" else esc(c)}-hours</th>' for c in columns)
+        return (f'<table class="usage {css}"><tr><th>DAG</th>{head}<th class="num">steps</th>{units}</tr>'
                 f'{"".join(row(r, with_task) for r in rows)}{total if rows else ""}</table>')
 
     return (f'<div class="tables"><div><h3>By DAG</h3>{table(data["by_dag"], False, "by-dag")}</div>'
@@ -298,7 +310,7 @@ def usage_section(data: dict[str, Any], ctx: dict[str, str]) -> str:
               if data.get("oldest") else "Ray lists no step yet")
     return (f'{timeline(data, ctx)}'
             f'<p class="meta">{_hms(_ts(data["since"]) or 0)} &#8594; {_hms(_ts(data["until"]) or 0)} UTC; '
-            f'{oldest}. Accelerator-hours: chips (or GPU share) &#215; hours each step\'s host processes ran '
+            f'{oldest}. Accelerator-hours: chips (or GPU, NPU ... share) &#215; hours each step\'s host processes ran '
             f'inside this window; time spent waiting for capacity is not counted.</p>{usage_tables(data)}')
 
 
@@ -321,7 +333,8 @@ def page(data: dict[str, Any] | None, *, conn_id: str, api_url: str, airflow_bas
     ctx = {"airflow_base": airflow_base, "dashboard_url": dashboard_url}
     config = json.dumps({"api": api_url, "connId": conn_id, "airflowBase": airflow_base,
                          "dashboardUrl": dashboard_url, "refreshS": REFRESH_S, "usage": usage_url,
-                         "hours": hours}).replace("</", "<\\/")
+                         "hours": hours})
+    config = config.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")  # inert in <script>
     legend = "".join(f'<span><i class="chip {s}"></i>{s}</span>' for s in STATES)
     dashboard = f'<a {NEW_TAB} href="{esc(dashboard_url)}/">Ray dashboard &#8599;</a> &#183; ' if dashboard_url else ""
     taken = esc(data["taken_at"]) if data else ""

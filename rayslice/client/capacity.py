@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, computed_field
 
+from rayslice.client.job_records import records_for
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.core.exceptions import RaysliceError
 from rayslice.core.step import TaskRef
@@ -143,8 +144,24 @@ class Snapshot(BaseModel):
 
 
 def _requests() -> list[tuple[str, dict[str, str]]]:
-    calls = [(_STATE.format(kind), {"detail": "1", "limit": _LIMIT, **query}) for kind, query in _QUERIES.items()]
-    return [*calls, ("/api/jobs/", {})]
+    return [(_STATE.format(kind), {"detail": "1", "limit": _LIMIT, **query}) for kind, query in _QUERIES.items()]
+
+
+def _job_refs(groups_body: Any, actors_body: Any) -> set[str]:
+    """The jobs the holders name: submission ids in rayslice names, and the creators' job ids."""
+    refs = set()
+    for pg in _rows(groups_body, "placement groups", []):
+        refs |= {_sid(pg.get("name")), pg.get("creator_job_id") or ""}
+    for actor in _rows(actors_body, "actors", []):
+        resources = actor.get("required_resources") or {}
+        if actor.get("state") in _ACTIVE_ACTORS and any(_base(k) not in _NOT_ACCELERATORS
+                                                        for k, v in resources.items() if v):
+            refs |= {_sid(actor.get("name")), actor.get("job_id") or ""}
+    return refs - {""}
+
+
+def _sid(name: str | None) -> str:
+    return name[len(PREFIX):].split("/", 1)[0] if name and name.startswith(PREFIX) else ""
 
 
 def _gpu_actor_ids(actors_body: Any) -> list[str]:
@@ -184,25 +201,32 @@ def snapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 1
     """
     with _client(dashboard_url, token, timeout, verify, headers, RayJobsClient) as client:
         bodies = [client.get_json(path, params) for path, params in _requests()]
+        jobs = records_for(client.address).find(client, _job_refs(bodies[1], bodies[2]))
         slots: dict[str, tuple[list[int], float | None]] = {}
         if ids := _gpu_actor_ids(bodies[2]):
             with contextlib.suppress(RaysliceError):  # best effort: the shares stay without their GPU index
                 slots = _gpu_slots(client.get_json(_LOGICAL_ACTORS, {"ids": ",".join(ids), "nocache": "1"}))
-    return _parse(*bodies, now=time.time(), gpu_slots=slots)
+    return _parse(*bodies, jobs, now=time.time(), gpu_slots=slots)
 
 
 async def asnapshot(dashboard_url: str, token: str | None = None, *, timeout: float = 10.0,
                     verify: bool | str = True, headers: dict[str, str] | None = None) -> Snapshot:
-    """`snapshot` for async callers (triggers, the UI plugin): the four reads run concurrently."""
+    """`snapshot` for async callers (the UI plugin): the reads run concurrently, the parsing in a thread."""
     async with _client(dashboard_url, token, timeout, verify, headers, AsyncRayJobsClient) as client:
         bodies = await asyncio.gather(*(client.get_json(path, params) for path, params in _requests()))
         actors = _gpu_actor_ids(bodies[2])
+        jobs = records_for(client.address).afind(client, _job_refs(bodies[1], bodies[2]))
         lookup = client.get_json(_LOGICAL_ACTORS, {"ids": ",".join(actors), "nocache": "1"}) if actors else None
-        try:
-            slots = _gpu_slots(await lookup) if lookup else {}
-        except RaysliceError:
-            slots = {}  # best effort, as in `snapshot`
-    return _parse(*bodies, now=time.time(), gpu_slots=slots)
+        jobs, slots = await asyncio.gather(jobs, _best_effort(lookup))
+    return await asyncio.to_thread(lambda: _parse(*bodies, jobs, now=time.time(), gpu_slots=slots))
+
+
+async def _best_effort(lookup: Any) -> dict[str, tuple[list[int], float | None]]:
+    """The GPU slots, or none (as in `snapshot`): an older dashboard without `/logical/actors` is no error."""
+    try:
+        return _gpu_slots(await lookup) if lookup else {}
+    except RaysliceError:
+        return {}
 
 
 # --------------------------------------------------------------------------- parsing

@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel
+from pydantic import BaseModel, computed_field, model_validator
 
 from rayslice.client.capacity import (
     POD_TYPE_LABEL,
@@ -34,7 +34,9 @@ from rayslice.client.capacity import (
     _client,
     _int,
 )
-from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
+from rayslice.client.job_records import records_for
+from rayslice.client.jobs_client import RayJobsClient
+from rayslice.core.accelerators import ResourceName
 from rayslice.core.step import TaskRef
 
 __all__ = ["Bar", "Lane", "Usage", "UsageRow", "ausage", "parse", "totals", "usage"]
@@ -44,23 +46,26 @@ DEFAULT_WINDOW_H = 6
 _NODES = ("/api/v0/nodes", {"detail": "1", "limit": "10000"})  # dead nodes too: their slices had steps
 # `nocache=1`: otherwise the dashboard answers an expired cached reply, maybe minutes old, and refreshes it after.
 _ACTORS = ("/logical/actors", {"nocache": "1"})
-_JOBS = ("/api/jobs/", {})
+#: Every accelerator a step may hold, in the order lanes and table columns show them.
+ACCELERATORS: tuple[str, ...] = ("TPU", "GPU", *(r for r in get_args(ResourceName) if r not in ("TPU", "GPU")))
 
 
 class Lane(BaseModel):
-    """A TPU slice (by name) or a GPU node (by node id): one row of the timeline."""
+    """A TPU slice (by name) or an accelerator node (by node id): one row of the timeline."""
 
     key: str
-    kind: Literal["tpu", "gpu"]
+    kind: Literal["tpu", "gpu", "accelerator"]  # a slice, a GPU node, a node of another accelerator
     title: str
     detail: str = ""
 
 
 class Bar(TaskRef):
-    """One step on one lane. `amount` is chips (TPU) or the GPU share; `hours` its accelerator-hours in the window."""
+    """One step on one lane. `amount` is how many `resource` units (chips, GPU share, NPUs ...) it held;
+    `hours` its units x hours in the window."""
 
     lane: str
-    kind: Literal["tpu", "gpu"]
+    kind: Literal["tpu", "gpu", "accelerator"]
+    resource: str = ""  # the Ray resource: "TPU" on a slice's lane, "GPU" on a GPU node's unless given
     submission_id: str
     job_id: str | None = None
     job_status: str | None = None
@@ -72,14 +77,30 @@ class Bar(TaskRef):
     waited_s: float | None = None
     hidden: bool = False
 
+    @model_validator(mode="after")
+    def _default_resource(self) -> Bar:
+        self.resource = self.resource or ("TPU" if self.kind == "tpu" else "GPU")
+        return self
+
 
 class UsageRow(BaseModel):
+    """Steps and accelerator-hours (units x hours) per Ray resource, e.g. {"TPU": 16.0, "NPU": 2.0}."""
+
     dag_id: str
     task_id: str | None = None
     steps: int
-    tpu_chip_hours: float
-    gpu_hours: float
+    hours: dict[str, float] = {}
     hidden: bool = False
+
+    @computed_field
+    @property
+    def tpu_chip_hours(self) -> float:
+        return self.hours.get("TPU", 0.0)
+
+    @computed_field
+    @property
+    def gpu_hours(self) -> float:
+        return self.hours.get("GPU", 0.0)
 
 
 class Usage(BaseModel):
@@ -88,7 +109,7 @@ class Usage(BaseModel):
     hours: float
     lanes: list[Lane]
     bars: list[Bar]
-    oldest: datetime | None = None  # the oldest rayslice job Ray still lists
+    oldest: datetime | None = None  # the first start of a step's host process Ray still lists
 
 
 def _ms(value: Any) -> float | None:
@@ -116,42 +137,48 @@ def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: fl
     by_sid = {j["submission_id"]: j for j in jobs}
 
     lanes: dict[str, Lane] = {}
-    gpu_node_ids = set()
+    slice_of: dict[str, str] = {}  # node id -> its slice (dead nodes too: a fraction ran there)
+    node_lanes: dict[str, Lane] = {}
     for node in sorted(nodes, key=lambda n: n.get("node_id", "")):
         labels, total = node.get("labels") or {}, node.get("resources_total") or {}
-        if labels.get(SLICE_LABEL) and total.get("TPU") and node.get("state") == "ALIVE":
-            name = labels[SLICE_LABEL]
-            lanes.setdefault(name, Lane(key=name, kind="tpu", title=name, detail=labels.get(POD_TYPE_LABEL, "")))
-        if total.get("GPU"):
-            gpu_node_ids.add(node["node_id"])
+        if labels.get(SLICE_LABEL) and total.get("TPU"):
+            slice_of[node.get("node_id", "")] = name = labels[SLICE_LABEL]
             if node.get("state") == "ALIVE":
-                lanes.setdefault(node["node_id"], _gpu_lane(node["node_id"], total["GPU"]))
+                lanes.setdefault(name, Lane(key=name, kind="tpu", title=name, detail=labels.get(POD_TYPE_LABEL, "")))
+        elif any(total.get(r) for r in ACCELERATORS if r != "TPU"):
+            node_lanes[node["node_id"]] = lane = _node_lane(node["node_id"], total)
+            if node.get("state") == "ALIVE":
+                lanes.setdefault(lane.key, lane)
 
-    # (submission id, lane) -> the host processes of that step there: (start, end or None, amount)
+    # (submission id, lane, resource) -> the host processes of that step there: (start, end or None, amount)
     spans: dict[tuple[str, str, str], list[tuple[float, float | None, float]]] = {}
+    oldest: float | None = None
     for actor in actors.values():
         name = (actor or {}).get("name") or ""
         start = _ms(actor.get("startTime"))
         if not name.startswith(PREFIX) or start is None:
             continue  # not a step's host process, or never started (it waited, then gave up)
+        oldest = start if oldest is None else min(oldest, start)
         sid, _, rest = name[len(PREFIX):].partition("/")
         end = _ms(actor.get("endTime")) if actor.get("state") == "DEAD" else None
         if end is not None and end < since:
             continue
-        resources = actor.get("requiredResources") or {}
-        tpu, gpu = _amount(resources, "TPU"), _amount(resources, "GPU")
-        if tpu and "/" in rest:
-            key, kind, amount = rest.split("/", 1)[0], "tpu", tpu  # <slice>/host<i>
-            lanes.setdefault(key, Lane(key=key, kind="tpu", title=key))
-        elif gpu:
-            key, kind, amount = (actor.get("address") or {}).get("nodeId") or "unknown GPU node", "gpu", gpu
-            lanes.setdefault(key, _gpu_lane(key, 0))
-        else:
+        held = [(r, a) for r in ACCELERATORS if (a := _amount(actor.get("requiredResources") or {}, r))]
+        if not held:
             continue
-        spans.setdefault((sid, key, kind), []).append((start, end, amount))
+        resource, amount = held[0]
+        node = (actor.get("address") or {}).get("nodeId") or ""
+        if resource == "TPU" and ("/" in rest or node in slice_of):
+            key = rest.split("/", 1)[0] if "/" in rest else slice_of[node]  # <slice>/host<i>, or a fraction
+            lanes.setdefault(key, Lane(key=key, kind="tpu", title=key))
+        else:
+            lane = node_lanes.get(node) or _node_lane(node or f"unknown {resource} node", {resource: 0})
+            key = lane.key
+            lanes.setdefault(key, lane)
+        spans.setdefault((sid, key, resource), []).append((start, end, amount))
 
     bars = []
-    for (sid, key, kind), procs in spans.items():
+    for (sid, key, resource), procs in spans.items():
         job = by_sid.get(sid) or {}
         meta = job.get("metadata") or {}
         first = min(s for s, _, _ in procs)
@@ -160,20 +187,38 @@ def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: fl
         used = sum(a * max(0.0, min(e if e is not None else now, now) - max(s, since)) for s, e, a in procs) / 3600
         job_start = _ms(job.get("start_time"))
         bars.append(Bar(
-            lane=key, kind=kind, submission_id=sid, job_id=job.get("job_id"), job_status=job.get("status"),
+            lane=key, kind=lanes[key].kind, resource=resource, submission_id=sid, job_id=job.get("job_id"),
+            job_status=job.get("status"),
             **TaskRef.fields_from(meta), request=meta.get("request", ""), start=_at(first),
             end=_at(end) if end is not None else None,
             amount=round(_concurrent(procs), 6), hours=round(used, 6),
             waited_s=round(max(0.0, first - job_start), 1) if job_start else None))
     bars.sort(key=lambda b: (b.start, b.lane))
-    starts = [s for j in jobs if (s := _ms(j.get("start_time")))]
     ordered = sorted(lanes.values(), key=lambda lane: (lane.kind != "tpu", lane.title))
     return Usage(since=_at(since), until=_at(now), hours=hours, lanes=ordered, bars=bars,
-                 oldest=_at(min(starts)) if starts else None)
+                 oldest=_at(oldest) if oldest is not None else None)
 
 
-def _gpu_lane(node_id: str, gpus: float) -> Lane:
-    return Lane(key=node_id, kind="gpu", title=f"GPU node {node_id[:12]}", detail=f"{gpus:g} GPUs" if gpus else "")
+def step_ids(actors_body: Any, *, now: float, hours: float) -> set[str]:
+    """The submission ids of the steps whose host processes overlap the window: the jobs `parse` needs."""
+    since = now - hours * 3600
+    actors = ((actors_body or {}).get("data", {}).get("actors") or {}) if isinstance(actors_body, dict) else {}
+    out = set()
+    for actor in actors.values():
+        name = (actor or {}).get("name") or ""
+        if name.startswith(PREFIX) and _ms(actor.get("startTime")) is not None:
+            end = _ms(actor.get("endTime")) if actor.get("state") == "DEAD" else None
+            if end is None or end >= since:
+                out.add(name[len(PREFIX):].split("/", 1)[0])
+    return out
+
+
+def _node_lane(node_id: str, total: dict[str, Any]) -> Lane:
+    """A node's lane, named after its first accelerator ("GPU node 1a2b..."), its accelerators as detail."""
+    kinds = [r for r in ACCELERATORS if r != "TPU" and r in total] or ["TPU"]  # TPU: a host of no slice
+    detail = ", ".join(f"{float(total[r]):g} {r}{'s' if r.isupper() else ''}" for r in kinds if total[r])
+    return Lane(key=node_id, kind="gpu" if kinds[0] == "GPU" else "accelerator",
+                title=f"{kinds[0]} node {node_id[:12]}", detail=detail)
 
 
 def _concurrent(procs: list[tuple[float, float | None, float]]) -> float:
@@ -190,37 +235,44 @@ def _concurrent(procs: list[tuple[float, float | None, float]]) -> float:
 def totals(bars: list[Bar]) -> tuple[list[UsageRow], list[UsageRow]]:
     """Accelerator-hours per DAG and per (DAG, task) over the window, largest first; hidden DAGs make one row."""
     def add(rows: dict, key: tuple, bar: Bar) -> None:
-        row = rows.setdefault(key, [0.0, 0.0, set()])
-        row[0 if bar.kind == "tpu" else 1] += bar.hours
-        row[2].add(bar.submission_id)
+        hours, steps = rows.setdefault(key, ({}, set()))
+        hours[bar.resource] = hours.get(bar.resource, 0.0) + bar.hours
+        steps.add(bar.submission_id)
 
-    per_dag: dict[tuple, list] = {}
-    per_task: dict[tuple, list] = {}
+    per_dag: dict[tuple, tuple[dict[str, float], set[str]]] = {}
+    per_task: dict[tuple, tuple[dict[str, float], set[str]]] = {}
     for bar in bars:
         dag = ("", True) if bar.hidden else (bar.dag_id or "(no DAG: ad-hoc steps)", False)
         add(per_dag, dag, bar)
         add(per_task, (*dag, "" if bar.hidden else bar.task_id), bar)
 
     def rows(table: dict, with_task: bool) -> list[UsageRow]:
-        out = [UsageRow(dag_id=key[0], task_id=key[2] if with_task else None, steps=len(v[2]),
-                        tpu_chip_hours=round(v[0], 6), gpu_hours=round(v[1], 6), hidden=key[1])
-               for key, v in table.items()]
-        return sorted(out, key=lambda r: (r.hidden, -(r.tpu_chip_hours + r.gpu_hours), r.dag_id, r.task_id or ""))
+        out = [UsageRow(dag_id=key[0], task_id=key[2] if with_task else None, steps=len(steps),
+                        hours={r: round(hours[r], 6) for r in ACCELERATORS if r in hours}, hidden=key[1])
+               for key, (hours, steps) in table.items()]
+        return sorted(out, key=lambda r: (r.hidden, -sum(r.hours.values()), r.dag_id, r.task_id or ""))
 
     return rows(per_dag, False), rows(per_task, True)
 
 
 def usage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAULT_WINDOW_H, timeout: float = 20.0,
           verify: bool | str = True, headers: dict[str, str] | None = None) -> Usage:
-    """The window's bars and lanes (blocking), read through the Jobs client (its retries, TLS, errors)."""
+    """The window's bars and lanes (blocking), read through the Jobs client (its retries, TLS, errors).
+
+    Ray 2.60's `/logical/actors` filters by actor id only, so the whole actor table is read; the
+    jobs are read by id, only those of steps in the window, ended ones once (`job_records`).
+    """
     with _client(dashboard_url, token, timeout, verify, headers, RayJobsClient) as client:
-        bodies = [client.get_json(path, params) for path, params in (_NODES, _ACTORS, _JOBS)]
-    return parse(*bodies, now=time.time(), hours=hours)
+        nodes, actors = (client.get_json(path, params) for path, params in (_NODES, _ACTORS))
+        now = time.time()
+        jobs = records_for(client.address).find(client, step_ids(actors, now=now, hours=hours))
+    return parse(nodes, actors, jobs, now=now, hours=hours)
 
 
 async def ausage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAULT_WINDOW_H,
                  timeout: float = 20.0, verify: bool | str = True, headers: dict[str, str] | None = None) -> Usage:
-    """`usage` for async callers (the UI plugin): the three reads run concurrently."""
-    async with _client(dashboard_url, token, timeout, verify, headers, AsyncRayJobsClient) as client:
-        bodies = await asyncio.gather(*(client.get_json(path, params) for path, params in (_NODES, _ACTORS, _JOBS)))
-    return parse(*bodies, now=time.time(), hours=hours)
+    """`usage` for async callers (the UI plugin), in a thread: the reads and the parsing of the actor table
+    (up to 100,000 ended actors) run off the caller's event loop. Its JSON decode is one C call that holds
+    the GIL, so the loop still waits that long (BENCHMARKS.md §9)."""
+    return await asyncio.to_thread(usage, dashboard_url, token, hours=hours, timeout=timeout, verify=verify,
+                                   headers=headers)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -325,3 +326,102 @@ async def _end_jobs(url: str, token: str | None, ids: list[str]) -> list[str]:
 async def _statuses(url: str, token: str | None, ids: list[str]) -> dict[str, str]:
     async with AsyncRayJobsClient(url, token=token) as client:
         return {sid: (await client.get(sid)).status.value for sid in ids}
+
+
+# --------------------------------------------------------------------------- names any code on the cluster sets
+
+_IMG = "<img src=x onerror=window.__pwned=1>"
+_SVG = "<svg onload=window.__pwned=1>"
+_PLANT = """
+import sys, time, os, ray
+sid, flag, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+ray.init(logging_level="ERROR")
+
+@ray.remote(num_cpus=0, num_gpus=0.25)
+class Planted:
+    def ready(self):
+        return 1
+
+# One named after its job (a bar of its DAG), one with a name no job has (a bar of no DAG).
+actors = [Planted.options(name=f"rayslice:{sid}/GPU").remote(), Planted.options(name=sys.argv[4]).remote()]
+ray.get([a.ready.remote() for a in actors])
+deadline = time.monotonic() + limit
+while not os.path.exists(flag) and time.monotonic() < deadline:
+    time.sleep(0.2)
+for actor in actors:
+    ray.kill(actor)
+"""
+
+
+@pytest.mark.timeout(720)  # the first e2e test of a run also pays for Airflow's start
+def test_names_planted_on_the_cluster_are_shown_as_text(cluster, airflow, tmp_path: Path):
+    """A Ray job's metadata and an actor's name are markup-shaped: the page shows them as text, runs nothing.
+
+    Then the job's record is deleted (`ray job delete`; the actor table keeps its actors): its bars
+    can no longer be traced to a DAG, so they are drawn as hidden, not by the names they carry.
+    """
+    from playwright.sync_api import expect
+
+    from rayslice.client import usage
+
+    url, token = cluster.dashboard_url, cluster.token
+    sid, flag = f"planted-{uuid.uuid4().hex[:8]}", tmp_path / "release"
+    script = tmp_path / "plant.py"
+    script.write_text(_PLANT)
+    metadata = {"rayslice": "1", "dag_id": _SVG, "run_id": "r1", "task_id": _IMG, "request": _SVG}
+    entrypoint = f"{sys.executable} {script} {sid} {flag} 300 'rayslice:{_IMG}/GPU'"
+    _sync(_plant(url, token, entrypoint, sid, metadata))
+    try:
+        def both_bars() -> list | None:
+            bars = [b for b in usage.usage(url, token, hours=1).bars if b.submission_id in (sid, _IMG) and not b.end]
+            return bars if len(bars) == 2 else None
+
+        assert wait_until(both_bars, timeout=300, interval=2), f"the planted actors never ran: {_job_log(url, sid)}"
+        with browser_page("slices-page-names-failure.png") as page:
+            page.context.add_cookies([{"name": "_token", "value": airflow.api_token(), "url": airflow.url}])
+            # Both refreshes of the page's own script must also leave the names as text.
+            with page.expect_response(lambda r: "/rayslice/usage" in r.url, timeout=90_000), \
+                    page.expect_response(lambda r: "/rayslice/api/capacity" in r.url, timeout=90_000):
+                page.goto(f"{airflow.url}/rayslice/?hours=1")
+                assert page.evaluate("window.__pwned") is None, "a name from Ray ran as script on load"
+            page.wait_for_timeout(500)  # let the swapped-in markup load (an <img> fails, an <svg> loads)
+            page.screenshot(path=ARTIFACTS / "slices-page-names.png", full_page=True)
+            assert page.evaluate("window.__pwned") is None, "a name from Ray ran as script after a refresh"
+            share = page.locator("article.gpu .users li", has=page.locator("a.task", has_text=_SVG))
+            expect(share.first).to_contain_text(f"{_SVG} / {_IMG}")  # the live view: literally
+            tips = page.locator("#usage .tip").all_text_contents()
+            assert any(t.startswith(f"{_SVG} / {_IMG}") for t in tips), tips  # the timeline: literally
+            assert not page.locator("img, svg[onload]").count(), page.content()[:2000]
+    finally:
+        flag.touch()
+        _sync(_unplant(url, token, sid))
+
+    # Deleted: nothing names the DAG any more; every bar of it is hidden (the admin sees the bill, not names).
+    api = httpx.Client(base_url=airflow.url, timeout=60, headers={"Authorization": f"Bearer {airflow.api_token()}"})
+
+    def hidden() -> dict | None:
+        body = api.get("/rayslice/api/usage", params={"hours": 1}).json()
+        ours = [b for b in body["bars"] if b["submission_id"] in (sid, _IMG) or b["hidden"]]
+        return body if ours and _IMG not in json.dumps(body) and sid not in json.dumps(body) else None
+
+    assert wait_until(hidden, timeout=90, interval=3), api.get("/rayslice/api/usage", params={"hours": 1}).text[:3000]
+
+
+async def _plant(url: str, token: str | None, entrypoint: str, sid: str, metadata: dict) -> None:
+    async with AsyncRayJobsClient(url, token=token) as client:
+        await client.submit(entrypoint, submission_id=sid, metadata=metadata)
+
+
+async def _unplant(url: str, token: str | None, sid: str) -> None:
+    """Stop the planted job if the flag did not end it, then delete its record."""
+    async with AsyncRayJobsClient(url, token=token) as client:
+        deadline = time.monotonic() + 60
+        while not (await client.get(sid)).is_terminal:
+            if time.monotonic() > deadline:
+                await client.stop(sid)
+            await asyncio.sleep(0.5)
+        await client.delete(sid)
+
+
+def _job_log(url: str, sid: str) -> str:
+    return httpx.get(f"{url}/api/jobs/{sid}/logs", timeout=30).text[-2000:]

@@ -278,3 +278,139 @@ def test_page_links_to_the_task_instance_and_the_ray_job():
     assert "1h 02m" in html and ">starting<" in html
     assert 'since 00:59:30 UTC &#183; <span class="held">2m 35s</span>' in html  # a held slice: since when
     assert html.count("on GPU 0</span>") == 1 and html.count("gpu-index") == 1  # the unknown one says nothing
+
+
+# Names any code on the cluster can set: an actor's name, a Ray job's metadata.
+_IMG = "<img src=x onerror=window.__pwned=1>"
+_SVG = "<svg onload=window.__pwned=1>"
+
+
+def _hostile_usage() -> dict:
+    from rayslice.client.usage import Bar, Lane, Usage
+
+    bars = [Bar(lane="v6e-4-a", kind="tpu", submission_id=_IMG, dag_id=_SVG, run_id=_IMG, task_id=_IMG,
+                request=_SVG, start="2026-01-01T00:00:00Z", end="2026-01-01T01:00:00Z", amount=4, hours=4,
+                job_id="02000000", job_status="SUCCEEDED")]
+    return Usage(since="2026-01-01T00:00:00Z", until="2026-01-01T06:00:00Z", hours=6,
+                 lanes=[Lane(key="v6e-4-a", kind="tpu", title=_IMG, detail=_SVG)], bars=bars).model_dump(mode="json")
+
+
+def test_names_from_ray_are_text_in_every_part_of_the_page():
+    """A DAG id from a job's metadata and a submission id from an actor's name never become markup."""
+    from rayslice.plugins import slices_page
+
+    from rayslice.client import usage
+
+    data = _hostile_usage()
+    by_dag, by_task = usage.totals([usage.Bar.model_validate(b) for b in data["bars"]])
+    data |= {"by_dag": [r.model_dump(mode="json") for r in by_dag], "by_task": [r.model_dump(mode="json")
+                                                                                  for r in by_task]}
+    html = slices_page.usage_section(data, {"airflow_base": "", "dashboard_url": "http://r:1"})
+    assert "<img" not in html and "<svg onload" not in html, html
+    assert "&lt;svg onload=window.__pwned=1&gt;" in html  # shown, as text
+    page = slices_page.page(None, conn_id="ray_default", api_url="/x", airflow_base="", dashboard_url=f"http://{_IMG}",
+                            error=_SVG, usage_html="")
+    assert "<img" not in page.split("<script>")[0].replace('<script id="config"', "")
+    config = page.split('<script id="config" type="application/json">')[1].split("</script>")[0]
+    assert "<" not in config and json.loads(config)["dashboardUrl"] == f"http://{_IMG}"
+
+
+def test_what_no_readable_dag_owns_is_hidden(client, monkeypatch):
+    """A bar whose job record was deleted has no DAG: its submission id (which spells DAG and task) is not shown.
+
+    The same for live holders, waiting requests, map index and try number of DAGs the viewer may not read.
+    """
+    from airflow.api_fastapi.app import get_auth_manager
+    from rayslice.plugins import slices, slices_page
+
+    from rayslice.client.capacity import Holder, Pending, Slice, Snapshot
+    from rayslice.client.usage import Bar, Lane, Usage
+
+    deleted = Bar(lane="v6e-4-a", kind="tpu", submission_id="rayslice-secret_dag-train-7-abc",
+                  start="2026-01-01T00:00:00Z", end="2026-01-01T01:00:00Z", amount=4, hours=4)
+    mapped = Bar(lane="v6e-4-a", kind="tpu", submission_id="rayslice-x", dag_id="secret_dag", run_id="r",
+                 task_id="t", map_index=5, try_number=3, request="v6e-4", start="2026-01-01T02:00:00Z", amount=4,
+                 hours=1)
+    found = Usage(since="2026-01-01T00:00:00Z", until="2026-01-01T06:00:00Z", hours=6,
+                  lanes=[Lane(key="v6e-4-a", kind="tpu", title="v6e-4-a")], bars=[deleted, mapped])
+    secret = Holder(submission_id="rayslice-secret_dag-train", dag_id="secret_dag", run_id="r", task_id="t",
+                    map_index=5, try_number=3, request="v6e-16", job_status="RUNNING")
+    nameless = Holder(submission_id="rayslice-secret_dag-old-1")  # its job record is gone
+    snap = Snapshot(slices=[Slice(name="x", pod_type="v6e-4", topology="2x2", hosts=[], chips=4, state="reserved",
+                                  holder=nameless)], gpu_nodes=[],
+                    pending=[Pending(kind="placement_group", request="v6e-16", resources={"TPU-v6e-16-head": 1},
+                                     holder=secret)], taken_at="2026-01-01T00:00:00Z")
+    monkeypatch.setattr(get_auth_manager(), "filter_authorized_dag_ids",
+                        lambda *, dag_ids, user, **kw: set(dag_ids) - {"secret_dag"})
+    used = slices.visible_usage(found, user=None)
+    live = slices.visible(snap, user=None)
+    ctx = {"airflow_base": "", "dashboard_url": "http://r:1"}
+    text = json.dumps([used, live]) + slices_page.usage_section(used, ctx) + slices_page.fleet(live, ctx)
+    assert "secret" not in text and "v6e-16" not in text, text
+    assert all(b["hidden"] and b["map_index"] == -1 and b["try_number"] == 0 for b in used["bars"]), used["bars"]
+    assert [(r["hidden"], r["steps"], r["tpu_chip_hours"]) for r in used["by_dag"]] == [(True, 2, 5)]
+    [pending] = live["pending"]
+    assert (pending["holder"]["map_index"], pending["holder"]["try_number"]) == (-1, 0), pending
+    assert live["slices"][0]["holder"]["label"] == "a task in a DAG you cannot read"
+
+
+def test_error_summaries_never_show_the_connections_headers(client, monkeypatch):
+    """A proxy that echoes the request's headers in its error page: none of their values reaches the page."""
+    import http.server
+    import threading
+
+    class Echo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = "proxy error; you sent: " + "; ".join(f"{k}={v}" for k, v in self.headers.items())
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        headers = {"X-Api-Key": "k3y-never-shown", "Proxy-Authorization": "Basic cHJveHk6c2VjcmV0"}
+        conn = {"conn_type": "ray", "host": f"http://127.0.0.1:{server.server_port}", "password": TOKEN,
+                "extra": json.dumps({"headers": headers})}
+        monkeypatch.setenv("AIRFLOW_CONN_RAY_ECHO", json.dumps(conn))
+        admin = bearer(jwt("admin", "admin"))
+        answers = [client.get(f"/rayslice/{p}?conn_id=ray_echo", headers=admin)
+                   for p in ("api/capacity", "api/usage", "usage", "")]
+    finally:
+        server.shutdown()
+    assert answers[0].status_code == 502 and "HTTP 500" in answers[0].json()["detail"], answers[0].text
+    for resp in answers:
+        assert "proxy error" in resp.text, resp.text[:500]
+        assert "k3y-never-shown" not in resp.text and "cHJveHk6c2VjcmV0" not in resp.text and TOKEN not in resp.text
+
+
+def test_pages_whose_cache_missed_together_share_one_reading(client, monkeypatch):
+    """Five pages refreshing at once cost the dashboard one capacity reading and one usage reading."""
+    import asyncio
+
+    from rayslice.plugins import slices
+
+    from rayslice.client import capacity, usage
+
+    calls: list[str] = []
+    for module, name in ((capacity, "asnapshot"), (usage, "ausage")):
+        real = getattr(module, name)
+
+        async def counting(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return await _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+    monkeypatch.setattr(slices, "_readings", {})
+    monkeypatch.setattr(slices, "_usages", {})
+
+    async def pages():
+        return await asyncio.gather(*(slices.read("ray_default") for _ in range(5)),
+                                    *(slices.read_usage("ray_default", 1) for _ in range(5)))
+
+    answers = asyncio.run(pages())
+    assert sorted(calls) == ["asnapshot", "ausage"], calls
+    assert len({id(snap) for snap, _ in answers[:5]}) == 1 and len({id(u) for u in answers[5:]}) == 1

@@ -199,7 +199,7 @@ def _check_usage(url: str, token: str | None, ids: dict[str, str]) -> None:
     start, end = bar.start.timestamp(), bar.end.timestamp()
     middle = (start + end) / 2
     bodies = [httpx.get(f"{url}{path}", params=params, headers=headers, timeout=30).json()
-              for path, params in (usage._NODES, usage._ACTORS, usage._JOBS)]
+              for path, params in (usage._NODES, usage._ACTORS, ("/api/jobs/", {}))]
     clipped = usage.parse(*bodies, now=end, hours=(end - middle) / 3600)
     [half] = [b for b in clipped.bars if b.submission_id == bar.submission_id]
     in_window = [a for a in actors if (a.get("name") or "").startswith(f"rayslice:{bar.submission_id}/")]
@@ -279,3 +279,49 @@ def test_reads_share_the_jobs_clients_retries_tls_settings_and_errors():
             with pytest.raises(RayAuthError, match="password") as info:
                 read()
             assert "wrong-secret" not in str(info.value)
+
+
+def test_a_refresh_reads_only_the_jobs_it_names_and_ended_ones_once(cluster, monkeypatch):
+    """No whole job list per refresh: the jobs the holders and bars name, by id; an ended job's record is kept."""
+    from rayslice.client import job_records
+    from rayslice.client.jobs_client import RayJobsClient
+
+    asked: list[str] = []
+    real = RayJobsClient.get_json
+
+    def counting(self, path, params=None):
+        asked.append(path)
+        return real(self, path, params)
+
+    monkeypatch.setattr(RayJobsClient, "get_json", counting)
+    monkeypatch.setattr(job_records, "_by_dashboard", {})
+    url, token = cluster.dashboard_url, cluster.token
+    for _ in range(2):
+        capacity.snapshot(url, token=token)
+        found = usage.usage(url, token=token, hours=72)
+    assert "/api/jobs/" not in asked, asked  # the whole list: only for a first reading of more than LIST_ABOVE
+    ended = {b.submission_id for b in found.bars if b.job_status in job_records.TERMINAL}
+    by_id = [p for p in asked if p.startswith("/api/jobs/")]
+    assert all(by_id.count(f"/api/jobs/{sid}") <= 1 for sid in ended), by_id  # asked once, then kept
+
+
+def test_the_readings_are_parsed_off_the_event_loop(cluster, monkeypatch):
+    """The API server's loop also serves Airflow's Execution API: decoding and parsing run in a thread."""
+    import threading
+
+    threads: dict[str, object] = {}
+    for module, name in ((capacity, "_parse"), (usage, "parse")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            threads[_name] = threading.current_thread()
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+    async def both():
+        return await asyncio.gather(capacity.asnapshot(cluster.dashboard_url, token=cluster.token),
+                                    usage.ausage(cluster.dashboard_url, token=cluster.token, hours=1))
+
+    asyncio.run(both())
+    assert set(threads) == {"_parse", "parse"} and threading.main_thread() not in threads.values(), threads

@@ -65,3 +65,25 @@ def test_the_window_cuts_bars_and_drops_what_ended_before_it():
     by_dag, by_task = usage.totals(found.bars)
     assert [(r.dag_id, r.steps, r.tpu_chip_hours, r.gpu_hours) for r in by_dag] == [("d", 1, 0, 0.25)]
     assert [lane.key for lane in found.lanes] == ["v6e-16-a", "g1"]
+
+
+def test_every_accelerator_kind_is_drawn_and_billed_in_its_own_unit():
+    """TPU, NPU, HPU and neuron-core fractions get bars and hours like GPU ones, each in its own unit."""
+    nodes = _nodes()
+    nodes["data"]["result"]["result"] += [
+        {"node_id": "a1", "state": "ALIVE", "resources_total": {"NPU": 8, "HPU": 4, "neuron_cores": 2}, "labels": {}}]
+    actors = [_actor("rayslice:s1/TPU", NOW - H, NOW, {"TPU": 0.5}, node="t1"),  # a fraction of a slice's host
+              _actor("rayslice:s2/NPU", NOW - H, NOW, {"NPU": 2}, node="a1"),
+              _actor("rayslice:s3/HPU", NOW - 2 * H, NOW, {"HPU": 0.25}, node="a1"),
+              _actor("rayslice:s4/neuron_cores", NOW - H, None, {"neuron_cores": 1}, node="a1"),
+              _actor("rayslice:s5/GPU", NOW - H, NOW, {"GPU": 0.5}, node="g1")]
+    jobs = [_job(f"s{i}", f"t{i}", NOW - 2 * H) for i in range(1, 6)]
+    found = usage.parse(nodes, {"data": {"actors": {str(i): a for i, a in enumerate(actors)}}}, jobs, now=NOW, hours=6)
+    bars = {b.task_id: (b.lane, b.resource, b.amount, b.hours) for b in found.bars}
+    assert bars == {"t1": ("v6e-16-a", "TPU", 0.5, 0.5), "t2": ("a1", "NPU", 2, 2), "t3": ("a1", "HPU", 0.25, 0.5),
+                    "t4": ("a1", "neuron_cores", 1, 1), "t5": ("g1", "GPU", 0.5, 0.5)}
+    [dag] = usage.totals(found.bars)[0]
+    assert dag.hours == {"TPU": 0.5, "NPU": 2, "HPU": 0.5, "neuron_cores": 1, "GPU": 0.5}
+    assert (dag.tpu_chip_hours, dag.gpu_hours, dag.steps) == (0.5, 0.5, 5)
+    assert [(lane.key, lane.title) for lane in found.lanes] == [
+        ("v6e-16-a", "v6e-16-a"), ("g1", "GPU node g1"), ("a1", "NPU node a1")]
