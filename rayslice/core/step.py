@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shlex
 import sys
 import warnings
@@ -141,19 +142,58 @@ class StepSpec(BaseModel):
 
     @classmethod
     def for_function(cls, fn: Any, **fields: Any) -> StepSpec:
-        """Serialize `fn` by value, with the module-level helpers of the file it was defined in."""
+        """Serialize `fn` by value, with its DAG file's helpers and the local modules that file imports.
+
+        A DAG file's own module, and every module loaded from the same folder tree (the DAGs folder's
+        `helpers.py`, `include/utils.py`), travel by value: the cluster has none of them. Installed
+        packages and rayslice itself are imported there instead.
+        """
         import cloudpickle
 
-        module = sys.modules.get(getattr(fn, "__module__", ""), None)
-        by_value = module is not None and module.__name__ not in ("builtins",) and not _is_installed(module)
-        if by_value:
+        modules = _local_modules(sys.modules.get(getattr(fn, "__module__", ""), None))
+        for module in modules:
             cloudpickle.register_pickle_by_value(module)
         try:
             blob = cloudpickle.dumps(fn)
+        except Exception as exc:
+            raise InvalidRequestError(
+                f"cannot ship {getattr(fn, '__qualname__', fn)!r} by value ({type(exc).__name__}: {exc}): pass the "
+                "code it needs in runtime_env={'py_modules': [<folder>]} and use callable='package.module:function'"
+            ) from None
         finally:
-            if by_value:
+            for module in modules:
                 cloudpickle.unregister_pickle_by_value(module)
         return cls(pickled=base64.b64encode(blob).decode(), **fields)
+
+
+def _local_modules(module: Any) -> list[Any]:
+    """`module` (a DAG file) and the modules loaded from its folder tree (not installed, not rayslice)."""
+    if module is None or module.__name__ == "builtins" or _is_installed(module):
+        return []
+    file = getattr(module, "__file__", None)
+    if not file:
+        return [module]
+    root = _import_root(os.path.abspath(file), module.__name__)
+    found = [module]
+    for name, other in list(sys.modules.items()):
+        other_file = getattr(other, "__file__", None)
+        if (other is not module and other_file and name.split(".")[0] != "rayslice" and not _is_installed(other)
+                and os.path.abspath(other_file).startswith(root + os.sep)):
+            found.append(other)
+    return found
+
+
+def _import_root(path: str, name: str) -> str:
+    """The folder a module was imported from: the nearest `sys.path` entry above it (Airflow puts the DAGs
+    folder there), else the folder that holds its top-level package."""
+    entries = [os.path.abspath(p) for p in sys.path if p and "-packages" not in p]
+    above = [p for p in entries if path.startswith(p.rstrip(os.sep) + os.sep) and p != os.sep]
+    if above:
+        return max(above, key=len).rstrip(os.sep)
+    root = os.path.dirname(path)
+    for _ in range(name.count(".")):
+        root = os.path.dirname(root)
+    return root
 
 
 def split_command(value: Any) -> Any:
