@@ -174,13 +174,14 @@ def _local_modules(module: Any) -> list[Any]:
     if not file:
         return [module]
     root = _import_root(os.path.abspath(file), module.__name__)
-    found = [module]
+    found = {id(module): module}
     for name, other in list(sys.modules.items()):
         other_file = getattr(other, "__file__", None)
-        if (other is not module and other_file and name.split(".")[0] != "rayslice" and not _is_installed(other)
-                and os.path.abspath(other_file).startswith(root + os.sep)):
-            found.append(other)
-    return found
+        if (other_file and name != "__main__" and name.split(".")[0] != "rayslice" and not _is_installed(other)
+                and os.path.abspath(other_file).startswith(root + os.sep)
+                and not os.path.abspath(other_file).startswith(sys.prefix + os.sep)):
+            found.setdefault(id(other), other)
+    return list(found.values())
 
 
 def _import_root(path: str, name: str) -> str:
