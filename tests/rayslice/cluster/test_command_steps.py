@@ -114,36 +114,3 @@ def test_a_fraction_runs_the_command_once_and_a_missing_result_file_is_none(ray_
                     owner=Owner(submission_id=f"test-cmd-gpu-{time.time_ns()}"))
     assert run_step(spec) is None
 
-
-def tiny_wheel(folder: Path) -> Path:
-    """A wheel of a package the cluster's venv lacks, built here (no index needed to install it)."""
-    import zipfile
-
-    wheel = folder / "rayslice_test_tiny-0.1-py3-none-any.whl"
-    files = {"rayslice_test_tiny/__init__.py": "ANSWER = 42\n",
-             "rayslice_test_tiny-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: rayslice-test-tiny\n"
-                                                          "Version: 0.1\n",
-             "rayslice_test_tiny-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                                       "Tag: py3-none-any\n"}
-    record = "".join(f"{name},,\n" for name in files) + "rayslice_test_tiny-0.1.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for name, text in {**files, "rayslice_test_tiny-0.1.dist-info/RECORD": record}.items():
-            zf.writestr(name, text)
-    return wheel
-
-
-def import_tiny():
-    import rayslice_test_tiny
-
-    return rayslice_test_tiny.ANSWER
-
-
-def test_a_pip_dependency_is_installed_for_the_step_alone(ray_driver, tmp_path):
-    from rayslice.cluster import run_step
-
-    with pytest.raises(ImportError):
-        import rayslice_test_tiny  # noqa: F401  (not in the cluster's venv, which is this one)
-    spec = StepSpec.for_function(import_tiny, request=AcceleratorRequest(resource="GPU", count=0.25),
-                                 runtime_env={"pip": [str(tiny_wheel(tmp_path))]},
-                                 owner=Owner(submission_id=f"test-pip-{time.time_ns()}"))
-    assert run_step(spec) == 42
