@@ -11,6 +11,8 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
   ``launcher``: ``"shipped"`` (default: each job uploads rayslice's cluster side) or ``"installed"``
   (the cluster's image has this same rayslice version: jobs carry only the step, and host processes
   start without a runtime env, about 1.5 CPU-seconds faster each);
+  ``runtime_env`` (Ray's runtime_env format): the default of every step on this connection, under
+  each task's own ``runtime_env`` (a task's keys replace it, its ``env_vars`` are merged);
   ``kuberay`` (a dict) names a KubeRay RayCluster instead of a host,
   ``{"namespace": "ml", "name": "rayslice", "in_cluster": true}`` or ``..., "kubeconfig": "/path"``:
   the dashboard URL is then looked up through the Kubernetes API (``rayslice.cloud.kuberay_client``)
@@ -33,6 +35,7 @@ import httpx
 from airflow.sdk import BaseHook
 
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
+from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 from rayslice.core.step import Launcher
 
@@ -53,6 +56,7 @@ class RayConnectionSettings:
     retries: int = 3
     checkpoint_root: str | None = None  # extra ``checkpoint_root``: the steps' checkpoint folders live under it
     launcher: Launcher = "shipped"  # extra ``launcher``: "shipped" or "installed" (rayslice is in the cluster's image)
+    runtime_env: dict[str, Any] | None = None  # extra ``runtime_env``: under each step's own
 
     def _kwargs(self) -> dict[str, Any]:
         return {"token": self.token, "verify": self.verify, "headers": dict(self.headers),
@@ -155,6 +159,8 @@ def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int =
         retries=retries,
         checkpoint_root=_checkpoint_root(extra.get("checkpoint_root")),
         launcher=_launcher(extra.get("launcher")),
+        runtime_env=runtime_envs.validate(extra.get("runtime_env") or None,
+                                          "the `ray` connection's extra 'runtime_env'"),
     )
 
 

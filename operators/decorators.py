@@ -22,6 +22,7 @@ from rayslice.operators.accelerator import AcceleratorOperator
 from rayslice.operators.step import RayStepOperator, is_templated
 from rayslice.operators.tpu_slice import TpuSliceOperator
 
+from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.exceptions import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ class _AcceleratorDecoratedOperator(_RayStepDecoratedMixin, DecoratedOperator, A
 
 
 def _check_now(operator: type[RayStepOperator], kwargs: dict[str, Any]) -> None:
-    """Validate literal request arguments where the decorator is applied (DAG parse time)."""
+    """Validate literal request arguments and the runtime env where the decorator is applied (DAG parse time)."""
+    runtime_envs.validate(kwargs.get("runtime_env"))
     fields = {name: kwargs[name] for name in operator.request_fields if name in kwargs}
     if any(is_templated(v) for v in fields.values()):
         return
@@ -108,7 +110,9 @@ def _check_now(operator: type[RayStepOperator], kwargs: dict[str, Any]) -> None:
 
 def tpu_slice_task(python_callable: Callable[..., Any] | None = None, multiple_outputs: bool | None = None,
                    **kwargs: Any) -> TaskDecorator:
-    """``@task.tpu_slice(tpu="v6e-16", num_slices=1, multislice=False, ray_conn_id="ray_default")``.
+    """``@task.tpu_slice(tpu="v6e-16", num_slices=1, multislice=False, runtime_env=None, ray_conn_id="ray_default")``.
+
+    ``tpu="v6e", topology="4x4"`` names a slice by its layout; ``runtime_env`` is Ray's, for every host.
 
     The XCom is a list (one result per host), so it is never unrolled into several XComs,
     whatever the function's return annotation says.

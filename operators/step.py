@@ -14,6 +14,7 @@ Subclasses only say what capacity they want (`build_request`). Everything else i
 from __future__ import annotations
 
 import asyncio
+import builtins
 import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,9 +29,10 @@ from rayslice.operators.triggers import EXECUTION_TIMEOUT, RayStepTrigger
 
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import LogFollower, running_earlier_tries, submission_id, submit_step, wait_for_step
+from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError
-from rayslice.core.step import Owner, StepSpec
+from rayslice.core.step import Owner, StepSpec, split_command, warn_entrypoint
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -61,10 +63,20 @@ def _run_coroutine(coroutine: Any) -> Any:
 
 
 class RayStepOperator(BaseOperator):
-    """Run one step (a function) on Ray capacity and return its result as the task's XCom.
+    """Run one step (a function or a program) on Ray capacity and return its result as the task's XCom.
 
-    :param entrypoint: ``"package.module:function"`` importable on the cluster (templated).
-    :param python_callable: or a function, shipped by value with its DAG file's helpers.
+    :param python_callable: a function, shipped by value with its DAG file's helpers (and the
+        modules of its DAGs folder that the DAG file imports).
+    :param callable: or ``"package.module:function"`` importable on the cluster (templated).
+    :param command: or a program: an argv list (a string is split like a shell would), run on every
+        host from the runtime env's ``working_dir``; ``jax.distributed.initialize()`` finds its peers
+        by itself. Its XCom item per host is the JSON it writes to ``$RAYSLICE_RESULT_FILE``, else None
+        (templated).
+    :param entrypoint: the old name of ``callable`` (deprecated).
+    :param runtime_env: Ray's runtime_env for every host process of the step: ``working_dir``,
+        ``py_modules`` (local folders are uploaded once per content), ``pip``/``uv``, ``env_vars``,
+        ``excludes``, ``image_uri``/``container``, ``config`` (templated; merged over the connection's
+        ``runtime_env`` extra).
     :param op_kwargs: keyword arguments for the function; must be JSON (templated).
     :param ray_conn_id: the `ray` connection (the Ray dashboard URL and token).
     :param capacity_timeout: seconds to wait for free capacity before failing.
@@ -85,8 +97,8 @@ class RayStepOperator(BaseOperator):
         Capacity is released when the step ends either way; 0 turns the wait off.
     """
 
-    template_fields: Sequence[str] = ("entrypoint", "op_kwargs", "checkpoint_root")
-    template_fields_renderers = {"op_kwargs": "py"}
+    template_fields: Sequence[str] = ("callable", "command", "op_kwargs", "checkpoint_root", "runtime_env")
+    template_fields_renderers = {"op_kwargs": "py", "runtime_env": "json"}
     operator_extra_links = (RayJobLink(),)
     ui_color = "#e3f2fd"
     #: The attributes `build_request` reads; validated at parse time when none is templated.
@@ -95,8 +107,11 @@ class RayStepOperator(BaseOperator):
     def __init__(
         self,
         *,
-        entrypoint: str | None = None,
         python_callable: Callable[..., Any] | None = None,
+        callable: str | None = None,
+        command: str | Sequence[str] | None = None,
+        entrypoint: str | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
         op_kwargs: Mapping[str, Any] | None = None,
         ray_conn_id: str = RayHook.default_conn_name,
         capacity_timeout: float = 600,
@@ -110,19 +125,33 @@ class RayStepOperator(BaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if (entrypoint is None) == (python_callable is None):
+        if entrypoint is not None:
+            warn_entrypoint(type(self).__name__)
+            if callable is not None:
+                raise InvalidRequestError(f"{self.task_id!r}: give callable= only (entrypoint= is its old name)")
+            callable = entrypoint
+        given = [name for name, value in (("python_callable", python_callable), ("callable", callable),
+                                          ("command", command)) if value is not None]
+        if len(given) != 1:
             raise InvalidRequestError(
-                f"{type(self).__name__} {self.task_id!r} needs exactly one of "
-                "entrypoint='package.module:function' or python_callable=<function>"
+                f"{type(self).__name__} {self.task_id!r} needs exactly one of python_callable=<function>, "
+                "callable='package.module:function' or command=['python', 'train.py', ...]"
+                + (f"; got {' and '.join(given)}" if given else "")
             )
-        if python_callable is not None and not callable(python_callable):
+        if python_callable is not None and not builtins.callable(python_callable):
             raise InvalidRequestError(
                 f"python_callable of {self.task_id!r} is not callable: {python_callable!r}"
             )
-        if isinstance(entrypoint, str) and not is_templated(entrypoint) and ":" not in entrypoint:
+        if isinstance(callable, str) and not is_templated(callable) and ":" not in callable:
             raise InvalidRequestError(
-                f"entrypoint {entrypoint!r} of {self.task_id!r} must look like 'package.module:function'"
+                f"callable {callable!r} of {self.task_id!r} must look like 'package.module:function'"
             )
+        if command is not None and not is_templated(command):
+            if not isinstance(command, str) and not any(is_templated(a) for a in command):
+                command = split_command(list(command))
+            elif isinstance(command, str):
+                split_command(command)  # refuse an empty or unbalanced one now; split after rendering
+        runtime_envs.validate(runtime_env, f"runtime_env of {self.task_id!r}")
         if isinstance(min_deferral, bool) or not isinstance(min_deferral, (int, float)) or not min_deferral >= 0:
             raise InvalidRequestError(
                 f"min_deferral of {self.task_id!r} must be a number of seconds >= 0, got {min_deferral!r}"
@@ -137,7 +166,9 @@ class RayStepOperator(BaseOperator):
             raise InvalidRequestError(
                 f"preemption_retries of {self.task_id!r} must be a whole number >= 0, got {preemption_retries!r}"
             )
-        self.entrypoint = entrypoint
+        self.callable = callable
+        self.command = command
+        self.runtime_env = None if runtime_env is None else dict(runtime_env)
         self.python_callable = python_callable
         self.op_kwargs = dict(op_kwargs or {})
         self.ray_conn_id = ray_conn_id
@@ -152,6 +183,11 @@ class RayStepOperator(BaseOperator):
         self.min_deferral = float(min_deferral)
         self._submission_id: str | None = None
         self._settings: RayConnectionSettings | None = None
+
+    @property
+    def entrypoint(self) -> str | None:
+        """The old name of `callable`."""
+        return self.callable
 
     # ---- what subclasses provide
 
@@ -274,9 +310,14 @@ class RayStepOperator(BaseOperator):
                       "hang_timeout": None if self.hang_timeout is None else float(self.hang_timeout),
                       "preemption_retries": self.preemption_retries,
                       "checkpoint_root": self.checkpoint_root or (self._settings and self._settings.checkpoint_root),
-                      "launcher": self._settings.launcher if self._settings else "shipped"}
-            if self.entrypoint is not None:
-                spec = StepSpec(entrypoint=self.entrypoint, **fields)
+                      "launcher": self._settings.launcher if self._settings else "shipped",
+                      "runtime_env": runtime_envs.merge(self._settings and self._settings.runtime_env,
+                                                        runtime_envs.validate(self.runtime_env,
+                                                                              f"runtime_env of {self.task_id!r}"))}
+            if self.callable is not None:
+                spec = StepSpec(callable=self.callable, **fields)
+            elif self.command is not None:
+                spec = StepSpec(command=split_command(self.command), **fields)
             else:
                 spec = StepSpec.for_function(self.python_callable, **fields)
             spec.model_dump_json()  # the arguments must be JSON: fail here, not halfway through submitting

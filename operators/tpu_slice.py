@@ -15,20 +15,22 @@ __all__ = ["TpuSliceOperator"]
 class TpuSliceOperator(RayStepOperator):
     """``TpuSliceOperator(task_id=..., tpu="v6e-16", python_callable=train)``; XCom: one result per host.
 
-    :param tpu: the slice type, e.g. "v6e-16" or "v5p-8" (templated).
+    :param tpu: the slice type, e.g. "v6e-16" or "v5p-8", or the generation alone with ``topology`` (templated).
+    :param topology: the chip layout, e.g. ``tpu="v6e", topology="4x4"`` (templated).
     :param num_slices: how many such slices (templated).
     :param multislice: wire the slices into one JAX job over DCN (MEGASCALE_*).
     :param chips_per_host: override the host layout of ambiguous topologies.
     """
 
-    template_fields: Sequence[str] = (*RayStepOperator.template_fields, "tpu", "num_slices", "multislice",
-                                      "chips_per_host")
-    request_fields = ("tpu", "num_slices", "multislice", "chips_per_host")
+    template_fields: Sequence[str] = (*RayStepOperator.template_fields, "tpu", "topology", "num_slices",
+                                      "multislice", "chips_per_host")
+    request_fields = ("tpu", "topology", "num_slices", "multislice", "chips_per_host")
 
     def __init__(
         self,
         *,
         tpu: str,
+        topology: str | None = None,
         num_slices: int | str = 1,
         multislice: bool | str = False,
         chips_per_host: int | str | None = None,
@@ -36,13 +38,14 @@ class TpuSliceOperator(RayStepOperator):
     ) -> None:
         super().__init__(**kwargs)
         self.tpu = tpu
+        self.topology = topology
         self.num_slices = num_slices
         self.multislice = multislice
         self.chips_per_host = chips_per_host
         self.validate_literal_request()
 
     @staticmethod
-    def make_request(tpu: Any, num_slices: Any = 1, multislice: Any = False,
+    def make_request(tpu: Any, topology: Any = None, num_slices: Any = 1, multislice: Any = False,
                      chips_per_host: Any = None) -> TpuSliceRequest:
-        return TpuSliceRequest(tpu=tpu, num_slices=num_slices, multislice=multislice,
+        return TpuSliceRequest(tpu=tpu, topology=topology, num_slices=num_slices, multislice=multislice,
                                chips_per_host=chips_per_host)

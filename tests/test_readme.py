@@ -29,6 +29,7 @@ PRINTS = [
     [r"\[12\.0\]"],
     [r"[0-2]"],
     [r"success"],
+    [rf"\{{'process': {i}, 'devices': 16, 'total': 16\.0, 'lr': '0\.1'\}}" for i in range(4)],
 ]
 
 
@@ -45,7 +46,8 @@ def local_env(cluster) -> dict[str, str]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("index", range(len(PRINTS)), ids=["run_step", "checkpoints", "run_step_job", "dag"])
+@pytest.mark.parametrize("index", range(len(PRINTS)), ids=["run_step", "checkpoints", "run_step_job", "dag",
+                                                                  "command_step"])
 def test_a_readme_example_runs_as_written(cluster, index, tmp_path):
     source = EXAMPLES[index]
     folder = tmp_path

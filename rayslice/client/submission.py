@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rayslice.client.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, LogTail, zip_directory
+from rayslice.client.uploads import upload_runtime_env
 from rayslice.core.exceptions import (
     STEP_ERRORS,
     JobNotFoundError,
@@ -189,6 +190,8 @@ async def submit_step(
         submitter = "this try" if spec.owner.ti_id else "this caller"
         emit(f"[rayslice] reattaching to Ray job {sid} that {submitter} submitted ({existing.status.value})")
         return sid
+    if spec.runtime_env:  # the step's own code: uploaded once per content, the spec carries its URIs
+        spec = spec.model_copy(update={"runtime_env": await upload_runtime_env(client, spec.runtime_env)})
     # Every host's lines in the task log, not Ray's "[repeated 3x across cluster]" digest.
     runtime_env: dict[str, Any] = {"working_dir": await client.ensure_package(spec_package(spec)),
                                    "env_vars": {"RAY_DEDUP_LOGS": "0"}}

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from rayslice.cluster import checkpoints, gang, phases, reaper
+from rayslice.cluster import checkpoints, gang, host_env, phases, reaper
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, reserve_slices
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
@@ -169,12 +169,14 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         # What a host needs before its coordinator is known (its slice, the megascale coordinator).
         early = gang.plan_processes(reservation.hosts, multislice=request.multislice, ports={})
+        runtime_env = _hosts_runtime_env(spec)
         for host, plan in zip(reservation.hosts, early, strict=True):
             actors.append(
                 gang.HostProcess.options(
                     name=f"{name}/{host.label}",
                     num_cpus=1,
                     resources={"TPU": request.chips_per_host},
+                    runtime_env=runtime_env,
                     scheduling_strategy=strategy(
                         reservation.hosts_group,
                         placement_group_bundle_index=reservation.bundles[(host.slice_index, host.worker_id)],
@@ -209,6 +211,14 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
         drain.close()
 
 
+def _hosts_runtime_env(spec: StepSpec) -> dict[str, Any] | None:
+    """The user's runtime env for every host process (None: they inherit the job's, as before)."""
+    env = host_env.actor_runtime_env(spec, ray.get_runtime_context().runtime_env)
+    if env is not None:
+        log(f"host processes get the step's runtime_env: {', '.join(sorted(env))}")
+    return env
+
+
 def _log_release(what: str, started: float, still_held: list[str]) -> None:
     if still_held:
         log(f"released {what} after {time.monotonic() - started:.1f} s, but Ray has not freed "
@@ -234,7 +244,8 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
         megascale_coordinator="",
     )
     actor = gang.HostProcess.options(
-        name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, **request.ray_options()
+        name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, runtime_env=_hosts_runtime_env(spec),
+        **request.ray_options()
     ).remote(str(request), spec.model_dump_json(), plan)
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     try:

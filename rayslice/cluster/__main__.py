@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
                 (
                     f"the step function was serialized by Python {spec.python} on the Airflow side, but the cluster "
                     f"runs Python {here}; a function shipped by value needs the same minor version. "
-                    "Match the versions, or give an import path (entrypoint='package.module:function') "
+                    "Match the versions, or give an import path (callable='package.module:function') "
                     "installed on the cluster."
                 ),
                 tag,

@@ -61,6 +61,11 @@ class Environment:
         raise NotImplementedError
 
     @classmethod
+    def command_env(cls, request: Any, plan: HostPlan) -> dict[str, str]:
+        """What a command step's process needs so that `jax.distributed.initialize()` finds its group by itself."""
+        return cls.env(request, plan)
+
+    @classmethod
     def setup(cls, request: Any, plan: HostPlan) -> dict[str, str]:
         """Both steps at once: set the environment, then wire JAX (the host process splits them to overlap)."""
         env = cls.env(request, plan)
@@ -110,6 +115,20 @@ class SimulatedTpuSlice(Environment):
         return {
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={request.chips_per_host}",
+        }
+
+    @classmethod
+    def command_env(cls, request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
+        """JAX's detection finds a small plugin (`jax_autodetect/sitecustomize.py`) that reads the plan."""
+        plugin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_autodetect")
+        path = os.environ.get("PYTHONPATH")
+        return {
+            **cls.env(request, plan),
+            "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+            "PYTHONPATH": plugin + (os.pathsep + path if path else ""),
+            "RAYSLICE_JAX_COORDINATOR": plan.coordinator,
+            "RAYSLICE_JAX_NUM_PROCESSES": str(plan.num_processes),
+            "RAYSLICE_JAX_PROCESS_ID": str(plan.process_id),
         }
 
     @staticmethod

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rayslice.cluster import environments, hang_watch, node_probe, phases
+from rayslice.cluster import commands, environments, hang_watch, host_env, node_probe, phases
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import StepContext, set_step_context
@@ -66,6 +66,7 @@ class HostProcess:
         self._label = label
         self._times = {"hosts_started": phases.process_start_time(), "actor_init": time.time()}
         self._prepared: tuple[StepSpec, Any] | None = None
+        self._command_env: dict[str, str] = {}  # a command step's variables, for its child process
         self._failed: BaseException | None = None
         self._preparing: threading.Thread | None = None
         if spec_json is not None and plan is not None:
@@ -84,7 +85,11 @@ class HostProcess:
         try:
             spec = StepSpec.model_validate_json(spec_json)
             environment = environments.detect(spec.request)
-            os.environ.update(environment.env(spec.request, plan))
+            if spec.command is not None:  # the program imports JAX itself, in a child process
+                self._prepared = (spec, None)
+                self._times["prepared"] = time.time()
+                return
+            os.environ.update(_over_user_env(spec, plan, environment.env(spec.request, plan)))
             if environments.preimports_jax(spec.request):
                 import jax  # noqa: F401  (no backend is initialized: nothing is opened or held)
             self._times["jax_imported"] = time.time()
@@ -105,25 +110,32 @@ class HostProcess:
         assert self._prepared is not None
         spec, step = self._prepared
         environment = environments.detect(spec.request)
-        environment.wire(spec.request, plan)
+        if spec.command is None:  # a command's program joins its JAX group itself (command_env)
+            environment.wire(spec.request, plan)
         self._times["jax_ready"] = time.time()
         owner = spec.owner
-        set_step_context(StepContext(
+        context = StepContext(
             dag_id=owner.dag_id, run_id=owner.run_id, task_id=owner.task_id, map_index=owner.map_index,
             try_number=owner.try_number, submission_id=owner.submission_id,
             preemption_attempt=attempt.preemption_attempt, slice_index=plan.slice_index,
             slice_name=plan.slice_name, worker_id=plan.worker_id, process_index=plan.process_id,
             num_processes=plan.num_processes, checkpoint_dir=attempt.checkpoint_dir,
-        ))
+        )
         self._times["step_started"] = time.time()
-        watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice
+        # A command step's JAX runs in its child process, which this watch cannot see.
+        watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice and spec.command is None
         try:
             with (hang_watch.HostWatch(attempt.hang_watch + self._label, threading.get_ident(), attempt.hang_interval)
                   if watched else nullcontext()):
-                try:
-                    result = step(**spec.kwargs)
-                finally:
-                    set_step_context(None)
+                if spec.command is not None:
+                    env = _over_user_env(spec, plan, environment.command_env(spec.request, plan))
+                    result = commands.run(spec.command, {**os.environ, **env, **context.to_env()})
+                else:
+                    set_step_context(context)
+                    try:
+                        result = step(**spec.kwargs)
+                    finally:
+                        set_step_context(None)
             self._times["step_done"] = time.time()
         finally:  # also when the step raised: the driver waits for this host's last lines either way
             sys.stderr.flush()
@@ -161,9 +173,18 @@ def _leave_jax_group() -> None:
         jax.distributed.shutdown()
 
 
+def _over_user_env(spec: StepSpec, plan: HostPlan, ours: dict[str, str]) -> dict[str, str]:
+    """rayslice's variables over the runtime env's; process 0 says in the task log which it changed."""
+    user = (spec.runtime_env or {}).get("env_vars") or {}
+    values, notes = host_env.merged(os.environ, ours, user)
+    if notes and plan.process_id == 0 and plan.slice_index == 0:
+        print(f"[rayslice] runtime_env env_vars: {'; '.join(notes)}", flush=True)
+    return values
+
+
 def load_step(spec: StepSpec) -> Any:
-    if spec.entrypoint:
-        module, _, name = spec.entrypoint.partition(":")
+    if spec.callable:
+        module, _, name = spec.callable.partition(":")
         return getattr(importlib.import_module(module), name)
     try:
         import cloudpickle
@@ -448,7 +469,10 @@ def _get(ref: Any, plan: HostPlan) -> Any:
     except RayTaskError as exc:
         raised = exc.cause if isinstance(exc.cause, BaseException) else exc
         cause = f"{type(raised).__name__}: {raised}"
-        error, message = StepFailedError, f"step failed on {where}: {cause}\n{_remote_traceback(exc)}"
+        if isinstance(raised, commands.CommandExitError):  # the program's own failure: its lines, not our stack
+            error, message = StepFailedError, f"step failed on {where}: {raised}"
+        else:
+            error, message = StepFailedError, f"step failed on {where}: {cause}\n{_remote_traceback(exc)}"
     except RayActorError as exc:
         node_lost = node_was_lost(exc)
         cause = "its node was preempted or removed" if node_lost else "its process died"

@@ -8,15 +8,23 @@ Nothing here imports ray, jax or airflow.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import posixpath
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fsspec.core import split_protocol
 
 from rayslice.core.exceptions import RaysliceError
 from rayslice.core.step import Owner
+
+#: A command step's processes find their context in `RAYSLICE_<FIELD>` variables (`StepContext.to_env`).
+ENV_PREFIX = "RAYSLICE_"
+#: The file a command step's process may write its JSON result to (its host's XCom item).
+RESULT_FILE_ENV = "RAYSLICE_RESULT_FILE"
 
 #: The cluster-wide default root for checkpoint folders (`rayslice local up` sets it on every node).
 CHECKPOINT_ROOT_ENV = "RAYSLICE_CHECKPOINT_ROOT"
@@ -49,6 +57,22 @@ class StepContext:
     num_processes: int
     checkpoint_dir: str | None
 
+    def to_env(self) -> dict[str, str]:
+        """The context as a command step's environment: `RAYSLICE_<FIELD>` (checkpoint_dir empty when None)."""
+        return {f"{ENV_PREFIX}{f.name.upper()}": "" if (value := getattr(self, f.name)) is None else str(value)
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> StepContext | None:
+        """The context a command step's process inherited (`to_env`), or None outside one."""
+        if f"{ENV_PREFIX}SUBMISSION_ID" not in env:
+            return None
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f"{ENV_PREFIX}{f.name.upper()}", "")
+            values[f.name] = int(raw or 0) if f.type == "int" else (raw or None if f.name == "checkpoint_dir" else raw)
+        return cls(**values)
+
     @property
     def checkpoint_path(self) -> str | None:
         """`checkpoint_dir` as orbax (etils.epath) and most libraries take it: a plain path for `file://`."""
@@ -65,7 +89,9 @@ _current: StepContext | None = None
 
 
 def get_step_context() -> StepContext:
-    """The running step's context; only inside a step that rayslice launched."""
+    """The running step's context; only inside a step that rayslice launched (a function or a command)."""
+    if _current is None and (inherited := StepContext.from_env(os.environ)) is not None:
+        return inherited
     if _current is None:
         raise RaysliceError(
             "get_step_context() works only inside a step run by rayslice (an operator, a decorated task, "

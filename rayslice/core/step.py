@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import shlex
 import sys
+import warnings
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import StepRequest
 from rayslice.core.exceptions import InvalidRequestError, StepFailedError
 
@@ -81,8 +85,10 @@ class StepSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     request: StepRequest
-    entrypoint: str | None = Field(None, description="'package.module:function' importable on the cluster")
+    callable: str | None = Field(None, description="'package.module:function' importable on the cluster")
     pickled: str | None = Field(None, description="base64 cloudpickle of the function, by value")
+    command: list[str] | None = Field(None, description="argv run on every host (a string is split like a shell)")
+    runtime_env: dict[str, Any] | None = Field(None, description="Ray's runtime_env for every host process")
     python: str = Field(default_factory=lambda: f"{sys.version_info[0]}.{sys.version_info[1]}")
     kwargs: dict[str, Any] = Field(default_factory=dict)
     capacity_timeout: float = 600.0
@@ -105,29 +111,117 @@ class StepSpec(BaseModel):
                             description="a per-submission secret in the driver's result and error lines, so that "
                                         "marker lines from elsewhere (another job's log a step prints) never count")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "entrypoint" in data:
+            data = dict(data)
+            value = data.pop("entrypoint")
+            if value is not None:
+                warn_entrypoint("StepSpec")
+                if data.get("callable") is not None:
+                    raise InvalidRequestError("give `callable` only (`entrypoint` is its old name), not both")
+                data["callable"] = value
+        return data
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split_command(cls, value: Any) -> Any:
+        return split_command(value)
+
+    @field_validator("runtime_env", mode="before")
+    @classmethod
+    def _valid_runtime_env(cls, value: Any) -> Any:
+        return runtime_envs.validate(value)
+
     @model_validator(mode="after")
-    def _exactly_one_callable(self) -> StepSpec:
-        if (self.entrypoint is None) == (self.pickled is None):
-            raise InvalidRequestError("a step needs exactly one of `entrypoint` ('pkg.module:function') or a function")
-        if self.entrypoint is not None and ":" not in self.entrypoint:
-            raise InvalidRequestError(f"entrypoint {self.entrypoint!r} must look like 'package.module:function'")
+    def _exactly_one_program(self) -> StepSpec:
+        given = [name for name in ("callable", "pickled", "command") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise InvalidRequestError("a step needs exactly one of `callable` ('pkg.module:function'), a function, "
+                                      f"or `command` (an argv list){'; got ' + ', '.join(given) if given else ''}")
+        if self.callable is not None and ":" not in self.callable:
+            raise InvalidRequestError(f"callable {self.callable!r} must look like 'package.module:function'")
         return self
+
+    @property
+    def entrypoint(self) -> str | None:
+        """The old name of `callable`."""
+        return self.callable
 
     @classmethod
     def for_function(cls, fn: Any, **fields: Any) -> StepSpec:
-        """Serialize `fn` by value, with the module-level helpers of the file it was defined in."""
+        """Serialize `fn` by value, with its DAG file's helpers and the local modules that file imports.
+
+        A DAG file's own module, and every module loaded from the same folder tree (the DAGs folder's
+        `helpers.py`, `include/utils.py`), travel by value: the cluster has none of them. Installed
+        packages and rayslice itself are imported there instead.
+        """
         import cloudpickle
 
-        module = sys.modules.get(getattr(fn, "__module__", ""), None)
-        by_value = module is not None and module.__name__ not in ("builtins",) and not _is_installed(module)
-        if by_value:
+        modules = _local_modules(sys.modules.get(getattr(fn, "__module__", ""), None))
+        for module in modules:
             cloudpickle.register_pickle_by_value(module)
         try:
             blob = cloudpickle.dumps(fn)
+        except Exception as exc:
+            raise InvalidRequestError(
+                f"cannot ship {getattr(fn, '__qualname__', fn)!r} by value ({type(exc).__name__}: {exc}): pass the "
+                "code it needs in runtime_env={'py_modules': [<folder>]} and use callable='package.module:function'"
+            ) from None
         finally:
-            if by_value:
+            for module in modules:
                 cloudpickle.unregister_pickle_by_value(module)
         return cls(pickled=base64.b64encode(blob).decode(), **fields)
+
+
+def _local_modules(module: Any) -> list[Any]:
+    """`module` (a DAG file) and the modules loaded from its folder tree (not installed, not rayslice)."""
+    if module is None or module.__name__ == "builtins" or _is_installed(module):
+        return []
+    file = getattr(module, "__file__", None)
+    if not file:
+        return [module]
+    root = _import_root(os.path.abspath(file), module.__name__)
+    found = {id(module): module}
+    for name, other in list(sys.modules.items()):
+        other_file = getattr(other, "__file__", None)
+        if (other_file and name != "__main__" and name.split(".")[0] != "rayslice" and not _is_installed(other)
+                and os.path.abspath(other_file).startswith(root + os.sep)
+                and not os.path.abspath(other_file).startswith(sys.prefix + os.sep)):
+            found.setdefault(id(other), other)
+    return list(found.values())
+
+
+def _import_root(path: str, name: str) -> str:
+    """The folder a module was imported from: the nearest `sys.path` entry above it (Airflow puts the DAGs
+    folder there), else the folder that holds its top-level package."""
+    entries = [os.path.abspath(p) for p in sys.path if p and "-packages" not in p]
+    above = [p for p in entries if path.startswith(p.rstrip(os.sep) + os.sep) and p != os.sep]
+    if above:
+        return max(above, key=len).rstrip(os.sep)
+    root = os.path.dirname(path)
+    for _ in range(name.count(".")):
+        root = os.path.dirname(root)
+    return root
+
+
+def split_command(value: Any) -> Any:
+    """A command as argv: a string is split like a shell would (no shell runs it); an empty one is refused."""
+    if isinstance(value, str):
+        value = shlex.split(value)
+    if value is not None and (not isinstance(value, list | tuple) or not value
+                              or not all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in value)):
+        raise InvalidRequestError(f"command must be a non-empty argv list such as ['python', 'train.py'] "
+                                  f"(or one string), got {value!r}")
+    return None if value is None else [str(a) for a in value]
+
+
+def warn_entrypoint(where: str) -> None:
+    """`entrypoint=` meant an import path here but a shell command in Ray Jobs: its new name is `callable=`."""
+    warnings.warn(f"{where}(entrypoint=...) is deprecated and will be removed in the next release: use "
+                  "callable='package.module:function' (or command=[...] for a program)", DeprecationWarning,
+                  stacklevel=4)
 
 
 def _is_installed(module: Any) -> bool:

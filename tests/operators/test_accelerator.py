@@ -17,15 +17,15 @@ DAG_FILE = textwrap.dedent(
     from rayslice.operators.accelerator import AcceleratorOperator
 
     with DAG("bad_accelerator", schedule=None, start_date=datetime(2026, 1, 1)):
-        AcceleratorOperator(task_id="evaluate", entrypoint="pkg.eval:main", {args})
+        AcceleratorOperator(task_id="evaluate", callable="pkg.eval:main", {args})
     """
 )
 
 
 def test_literal_request_is_built_at_parse_time():
-    op = AcceleratorOperator(task_id="t", accelerator="GPU", count=0.25, entrypoint="pkg.mod:fn")
+    op = AcceleratorOperator(task_id="t", accelerator="GPU", count=0.25, callable="pkg.mod:fn")
     assert op.build_request() == AcceleratorRequest(resource="GPU", count=0.25)
-    assert {"accelerator", "count", "op_kwargs", "entrypoint"} <= set(op.template_fields)
+    assert {"accelerator", "count", "op_kwargs", "callable", "command", "runtime_env"} <= set(op.template_fields)
 
 
 @pytest.mark.parametrize(

@@ -128,7 +128,7 @@ def owner_of_ti(dag_run, task_id: str) -> Owner:
 
 def test_templated_values_are_checked_at_run_time_not_parse_time():
     assert is_templated("{{ params.tpu }}") and not is_templated("v6e-16")
-    op = TpuSliceOperator(task_id="t", tpu="{{ params.tpu }}", entrypoint="pkg.mod:fn")
+    op = TpuSliceOperator(task_id="t", tpu="{{ params.tpu }}", callable="pkg.mod:fn")
     assert op.tpu == "{{ params.tpu }}"
 
 

@@ -18,15 +18,15 @@ BAD_SLICE_DAG = textwrap.dedent(
     from rayslice.operators.tpu_slice import TpuSliceOperator
 
     with DAG("bad_slice", schedule=None, start_date=datetime(2026, 1, 1)):
-        TpuSliceOperator(task_id="train", tpu="v6e-15", entrypoint="pkg.train:main")
+        TpuSliceOperator(task_id="train", tpu="v6e-15", callable="pkg.train:main")
     """
 )
 
 
 def test_literal_request_is_built_at_parse_time():
-    op = TpuSliceOperator(task_id="t", tpu="v6e-16", num_slices=2, multislice=True, entrypoint="pkg.mod:fn")
+    op = TpuSliceOperator(task_id="t", tpu="v6e-16", num_slices=2, multislice=True, callable="pkg.mod:fn")
     assert op.build_request() == TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True)
-    assert {"tpu", "num_slices", "op_kwargs", "entrypoint"} <= set(op.template_fields)
+    assert {"tpu", "num_slices", "op_kwargs", "callable", "command", "runtime_env"} <= set(op.template_fields)
 
 
 def test_invalid_slice_fails_the_dag_import(tmp_path):
@@ -42,16 +42,16 @@ def test_callable_or_entrypoint_but_not_both():
     with pytest.raises(InvalidRequestError, match="exactly one of"):
         TpuSliceOperator(task_id="t", tpu="v6e-4")
     with pytest.raises(InvalidRequestError, match="package.module:function"):
-        TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="train.py")
+        TpuSliceOperator(task_id="t", tpu="v6e-4", callable="train.py")
 
 
 def test_preemption_retries_reach_the_step_and_bad_values_fail_at_parse_time():
     from rayslice.core.step import Owner
 
-    op = TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn", preemption_retries=2)
+    op = TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", preemption_retries=2)
     assert op._spec(op.build_request(), Owner(), context={}).preemption_retries == 2
     with pytest.raises(InvalidRequestError, match="preemption_retries of 't' must be a whole number >= 0"):
-        TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn", preemption_retries=-1)
+        TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", preemption_retries=-1)
 
 
 def test_hang_timeout_reaches_the_step_and_bad_values_fail_at_parse_time():
@@ -69,8 +69,8 @@ def test_hang_timeout_reaches_the_step_and_bad_values_fail_at_parse_time():
 def test_min_deferral_is_kept_and_bad_values_fail_at_parse_time():
     from rayslice.operators.step import MIN_DEFERRAL_S
 
-    assert TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="pkg.mod:fn").min_deferral == MIN_DEFERRAL_S
-    assert TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="pkg.mod:fn", min_deferral=0).min_deferral == 0
+    assert TpuSliceOperator(task_id="t", tpu="v6e-4", callable="pkg.mod:fn").min_deferral == MIN_DEFERRAL_S
+    assert TpuSliceOperator(task_id="t", tpu="v6e-4", callable="pkg.mod:fn", min_deferral=0).min_deferral == 0
     for bad in (-1, "15", True, float("nan")):
         with pytest.raises(InvalidRequestError, match="min_deferral of 't' must be a number of seconds >= 0"):
-            TpuSliceOperator(task_id="t", tpu="v6e-4", entrypoint="pkg.mod:fn", min_deferral=bad)
+            TpuSliceOperator(task_id="t", tpu="v6e-4", callable="pkg.mod:fn", min_deferral=bad)

@@ -59,3 +59,16 @@ def test_a_step_outside_airflow_gets_a_folder_of_its_own_submission():
 def test_libraries_get_plain_paths_for_local_urls_only():
     assert as_path("file:///tmp/ckpt/4") == "/tmp/ckpt/4"
     assert as_path("gs://bucket/ckpt/4") == "gs://bucket/ckpt/4"
+
+
+def test_a_command_step_reads_its_context_from_documented_variables(monkeypatch):
+    from rayslice.core.context import StepContext, get_step_context
+
+    context = StepContext(dag_id="d", run_id="r", task_id="t", map_index=-1, try_number=2, submission_id="s",
+                          preemption_attempt=1, slice_index=0, slice_name="v6e-16-a", worker_id=3,
+                          process_index=3, num_processes=4, checkpoint_dir="file:///ckpt/d/r/t")
+    env = context.to_env()
+    assert env["RAYSLICE_WORKER_ID"] == "3" and env["RAYSLICE_CHECKPOINT_DIR"] == "file:///ckpt/d/r/t"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert get_step_context() == context

@@ -49,3 +49,34 @@ def test_a_malformed_driver_marker_is_a_step_failure_not_a_value_error(line):
 
     with pytest.raises(StepFailedError, match="the job's log has a ::rayslice-"):
         parse_result(line) if "result" in line else parse_error(line)
+
+
+def test_a_command_is_an_argv_and_a_string_is_split_like_a_shell():
+    from rayslice.core.accelerators import TpuSliceRequest
+    from rayslice.core.step import StepSpec
+
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command="python -m trainer.main --config 'a b.yaml'")
+    assert spec.command == ["python", "-m", "trainer.main", "--config", "a b.yaml"]
+    assert StepSpec.model_validate_json(spec.model_dump_json()) == spec
+
+
+def test_a_step_runs_exactly_one_program():
+    from rayslice.core.accelerators import TpuSliceRequest
+    from rayslice.core.step import StepSpec
+
+    request = TpuSliceRequest(tpu="v6e-4")  # pydantic wraps the InvalidRequestError in its ValueError
+    with pytest.raises(ValueError, match="exactly one of `callable`.*; got callable, command"):
+        StepSpec(request=request, callable="pkg.mod:fn", command=["python"])
+    with pytest.raises(ValueError, match="non-empty argv list"):
+        StepSpec(request=request, command="")
+    with pytest.raises(ValueError, match="unknown key"):
+        StepSpec(request=request, command=["python"], runtime_env={"env": {}})
+
+
+def test_entrypoint_is_the_deprecated_name_of_callable():
+    from rayslice.core.accelerators import TpuSliceRequest
+    from rayslice.core.step import StepSpec
+
+    with pytest.warns(DeprecationWarning, match="use callable='package.module:function'"):
+        spec = StepSpec(request=TpuSliceRequest(tpu="v6e-4"), entrypoint="pkg.mod:fn")
+    assert spec.callable == spec.entrypoint == "pkg.mod:fn"
