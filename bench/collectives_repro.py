@@ -13,6 +13,9 @@ process idle inside the jitted step, each at a different step (2026-12-02: steps
 numpy). With `--sync` (wait for each step before dispatching the next) 0.10.2 finished too in that
 run: the hang needs processes that dispatch ahead of each other, as a training loop does. The run
 has a deadline, so a hang is reported (with each process's last dispatched step), never waited on.
+No changelog entry of JAX or XLA found so far names the fix (openxla/xla#16430, a crash with CPU
+collectives and several host-platform devices per process, is the closest upstream report); which
+release between 0.10.2 and 0.12.0.1 fixed it is found by running this file on each.
 
     .venv/bin/python bench/collectives_repro.py [--processes 4] [--devices 4] [--steps 200] [--timeout 300] [--sync]
 
