@@ -17,8 +17,8 @@ Both relay every line to a logger (counted, checked for gaps and duplicates). Me
   records how late each sleep returns (p50, p99, max);
 - lines relayed: all of them, each once?
 
-`--restart` instead follows one run of the step with a trigger that the benchmark cancels once
-about half the lines are relayed (a triggerer restarting, or handing the trigger on), then with a
+`--restart` instead follows one run of the step with a trigger that the benchmark cancels halfway
+through the step (a triggerer restarting, or handing the trigger on), then with a
 second trigger that resumes from what the first recorded (`rayslice_log_checkpoint`; in a triggerer
 an XCom, here kept in memory): the bytes the second one pulls, the lines relayed twice, and the
 peak of Python memory allocated while it follows (tracemalloc), against the log's size.
@@ -207,8 +207,9 @@ async def restarted(record, proxy: CountingProxy, args) -> dict[str, Any]:
         first = Recorded(ray_conn_id="ray_bench", submission_id=sid, poll_interval=args.poll_interval)
         first._log = logger
         running = asyncio.create_task(anext(first.run()))
-        while len(counter.numbers) < expected // 2 and not running.done():
+        while (await direct.get(sid)).status.value == "PENDING":
             await asyncio.sleep(0.2)
+        await asyncio.wait([running], timeout=args.seconds / 2)  # the restart comes halfway through the step
         running.cancel()  # what the triggerer does to a trigger it stops or hands on
         try:
             await running

@@ -559,7 +559,9 @@ class JobFollow:
         return tail
 
     def _stream_failed(self, exc: BaseException, gave: bool) -> None:
-        self._failed_streams = 0 if gave else self._failed_streams + 1
+        # While the status polls fail too, the dashboard is away (not the stream): that does not count.
+        away = self._unreachable_since is not None and isinstance(exc, RayUnreachableError | TimeoutError)
+        self._failed_streams = 0 if gave else self._failed_streams + (not away)
         if self._failed_streams >= self.STREAM_ATTEMPTS:
             self.polling = True
             self.warn(f"the log stream of Ray job {self.sid} is unavailable ({str(exc) or type(exc).__name__}, "
