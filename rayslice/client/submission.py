@@ -260,23 +260,26 @@ class LogFollower:
         self.restart()
         self.chunk(log)
 
-    def window(self, text: str, asked: int, *, ended: bool = False) -> bool:
+    def window(self, text: str, asked: int, *, ended: bool = False, only_if_placed: bool = False) -> bool:
         """The log's last lines, read with a bounded read of at most `asked` lines: relay those not handled yet.
 
         The window is placed by the last lines handled; False when it could not be, and the
-        window did not reach back to the log's start either: lines before it may be missing.
-        With `ended`, the log is complete and a last line without a newline is relayed too.
+        window did not reach back to the log's start either: lines before it may be missing (with
+        `only_if_placed`, nothing is relayed then). With `ended`, the log is complete and a last
+        line without a newline is relayed too.
         """
-        self.restart()  # a stream's unfinished line is read whole here
         *lines, last = text.split("\n")
         start = self._place([_digest(line) for line in lines])
-        whole = start is None and not self._recent and self.offset == 0 and len(lines) < asked
+        placed = start is not None or (not self._recent and self.offset == 0 and len(lines) < asked)
+        if not placed and only_if_placed:
+            return False
+        self.restart()  # a stream's unfinished line is read whole here
         for line in lines[start or 0:]:
             self._line(line)
         if ended:
             self._partial, self._received = last, self.offset + len(last)
             self.flush()
-        return start is not None or whole
+        return placed
 
     def flush(self) -> None:
         """The log ended: relay its last line even without a newline."""
@@ -356,8 +359,10 @@ class JobFollow:
     poll saw the end, or one opened after the end, or one that delivered the step's marker line.
     A stream that breaks off (a cut connection) is reopened at the next poll; one that stays open
     `END_GRACE_S` after the end is closed and the rest read with a bounded read of the log's last
-    lines (`client.log_lines`). Status polls that fail for longer than `unreachable_grace` raise
-    `RayUnreachableError` naming the job; stream failures alone never do.
+    lines (`client.log_lines`) once such a read reaches back to the last line relayed (until then
+    the stream goes on; one that made no progress for `END_GRACE_S` is reopened). Status polls that
+    fail for longer than `unreachable_grace` raise `RayUnreachableError` naming the job; stream
+    failures alone never do.
 
     Without a stream (a proxy that does not pass websockets: `STREAM_ATTEMPTS` opens in a row that
     failed or gave nothing), the log is followed by polling: each poll reads the status and the
@@ -383,7 +388,7 @@ class JobFollow:
     #: Lines per bounded read of the log's end: the first read, the least, and the most.
     FIRST_WINDOW = 1000
     MIN_WINDOW = 20
-    MAX_WINDOW = 20000
+    MAX_WINDOW = 8000
 
     def __init__(
         self,
@@ -439,6 +444,7 @@ class JobFollow:
             next_poll = next_open = 0.0
             finishing = False  # ended, marker relayed, stream open: done once the stream is quiet
             gave = False  # the open stream delivered text this follower did not hold
+            tried_at, held_at_try = 0.0, -1  # the last bounded read after the end, and what was held then
             while True:
                 now = time.monotonic()
                 if tail is None or now >= next_poll:
@@ -469,12 +475,19 @@ class JobFollow:
                     if tail is None:
                         await asyncio.sleep(max(0.0, next_poll - time.monotonic()))
                         continue
-                    if ended and time.monotonic() - max(ended_at, opened_at) > self.END_GRACE_S:
-                        await stack.aclose()  # the server kept the stream open past the end
-                        tail = None
-                        if await self._read_window(ended=True):
+                    if ended and time.monotonic() - max(ended_at, opened_at, tried_at) > self.END_GRACE_S:
+                        # The stream is still open this long after the end: the rest from a bounded read,
+                        # when one reaches back to what was relayed; else the stream goes on, reopened
+                        # if it made no progress since the last try.
+                        tried_at = time.monotonic()
+                        if await self._read_window(ended=True, only_if_placed=True):
+                            await stack.aclose()
                             return
-                        continue
+                        if self.lines.held == held_at_try:
+                            await stack.aclose()
+                            tail = None
+                            continue
+                        held_at_try = self.lines.held
                     finishing = ended and bool(self.lines.markers)
                 wait = next_poll - time.monotonic()
                 try:
@@ -573,11 +586,12 @@ class JobFollow:
                       "reopening it at the next poll")
         self._stream_trouble = True
 
-    async def _read_window(self, *, ended: bool) -> bool:
+    async def _read_window(self, *, ended: bool, only_if_placed: bool = False) -> bool:
         """Relay the log's end from bounded reads of its last lines; False if the dashboard did not answer.
 
         A read that does not reach back to the last line relayed is read again with twice the lines, up
-        to `MAX_WINDOW`; past that, the lines between are missing from the task log, and a warning says so.
+        to `MAX_WINDOW`; past that, the lines between are missing from the task log, and a warning says
+        so, unless `only_if_placed` (a stream still delivers them): then nothing is relayed, and False.
         """
         assert self.job is not None
         while True:
@@ -588,21 +602,28 @@ class JobFollow:
                 self.warn(f"could not read the end of Ray job {self.sid}'s log ({str(exc) or type(exc).__name__})")
                 return False
             except RayJobsError as exc:  # e.g. no log file: a job that ended before its driver started
-                if ended:
+                if ended and not only_if_placed:
                     self.warn(f"Ray job {self.sid}'s log cannot be read ({exc})")
                     return True
                 return False
             self.window_reads += 1
-            probe = LogFollower(lambda _: None, **self.lines.state())
-            if probe.window(text, asked) or asked >= self.MAX_WINDOW:
-                before = self.lines.handled
-                if not self.lines.window(text, asked, ended=ended):
-                    self.warn(f"more than {asked} lines of Ray job {self.sid}'s log were written between two "
-                              f"reads; some are missing here (see `ray job logs {self.sid}`)")
-                fresh = self.lines.handled - before
-                self._window = min(self.MAX_WINDOW, fresh + fresh // 2 + self.MIN_WINDOW)
-                return True
-            self._window = min(self.MAX_WINDOW, asked * 2)
+            last_try = asked >= self.MAX_WINDOW
+            before = self.lines.handled
+            if self.lines.window(text, asked, ended=ended, only_if_placed=only_if_placed or not last_try):
+                placed = True
+            elif last_try and not only_if_placed:
+                placed = False
+                self.warn(f"more than {asked} lines of Ray job {self.sid}'s log were written between two "
+                          f"reads; some are missing here (see `ray job logs {self.sid}`)")
+            elif last_try:
+                return False
+            else:
+                self._window = min(self.MAX_WINDOW, asked * 2)
+                continue
+            fresh = self.lines.handled - before
+            self._window = min(self.MAX_WINDOW, fresh + fresh // 2 + self.MIN_WINDOW) if placed else asked
+            return True
+
 
 async def wait_for_step(
     client: AsyncRayJobsClient,
