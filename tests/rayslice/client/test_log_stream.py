@@ -83,6 +83,7 @@ def test_windows_of_the_logs_end_relay_each_line_once_and_say_when_lines_are_mis
     gap: list[str] = []
     behind = LogFollower(gap.append)
     behind.window("line 0\nline 1\n", asked=2)
+    assert not behind.window("line 6\nline 7\n", asked=2, only_if_placed=True) and gap == ["line 0", "line 1"]
     assert not behind.window("line 8\nline 9\n", asked=2) and gap == ["line 0", "line 1", "line 8", "line 9"]
 
     # A follower restarted from another's state relays nothing twice, from a stream or a window.
