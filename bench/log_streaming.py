@@ -17,7 +17,13 @@ Both relay every line to a logger (counted, checked for gaps and duplicates). Me
   records how late each sleep returns (p50, p99, max);
 - lines relayed: all of them, each once?
 
-    .venv/bin/python bench/log_streaming.py --cluster dev [--seconds 200 --lines-per-second 1000]
+`--restart` instead follows one run of the step with a trigger that the benchmark cancels halfway
+through the step (a triggerer restarting, or handing the trigger on), then with a
+second trigger that resumes from what the first recorded (`rayslice_log_checkpoint`; in a triggerer
+an XCom, here kept in memory): the bytes the second one pulls, the lines relayed twice, and the
+peak of Python memory allocated while it follows (tracemalloc), against the log's size.
+
+    .venv/bin/python bench/log_streaming.py --cluster dev [--seconds 200 --lines-per-second 1000] [--restart]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import socket
 import tempfile
 import threading
 import time
+import tracemalloc
 from typing import Any
 
 from _common import Report, Table, cluster, log, parse_args, percentile
@@ -174,13 +181,78 @@ async def one_mode(mode: str, record, proxy: CountingProxy, args) -> dict[str, A
     }
 
 
+async def restarted(record, proxy: CountingProxy, args) -> dict[str, Any]:
+    """One run of the step, followed by a trigger cancelled halfway, then by one resumed from its record."""
+    from rayslice.operators.triggers import RayStepTrigger
+
+    recorded: dict[str, Any] = {}
+
+    class Recorded(RayStepTrigger):  # the triggerer's XCom record, in memory
+        async def _checkpoint(self) -> dict[str, Any]:
+            return dict(recorded) or {"offset": self.log_offset}
+
+        async def _record(self, lines: LogFollower) -> None:
+            recorded.update(lines.state())
+
+    spec = StepSpec.for_function(chatty_step, request=AcceleratorRequest(resource="GPU", count=0.25),
+                                 kwargs={"seconds": args.seconds, "lines_per_second": args.lines_per_second},
+                                 owner=Owner(submission_id=f"bench-logs-restart-{time.time_ns()}"))
+    expected = int(args.seconds * args.lines_per_second)
+    counter = LineCounter()
+    logger = logging.getLogger("bench.restart")
+    logger.handlers, logger.propagate = [counter], False
+    logger.setLevel(logging.INFO)
+    async with AsyncRayJobsClient(record.dashboard_url, token=record.token) as direct:
+        sid = await submit_step(direct, spec, emit=lambda line: None)
+        first = Recorded(ray_conn_id="ray_bench", submission_id=sid, poll_interval=args.poll_interval)
+        first._log = logger
+        running = asyncio.create_task(anext(first.run()))
+        while (await direct.get(sid)).status.value == "PENDING":
+            await asyncio.sleep(0.2)
+        await asyncio.wait([running], timeout=args.seconds / 2)  # the restart comes halfway through the step
+        running.cancel()  # what the triggerer does to a trigger it stops or hands on
+        try:
+            await running
+        except asyncio.CancelledError:
+            pass
+        before_restart = len(counter.numbers)
+        pulled_before = proxy.downstream_bytes
+        tracemalloc.start()
+        second = Recorded(ray_conn_id="ray_bench", submission_id=sid, poll_interval=args.poll_interval)
+        second._log = logger
+        event = await anext(second.run())
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        pulled = proxy.downstream_bytes - pulled_before
+        log_bytes = len((await direct.logs(sid)).encode())
+    numbers = counter.numbers
+    return {"log_bytes": log_bytes, "pulled": pulled, "peak": peak, "before": before_restart,
+            "relayed_again": len(numbers) - len(set(numbers)), "missing": expected - len(set(numbers)),
+            "lines": len(numbers), "expected": expected, "result": event.payload.get("result")}
+
+
+def restart_report(args, report: Report, row: dict[str, Any]) -> None:
+    table = Table(f"A trigger restarted halfway through a {row['log_bytes'] / 1e6:.1f} MB log "
+                  f"(poll_interval {args.poll_interval:g} s)",
+                  ["relayed before the restart", "pulled by the restarted trigger", "× log size",
+                   "lines relayed again", "missing", "peak Python memory while following"])
+    table.add(f"{row['before']} of {row['expected']}", f"{row['pulled'] / 1e6:.1f} MB",
+              f"{row['pulled'] / row['log_bytes']:.2f}×", row["relayed_again"], row["missing"],
+              f"{row['peak'] / 1e6:.2f} MB")
+    report.note("The restarted trigger skips what the first relayed by its recorded offset: Ray's log tail "
+                "re-sends the log from its start (it takes no offset), but no skipped part is held. Before this "
+                f"record, a restarted trigger relayed the {row['before']} lines again.")
+    report.add(table)
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], default_reps=1, extra=lambda p: (
         p.add_argument("--seconds", type=float, default=200.0, help="how long the step prints (default 200)"),
         p.add_argument("--lines-per-second", type=int, default=1000, help="~100-byte lines a second (default 1000)"),
         p.add_argument("--poll-interval", type=float, default=2.0, help="the operator's poll_interval (default 2)"),
+        p.add_argument("--restart", action="store_true", help="a trigger restarted halfway (see above)"),
     ))
-    report = Report("log_streaming", args)
+    report = Report("log_streaming_restart" if args.restart else "log_streaming", args)
     with cluster(local_cluster.ClusterSpec(tpus=("v6e-4",), gpus=1), "log-streaming") as record:
         host, port = record.dashboard_url.removeprefix("http://").split(":")
         proxy = CountingProxy((host, int(port)))
@@ -189,6 +261,12 @@ def main() -> None:
         os.environ["AIRFLOW_CONN_RAY_BENCH"] = json.dumps(
             {"conn_type": "ray", "host": f"http://127.0.0.1:{proxy.port}", **({"password": record.token}
                                                                                 if record.token else {})})
+        if args.restart:
+            row = asyncio.run(restarted(record, proxy, args))
+            log(f"restart: {json.dumps({k: v for k, v in row.items() if k != 'result'})}")
+            restart_report(args, report, row)
+            report.write()
+            return
         rows = []
         for mode in ("polling", "stream"):
             log(f"{mode}: a {args.seconds:.0f} s step printing {args.lines_per_second} lines/s")

@@ -19,9 +19,11 @@ import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, XComArg, conf
+from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import RayConnectionSettings, RayHook
 from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
@@ -43,6 +45,12 @@ __all__ = ["RayStepOperator", "is_templated"]
 MIN_DEFERRAL_S = 15.0
 #: How long a new try waits for the earlier tries' stopped jobs to end before giving up.
 PREVIOUS_TRY_STOP_TIMEOUT_S = 120.0
+#: Per attempt of a step, on top of capacity_timeout + step_timeout: the hosts' start (the launcher waits
+#: up to 300 s for them) and the job's own start and end.
+ATTEMPT_MARGIN_S = 600.0
+#: Airflow's own timeout of a deferral comes this long after the trigger's deadline: the trigger stops
+#: the job at its deadline and reports; Airflow's timeout only catches a trigger that could not.
+DEFERRAL_BACKSTOP_S = 300.0
 
 
 def is_templated(value: Any) -> bool:
@@ -231,15 +239,31 @@ class RayStepOperator(BaseOperator):
             raise self._failure(type(exc).__name__, str(exc)) from None
         if self.deferrable:
             # Airflow 3 does not time deferred tasks out: the trigger stops the job at the deadline.
-            timeout = self.execution_timeout
+            limit, reason = self.deferral_limit()
+            deadline = None if limit is None else started + limit
             self.defer(
                 trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, submission_id=sid,
-                                       poll_interval=self.poll_interval,
-                                       deadline=None if timeout is None else started + timeout.total_seconds(),
+                                       poll_interval=self.poll_interval, deadline=deadline, deadline_reason=reason,
                                        resume_not_before=time.time() + self.min_deferral),
                 method_name="execute_complete",
+                timeout=None if deadline is None else timedelta(
+                    seconds=max(deadline - time.time(), self.min_deferral) + DEFERRAL_BACKSTOP_S),
             )
         return result
+
+    def deferral_limit(self) -> tuple[float | None, str]:
+        """Seconds from the start of `execute` the step may take, and what sets them (None: no limit).
+
+        The task's `execution_timeout` when it has one; else every attempt's `capacity_timeout` +
+        `step_timeout` + `ATTEMPT_MARGIN_S` (attempts: 1 + `preemption_retries`); a step without a
+        `step_timeout` runs as long as it runs.
+        """
+        if self.execution_timeout is not None:
+            return self.execution_timeout.total_seconds(), "execution_timeout"
+        if self.step_timeout is None:
+            return None, ""
+        attempt = float(self.capacity_timeout) + float(self.step_timeout) + ATTEMPT_MARGIN_S
+        return (1 + self.preemption_retries) * attempt, "capacity_timeout + step_timeout (with a margin)"
 
     def _check_checkpoint_root(self, root: Any) -> None:
         if root is None or is_templated(root):
@@ -265,6 +289,11 @@ class RayStepOperator(BaseOperator):
         except CloudTpuError as exc:
             self.log.warning("[rayslice] could not check %s against the connection's zone: %s", request.pod_type, exc)
 
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
+        if next_method == TRIGGER_FAIL_REPR:  # Airflow timed the deferral out, or the trigger crashed
+            self._stop_if_running(self._owner(context).submission_id)
+        return super().resume_execution(next_method, next_kwargs, context)
+
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         """Resume after the trigger: relay what the trigger did not, return the result or fail."""
         sid = event.get("submission_id") or self._owner(context).submission_id
@@ -274,11 +303,27 @@ class RayStepOperator(BaseOperator):
         if event.get("status") == "success":
             self.log.info("[rayslice] Ray job %s succeeded", sid)
             return event.get("result")
+        if not event.get("log_complete"):  # the trigger gave up on a job that may still run: the task does too
+            self._stop_if_running(sid)
         message = str(event.get("message") or "no message")
         self.log.error("[rayslice] %s", message)
         if event.get("error_type") == EXECUTION_TIMEOUT:
             raise AirflowTaskTimeout(message)
         raise self._failure(str(event.get("error_type") or "StepFailedError"), message)
+
+    def _stop_if_running(self, sid: str) -> None:
+        """The task gives up on the job: stop it, so that nothing runs (and holds capacity) without an owner."""
+        try:
+            with RayHook(self.ray_conn_id).client() as client:
+                if client.get(sid).is_terminal:
+                    return
+                client.stop(sid)
+        except JobNotFoundError:
+            return
+        except RaysliceError as exc:
+            self.log.warning("[rayslice] could not stop Ray job %s: %s", sid, exc)
+            return
+        self.log.warning("[rayslice] stopped Ray job %s: the task gave up on it", sid)
 
     def on_kill(self) -> None:
         """Stop the Ray job: its end releases every slice or device it held."""

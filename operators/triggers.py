@@ -5,10 +5,14 @@ It polls the job's small status and streams its log over the dashboard's log-tai
 by a timeout, so one slow dashboard cannot stall the triggerer's event loop. Job log lines go
 to the trigger's logger, which Airflow 3 routes to the task's log.
 
-`log_offset` (characters of the job's log) is where relaying starts: the operator defers with
-0, so a trigger restarted with the triggerer relays the log again from its start (lines the old
-triggerer relayed appear twice; none is lost). Events carry the offset relayed up to and
-`log_complete`, so `execute_complete` reads the log again only when the trigger could not finish it.
+`log_offset` (characters of the job's log) is where relaying starts. Airflow keeps a trigger's
+kwargs as they were at the deferral, so the trigger also records how far it relayed in an XCom
+of its task (`LOG_CHECKPOINT_KEY`: the offset and digests of the last lines, every
+`CHECKPOINT_S` and when it is cancelled); a trigger restarted with the triggerer, or moved to
+another one, resumes there and skips what was relayed without holding it (a triggerer killed
+outright re-relays at most the last `CHECKPOINT_S` of lines). Events carry the offset relayed up
+to and `log_complete`, so `execute_complete` reads the log again only when the trigger could not
+finish it.
 
 `cleanup()` runs on every trigger exit, triggerer restarts included, so it never
 touches the job; `on_kill()` (Airflow 3.3+: the user marked the deferred task failed,
@@ -25,8 +29,10 @@ holds its event until then; it never holds capacity (the job has already ended a
 
 `deadline` carries the task's `execution_timeout` into the deferral: Airflow 3 does not
 apply it to deferred time (the execution API leaves a TODO there), so without it a deferred
-step would hold its slice past the timeout. At the deadline the trigger stops the job,
-waits for its end, and reports `EXECUTION_TIMEOUT`.
+step would hold its slice past the timeout. Without an `execution_timeout`, the operator derives
+the deadline from the step's own limits (`deadline_reason` says which). At the deadline the
+trigger stops the job, waits for its end, and reports `EXECUTION_TIMEOUT` (or `DEFERRAL_TIMEOUT`).
+Whenever the trigger gives up following a job that may still run, it asks Ray to stop it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from airflow.sdk import BaseXCom
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from rayslice.hooks.ray import RayHook
 
@@ -46,6 +53,12 @@ from rayslice.core.exceptions import JobNotFoundError, RaysliceError
 __all__ = ["RayStepTrigger"]
 #: The event's error_type when the trigger stopped the job at the task's execution_timeout.
 EXECUTION_TIMEOUT = "ExecutionTimeout"
+#: The event's error_type when it stopped the job at the deadline derived from the step's limits.
+DEFERRAL_TIMEOUT = "DeferralTimeout"
+#: The XCom (of the deferred task) where the trigger records how far it relayed the job's log.
+LOG_CHECKPOINT_KEY = "rayslice_log_checkpoint"
+#: Seconds between two such records while lines are relayed.
+CHECKPOINT_S = 5.0
 
 
 class RayStepTrigger(BaseTrigger):
@@ -61,6 +74,7 @@ class RayStepTrigger(BaseTrigger):
         call_timeout: float = 30.0,
         deadline: float | None = None,
         resume_not_before: float | None = None,
+        deadline_reason: str = "execution_timeout",
     ) -> None:
         super().__init__()
         self.ray_conn_id = ray_conn_id
@@ -69,6 +83,7 @@ class RayStepTrigger(BaseTrigger):
         self.log_offset = int(log_offset)
         self.call_timeout = float(call_timeout)
         self.deadline = None if deadline is None else float(deadline)  # Unix time: stop the job then
+        self.deadline_reason = deadline_reason  # what set the deadline, in the user's words
         # Unix time: no event before then (see the module's docstring)
         self.resume_not_before = None if resume_not_before is None else float(resume_not_before)
 
@@ -83,6 +98,7 @@ class RayStepTrigger(BaseTrigger):
                 "call_timeout": self.call_timeout,
                 "deadline": self.deadline,
                 "resume_not_before": self.resume_not_before,
+                "deadline_reason": self.deadline_reason,
             },
         )
 
@@ -100,8 +116,9 @@ class RayStepTrigger(BaseTrigger):
             yield event
 
     async def _follow(self) -> AsyncIterator[TriggerEvent]:
-        lines = LogFollower(self.log.info, offset=self.log_offset)
+        lines = LogFollower(self.log.info, **await self._checkpoint())
         sid = self.submission_id
+        follow: JobFollow | None = None
         try:
             settings = await self._hook().asettings()
             async with settings.async_client() as client:
@@ -109,16 +126,25 @@ class RayStepTrigger(BaseTrigger):
                                    unreachable_grace=UNREACHABLE_GRACE_S,
                                    warn=lambda message: self.log.warning("%s", message))
                 timed_out = False
-                async with contextlib.aclosing(follow.statuses()) as statuses:
-                    async for job in statuses:
-                        if not job.is_terminal and self.deadline is not None and time.time() >= self.deadline:
-                            timed_out = True
-                            break
+                saved, saved_at = lines.offset, time.monotonic()
+                try:
+                    async with contextlib.aclosing(follow.statuses()) as statuses:
+                        async for job in statuses:
+                            if not job.is_terminal and self.deadline is not None and time.time() >= self.deadline:
+                                timed_out = True
+                                break
+                            if lines.offset != saved and time.monotonic() - saved_at >= CHECKPOINT_S:
+                                saved, saved_at = lines.offset, time.monotonic()
+                                await self._record(lines)
+                except asyncio.CancelledError:  # the triggerer stops or hands this trigger on: note where it was
+                    await self._record(lines)
+                    raise
                 if timed_out:
                     await self._stop_at_deadline(client)
             if timed_out:
-                yield self._event("error", lines.offset, error_type=EXECUTION_TIMEOUT,
-                                  message=f"Ray job {sid} stopped: the task's execution_timeout passed")
+                error_type = EXECUTION_TIMEOUT if self.deadline_reason == "execution_timeout" else DEFERRAL_TIMEOUT
+                yield self._event("error", lines.offset, error_type=error_type,
+                                  message=f"Ray job {sid} stopped: the task's {self.deadline_reason} passed")
                 return
             try:
                 result = follow.outcome()
@@ -130,8 +156,54 @@ class RayStepTrigger(BaseTrigger):
         except (RaysliceError, TimeoutError) as exc:
             gone = isinstance(exc, JobNotFoundError)
             what = "is unknown to the dashboard" if gone else "could not be followed"
+            if not gone and not (follow is not None and follow.job is not None and follow.job.is_terminal):
+                await self._stop_given_up()
             yield self._event("error", lines.offset, error_type=type(exc).__name__,
                               message=f"Ray job {sid} {what}: {exc}")
+
+    async def _checkpoint(self) -> dict[str, Any]:
+        """Where relaying starts: the kwargs' offset, or the record of an earlier run of this trigger past it."""
+        start: dict[str, Any] = {"offset": self.log_offset}
+        ti = getattr(self, "task_instance", None)
+        if ti is None:  # run outside a triggerer (tests, `dag.test()`): nothing recorded
+            return start
+        try:
+            record = await asyncio.wait_for(BaseXCom.aget_one(
+                key=LOG_CHECKPOINT_KEY, dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
+                map_index=ti.map_index), self.call_timeout)
+        except Exception as exc:  # a record is an optimisation: relaying from the kwargs' offset is correct too
+            self.log.debug("no log checkpoint for Ray job %s: %s", self.submission_id, exc)
+            return start
+        if (isinstance(record, dict) and record.get("submission_id") == self.submission_id
+                and int(record.get("offset") or 0) > self.log_offset):
+            self.log.info("[rayslice] resuming the log of Ray job %s at character %d, where it was relayed up to",
+                          self.submission_id, record["offset"])
+            return {"offset": int(record["offset"]), "recent": [str(d) for d in record.get("recent") or []]}
+        return start
+
+    async def _record(self, lines: LogFollower) -> None:
+        """Note how far the log was relayed (see `_checkpoint`); best effort, bounded by `call_timeout`."""
+        ti = getattr(self, "task_instance", None)
+        if ti is None:
+            return
+        try:
+            await asyncio.wait_for(BaseXCom.aset(
+                LOG_CHECKPOINT_KEY, {"submission_id": self.submission_id, **lines.state()},
+                dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, map_index=ti.map_index), self.call_timeout)
+        except Exception as exc:
+            self.log.debug("could not record the log offset of Ray job %s: %s", self.submission_id, exc)
+
+    async def _stop_given_up(self) -> None:
+        """The task gives up on a job that may still run: ask Ray to stop it (best effort: Ray may be unreachable)."""
+        try:
+            settings = await self._hook().asettings()
+            async with settings.async_client() as client:
+                stopped = await asyncio.wait_for(client.stop(self.submission_id), self.call_timeout)
+        except (RaysliceError, TimeoutError) as exc:
+            self.log.warning("[rayslice] could not stop Ray job %s: %s", self.submission_id, exc)
+            return
+        if stopped:
+            self.log.warning("[rayslice] stopped Ray job %s: its task no longer follows it", self.submission_id)
 
     async def _stop_at_deadline(self, client: Any) -> None:
         """Stop the job and wait (bounded) for its end, so its capacity is free when the task fails."""

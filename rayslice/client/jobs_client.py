@@ -23,7 +23,10 @@ REST shapes, as served by Ray 2.60 (``ray/dashboard/modules/job/job_head.py``):
 ``DELETE /api/jobs/{id}``                   ``{"deleted": true}``; 500 while not terminal
 ``GET /api/jobs/{id}/logs``                 ``{"logs": str}``
 ``GET /api/jobs/{id}/logs/tail``            websocket: the log so far, then new chunks as text
-                                            messages; closed (1000) once the job ended
+                                            messages (up to 10 lines, or one whole long line);
+                                            closed (1000) once the job ended
+``GET /api/v0/logs/file?node_id=&filename=  the state API's log read: the file's last ``lines``
+job-driver-{id}.log&lines=N``               lines as plain text (no offset or byte range)
 ``GET /api/packages/{protocol}/{name}``     200 (exists; also pins the URI for 10 min), 404
 ``PUT /api/packages/{protocol}/{name}``     the raw package bytes; 200 with an empty body
 ==========================================  =============================================
@@ -86,6 +89,10 @@ T = TypeVar("T")
 
 # Statuses that mean "a proxy or the dashboard is (re)starting": retried like connection errors.
 RETRY_STATUSES = frozenset({502, 503, 504})
+# A GET changes nothing, so any 5xx answer to one (a proxy's 500, a dashboard hiccup) is retried too.
+#: The largest log-tail websocket message accepted; a bigger one (one log line longer than this) breaks the
+#: stream, and the follower falls back to bounded reads (``log_lines``).
+LOG_MESSAGE_MAX_BYTES = 8 * 2**20
 # Package formats the Ray dashboard accepts for upload (ray._common.runtime_env_package).
 PACKAGE_EXTENSIONS = (".zip", ".whl", ".tar.gz", ".tgz", ".tar.xz")
 # Ray's own prefix for content-addressed packages (ray._private.runtime_env.packaging).
@@ -492,7 +499,7 @@ class _BaseJobsClient:
                 if delay is None:
                     raise self._unreachable(cause) from exc
             else:
-                if resp.status_code not in RETRY_STATUSES:
+                if resp.status_code not in RETRY_STATUSES and not (call.method == "GET" and resp.status_code >= 500):
                     return resp
                 cause = f"HTTP {resp.status_code} on {call.label}"
                 delay = self._transient(call, attempt, cause)
@@ -605,6 +612,26 @@ class _BaseJobsClient:
     def logs(self, submission_id: str) -> _Op[str]:
         """The job's driver log so far (``""`` before the driver started)."""
         return self._field(*(yield from self._job("GET", submission_id, "/logs")), "logs", str)
+
+    @_operation
+    def log_lines(self, job: JobDetails, lines: int) -> _Op[str]:
+        """The last ``lines`` lines of the job's driver log: a read bounded by lines, not the whole log.
+
+        Ray's Jobs API has no range read; the state API reads the driver's log file on its node
+        (``driver_node_id`` of the job's details) from the end.
+        """
+        sid = job.submission_id or ""
+        _quote(sid, "submission_id")
+        node = (job.model_extra or {}).get("driver_node_id")
+        if not node:
+            raise RayJobsError(f"the Ray dashboard at {self.address} gave no driver node for job {sid!r}: "
+                               "its log cannot be read in part")
+        call = _Call("GET", "/api/v0/logs/file", params={
+            "node_id": str(node), "filename": f"job-driver-{sid}.log",
+            "lines": str(max(1, int(lines)))})
+        resp = yield from self._exchange(call)
+        self._raise_for_status(call, resp, not_found=None)
+        return resp.content.decode("utf-8", "replace")
 
     @_operation
     def list_jobs(self) -> _Op[list[JobDetails]]:
@@ -799,7 +826,9 @@ class AsyncRayJobsClient(_BaseJobsClient):
                 # tail handler only writes, so it never answers our close frame; do not wait for it.
                 close_timeout=0.1,
                 compression=None,  # see the module docstring: Ray's proxy drops compressed streams
-                max_size=None,  # the server sends up to 20,000 characters, or one whole long line
+                # The server sends up to 10 lines per message, or one whole long line: bounded, so one
+                # huge line cannot take the triggerer's memory; it breaks the stream instead.
+                max_size=LOG_MESSAGE_MAX_BYTES,
                 # No keepalive pings: Ray's dashboard, busy relaying a chatty log, answers them late,
                 # and each "keepalive ping timeout" cost a reopen that re-sent the whole log (measured:
                 # 3.6x a 20 MB log's bytes). A dead stream is noticed through the status polls instead.

@@ -18,6 +18,7 @@ import secrets
 import time
 import uuid
 import zipfile
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from functools import cache
 from pathlib import Path
@@ -28,6 +29,7 @@ from rayslice.client.uploads import upload_runtime_env
 from rayslice.core.exceptions import (
     STEP_ERRORS,
     JobNotFoundError,
+    RayJobsError,
     RayUnreachableError,
     StepFailedError,
     SubmissionConflictError,
@@ -217,15 +219,29 @@ class LogFollower:
     (relayed, or skipped as a marker or blank): a new stream skips that much, and a restarted
     trigger resumes from it. A line is relayed once its newline has arrived (or the log ended), so
     a line a chunk cut in two is relayed whole. The step's marker lines are kept, not relayed.
+
+    Bounded reads of the log's last lines (`window`) carry no offset: they are placed by the
+    digests of the last `RECENT_LINES` lines handled, which `state()` also returns for a restart.
     """
 
-    def __init__(self, emit: Callable[[str], None], offset: int = 0, tag: str = "") -> None:
+    #: How many of the last lines handled are remembered (as digests) to place a window of the log's end.
+    RECENT_LINES = 32
+
+    def __init__(self, emit: Callable[[str], None], offset: int = 0, recent: Iterable[str] = (),
+                 tag: str = "") -> None:
         self.emit = emit
         self.offset = int(offset)
+        self._recent: deque[str] = deque(recent, maxlen=self.RECENT_LINES)
         self.tag = tag  # the job's marker tag (`marker_tag`): set from its metadata before its log is read
         self._partial = ""  # the current stream's text past `offset` that has no newline yet
         self._received = 0  # characters of the current stream seen so far
         self._markers: dict[str, str] = {}  # the last line carrying each marker
+        self.handled = 0  # whole lines handled by this follower
+
+    @property
+    def held(self) -> int:
+        """Characters of the log this follower holds: up to `offset`, and the current unfinished line."""
+        return self.offset + len(self._partial)
 
     @property
     def seen(self) -> int:  # the name the trigger's events and older callers use
@@ -240,6 +256,10 @@ class LogFollower:
         """The last result and error marker lines seen: all `outcome` needs of the log."""
         return "\n".join(self._markers.values())
 
+    def state(self) -> dict[str, Any]:
+        """Where relaying stands: enough for a restarted follower to relay nothing twice (`LogFollower(**state)`)."""
+        return {"offset": self.offset, "recent": list(self._recent)}
+
     def restart(self) -> None:
         """A new stream begins, from the log's first character."""
         self._partial, self._received = "", 0
@@ -253,19 +273,58 @@ class LogFollower:
         pending = self._partial + text[max(0, skip):]
         *lines, self._partial = pending.split("\n")
         for line in lines:
-            self.offset += len(line) + 1
-            self._handle(line)
+            self._line(line)
 
     def feed(self, log: str) -> None:
         """The whole log so far, as `GET .../logs` returns it."""
         self.restart()
         self.chunk(log)
 
+    def window(self, text: str, asked: int, *, ended: bool = False, only_if_placed: bool = False) -> bool:
+        """The log's last lines, read with a bounded read of at most `asked` lines: relay those not handled yet.
+
+        The window is placed by the last lines handled; False when it could not be, and the
+        window did not reach back to the log's start either: lines before it may be missing (with
+        `only_if_placed`, nothing is relayed then). With `ended`, the log is complete and a last
+        line without a newline is relayed too.
+        """
+        *lines, last = text.split("\n")
+        start = self._place([_digest(line) for line in lines])
+        placed = start is not None or (not self._recent and self.offset == 0 and len(lines) < asked)
+        if not placed and only_if_placed:
+            return False
+        self.restart()  # a stream's unfinished line is read whole here
+        for line in lines[start or 0:]:
+            self._line(line)
+        if ended:
+            self._partial, self._received = last, self.offset + len(last)
+            self.flush()
+        return placed
+
     def flush(self) -> None:
         """The log ended: relay its last line even without a newline."""
         line, self._partial = self._partial, ""
         self.offset += len(line)
         self._received = self.offset
+        if line:
+            self._recent.append(_digest(line))
+        self._handle(line)
+
+    def _place(self, digests: list[str]) -> int | None:
+        """Index of the first line after the last lines handled, in a window's lines; None if they are not in it."""
+        recent = list(self._recent)
+        if not recent:
+            return None
+        for end in range(len(digests) - 1, -1, -1):  # the latest match: never relay a line twice
+            n = min(len(recent), end + 1)
+            if digests[end + 1 - n:end + 1] == recent[len(recent) - n:]:
+                return end + 1
+        return None
+
+    def _line(self, line: str) -> None:
+        self.handled += 1
+        self.offset += len(line) + 1
+        self._recent.append(_digest(line))
         self._handle(line)
 
     def _handle(self, line: str) -> None:
@@ -282,6 +341,10 @@ class LogFollower:
 
 #: A host's last line, `(label pid=...) ::rayslice-host-done::label`: kept out of the task log.
 _HOST_DONE_LINE = re.compile(r"^\(.*\) " + re.escape(HOST_DONE_MARKER) + r"\S")
+
+
+def _digest(line: str) -> str:
+    return hashlib.blake2b(line.encode("utf-8", "replace"), digest_size=8).hexdigest()
 
 
 def _strip_ansi(text: str) -> str:
@@ -328,9 +391,17 @@ class JobFollow:
     The log is complete once a stream closed normally after the job ended: a stream open when a
     poll saw the end, or one opened after the end, or one that delivered the step's marker line.
     A stream that breaks off (a cut connection) is reopened at the next poll; one that stays open
-    `END_GRACE_S` after the end is closed and the rest read with one `client.logs`. Status polls
-    that fail for longer than `unreachable_grace` raise `RayUnreachableError` naming the job;
-    stream failures alone never do (the job's end is known from its status).
+    `END_GRACE_S` after the end is closed and the rest read with a bounded read of the log's last
+    lines (`client.log_lines`) once such a read reaches back to the last line relayed (until then
+    the stream goes on; one that made no progress for `END_GRACE_S` is reopened). Status polls that
+    fail for longer than `unreachable_grace` raise `RayUnreachableError` naming the job; stream
+    failures alone never do.
+
+    Without a stream (a proxy that does not pass websockets: `STREAM_ATTEMPTS` opens in a row that
+    failed or gave nothing), the log is followed by polling: each poll reads the status and the
+    log's last lines, half as many again as the previous read found new, plus `MIN_WINDOW` (a read
+    that does not reach the last line relayed is repeated with twice the lines): what is read stays
+    near the log's own size, and the whole log is never held.
 
     The step's marker line is the launcher's last line, and its driver exits right after it: once
     it arrived, the status is polled every `MARKER_POLL_S`, and once the job ended the open stream
@@ -338,13 +409,19 @@ class JobFollow:
     for seconds after the end): the caller gets the result without waiting out either.
     """
 
-    #: How long a stream may stay open after the job ended before the rest is read with one GET.
+    #: How long a stream may stay open after the job ended before the rest is read with a bounded read.
     END_GRACE_S = 15.0
     #: The status poll interval once the marker line arrived (for at most MARKER_FAST_S).
     MARKER_POLL_S = 0.1
     MARKER_FAST_S = 10.0
     #: After the end, with the marker line relayed: this much stream silence completes the log.
     QUIET_S = 0.3
+    #: Stream opens in a row that fail (or give nothing) before the log is followed by polling instead.
+    STREAM_ATTEMPTS = 3
+    #: Lines per bounded read of the log's end: the first read, the least, and the most.
+    FIRST_WINDOW = 1000
+    MIN_WINDOW = 20
+    MAX_WINDOW = 8000
 
     def __init__(
         self,
@@ -363,6 +440,10 @@ class JobFollow:
         self.job: JobDetails | None = None  # the last status read
         self.complete = False  # the whole log went through `lines`
         self.streams = 0  # log streams opened
+        self.polling = False  # following by polling: the stream is unavailable
+        self.window_reads = 0  # bounded reads of the log's end
+        self._failed_streams = 0  # stream opens in a row that failed or gave nothing
+        self._window = self.FIRST_WINDOW
         self._unreachable_since: float | None = None
         self._stream_trouble = False  # warned about the stream; warned again only after it worked
 
@@ -378,12 +459,25 @@ class JobFollow:
         Then `self.job` is the final status. A caller may stop iterating at any time (a deadline):
         the open stream, if any, is closed.
         """
+        async with contextlib.aclosing(self._streaming()) as streamed:
+            async for job in streamed:
+                yield job
+        if self.polling:
+            async for job in self._polling():
+                yield job
+        self.lines.flush()
+        self.complete = True
+
+    async def _streaming(self) -> AsyncIterator[JobDetails]:
+        """Follow over the log stream; returns once the log is complete, or when it falls back to `polling`."""
         async with contextlib.AsyncExitStack() as stack:
             tail: LogTail | None = None
             closed_normally = opened_after_end = ended_while_open = False
             ended_at = opened_at = marker_at = 0.0
             next_poll = next_open = 0.0
             finishing = False  # ended, marker relayed, stream open: done once the stream is quiet
+            gave = False  # the open stream delivered text this follower did not hold
+            tried_at, held_at_try = 0.0, -1  # the last bounded read after the end, and what was held then
             while True:
                 now = time.monotonic()
                 if tail is None or now >= next_poll:
@@ -399,23 +493,34 @@ class JobFollow:
                     ended = self.job is not None and self.job.is_terminal
                     if tail is None and ended and closed_normally and (
                             opened_after_end or ended_while_open or self.lines.markers):
-                        break
+                        return
+                    if self.polling:
+                        return
                     waiting = self.job is None or self.job.status == JobStatus.PENDING
                     if tail is None and not waiting and time.monotonic() >= next_open:
                         next_open = time.monotonic() + self.poll
                         tail = await self._open(stack)
                         if tail is not None:
                             opened_after_end, opened_at = ended, time.monotonic()
-                            closed_normally = ended_while_open = False
+                            closed_normally = ended_while_open = gave = False
+                        elif self.polling:
+                            return
                     if tail is None:
                         await asyncio.sleep(max(0.0, next_poll - time.monotonic()))
                         continue
-                    if ended and time.monotonic() - max(ended_at, opened_at) > self.END_GRACE_S:
-                        await stack.aclose()  # the server kept the stream open past the end
-                        tail = None
-                        if await self._read_rest():
-                            break
-                        continue
+                    if ended and time.monotonic() - max(ended_at, opened_at, tried_at) > self.END_GRACE_S:
+                        # The stream is still open this long after the end: the rest from a bounded read,
+                        # when one reaches back to what was relayed; else the stream goes on, reopened
+                        # if it made no progress since the last try.
+                        tried_at = time.monotonic()
+                        if await self._read_window(ended=True, only_if_placed=True):
+                            await stack.aclose()
+                            return
+                        if self.lines.held == held_at_try:
+                            await stack.aclose()
+                            tail = None
+                            continue
+                        held_at_try = self.lines.held
                     finishing = ended and bool(self.lines.markers)
                 wait = next_poll - time.monotonic()
                 try:
@@ -423,24 +528,48 @@ class JobFollow:
                 except TimeoutError:
                     if finishing:  # the marker was the last line, and nothing more came
                         await stack.aclose()
-                        break
+                        return
                     continue  # time to poll the status
                 except RayUnreachableError as exc:
                     await stack.aclose()
                     tail, closed_normally = None, False
-                    self._stream_failed(exc)
+                    self._stream_failed(exc, gave)
+                    if self.polling:
+                        return
                     continue
                 if text is None:  # a normal close: at the job's end, or early; the status tells
                     await stack.aclose()
                     tail, closed_normally, next_poll = None, True, 0.0
+                    if not gave and not (self.job is not None and self.job.is_terminal):
+                        self._stream_failed(RayUnreachableError("closed at once, with nothing"), gave)
                     continue
-                self._stream_trouble = False
+                held = self.lines.held
                 self.lines.chunk(text)
+                if self.lines.held > held:
+                    gave, self._failed_streams, self._stream_trouble = True, 0, False
                 if not marker_at and self.lines.markers:
                     marker_at = time.monotonic()
                     next_poll = min(next_poll, marker_at + self.MARKER_POLL_S)
-        self.lines.flush()
-        self.complete = True
+
+    async def _polling(self) -> AsyncIterator[JobDetails]:
+        """Follow without a stream: each poll reads the status, then the log's last lines (a bounded read)."""
+        failed_at_end = 0
+        while True:
+            job = await self._get()
+            if job is not None:
+                self.job = job
+                yield job
+            if self.job is not None and self.job.status != JobStatus.PENDING:
+                ended = self.job.is_terminal
+                if await self._read_window(ended=ended) and ended:
+                    return
+                if ended:
+                    failed_at_end += 1
+                    if failed_at_end >= self.STREAM_ATTEMPTS:
+                        self.warn(f"could not read the end of Ray job {self.sid}'s log; "
+                                  f"see it with `ray job logs {self.sid}`")
+                        return
+            await asyncio.sleep(self.poll)
 
     async def _get(self) -> JobDetails | None:
         """The job's status; None while the dashboard does not answer (within the grace)."""
@@ -466,30 +595,68 @@ class JobFollow:
         try:
             tail = await asyncio.wait_for(stack.enter_async_context(self.client.tail_logs(self.sid)),
                                           self.call_timeout)
-        except (RayUnreachableError, JobNotFoundError, TimeoutError) as exc:
+        except (RayJobsError, TimeoutError) as exc:
             # A 404 here is not the job's end: Ray's log route can miss a job its status route
             # already shows (seen right after it starts); the status poll decides whether it is gone.
-            self._stream_failed(exc)
+            # A proxy that does not pass websockets answers 400, 404 or nothing: after a few, poll.
+            self._stream_failed(exc, gave=False)
             return None
         self.streams += 1
         self.lines.restart()
         return tail
 
-    def _stream_failed(self, exc: BaseException) -> None:
+    def _stream_failed(self, exc: BaseException, gave: bool) -> None:
+        # While the status polls fail too, the dashboard is away (not the stream): that does not count.
+        away = self._unreachable_since is not None and isinstance(exc, RayUnreachableError | TimeoutError)
+        self._failed_streams = 0 if gave else self._failed_streams + (not away)
+        if self._failed_streams >= self.STREAM_ATTEMPTS:
+            self.polling = True
+            self.warn(f"the log stream of Ray job {self.sid} is unavailable ({str(exc) or type(exc).__name__}, "
+                      f"{self._failed_streams} times in a row); following its status and the end of its log "
+                      f"every {self.poll:g} s instead")
+            return
         if not self._stream_trouble:
             self.warn(f"the log stream of Ray job {self.sid} failed ({str(exc) or type(exc).__name__}); "
                       "reopening it at the next poll")
         self._stream_trouble = True
 
-    async def _read_rest(self) -> bool:
-        """Read the ended job's log once with a plain GET; False if the dashboard did not answer."""
-        try:
-            log = await asyncio.wait_for(self.client.logs(self.sid), self.call_timeout)
-        except (RayUnreachableError, TimeoutError) as exc:
-            self._stream_failed(exc)
-            return False
-        self.lines.feed(log)
-        return True
+    async def _read_window(self, *, ended: bool, only_if_placed: bool = False) -> bool:
+        """Relay the log's end from bounded reads of its last lines; False if the dashboard did not answer.
+
+        A read that does not reach back to the last line relayed is read again with twice the lines, up
+        to `MAX_WINDOW`; past that, the lines between are missing from the task log, and a warning says
+        so, unless `only_if_placed` (a stream still delivers them): then nothing is relayed, and False.
+        """
+        assert self.job is not None
+        while True:
+            asked = self._window
+            try:
+                text = await asyncio.wait_for(self.client.log_lines(self.job, asked), self.call_timeout)
+            except (RayUnreachableError, TimeoutError) as exc:
+                self.warn(f"could not read the end of Ray job {self.sid}'s log ({str(exc) or type(exc).__name__})")
+                return False
+            except RayJobsError as exc:  # e.g. no log file: a job that ended before its driver started
+                if ended and not only_if_placed:
+                    self.warn(f"Ray job {self.sid}'s log cannot be read ({exc})")
+                    return True
+                return False
+            self.window_reads += 1
+            last_try = asked >= self.MAX_WINDOW
+            before = self.lines.handled
+            if self.lines.window(text, asked, ended=ended, only_if_placed=only_if_placed or not last_try):
+                placed = True
+            elif last_try and not only_if_placed:
+                placed = False
+                self.warn(f"more than {asked} lines of Ray job {self.sid}'s log were written between two "
+                          f"reads; some are missing here (see `ray job logs {self.sid}`)")
+            elif last_try:
+                return False
+            else:
+                self._window = min(self.MAX_WINDOW, asked * 2)
+                continue
+            fresh = self.lines.handled - before
+            self._window = min(self.MAX_WINDOW, fresh + fresh // 2 + self.MIN_WINDOW) if placed else asked
+            return True
 
 
 async def wait_for_step(

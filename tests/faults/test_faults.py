@@ -40,7 +40,9 @@ from rayslice.core.exceptions import (
 from rayslice.core.step import Owner, StepSpec
 from rayslice.local import local_cluster
 from rayslice.local.airflow_stack import AirflowStack
+from tests.airflow_env import ray_connection_json
 from tests.conftest import TOTAL_TPU_CHIPS, rayslice_home, wait_until
+from tests.faults.http_proxy import NoWebsocketProxy
 from tests.faults.proxy import FaultProxy
 
 FAULT_BOUND_S = 30.0  # the must-hold: the step ends, and everything is free, this soon after the fault
@@ -328,6 +330,30 @@ async def test_followers_give_up_on_a_dashboard_that_stays_down_naming_the_job(c
     assert [j.status for j in jobs_named(cluster.dashboard_url, cluster.token, sid)] == [JobStatus.STOPPED]
 
 
+# ---------------------------------------------------------------- a proxy that does not pass websockets
+
+
+async def test_the_trigger_completes_behind_a_proxy_that_refuses_websockets(cluster, monkeypatch):
+    """The log tail's upgrade answered 400: the trigger follows by polling; the result and every line come back."""
+    from rayslice.operators.triggers import RayStepTrigger
+
+    from tests.operators.test_triggers import _relayed_by
+    from tests.rayslice.client.test_log_stream import chatty_job, expected, payload
+
+    with NoWebsocketProxy(cluster.dashboard_url, websockets="400") as proxy:
+        monkeypatch.setenv("AIRFLOW_CONN_RAY_NO_WEBSOCKETS", ray_connection_json(proxy.url, cluster.token))
+        async with AsyncRayJobsClient(proxy.url, token=cluster.token) as client:
+            sid = await client.submit(chatty_job(), submission_id=f"rsls-nows-trigger-{uuid.uuid4().hex[:8]}")
+        trigger = RayStepTrigger(ray_conn_id="ray_no_websockets", submission_id=sid, poll_interval=0.5)
+        relayed = _relayed_by(trigger)
+        event = await asyncio.wait_for(anext(trigger.run()), 300)
+    assert event.payload["status"] == "success", event.payload
+    assert event.payload["result"] == 42 and event.payload["log_complete"] is True
+    assert payload(relayed.lines) == expected()
+    assert proxy.bytes_of(f"/api/jobs/{sid}/logs") == 0  # never the whole log
+    assert any(path.startswith("/api/v0/logs/") for path in proxy.sent)
+
+
 # ---------------------------------------------------------------- 5, 6: real Airflow on a token-auth cluster
 
 
@@ -437,6 +463,9 @@ def test_a_triggerer_crash_mid_step_neither_resubmits_nor_loses_the_step(token_c
     held = wait_until(lambda: (tmp_path / "started").exists() and _ti(api, dag_id, run, "step")["state"] == "deferred",
                       timeout=STEP_START_S, interval=0.5)
     assert held, f"step not deferred and holding its slice: {_ti(api, dag_id, run, 'step')}"
+    # The trigger records how far it relayed the log (an XCom of the task): the new triggerer resumes there.
+    recorded = wait_until(lambda: (_checkpoint(api, dag_id, run) or {}).get("offset", 0) > 0, timeout=60, interval=0.5)
+    assert recorded, f"no log checkpoint: {_checkpoint(api, dag_id, run)}"
     old = airflow.sessions["triggerer"]
     new = airflow.restart("triggerer")
     assert new != old
@@ -454,6 +483,21 @@ def test_a_triggerer_crash_mid_step_neither_resubmits_nor_loses_the_step(token_c
     sid = ours[0][0]
     assert wait_until(lambda: _token_chips_free(token_cluster)
                       and not leftovers(token_cluster.dashboard_url, token_cluster.token, sid), timeout=FAULT_BOUND_S)
+    # Relayed once: by the first triggerer; the second one skipped it by the recorded offset.
+    relayed = [line for path, text in _logs(airflow).items() if f"run_id={run}" in str(path)
+               for line in text.splitlines() if "holding the slice until released" in line]
+    assert len(relayed) == 1, relayed
+
+
+def _checkpoint(api: httpx.Client, dag_id: str, run: str) -> dict | None:
+    entry = _get(api, f"/dags/{dag_id}/dagRuns/{run}/taskInstances/step/xcomEntries/rayslice_log_checkpoint")
+    if entry is None:
+        return None
+    value = entry["value"]
+    try:
+        return json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        return None
 
 
 def _task_log(airflow: AirflowStack, dag_id: str, run: str) -> str:

@@ -259,3 +259,51 @@ def test_on_kill_stops_the_job_and_frees_every_chip(dags, jobs, ray_driver, capf
     free = wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=5)
     assert free, f"TPU chips still busy {time.monotonic() - stopped_at:.1f} s after on_kill"
     assert "stopped Ray job" in capfd.readouterr().out
+
+
+def sleep_long():
+    import time
+
+    print("sleeping", flush=True)
+    time.sleep(300)
+
+
+def test_every_deferral_has_a_deadline_from_the_steps_limits():
+    from datetime import timedelta
+
+    from rayslice.operators.step import ATTEMPT_MARGIN_S
+
+    limits = {"task_id": "t", "tpu": "v6e-4", "python_callable": sleep_long, "capacity_timeout": 100}
+    assert TpuSliceOperator(**limits, step_timeout=50, preemption_retries=1).deferral_limit() == (
+        2 * (100 + 50 + ATTEMPT_MARGIN_S), "capacity_timeout + step_timeout (with a margin)")
+    assert TpuSliceOperator(**limits, step_timeout=50, execution_timeout=timedelta(seconds=30)).deferral_limit() == (
+        30, "execution_timeout")
+    assert TpuSliceOperator(**limits).deferral_limit() == (None, "")  # no limit set: the step runs as long as it runs
+
+
+def test_a_task_that_gives_up_on_its_deferral_stops_the_job(jobs, ray_default):
+    """Airflow timed the deferral out (the task resumes as `__fail__`): the task stops its still-running job."""
+    from types import SimpleNamespace
+
+    from airflow.sdk.exceptions import TaskDeferralTimeout
+    from rayslice.operators.accelerator import AcceleratorOperator
+
+    ti = SimpleNamespace(dag_id="rt_give_up", run_id=f"r{time.time_ns()}", task_id="step", map_index=None,
+                         try_number=1, id=uuid.uuid4())
+    op = AcceleratorOperator(task_id="step", accelerator="GPU", count=0.25, python_callable=sleep_long,
+                             deferrable=True)
+    owner = op._owner({"ti": ti})
+    spec = StepSpec.for_function(sleep_long, request=AcceleratorRequest(resource="GPU", count=0.25), owner=owner)
+
+    async def submit() -> str:
+        async with AsyncRayJobsClient(ray_default.dashboard_url, token=ray_default.token) as client:
+            return await submit_step(client, spec, emit=lambda _: None)
+
+    sid = asyncio.run(submit())
+    try:
+        assert wait_until(lambda: "sleeping" in jobs.logs(sid), timeout=180, interval=0.5)
+        with pytest.raises(TaskDeferralTimeout):
+            op.resume_execution("__fail__", {"error": "Trigger timeout"}, {"ti": ti})
+        assert wait_until(lambda: jobs.get(sid).status == JobStatus.STOPPED, timeout=60, interval=0.5)
+    finally:
+        jobs.stop(sid)

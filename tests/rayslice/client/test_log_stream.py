@@ -1,7 +1,9 @@
 """Following a job's log as a stream (the dashboard's log-tail websocket), against the real local cluster.
 
 Every line relayed exactly once and in order, from a follow that starts while the job is pending,
-across a stream cut by a proxy, and for about the log's own size in streamed bytes.
+across a stream cut by a proxy, and for about the log's own size in streamed bytes; behind a proxy
+that does not pass websockets (bounded reads of the log's end instead), after a stream that lags,
+and for a line longer than a stream message may be.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import uuid
 
 import pytest
 
+from rayslice.client import jobs_client
 from rayslice.client.jobs_client import AsyncRayJobsClient, JobStatus
 from rayslice.client.submission import JobFollow, LogFollower, wait_for_step
+from tests.faults.http_proxy import NoWebsocketProxy
 from tests.faults.proxy import FaultProxy
 
 LINES = 300
@@ -63,6 +67,33 @@ def test_follower_relays_whole_lines_once_across_chunks_and_restarts():
     again: list[str] = []
     LogFollower(again.append, offset=len("a1\n\x1b[32mb2\x1b[0m\n")).feed(log)
     assert again == ["c3"]  # from an offset (a restarted trigger): nothing before it, the tail kept back
+
+
+def test_windows_of_the_logs_end_relay_each_line_once_and_say_when_lines_are_missing():
+    log = "".join(f"line {i}\n" for i in range(10))
+    relayed: list[str] = []
+    lines = LogFollower(relayed.append)
+    assert lines.window(log[: log.index("line 4")], asked=10)  # fewer lines than asked: the whole log so far
+    assert lines.window(log[log.index("line 2"):], asked=8)  # overlaps what was relayed: placed by it
+    assert relayed == [f"line {i}" for i in range(10)] and lines.offset == len(log)
+    assert lines.window(log[log.index("line 7"):] + "line 10\nline 11", asked=5, ended=True)
+    assert relayed[-3:] == ["line 9", "line 10", "line 11"] and lines.offset == len(log) + len("line 10\nline 11")
+
+    # A window that does not reach back to the last line relayed: what it holds, and False.
+    gap: list[str] = []
+    behind = LogFollower(gap.append)
+    behind.window("line 0\nline 1\n", asked=2)
+    assert not behind.window("line 6\nline 7\n", asked=2, only_if_placed=True) and gap == ["line 0", "line 1"]
+    assert not behind.window("line 8\nline 9\n", asked=2) and gap == ["line 0", "line 1", "line 8", "line 9"]
+
+    # A follower restarted from another's state relays nothing twice, from a stream or a window.
+    state = LogFollower(lambda _: None)
+    state.feed(log[: log.index("line 6")])
+    again: list[str] = []
+    LogFollower(again.append, **state.state()).window(log[log.index("line 3"):], asked=7)
+    streamed: list[str] = []
+    LogFollower(streamed.append, **state.state()).feed(log)
+    assert again == streamed == [f"line {i}" for i in range(6, 10)]
 
 
 # ---------------------------------------------------------------- against the cluster
@@ -124,3 +155,79 @@ async def test_a_cut_stream_reconnects_and_loses_no_line(cluster, jobs):
 async def _drain(follow: JobFollow) -> None:
     async for _ in follow.statuses():
         pass
+
+
+# ---------------------------------------------------------------- behind a proxy that does not pass websockets
+
+
+async def _follow_to_end(follow: JobFollow, timeout: float = 120) -> None:
+    await asyncio.wait_for(_drain(follow), timeout)
+
+
+@pytest.mark.parametrize("refusal", ["404", "hang"])
+async def test_without_websockets_the_follow_polls_with_bounded_reads(cluster, jobs, refusal):
+    """A proxy that answers the log tail's upgrade with 404, or never: the result and every line still arrive."""
+    sid = await submit(jobs, f"nows{refusal}", pause=0.01)
+    relayed: list[str] = []
+    warnings: list[str] = []
+    with NoWebsocketProxy(cluster.dashboard_url, websockets=refusal) as proxy:
+        async with AsyncRayJobsClient(proxy.url, token=cluster.token, timeout=5) as client:
+            follow = JobFollow(client, sid, LogFollower(relayed.append), poll=0.3, call_timeout=10,
+                               warn=warnings.append)
+            await _follow_to_end(follow)
+    assert follow.outcome() == 42 and payload(relayed) == expected()
+    assert follow.polling and any("unavailable" in w for w in warnings), warnings
+    size = len((await jobs.logs(sid)).encode())
+    read = proxy.bytes_to("/api/v0/logs/")
+    print(f"\n[no websockets: {refusal}] log {size} bytes, read {read} bytes in {follow.window_reads} bounded reads")
+    assert proxy.bytes_of(f"/api/jobs/{sid}/logs") == 0  # never the whole log
+    # Linear in the log (each read asks 1.5 times the lines the last one found new), plus a few lines per poll.
+    assert read <= 3 * size + follow.window_reads * JobFollow.MIN_WINDOW * 60, (read, size)
+
+
+async def test_a_get_answered_500_is_retried(cluster, jobs):
+    sid = await submit(jobs, "r500", lines=1)
+    with NoWebsocketProxy(cluster.dashboard_url) as proxy:
+        async with AsyncRayJobsClient(proxy.url, token=cluster.token, backoff=0.01) as client:
+            proxy.fail_gets(2)
+            assert (await client.get(sid)).submission_id == sid
+    assert proxy.requests.count(f"GET /api/jobs/{sid}") == 3
+
+
+async def test_a_lagging_stream_is_caught_up_with_a_bounded_read_not_the_whole_log(cluster, jobs):
+    """The stream is still behind END_GRACE_S after the end: the rest comes from the log's last lines."""
+    sid = await submit(jobs, "lag", pause=0.002)
+    assert await asyncio.wait_for(_ended(jobs, sid), 120) == JobStatus.SUCCEEDED
+    relayed: list[str] = []
+    with NoWebsocketProxy(cluster.dashboard_url, websockets="slow", slow_s=0.1) as proxy:
+        async with AsyncRayJobsClient(proxy.url, token=cluster.token) as client:
+            follow = JobFollow(client, sid, LogFollower(relayed.append), poll=0.3)
+            follow.END_GRACE_S = 1.0
+            await _follow_to_end(follow)
+    assert follow.outcome() == 42 and payload(relayed) == expected()
+    assert follow.streams >= 1 and 0 < len(payload(relayed)[:10])
+    assert f"GET /api/jobs/{sid}/logs" not in proxy.requests, proxy.requests
+    assert follow.window_reads >= 1
+
+
+async def test_a_line_longer_than_a_stream_message_may_be_is_read_with_bounded_reads(cluster, jobs, monkeypatch):
+    """The websocket's message size is bounded: a longer line breaks the stream, not the triggerer's memory."""
+    monkeypatch.setattr(jobs_client, "LOG_MESSAGE_MAX_BYTES", 64 * 1024, raising=False)
+    script = ("print('payload-a', flush=True)\nprint('L' * 200000, flush=True)\nprint('payload-b', flush=True)\n"
+              "print('::rayslice-' + 'result::42', flush=True)\n")
+    sid = await jobs.submit(f"python -c {shlex.quote(script)}", submission_id=f"rsls-long-{uuid.uuid4().hex[:8]}")
+    relayed: list[str] = []
+    async with AsyncRayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+        follow = JobFollow(client, sid, LogFollower(relayed.append), poll=0.3, warn=lambda _: None)
+        await _follow_to_end(follow)
+        streamed = client.bytes_streamed
+    assert follow.outcome() == 42
+    assert [line for line in relayed if line.startswith(("payload-", "LLL"))] == ["payload-a", "L" * 200000,
+                                                                                   "payload-b"]
+    assert streamed < 200000, streamed
+
+
+async def _ended(client: AsyncRayJobsClient, sid: str) -> JobStatus:
+    while not (job := await client.get(sid)).is_terminal:
+        await asyncio.sleep(0.3)
+    return job.status
