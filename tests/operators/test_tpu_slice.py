@@ -57,13 +57,13 @@ def test_preemption_retries_reach_the_step_and_bad_values_fail_at_parse_time():
 def test_hang_timeout_reaches_the_step_and_bad_values_fail_at_parse_time():
     from rayslice.core.step import Owner
 
-    default = TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn")
+    default = TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn")
     assert default._spec(default.build_request(), Owner(), context={}).hang_timeout == 300
-    off = TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn", hang_timeout=None)
+    off = TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", hang_timeout=None)
     assert off._spec(off.build_request(), Owner(), context={}).hang_timeout is None
     for bad in (0, -5, "60", True):
         with pytest.raises(InvalidRequestError, match="hang_timeout of 't' must be a number of seconds > 0 or None"):
-            TpuSliceOperator(task_id="t", tpu="v6e-16", entrypoint="pkg.mod:fn", hang_timeout=bad)
+            TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", hang_timeout=bad)
 
 
 def test_min_deferral_is_kept_and_bad_values_fail_at_parse_time():
