@@ -157,6 +157,9 @@ def reap(
                                                     help="Airflow's URL: also stop jobs whose task has ended.")] = None,
     airflow_token: Annotated[str | None, typer.Option(envvar="RAYSLICE_AIRFLOW_TOKEN",
                                                       help="A bearer token for Airflow's REST API.")] = None,
+    deployment: Annotated[str | None, typer.Option(
+        envvar="RAYSLICE_DEPLOYMENT", help="That Airflow's deployment name (its `ray` connection's 'deployment' "
+        "extra); default: its `rayslice_deployment` Variable. Jobs of other deployments are left alone.")] = None,
 ) -> None:
     """Free what dead steps hold: jobs whose Airflow task ended, and leftovers named `rayslice:` of ended jobs."""
     import asyncio
@@ -168,7 +171,7 @@ def reap(
         record = local_cluster.ClusterRecord.load(name)
         address, token = record.dashboard_url, record.token
     report = asyncio.run(orphans.reap(address, token=token, airflow_url=airflow_url, airflow_token=airflow_token,
-                                      dry_run=dry_run, emit=console.print))
+                                      deployment=deployment, dry_run=dry_run, emit=console.print))
     verb = "would free" if dry_run else "freed"
     console.print(f"{verb}: {len(report.stopped)} job(s) stopped, {len(report.reaped)} leftover(s) removed")
     if not airflow_url:
