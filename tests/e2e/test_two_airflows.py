@@ -60,7 +60,8 @@ def test_two_airflows_with_the_same_task_keep_to_their_own_jobs(airflow, cluster
     shutil.copy(DAG_FILE, home_b / "dags" / DAG_FILE.name)
     release = tmp_path / "release"
     # A logical date of its own, so the run id is new on the cluster (both Airflows derive it from the date).
-    logical = datetime(2020, 1, 1, tzinfo=UTC) + timedelta(seconds=random.randrange(10**8))  # in the past
+    # After the DAG's start_date (no task instances before it), before now (a manual run waits for its run_after).
+    logical = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=random.randrange(2 * 10**7))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | {
         "RAYSLICE_TEST_AIRFLOW_HOME": str(home_b)}
     b = subprocess.Popen([sys.executable, "-c", AIRFLOW_B, cluster.dashboard_url, cluster.token or "",
