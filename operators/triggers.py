@@ -163,7 +163,22 @@ class RayStepTrigger(BaseTrigger):
         """Nothing to release: run() closes its client, and the job must outlive triggerer restarts."""
 
     async def on_kill(self) -> None:
-        """The user killed the deferred task: stop the Ray job (its end frees the slice); a moved trigger: nothing."""
+        """The user killed the deferred task: stop the Ray job (its end frees the slice); a moved trigger: nothing.
+
+        Airflow's triggerer cancels the trigger again at every sync until it has ended (its
+        `to_cancel` set is re-sent), which would cancel this in the middle of asking Airflow or
+        stopping the job: the work runs shielded, and those repeated cancels are waited out
+        (each call is bounded by `call_timeout`).
+        """
+        work = asyncio.ensure_future(self._kill())
+        while True:
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                if work.done():
+                    raise
+
+    async def _kill(self) -> None:
         state = await self._task_state()
         if state == "deferred":
             self.log.info("[rayslice] the trigger of Ray job %s moved to another triggerer (the task is still "
