@@ -13,6 +13,11 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
   start without a runtime env, about 1.5 CPU-seconds faster each);
   ``runtime_env`` (Ray's runtime_env format): the default of every step on this connection, under
   each task's own ``runtime_env`` (a task's keys replace it, its ``env_vars`` are merged);
+  ``deployment``: this Airflow's name on the cluster (letters, digits, ``.``, ``_``, ``-``; e.g.
+  ``"prod"``), stamped on every job and first in every checkpoint folder, so two Airflows sharing
+  one Ray cluster never stop each other's jobs or share checkpoint folders. Unset, it is the Airflow
+  Variable ``rayslice_deployment``, which the first step of a deployment creates (a random id)
+  in its metadata DB: stable for that Airflow, different for any other;
   ``kuberay`` (a dict) names a KubeRay RayCluster instead of a host,
   ``{"namespace": "ml", "name": "rayslice", "in_cluster": true}`` or ``..., "kubeconfig": "/path"``:
   the dashboard URL is then looked up through the Kubernetes API (``rayslice.cloud.kuberay_client``)
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
@@ -37,10 +44,11 @@ from airflow.sdk import BaseHook
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
-from rayslice.core.step import Launcher
+from rayslice.core.step import DEPLOYMENT_VARIABLE, Launcher
 
-__all__ = ["RayConnectionSettings", "RayHook"]
+__all__ = ["DEPLOYMENT_VARIABLE", "RayConnectionSettings", "RayHook"]
 
+_DEPLOYMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HOST_HINT = "set the `ray` connection's host to the Ray dashboard URL, e.g. http://127.0.0.1:8265"
 
 
@@ -57,6 +65,7 @@ class RayConnectionSettings:
     checkpoint_root: str | None = None  # extra ``checkpoint_root``: the steps' checkpoint folders live under it
     launcher: Launcher = "shipped"  # extra ``launcher``: "shipped" or "installed" (rayslice is in the cluster's image)
     runtime_env: dict[str, Any] | None = None  # extra ``runtime_env``: under each step's own
+    deployment: str | None = None  # extra ``deployment``: this Airflow's name on the cluster (else the Variable's)
 
     def _kwargs(self) -> dict[str, Any]:
         return {"token": self.token, "verify": self.verify, "headers": dict(self.headers),
@@ -161,7 +170,18 @@ def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int =
         launcher=_launcher(extra.get("launcher")),
         runtime_env=runtime_envs.validate(extra.get("runtime_env") or None,
                                           "the `ray` connection's extra 'runtime_env'"),
+        deployment=check_deployment(extra.get("deployment"), "the `ray` connection's extra 'deployment'"),
     )
+
+
+def check_deployment(value: Any, what: str) -> str | None:
+    """A deployment name as given (None when unset); a clear error for one that cannot name a folder."""
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str) or not _DEPLOYMENT.fullmatch(value):
+        raise InvalidRequestError(f"{what} must be 1-64 letters, digits, '.', '_' or '-' (starting with a letter "
+                                  f"or digit), e.g. 'prod', got {value!r}")
+    return value
 
 
 def _launcher(value: Any) -> Launcher:
@@ -222,6 +242,26 @@ class RayHook(BaseHook):
                 self._settings = await asyncio.to_thread(settings_from_connection, conn, timeout=self.timeout,
                                                          retries=self.retries)
         return self._settings
+
+    def deployment(self) -> str:
+        """This Airflow's name on the cluster: the connection's ``deployment`` extra, else the Airflow Variable.
+
+        The Variable (``rayslice_deployment``) lives in the metadata DB, so every worker of one
+        Airflow reads the same name and another Airflow (its own DB) another one. It is created
+        with a random id the first time a step runs without one. Runs in a task (Task SDK).
+        """
+        configured = self.settings().deployment
+        if configured:
+            return configured
+        from airflow.sdk import Variable
+
+        what = f"the Airflow Variable {DEPLOYMENT_VARIABLE!r}"
+        value = Variable.get(DEPLOYMENT_VARIABLE, default=None)
+        if value in (None, ""):
+            Variable.set(DEPLOYMENT_VARIABLE, uuid.uuid4().hex[:12],
+                         description="rayslice: this Airflow's name on shared Ray clusters (keep it stable)")
+            value = Variable.get(DEPLOYMENT_VARIABLE)  # a concurrent first step may have set its own: read the winner
+        return check_deployment(value, what) or ""
 
     def cluster_ref(self, **overrides: Any) -> Any:
         """The RayCluster the connection's ``kuberay`` extra names (a ``rayslice.cloud.kuberay_client.ClusterRef``).

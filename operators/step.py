@@ -6,7 +6,8 @@ Subclasses only say what capacity they want (`build_request`). Everything else i
   import), templated ones right after rendering, before anything is submitted;
 - the Ray submission id holds the try's task-instance id (new for every try in Airflow 3): the
   same try run again (a resumed deferral, a restarted worker) reattaches to its job, anything
-  else submits afresh; a new try first stops every earlier try's job that still runs;
+  else submits afresh; a new try first stops every earlier try's job that still runs, of this
+  Airflow deployment only (`RayHook.deployment`: each job's metadata names it);
 - the id goes to XCom before any waiting, for ``on_kill`` and the "Ray job" link;
 - the job's log is relayed line by line to the task log (by the trigger when deferred).
 """
@@ -226,9 +227,10 @@ class RayStepOperator(BaseOperator):
             self._check_zone_offers(hook, request)
             self._settings = hook.settings()
             self._check_checkpoint_root(self.checkpoint_root)
+            deployment = hook.deployment()
         except InvalidRequestError as exc:
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
-        owner = self._owner(context)
+        owner = self._owner(context, deployment)
         spec = self._spec(request, owner, context)
         self._submission_id = sid = owner.submission_id
         context["ti"].xcom_push(key=SUBMISSION_ID_KEY, value=sid)
@@ -340,11 +342,11 @@ class RayStepOperator(BaseOperator):
 
     # ---- helpers
 
-    def _owner(self, context: Context) -> Owner:
+    def _owner(self, context: Context, deployment: str = "") -> Owner:
         ti = context["ti"]
         map_index = ti.map_index if ti.map_index is not None else -1
         owner = Owner(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, map_index=map_index,
-                      try_number=ti.try_number, ti_id=str(ti.id))
+                      try_number=ti.try_number, deployment=deployment, ti_id=str(ti.id))
         return owner.model_copy(update={"submission_id": submission_id(owner)})
 
     def _spec(self, request: Any, owner: Owner, context: Context) -> StepSpec:
@@ -388,6 +390,7 @@ class RayStepOperator(BaseOperator):
     async def _stop_earlier_tries(self, client: AsyncRayJobsClient, owner: Owner) -> None:
         """A retry must not run next to the tries it replaces: stop every one still running, wait for their ends.
 
+        Only this Airflow deployment's tries: another Airflow's task of the same name runs on.
         Not only try - 1: try 3 also stops try 1 when try 2 never got to submit. Earlier tries are
         found by their jobs' metadata, since their ids hold task-instance ids this try cannot know.
         """

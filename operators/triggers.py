@@ -15,8 +15,16 @@ to and `log_complete`, so `execute_complete` reads the log again only when the t
 finish it.
 
 `cleanup()` runs on every trigger exit, triggerer restarts included, so it never
-touches the job; `on_kill()` (Airflow 3.3+: the user marked the deferred task failed,
-success or cleared it) stops the job, whose end releases all its capacity.
+touches the job. `on_kill()` runs when a triggerer cancels the trigger "by user action", which
+in Airflow 3.3 means either the user marked the deferred task failed, success or cleared it, or
+the trigger moved to another triggerer (`update_triggers` cancels whatever a triggerer no longer
+owns, e.g. after it missed its heartbeat, through the same path). So `on_kill()` first asks
+Airflow (the triggerer's execution API, `GetTaskStates`) whether the task is still deferred: then
+the trigger only moved and the job is left to the triggerer that now follows it; anything else
+(failed, success, cleared) stops the job, whose end releases all its capacity. A user's action
+changes the task's state before Airflow deletes the trigger, so a cancelled trigger of a task
+that is still deferred is always a move. If Airflow cannot be asked (no triggerer around the
+trigger), the job is stopped, as a kill asks.
 
 `resume_not_before` works around a race in Airflow's scheduler (3.3.2 and earlier; apache/airflow
 #67287, #72716): the worker process that deferred exits, and the executor reports that exit as
@@ -227,9 +235,56 @@ class RayStepTrigger(BaseTrigger):
         """Nothing to release: run() closes its client, and the job must outlive triggerer restarts."""
 
     async def on_kill(self) -> None:
-        """The user killed the deferred task: stop the Ray job (its end frees the slice)."""
+        """The user killed the deferred task: stop the Ray job (its end frees the slice); a moved trigger: nothing.
+
+        Airflow's triggerer cancels the trigger again at every sync until it has ended (its
+        `to_cancel` set is re-sent), which would cancel this in the middle of asking Airflow or
+        stopping the job: the work runs shielded, and those repeated cancels are waited out
+        (each call is bounded by `call_timeout`).
+        """
+        work = asyncio.ensure_future(self._kill())
+        while True:
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                if work.done():
+                    raise
+
+    async def _kill(self) -> None:
+        state = await self._task_state()
+        if state == "deferred":
+            self.log.info("[rayslice] the trigger of Ray job %s moved to another triggerer (the task is still "
+                          "deferred): leaving the job to it", self.submission_id)
+            return
         settings = await self._hook().asettings()
         async with settings.async_client() as client:
             stopped = await asyncio.wait_for(client.stop(self.submission_id), self.call_timeout)
         self.log.info("Ray job %s: %s", self.submission_id,
                       "stop requested" if stopped else "was not running")
+
+    async def _task_state(self) -> str | None:
+        """The task instance's state as Airflow has it now; None when it cannot be asked.
+
+        Through the triggerer's channel to its supervisor (the Task SDK's `GetTaskStates`, answered
+        by the execution API), the way a trigger's `RuntimeTaskInstance.get_task_states` asks.
+        """
+        ti = getattr(self, "task_instance", None)
+        try:
+            from airflow.sdk.execution_time import task_runner
+            from airflow.sdk.execution_time.comms import GetTaskStates, TaskStatesResult
+
+            comms = getattr(task_runner, "SUPERVISOR_COMMS", None)
+            if ti is None or comms is None:
+                return None
+            map_index = ti.map_index if ti.map_index is not None and ti.map_index >= 0 else -1
+            answer = await asyncio.wait_for(comms.asend(GetTaskStates(
+                dag_id=ti.dag_id, run_ids=[ti.run_id], task_ids=[ti.task_id], map_index=map_index)),
+                self.call_timeout)
+        except Exception as exc:  # an unreachable Airflow must not keep a kill from stopping the job
+            self.log.warning("[rayslice] could not ask Airflow for the state of %s: %s", self.submission_id, exc)
+            return None
+        if not isinstance(answer, TaskStatesResult):
+            self.log.warning("[rayslice] Airflow did not report the state of %s: %s", self.submission_id, answer)
+            return None
+        states = [state for tasks in answer.task_states.values() for state in tasks.values()]
+        return str(states[0]) if len(states) == 1 and states[0] is not None else None

@@ -57,6 +57,7 @@ class Target:
     flag: str
     headers: dict[str, str] | None = None
     verify: bool | str = True
+    deployment: str | None = None  # the connection's `deployment` extra, with --conn-id
 
 
 def target(address: str | None, token: str | None, conn_id: str | None, name: str) -> Target:
@@ -73,7 +74,7 @@ def target(address: str | None, token: str | None, conn_id: str | None, name: st
         except Exception as exc:  # noqa: BLE001 - Airflow raises its own types for a missing connection
             raise fail(f"--conn-id {conn_id!r}: {exc}") from None
         return Target(settings.dashboard_url, token or settings.token, f"--conn-id {conn_id}",
-                      dict(settings.headers), settings.verify)
+                      dict(settings.headers), settings.verify, settings.deployment)
     if address:
         from rayslice.hooks.ray import dashboard_url  # the same URL rules as the connection's host
 
@@ -234,6 +235,9 @@ def reap(
                                                     help="Airflow's URL: also stop jobs whose task has ended.")] = None,
     airflow_token: Annotated[str | None, typer.Option(envvar="RAYSLICE_AIRFLOW_TOKEN",
                                                       help="A bearer token for Airflow's REST API.")] = None,
+    deployment: Annotated[str | None, typer.Option(
+        envvar="RAYSLICE_DEPLOYMENT", help="That Airflow's deployment name (its `ray` connection's 'deployment' "
+        "extra); default: its `rayslice_deployment` Variable. Jobs of other deployments are left alone.")] = None,
 ) -> None:
     """Free what dead steps hold: jobs whose Airflow task ended, and leftovers named `rayslice:` of ended jobs."""
     import asyncio
@@ -243,7 +247,9 @@ def reap(
     where = target(address, token, conn_id, name)
     try:
         report = asyncio.run(orphans.reap(where.url, token=where.token, airflow_url=airflow_url,
-                                          airflow_token=airflow_token, dry_run=dry_run, emit=console.print))
+                                          airflow_token=airflow_token, deployment=deployment or where.deployment,
+                                          dry_run=dry_run,
+                                          emit=console.print))
     except RaysliceError as exc:
         raise unreachable(where, exc) from None
     verb = "would free" if dry_run else "freed"

@@ -94,6 +94,13 @@ def get_provider_info() -> dict:
                                        "start faster",
                         "schema": {"type": ["string", "null"]},
                     },
+                    "deployment": {
+                        "label": "Deployment name (optional)",
+                        "description": "This Airflow's name on the cluster, e.g. prod: stamped on every job and first "
+                                       "in every checkpoint folder, so Airflows sharing a cluster keep to their own "
+                                       "(else the Airflow Variable rayslice_deployment, created with a random id)",
+                        "schema": {"type": ["string", "null"]},
+                    },
                     "cloud_tpu": {
                         "label": "Cloud TPU zone check (optional)",
                         "description": 'JSON {"project": "...", "zone": "us-east5-b"}: TPU slice types are checked '

@@ -98,6 +98,13 @@ def task_instance(dag_run, task_id: str, map_index: int = -1):
     return ti
 
 
+def deployment() -> str:
+    """This test Airflow's deployment name (no `deployment` extra here): its Variable, created if no step did yet."""
+    from airflow.models.variable import Variable
+
+    return Variable.setdefault("rayslice_deployment", "rayslice-tests")
+
+
 def task_states(dag_run) -> dict[str, str]:
     return {f"{ti.task_id}[{ti.map_index}]" if ti.map_index >= 0 else ti.task_id: str(ti.state)
             for ti in dag_run.get_task_instances()}

@@ -149,7 +149,8 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
     from tests.airflow_env import REPO
 
     dags = tmp_path_factory.mktemp("airflow-dags")
-    for source in [*(REPO / "dags").glob("[!_]*.py"), REPO / "tests/e2e/dags/lifecycle.py"]:
+    for source in [*(REPO / "dags").glob("[!_]*.py"), REPO / "tests/e2e/dags/lifecycle.py",
+                   REPO / "tests/e2e/dags/shared_cluster.py"]:
         shutil.copy(source, dags / source.name)
     settings = {"AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
                 "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3"}

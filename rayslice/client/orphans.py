@@ -5,7 +5,10 @@ worker dies hard (SIGKILL, OOM, a lost machine) `on_kill` never runs, and the jo
 until the step ends on its own; Airflow later marks the task failed. A retry stops the previous
 try's job itself, but with no retry left nothing would. Given Airflow's REST API, `reap` stops every
 running rayslice job whose task instance Airflow reports finished (or moved on to a later try);
-the job's end frees all it held. A job Airflow does not know (another Airflow, a test) is left alone.
+the job's end frees all it held. Only jobs of that Airflow's deployment are considered (each job's
+metadata names it; the deployment is the `ray` connection's `deployment` extra, else that Airflow's
+`rayslice_deployment` Variable, which `reap` reads when not told): a job of another Airflow on the
+same cluster, with the same DAG, run and task names, is left alone, as is a job Airflow does not know.
 
 Then it runs `python -m rayslice.cluster.reaper` as a small Ray job, which removes named
 placement groups and actors of ended jobs. No `ray` import here.
@@ -25,7 +28,7 @@ import httpx
 from rayslice.client import submission
 from rayslice.client.jobs_client import AsyncRayJobsClient, JobDetails
 from rayslice.core.exceptions import RaysliceError
-from rayslice.core.step import Owner
+from rayslice.core.step import DEPLOYMENT_VARIABLE, Owner
 
 #: Task instance states in which the task may still be following its Ray job.
 LIVE_TASK_STATES = frozenset({"running", "deferred", "queued", "scheduled", "up_for_reschedule", "restarting"})
@@ -38,6 +41,7 @@ class ReapReport:
     stopped: list[str] = field(default_factory=list)  # submission ids of jobs stopped (or to stop)
     reaped: list[dict[str, Any]] = field(default_factory=list)  # named leftovers removed by the sweep
     unknown_to_airflow: list[str] = field(default_factory=list)
+    other_deployments: list[str] = field(default_factory=list)  # running jobs of other Airflows, left alone
 
 
 class AirflowTasks:
@@ -49,6 +53,20 @@ class AirflowTasks:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    async def deployment(self) -> str:
+        """This Airflow's deployment name, from its `rayslice_deployment` Variable."""
+        resp = await self._http.get(f"/variables/{DEPLOYMENT_VARIABLE}")
+        if resp.status_code == 404:
+            raise RaysliceError(f"Airflow at {self._http.base_url} has no {DEPLOYMENT_VARIABLE!r} Variable (no step "
+                                "ran there yet, or its `ray` connection names the deployment): give the deployment "
+                                "with --deployment (the connection's 'deployment' extra)")
+        if resp.status_code in (401, 403):
+            raise RaysliceError(f"Airflow at {self._http.base_url} refused to show the {DEPLOYMENT_VARIABLE!r} "
+                                f"Variable ({resp.status_code}): give the deployment with --deployment, or a token "
+                                "of a user who may read Variables")
+        resp.raise_for_status()
+        return str(resp.json()["value"])
 
     async def task_instance(self, owner: Owner) -> dict[str, Any] | None:
         """The task instance as Airflow reports it; None when Airflow has no such task instance."""
@@ -87,13 +105,16 @@ def task_has_ended(owner: Owner, task_instance: dict[str, Any]) -> bool:
     return task_instance.get("state") not in LIVE_TASK_STATES
 
 
-async def stop_abandoned_jobs(client: AsyncRayJobsClient, airflow: AirflowTasks, *, dry_run: bool,
+async def stop_abandoned_jobs(client: AsyncRayJobsClient, airflow: AirflowTasks, *, deployment: str, dry_run: bool,
                               report: ReapReport, emit: Callable[[str], None]) -> None:
-    """Stop running rayslice jobs whose Airflow task has ended; wait until Ray reports them ended."""
+    """Stop running rayslice jobs of `deployment` whose Airflow task has ended; wait until Ray reports them ended."""
     stopping = []
     for job in await client.list_jobs():
         owner = owner_of(job)
         if owner is None or job.is_terminal or not job.submission_id:
+            continue
+        if owner.deployment != deployment:
+            report.other_deployments.append(job.submission_id)
             continue
         ti = await airflow.task_instance(owner)
         if ti is None:
@@ -126,14 +147,18 @@ async def sweep(client: AsyncRayJobsClient, *, dry_run: bool) -> list[dict[str, 
 
 
 async def reap(address: str, *, token: str | None = None, airflow_url: str | None = None,
-               airflow_token: str | None = None, dry_run: bool = False,
+               airflow_token: str | None = None, deployment: str | None = None, dry_run: bool = False,
                emit: Callable[[str], None] = print) -> ReapReport:
+    """Stop the jobs of ended tries of the Airflow at `airflow_url` (of `deployment`, else the one that
+    Airflow's Variable names), then sweep the leftovers of ended jobs."""
     report = ReapReport()
     async with AsyncRayJobsClient(address, token=token) as client:
         if airflow_url:
             airflow = AirflowTasks(airflow_url, airflow_token)
             try:
-                await stop_abandoned_jobs(client, airflow, dry_run=dry_run, report=report, emit=emit)
+                deployment = deployment or await airflow.deployment()
+                await stop_abandoned_jobs(client, airflow, deployment=deployment, dry_run=dry_run, report=report,
+                                          emit=emit)
             finally:
                 await airflow.aclose()
         report.reaped = await sweep(client, dry_run=dry_run)

@@ -81,38 +81,47 @@ def owner_of(job: JobDetails) -> Owner | None:
     try:
         return Owner(dag_id=meta.get("dag_id", ""), run_id=meta.get("run_id", ""), task_id=meta.get("task_id", ""),
                      map_index=int(meta.get("map_index", -1)), try_number=int(meta.get("try_number", 0)),
-                     ti_id=meta.get("ti_id", ""), submission_id=job.submission_id or "")
+                     deployment=meta.get("deployment", ""), ti_id=meta.get("ti_id", ""),
+                     submission_id=job.submission_id or "")
     except ValueError:
         return None
 
 
 def jobs_of_task(jobs: Iterable[JobDetails], owner: Owner) -> list[JobDetails]:
-    """The rayslice jobs of `owner`'s (dag, run, task, map index), of every try and status.
+    """The rayslice jobs of `owner`'s (deployment, dag, run, task, map index), of every try and status.
 
     Found by metadata, not by id: ids hold each try's task-instance id, which only that try knows.
+    An owner without a deployment (a tool looking at the whole cluster) finds the task's jobs of
+    every Airflow deployment.
     """
-    return [job for job, _ in _with_task_owners(jobs, owner)]
+    return [job for job, _ in _with_task_owners(jobs, owner, every_deployment=not owner.deployment)]
 
 
 def running_earlier_tries(jobs: Iterable[JobDetails], owner: Owner) -> dict[str, int]:
-    """Submission id -> try number of each still-running job of `owner`'s task from a try before its own."""
+    """Submission id -> try number of each still-running job of `owner`'s task from a try before its own.
+
+    Only jobs of `owner`'s own Airflow deployment: another Airflow's task of the same name is not an earlier try.
+    """
     return {job.submission_id or "": theirs.try_number for job, theirs in _with_task_owners(jobs, owner)
             if not job.is_terminal and theirs.try_number < owner.try_number and job.submission_id}
 
 
-def _with_task_owners(jobs: Iterable[JobDetails], owner: Owner) -> list[tuple[JobDetails, Owner]]:
+def _with_task_owners(jobs: Iterable[JobDetails], owner: Owner, *,
+                      every_deployment: bool = False) -> list[tuple[JobDetails, Owner]]:
     task = (owner.dag_id, owner.run_id, owner.task_id, owner.map_index)
     found = []
     for job in jobs:
         theirs = owner_of(job)
         if theirs is not None and theirs.dag_id and (theirs.dag_id, theirs.run_id, theirs.task_id,
-                                                     theirs.map_index) == task:
+                                                     theirs.map_index) == task \
+                and (every_deployment or theirs.deployment == owner.deployment):
             found.append((job, theirs))
     return found
 
 
-def _identity(owner: Owner) -> tuple[str, str, str, int, int, str]:
-    return owner.dag_id, owner.run_id, owner.task_id, owner.map_index, owner.try_number, owner.ti_id
+def _identity(owner: Owner) -> tuple[str, str, str, str, int, int, str]:
+    return (owner.deployment, owner.dag_id, owner.run_id, owner.task_id, owner.map_index, owner.try_number,
+            owner.ti_id)
 
 
 def _describe(owner: Owner | None) -> str:
@@ -122,7 +131,7 @@ def _describe(owner: Owner | None) -> str:
         return "an ad-hoc step" + (f" (task instance {owner.ti_id})" if owner.ti_id else "")
     index = f"[{owner.map_index}]" if owner.map_index >= 0 else ""
     return (f"Airflow task {owner.dag_id}.{owner.task_id}{index} of run {owner.run_id}, try {owner.try_number} "
-            f"(task instance {owner.ti_id or 'unknown'})")
+            f"(task instance {owner.ti_id or 'unknown'}, deployment {owner.deployment or 'unnamed'})")
 
 
 def _check_reattachable(job: JobDetails, owner: Owner) -> None:

@@ -39,8 +39,8 @@ class StepContext:
     - `slice_index`, `slice_name`, `worker_id`: where this process runs (0, the request, 0 for a fraction).
     - `process_index`, `num_processes`: this process's JAX process id and its group's size.
     - `checkpoint_dir`: a URL (`gs://…`, `s3://…`, `file://…`) that is the same for every preemption
-      attempt and every Airflow try of this task in this DAG run and map index, and different for
-      any other; None when no checkpoint root is configured anywhere.
+      attempt and every Airflow try of this task in this DAG run and map index of this Airflow
+      deployment, and different for any other; None when no checkpoint root is configured anywhere.
     """
 
     dag_id: str
@@ -107,7 +107,10 @@ def set_step_context(context: StepContext | None) -> None:
 
 
 def checkpoint_dir_for(root: str | None, owner: Owner) -> str | None:
-    """`<root>/<dag>/<run>/<task>[/map-<i>]`: one folder per task of a DAG run, shared by its tries.
+    """`<root>/<deployment>/<dag>/<run>/<task>[/map-<i>]`: one folder per task of a run, shared by its tries.
+
+    The Airflow deployment (`Owner.deployment`) comes first: another Airflow on the same cluster
+    with the same DAG, run id and task gets a folder of its own.
 
     A DAG run deleted and created again under the same run_id gets the same folder: a scheduled
     run that is re-created resumes from its predecessor's checkpoints (delete the folder for a
@@ -117,7 +120,7 @@ def checkpoint_dir_for(root: str | None, owner: Owner) -> str | None:
         return None
     protocol, path = split_protocol(root)
     if owner.dag_id:
-        parts = [owner.dag_id, owner.run_id, owner.task_id]
+        parts = [*([owner.deployment] if owner.deployment else []), owner.dag_id, owner.run_id, owner.task_id]
         if owner.map_index >= 0:
             parts.append(f"map-{owner.map_index}")
     else:

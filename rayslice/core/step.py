@@ -56,15 +56,24 @@ class TaskRef(BaseModel):
                 "try_number": number("try_number", 0)}
 
 
+#: The Airflow Variable that names a deployment whose `ray` connection sets no `deployment` extra.
+DEPLOYMENT_VARIABLE = "rayslice_deployment"
+
+
 class Owner(TaskRef):
     """Who a reservation belongs to, so it can be traced back to its Airflow task (and reaped).
 
     `ti_id` is the Airflow task instance's id: Airflow 3 gives every try its own UUID, so it tells
     one try apart from a re-created run's try of the same number, or another Airflow's.
+    `deployment` names the Airflow the task belongs to (the `ray` connection's `deployment` extra,
+    else one generated per Airflow metadata DB): two Airflows sharing a cluster (staging and prod,
+    with the same DAGs and run ids) never take each other's jobs for their own tries, and keep their
+    checkpoints apart. Empty outside Airflow.
     """
 
     model_config = ConfigDict(frozen=True)
 
+    deployment: str = ""
     ti_id: str = ""
     submission_id: str = ""
 

@@ -17,7 +17,7 @@ from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import checkpoint_dir_for
 from rayslice.core.step import Owner, StepSpec
 from rayslice.local import local_cluster
-from tests.airflow_env import load_dag_file, task_instance, task_states, write_dag_file, xcom_values
+from tests.airflow_env import deployment, load_dag_file, task_instance, task_states, write_dag_file, xcom_values
 from tests.conftest import wait_until
 from tests.rayslice.cluster.test_launcher import assert_all_released
 
@@ -140,7 +140,7 @@ def test_a_step_that_fails_after_a_checkpoint_resumes_from_it_on_the_next_airflo
     assert task_states(dr) == {"train": "success"}
     [result] = xcom_values(dr, "train")
     folder = checkpoint_dir_for(ray_default.checkpoint_root, Owner(dag_id="ckpt_retry", run_id=dr.run_id,
-                                                                   task_id="train"))
+                                                                   task_id="train", deployment=deployment()))
     assert result == {"resumed_from": 3, "w": [0.0, 1.0, 2.0, 3.0], "try": 2, "checkpoint_dir": folder}
     assert "crashed after the checkpoint of step 3" in out
     assert "holds no checkpoint: the step starts fresh" in out  # try 1
@@ -208,7 +208,7 @@ def test_the_tasks_templated_root_wins_then_the_connections_extra(airflow_db, ra
     from tests.airflow_env import ray_connection_json
 
     conn = json.loads(ray_connection_json(ray_default.dashboard_url, ray_default.token))
-    conn["extra"] = {"checkpoint_root": f"file://{tmp_path}/connection-root"}
+    conn["extra"] = {"checkpoint_root": f"file://{tmp_path}/connection-root", "deployment": "roots-test"}
     monkeypatch.setenv("AIRFLOW_CONN_RAY_DEFAULT", json.dumps(conn))
     dags, errors = load_dag_file(write_dag_file("ckpt_roots", ROOTS_DAG.replace("__TMP__", str(tmp_path))))
     assert not errors
@@ -219,4 +219,5 @@ def test_the_tasks_templated_root_wins_then_the_connections_extra(airflow_db, ra
     for task_id, root in (("from_task", f"file://{tmp_path}/task-root/ckpt_roots"),
                           ("from_connection", f"file://{tmp_path}/connection-root")):
         assert {"from_task": from_task, "from_connection": from_connection}[task_id] == checkpoint_dir_for(
-            root, Owner(dag_id="ckpt_roots", run_id=dr.run_id, task_id=task_id))
+            root, Owner(dag_id="ckpt_roots", run_id=dr.run_id, task_id=task_id, deployment="roots-test"))
+    assert "/connection-root/roots-test/ckpt_roots/" in from_connection  # the connection's deployment extra

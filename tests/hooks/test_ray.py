@@ -86,6 +86,18 @@ def test_the_launcher_extra_is_shipped_by_default_or_installed():
         settings({"launcher": "local"})
 
 
+def test_the_deployment_extra_names_a_folder_or_nothing():
+    def settings(extra):
+        return settings_from_connection(Connection(conn_id="r", conn_type="ray", host="http://h:1",
+                                                   extra=json.dumps(extra)))
+
+    assert settings({"deployment": "prod-eu.2"}).deployment == "prod-eu.2"
+    assert settings({}).deployment is None and settings({"deployment": ""}).deployment is None
+    for bad in ("../prod", "prod/eu", " prod", "x" * 65, 7):
+        with pytest.raises(InvalidRequestError, match="'deployment' must be 1-64 letters, digits"):
+            settings({"deployment": bad})
+
+
 def test_missing_host_names_the_fix():
     with pytest.raises(InvalidRequestError, match="host to the Ray dashboard URL"):
         dashboard_url("")

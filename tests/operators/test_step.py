@@ -24,7 +24,7 @@ from rayslice.client.submission import jobs_of_task, submission_id, submit_step,
 from rayslice.core.accelerators import AcceleratorRequest
 from rayslice.core.exceptions import SubmissionConflictError
 from rayslice.core.step import Owner, StepSpec
-from tests.airflow_env import load_dag_file, task_instance, task_states, write_dag_file, xcom_values
+from tests.airflow_env import deployment, load_dag_file, task_instance, task_states, write_dag_file, xcom_values
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 
 # A loaded 2-core machine can slow a multi-host step several-fold: a guard, not a budget.
@@ -123,7 +123,7 @@ def owner_of_ti(dag_run, task_id: str) -> Owner:
     """The Owner the operator builds for the task instance's current try."""
     ti = task_instance(dag_run, task_id)
     return Owner(dag_id=dag_run.dag_id, run_id=dag_run.run_id, task_id=task_id, try_number=ti.try_number,
-                 ti_id=str(ti.id))
+                 deployment=deployment(), ti_id=str(ti.id))
 
 
 def test_templated_values_are_checked_at_run_time_not_parse_time():
@@ -165,7 +165,7 @@ def test_a_retry_stops_every_earlier_try_that_still_runs(dags, jobs, ray_default
     when = datetime.now(UTC)  # fixed run_after: we know the run_id before the run exists
     run_id = f"manual__{when.isoformat()}"
     try1 = asyncio.run(_submit(ray_default, Owner(dag_id="rt_retry", run_id=run_id, task_id="step", try_number=1,
-                                                  ti_id=str(uuid.uuid4()))))
+                                                  deployment=deployment(), ti_id=str(uuid.uuid4()))))
     assert wait_until(lambda: jobs.get(try1).status == JobStatus.RUNNING, timeout=60)
 
     dr = dag.test(logical_date=when, run_after=when)  # tries 1 and 2 crash in pre_execute

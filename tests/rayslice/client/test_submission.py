@@ -95,6 +95,18 @@ def test_a_new_try_finds_every_earlier_try_still_running_by_metadata():
     assert [j.submission_id for j in jobs_of_task(jobs, TASK)] == [j.submission_id for j in jobs[:4]]
 
 
+def test_another_airflow_deployments_task_of_the_same_name_is_not_an_earlier_try():
+    """Staging and prod share a cluster, DAGs and run ids: each finds only its own deployment's tries."""
+    prod = {"deployment": "prod"}
+    try1_prod, try1_staging = a_try(1, **prod), a_try(1, deployment="staging")
+    jobs = [job_of(try1_prod), job_of(try1_staging), job_of(a_try(1))]  # the last one: stamped by no deployment
+    assert running_earlier_tries(jobs, a_try(2, **prod)) == {jobs[0].submission_id: 1}
+    assert running_earlier_tries(jobs, a_try(2, deployment="staging")) == {jobs[1].submission_id: 1}
+    assert [j.submission_id for j in jobs_of_task(jobs, TASK.model_copy(update=prod))] == [jobs[0].submission_id]
+    assert len(jobs_of_task(jobs, TASK)) == 3  # no deployment named: a tool's view of every deployment
+    assert owner_of(jobs[1]).deployment == "staging"
+
+
 def test_a_cluster_without_the_installed_launcher_says_what_to_set():
     from rayslice.client.submission import outcome
     from rayslice.core.exceptions import StepFailedError

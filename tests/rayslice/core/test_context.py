@@ -41,6 +41,12 @@ def test_other_runs_tasks_and_map_indexes_get_other_folders(other):
     assert checkpoint_dir_for("s3://b/c", other) != checkpoint_dir_for("s3://b/c", TASK)
 
 
+def test_another_airflow_deployment_gets_its_own_folder_under_its_name():
+    prod, staging = (TASK.model_copy(update={"deployment": name}) for name in ("prod", "staging"))
+    assert checkpoint_dir_for("gs://b/c", prod).startswith("gs://b/c/prod/train_daily/")
+    assert checkpoint_dir_for("gs://b/c", staging).startswith("gs://b/c/staging/train_daily/")
+
+
 def test_a_recreated_run_with_the_same_run_id_gets_its_predecessors_folder():
     recreated = TASK.model_copy(update={"ti_id": "fresh-ti", "submission_id": "fresh"})
     assert checkpoint_dir_for("file:///ckpt", recreated) == checkpoint_dir_for("file:///ckpt", TASK)

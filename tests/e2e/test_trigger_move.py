@@ -1,0 +1,190 @@
+"""A deferred step whose trigger moves to another triggerer runs on (issue 26, item 4).
+
+Airflow 3.3's triggerer cancels every trigger it no longer owns (`update_triggers`: running minus
+requested) through the same "user action" path that calls `on_kill()`. A triggerer that missed its
+heartbeat (here: SIGSTOPped past `triggerer_health_check_threshold`) loses its triggers to another
+one, and once it runs again it cancels them that way. Two real triggerers on the session's Airflow:
+the step must finish on its Ray job, and its result must reach XCom.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import uuid
+from contextlib import closing
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from rayslice.client.jobs_client import JobStatus, RayJobsClient
+from rayslice.client.submission import jobs_of_task
+from rayslice.core.step import Owner
+from rayslice.local import processes
+from rayslice.local.airflow_stack import _airflow_bin
+from rayslice.local.local_cluster import free_port
+from tests.conftest import end_sessions, wait_until
+
+DAG_ID = "sc_moved_trigger"
+#: The second triggerer takes over triggers whose triggerer's heartbeat is older than this (default 30 s).
+THRESHOLD_S = 10
+#: A generous bound for a deferred step to start on a loaded two-core machine (a guard, not a budget).
+STEP_START_S = 420
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture
+def api(airflow):
+    with httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=60,
+                      headers={"Authorization": f"Bearer {airflow.api_token()}"}) as client:
+        assert wait_until(lambda: _get(client, f"/dags/{DAG_ID}") is not None, timeout=180, interval=1), \
+            f"the DAG processor did not register {DAG_ID}"
+        yield client
+
+
+def test_a_trigger_moved_to_another_triggerer_leaves_its_job_running(airflow, api, cluster, tmp_path):
+    db = Path(airflow.home) / "airflow.db"
+    release = tmp_path / "release"
+    run = f"mv-{uuid.uuid4().hex[:8]}"
+    resp = api.post(f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run, "logical_date": None,
+                                                      "conf": {"release": str(release)}})
+    assert resp.status_code == 200, resp.text
+    first = airflow.record.sessions["triggerer"]
+    second: subprocess.Popen | None = None
+    stopped: set[int] = set()
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as jobs:
+        try:
+            # The step runs, deferred, and the session's only triggerer follows it.
+            holder = wait_until(lambda: _state(api, run) == "deferred" and _holder(db, run), timeout=STEP_START_S,
+                                interval=0.5)
+            assert holder, f"{run}: not deferred on a triggerer (task {_state(api, run)}, log {_log(airflow, run)})"
+            sid = wait_until(lambda: _running_sid(jobs, run), timeout=STEP_START_S, interval=0.5)
+            assert sid, f"{run}: no running Ray job"
+
+            before = _triggerers(db)
+            second = _start_second_triggerer(first, tmp_path / "triggerer-2.log")
+            others = wait_until(lambda: _triggerers(db) - before, timeout=120, interval=0.5)
+            assert others, f"the second triggerer did not start:\n{_tail(tmp_path / 'triggerer-2.log')}"
+            sessions = {holder: first, next(iter(others)): second.pid}
+
+            status = jobs.get(sid).status
+            assert status == JobStatus.RUNNING, f"Ray job {sid} is {status} already:\n{_log(airflow, run)[-3000:]}"
+            # The holder misses its heartbeats until the other triggerer has taken the trigger over.
+            stopped = processes.session_members({sessions[holder]})
+            for pid in stopped:
+                processes.send_signal(pid, signal.SIGSTOP)
+            moved = wait_until(lambda: _holder(db, run) not in (None, holder), timeout=THRESHOLD_S + 120, interval=0.5)
+            assert moved, f"the trigger stayed on triggerer {holder}"
+            _continue(stopped)
+            stopped = set()
+            # Back, the old triggerer cancels the trigger it no longer owns, "by user action".
+            cancelled = wait_until(lambda: "Trigger cancelled by user action" in _log(airflow, run), timeout=120,
+                                   interval=0.5)
+            assert cancelled, f"the old triggerer did not cancel its trigger:\n{_log(airflow, run)[-3000:]}"
+            assert wait_until(lambda: "trigger completed" in _log(airflow, run), timeout=60, interval=0.5)
+            assert f"Ray job {sid}: stop requested" not in _log(airflow, run), "on_kill stopped the job"
+            status = jobs.get(sid).status
+            assert status == JobStatus.RUNNING, f"Ray job {sid} is {status} after the trigger moved"
+
+            release.touch()
+            done = wait_until(lambda: _state(api, run) in ("success", "failed"), timeout=240, interval=1)
+            assert done and _state(api, run) == "success", f"task {_state(api, run)}:\n{_log(airflow, run)[-3000:]}"
+            assert _xcom(api, run)["value"] == run
+            assert jobs.get(sid).status == JobStatus.SUCCEEDED
+            assert "moved to another triggerer" in _log(airflow, run)
+        finally:
+            _continue(stopped)
+            release.touch()
+            if second is not None:
+                _end(second)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _start_second_triggerer(first: int, log: Path) -> subprocess.Popen:
+    """`airflow triggerer` with the session triggerer's settings, its own log server port, a short threshold."""
+    env = psutil.Process(first).environ() | {
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": str(THRESHOLD_S),
+    }
+    with open(log, "ab") as out:
+        return subprocess.Popen([_airflow_bin(), "triggerer"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """SIGTERM (the triggerer ends its job row and hands its triggers back), then whatever is left: SIGKILL."""
+    processes.send_signal(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    end_sessions(proc)
+
+
+def _continue(pids: set[int]) -> None:
+    for pid in pids:
+        processes.send_signal(pid, signal.SIGCONT)
+
+
+def _query(db: Path, sql: str, *args) -> list[tuple]:
+    """A read of the stack's metadata DB (WAL: never blocks its writers)."""
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as conn:
+            return conn.execute(sql, args).fetchall()
+    except sqlite3.OperationalError:
+        return []
+
+
+def _holder(db: Path, run: str) -> int | None:
+    """The id of the triggerer job that holds the task's trigger."""
+    rows = _query(db, "SELECT t.triggerer_id FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id "
+                      "WHERE ti.dag_id = ? AND ti.run_id = ? AND ti.task_id = 'step'", DAG_ID, run)
+    return rows[0][0] if rows and rows[0][0] is not None else None
+
+
+def _triggerers(db: Path) -> set[int]:
+    """Ids of the triggerer jobs that have started and not ended (a SIGKILLed one stays here: compare sets)."""
+    rows = _query(db, "SELECT id FROM job WHERE job_type = 'TriggererJob' AND end_date IS NULL AND state = 'running'")
+    return {row[0] for row in rows}
+
+
+def _running_sid(jobs: RayJobsClient, run: str) -> str | None:
+    found = [j for j in jobs_of_task(jobs.list_jobs(), Owner(dag_id=DAG_ID, run_id=run, task_id="step"))
+             if j.status == JobStatus.RUNNING]
+    return found[0].submission_id if found else None
+
+
+def _get(api: httpx.Client, path: str) -> dict | None:
+    try:
+        resp = api.get(path)
+    except httpx.TransportError:
+        return None
+    return resp.json() if resp.status_code == 200 else None
+
+
+def _state(api: httpx.Client, run: str) -> str | None:
+    return (_get(api, f"/dags/{DAG_ID}/dagRuns/{run}/taskInstances/step") or {}).get("state")
+
+
+def _xcom(api: httpx.Client, run: str):
+    entry = _get(api, f"/dags/{DAG_ID}/dagRuns/{run}/taskInstances/step/xcomEntries/return_value")
+    assert entry is not None, f"no XCom for {DAG_ID}/{run}"
+    value = entry["value"]
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _log(airflow, run: str) -> str:
+    """The task's logs: the worker's and each triggerer's (`….log.trigger.<job id>.log`)."""
+    files = sorted((Path(airflow.home) / "logs").glob(f"dag_id={DAG_ID}/run_id={run}/task_id=step/*"))
+    return "\n".join(f.read_text(errors="replace") for f in files if f.is_file())
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
