@@ -1,4 +1,4 @@
-"""Every bad input we tried, and the error it gets: one table, which README.md's "Bad input" section mirrors.
+"""Every bad input we tried, and the error it gets: one table, which docs/errors.md mirrors.
 
 Each case calls the real code (request models, the `ray` connection parser, the operators, the
 example pipeline's trigger form, the Jobs API client against a real HTTP server that answers
@@ -23,17 +23,17 @@ from airflow.sdk.exceptions import ParamValidationError
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, RayJobsError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## Bad input and the errors it gets"
+ERRORS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+SECTION = "# Bad input and the errors it gets"
 
 
 @dataclass(frozen=True)
 class Case:
     area: str
-    given: str  # what the README shows in its "input" column
+    given: str  # what docs/errors.md shows in its "input" column
     run: Callable[[], object]
     error: type[BaseException]
-    message: str  # a fragment of the message, as the README shows it
+    message: str  # a fragment of the message, as docs/errors.md shows it
 
 
 def _operator(**kwargs):
@@ -207,8 +207,8 @@ def test_bad_input_gets_its_error(case, malformed_server):
 
 
 def readme_rows() -> list[tuple[str, str, str]]:
-    text = README.read_text()
-    assert SECTION in text, f"README.md has no '{SECTION}' section"
+    text = ERRORS_PAGE.read_text()
+    assert SECTION in text, f"docs/errors.md has no '{SECTION}' heading"
     section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| area")]
     return [tuple(cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)[1:4])
@@ -216,7 +216,7 @@ def readme_rows() -> list[tuple[str, str, str]]:
 
 
 def render_rows() -> str:
-    """The README table, generated from CASES (paste it when the table changes)."""
+    """The docs/errors.md table, generated from CASES (paste it when the table changes)."""
     lines = ["| area | input | error (fragment of the message) |", "|---|---|---|"]
     for c in CASES:
         lines.append(f"| {c.area} | {c.given.replace('|', chr(92) + '|')} | "
@@ -228,4 +228,4 @@ def render_rows() -> str:
 def test_readme_table_is_this_table():
     expected = [tuple(cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row)[1:4])
                 for row in render_rows().splitlines()[2:]]
-    assert readme_rows() == expected, "README.md's bad-input table differs from CASES; regenerate:\n" + render_rows()
+    assert readme_rows() == expected, "docs/errors.md's table differs from CASES; regenerate:\n" + render_rows()

@@ -1,4 +1,4 @@
-"""Every Python example in the README runs as written against the local cluster.
+"""Every Python example in the README and the docs/ pages runs as written against the local cluster.
 
 Each one runs as its own `python example.py`, in the environment a user gets from the README's
 `eval "$(rayslice local env)"` (and, for the DAG file, the tests' Airflow home, with the file in
@@ -19,22 +19,26 @@ import pytest
 from tests.airflow_env import REPO, TEST_DAGS, init_db
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-EXAMPLES = BLOCK.findall((REPO / "README.md").read_text())
+#: The pages whose Python blocks run, in this order (every page of docs/ is listed; a test checks that).
+PAGES = ["README.md", "docs/examples.md", "docs/concepts.md", "docs/connection.md", "docs/deploying.md",
+         "docs/ui.md", "docs/cli.md", "docs/errors.md", "docs/limits.md"]
+EXAMPLES = [block for page in PAGES for block in BLOCK.findall((REPO / page).read_text())]
 HOST_LINE = re.compile(r"^(\x1b\[\d+m)?\([\w.-]+/(host\d+|GPU) pid=\d+\)")
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))
 
-#: What each example prints, in README order (a pattern per printed line).
+#: What each example prints, in PAGES order (a pattern per printed line).
 PRINTS = [
+    [r"success"],
     [r"\[16, 16, 16, 16\]", r"\[32, 32, 32, 32, 32, 32, 32, 32\]"],
     [r"\[12\.0\]"],
     [r"[0-2]"],
-    [r"success"],
     [rf"\{{'process': {i}, 'devices': 16, 'total': 16\.0, 'lr': '0\.1'\}}" for i in range(4)],
 ]
 
 
 def test_the_table_covers_every_example():
-    assert len(EXAMPLES) == len(PRINTS), "a README example was added or removed: say what it prints in PRINTS"
+    assert len(EXAMPLES) == len(PRINTS), "an example was added or removed: say what it prints in PRINTS"
+    assert {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")} <= set(PAGES), "a docs/ page is not in PAGES"
 
 
 def local_env(cluster) -> dict[str, str]:
@@ -46,7 +50,7 @@ def local_env(cluster) -> dict[str, str]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("index", range(len(PRINTS)), ids=["run_step", "checkpoints", "run_step_job", "dag",
+@pytest.mark.parametrize("index", range(len(PRINTS)), ids=["dag", "run_step", "checkpoints", "run_step_job",
                                                                   "command_step"])
 def test_a_readme_example_runs_as_written(cluster, index, tmp_path):
     source = EXAMPLES[index]
