@@ -34,7 +34,7 @@ from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import LogFollower, running_earlier_tries, submission_id, submit_step, wait_for_step
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError
+from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
 from rayslice.core.step import Owner, StepSpec, split_command, warn_entrypoint
 
 if TYPE_CHECKING:
@@ -69,6 +69,31 @@ def _run_coroutine(coroutine: Any) -> Any:
         return asyncio.run(coroutine)
     with ThreadPoolExecutor(1, thread_name_prefix="rayslice") as pool:
         return pool.submit(asyncio.run, coroutine).result()
+
+
+#: Failures no retry can fix: the request is invalid, no node could ever hold it, or the submission
+#: id is another submitter's. They fail the task at once, whatever its `retries`.
+NOT_RETRIED = frozenset({"InvalidRequestError", "UnsatisfiableRequestError", "SubmissionConflictError"})
+
+
+class RayStepFailed(AirflowException):
+    """A step failed: the message, and where (the launcher's structured fields), for callbacks to read.
+
+    ``error_type`` (rayslice's error class name), ``submission_id``, and when the failure says them
+    ``slice_index``, ``worker_id``, ``host``, ``cause``, ``exit_code`` (a command step's); else None.
+    """
+
+    def __init__(self, message: str, *, error_type: str, submission_id: str, slice_index: int | None = None,
+                 worker_id: int | None = None, host: str | None = None, cause: str | None = None,
+                 exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.error_type, self.submission_id = error_type, submission_id
+        self.slice_index, self.worker_id, self.host, self.cause, self.exit_code = (
+            slice_index, worker_id, host, cause, exit_code)
+
+
+class RayStepFailedForGood(RayStepFailed, AirflowFailException):
+    """A failure no retry can fix (``NOT_RETRIED``): Airflow fails the task without retrying it."""
 
 
 class RayStepOperator(BaseOperator):
@@ -238,7 +263,7 @@ class RayStepOperator(BaseOperator):
             result = _run_coroutine(self._submit_and_follow(spec))
         except RaysliceError as exc:
             self.log.error("[rayslice] %s", exc)
-            raise self._failure(type(exc).__name__, str(exc)) from None
+            raise self._failure(type(exc).__name__, str(exc), error_fields(exc)) from None
         if self.deferrable:
             # Airflow 3 does not time deferred tasks out: the trigger stops the job at the deadline.
             limit, reason = self.deferral_limit()
@@ -311,7 +336,7 @@ class RayStepOperator(BaseOperator):
         self.log.error("[rayslice] %s", message)
         if event.get("error_type") == EXECUTION_TIMEOUT:
             raise AirflowTaskTimeout(message)
-        raise self._failure(str(event.get("error_type") or "StepFailedError"), message)
+        raise self._failure(str(event.get("error_type") or "StepFailedError"), message, event.get("error_fields"))
 
     def _stop_if_running(self, sid: str) -> None:
         """The task gives up on the job: stop it, so that nothing runs (and holds capacity) without an owner."""
@@ -429,9 +454,11 @@ class RayStepOperator(BaseOperator):
         except RaysliceError as exc:
             self.log.warning("[rayslice] could not read the rest of Ray job %s's log: %s", sid, exc)
 
-    def _failure(self, error_type: str, message: str) -> AirflowException:
-        """Airflow's retries cannot fix an invalid request: those fail at once."""
+    def _failure(self, error_type: str, message: str, fields: Mapping[str, Any] | None = None) -> AirflowException:
+        """The task's error, with where the step failed; what a retry cannot fix fails without retrying."""
         sid = self._submission_id or "?"
-        if error_type == "InvalidRequestError":
-            return AirflowFailException(f"Ray step {sid} is invalid: {message}")
-        return AirflowException(f"Ray step {sid} failed ({error_type}): {message}")
+        if error_type in NOT_RETRIED:
+            return RayStepFailedForGood(f"Ray step {sid} cannot run ({error_type}): {message}", error_type=error_type,
+                                        submission_id=sid, **dict(fields or {}))
+        return RayStepFailed(f"Ray step {sid} failed ({error_type}): {message}", error_type=error_type,
+                             submission_id=sid, **dict(fields or {}))

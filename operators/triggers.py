@@ -56,7 +56,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from rayslice.hooks.ray import RayHook
 
 from rayslice.client.submission import UNREACHABLE_GRACE_S, JobFollow, LogFollower
-from rayslice.core.exceptions import JobNotFoundError, RaysliceError
+from rayslice.core.exceptions import JobNotFoundError, RaysliceError, error_fields
 
 __all__ = ["RayStepTrigger"]
 #: The event's error_type when the trigger stopped the job at the task's execution_timeout.
@@ -158,7 +158,7 @@ class RayStepTrigger(BaseTrigger):
                 result = follow.outcome()
             except RaysliceError as exc:
                 yield self._event("error", lines.offset, log_complete=True, error_type=type(exc).__name__,
-                                  message=str(exc))
+                                  message=str(exc), error_fields=error_fields(exc))
                 return
             yield self._event("success", lines.offset, log_complete=True, result=result)
         except (RaysliceError, TimeoutError) as exc:

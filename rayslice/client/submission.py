@@ -378,7 +378,9 @@ def outcome(job: JobDetails, log: str) -> Any:
         return value
     error = parse_error(log, tag)
     if error:
-        raise STEP_ERRORS.get(error["type"], StepFailedError)(error["message"])
+        kind = STEP_ERRORS.get(error["type"], StepFailedError)
+        fields = error["fields"] if issubclass(kind, StepFailedError) else {}
+        raise kind(error["message"], **fields)
     if job.status == JobStatus.STOPPED:
         raise StepFailedError(f"Ray job {job.submission_id} was stopped before the step finished")
     message = job.message or "no message"

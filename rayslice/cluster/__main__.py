@@ -14,7 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
-from rayslice.core.exceptions import RaysliceError, StepFailedError
+from rayslice.core.exceptions import RaysliceError, StepFailedError, error_fields
 from rayslice.core.step import ResultTooLargeError, StepSpec, format_error, format_result
 
 
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(143)
     except RaysliceError as exc:
-        print(format_error(type(exc).__name__, str(exc), tag), flush=True)
+        print(format_error(type(exc).__name__, str(exc), tag, error_fields(exc)), flush=True)
         return 1
     except Exception as exc:  # not the step's failure (that is a StepFailedError): the launcher's or Ray's
         for line in traceback.format_exc().splitlines():  # prefixed: the text may hold the step's own words

@@ -469,16 +469,19 @@ def _get(ref: Any, plan: HostPlan) -> Any:
     except RayTaskError as exc:
         raised = exc.cause if isinstance(exc.cause, BaseException) else exc
         cause = f"{type(raised).__name__}: {raised}"
+        exit_code = None
         if isinstance(raised, commands.CommandExitError):  # the program's own failure: its lines, not our stack
-            error, message = StepFailedError, f"step failed on {where}: {raised}"
+            error, message, exit_code = StepFailedError, f"step failed on {where}: {raised}", raised.exit_code
         else:
             error, message = StepFailedError, f"step failed on {where}: {cause}\n{_remote_traceback(exc)}"
     except RayActorError as exc:
+        exit_code = None
         node_lost = node_was_lost(exc)
         cause = "its node was preempted or removed" if node_lost else "its process died"
         error = PreemptedError if node_lost else HostLostError
         message = f"host {where} was lost: {cause} ({_first_line(exc)})"
-    raise error(message, slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip, cause=cause) from None
+    raise error(message, slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip, cause=cause,
+                exit_code=exit_code) from None
 
 
 def node_was_lost(exc: BaseException) -> bool:

@@ -8,7 +8,7 @@ Messages are composed by whoever raises.
      ├── InvalidRequestError(RaysliceError, ValueError)
      ├── CapacityTimeoutError(RaysliceError, TimeoutError)
      ├── UnsatisfiableRequestError(RaysliceError)
-     ├── StepFailedError(RaysliceError)      slice_index, worker_id, host, cause
+     ├── StepFailedError(RaysliceError)      slice_index, worker_id, host, cause, exit_code
      │    └── HostLostError(StepFailedError)
      │         └── PreemptedError(HostLostError)   the host's node died or was drained
      ├── StepTimeoutError(RaysliceError, TimeoutError)
@@ -52,12 +52,14 @@ class StepFailedError(RaysliceError):
         worker_id: int | None = None,
         host: str | None = None,
         cause: str = "",
+        exit_code: int | None = None,
     ) -> None:
         super().__init__(message)
         self.slice_index = slice_index
         self.worker_id = worker_id
         self.host = host
         self.cause = cause
+        self.exit_code = exit_code  # a command step's exit code on that host
 
 
 class HostLostError(StepFailedError):
@@ -98,6 +100,16 @@ class RayAuthError(RayJobsError):
 
 class JobNotFoundError(RayJobsError):
     """Raised when the Ray Jobs API does not know the submission id (404)."""
+
+
+#: The structured fields of a failure that travel with its message (job log -> trigger event -> Airflow).
+FAILURE_FIELDS = ("slice_index", "worker_id", "host", "cause", "exit_code")
+
+
+def error_fields(exc: BaseException) -> dict[str, object]:
+    """Where and how a step failed (slice, worker, host, cause, exit code), for those a failure says; else {}."""
+    return {name: value for name in FAILURE_FIELDS
+            if (value := getattr(exc, name, None)) is not None and value != ""}
 
 
 #: The errors a step's Ray job reports by name (the launcher's error line), raised again as such on the Airflow side.

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import StepRequest
-from rayslice.core.exceptions import InvalidRequestError, StepFailedError
+from rayslice.core.exceptions import FAILURE_FIELDS, InvalidRequestError, StepFailedError
 
 RESULT_MARKER = "::rayslice-result::"
 ERROR_MARKER = "::rayslice-error::"
@@ -265,8 +265,9 @@ def format_result(value: Any, tag: str = "") -> str:
     return result_marker(tag) + text
 
 
-def format_error(kind: str, message: str, tag: str = "") -> str:
-    return error_marker(tag) + json.dumps({"type": kind, "message": message})
+def format_error(kind: str, message: str, tag: str = "", fields: dict[str, Any] | None = None) -> str:
+    """The launcher's error line; `fields` are the failure's structured fields (`error_fields`)."""
+    return error_marker(tag) + json.dumps({"type": kind, "message": message, **({"fields": fields} if fields else {})})
 
 
 def _driver_line(log: str, marker: str) -> str | None:
@@ -301,8 +302,8 @@ def parse_result(log: str, tag: str = "") -> tuple[bool, Any]:
     return True, _loads(text, result_marker(tag))
 
 
-def parse_error(log: str, tag: str = "") -> dict[str, str] | None:
-    """The launcher's one-line error summary (type and message), if its driver printed one."""
+def parse_error(log: str, tag: str = "") -> dict[str, Any] | None:
+    """The launcher's one-line error summary (type, message, structured fields), if its driver printed one."""
     text = _driver_line(log, error_marker(tag))
     if text is None:
         return None
@@ -310,4 +311,6 @@ def parse_error(log: str, tag: str = "") -> dict[str, str] | None:
     if not isinstance(error, dict) or not isinstance(error.get("type"), str) or "message" not in error:
         raise StepFailedError(f"the job's log has a {error_marker(tag)} line without a type and message: "
                               f"{text[:200]!r}")
-    return {"type": error["type"], "message": str(error["message"])}
+    fields = error.get("fields")
+    return {"type": error["type"], "message": str(error["message"]),
+            "fields": {k: v for k, v in fields.items() if k in FAILURE_FIELDS} if isinstance(fields, dict) else {}}

@@ -36,6 +36,7 @@ DAGS = textwrap.dedent(
     from datetime import datetime, timedelta
 
     from airflow.sdk import DAG, Param
+    from airflow.sdk.exceptions import AirflowFailException
 
     from rayslice.operators.accelerator import AcceleratorOperator
     from rayslice.operators.tpu_slice import TpuSliceOperator
@@ -51,6 +52,14 @@ DAGS = textwrap.dedent(
         if jax.process_index() == 1:
             raise RuntimeError("boom on host 1")
         time.sleep(120)  # the peers are cancelled as soon as host 1 fails
+
+
+    def say_where(context):
+        """An on_failure_callback reading the failure's structured fields, as a user's alerting would."""
+        exc = context["exception"]
+        print(f"failure: {type(exc).__name__} retried={not isinstance(exc, AirflowFailException)} "
+              f"type={exc.error_type} slice={exc.slice_index} worker={exc.worker_id} host={exc.host} "
+              f"exit={exc.exit_code} try={context['ti'].try_number}", flush=True)
 
 
     def crash_before_try_3(context):
@@ -75,7 +84,13 @@ DAGS = textwrap.dedent(
 
     with DAG("rt_fail", schedule=None, start_date=START):
         TpuSliceOperator(task_id="fail", tpu="v6e-16", python_callable=fail_on_host1, deferrable=True,
-                         poll_interval=0.5, min_deferral=0)  # dag.test() has no scheduler to race
+                         poll_interval=0.5, min_deferral=0,  # dag.test() has no scheduler to race
+                         on_failure_callback=say_where)
+
+    with DAG("rt_never", schedule=None, start_date=START):  # no NPU anywhere: no retry can help
+        AcceleratorOperator(task_id="npu", accelerator="NPU", count=0.5, python_callable=token, retries=2,
+                            retry_delay=timedelta(0), deferrable=True, poll_interval=0.5, min_deferral=0,
+                            on_failure_callback=say_where)
 
     with DAG("rt_retry", schedule=None, start_date=START):
         AcceleratorOperator(task_id="step", accelerator="GPU", count=0.25, python_callable=token,
@@ -146,11 +161,22 @@ def test_a_failing_host_fails_the_task_with_its_error(dags, jobs, ray_default, c
     assert task_states(dr) == {"fail": "failed"}
     assert "step failed on v6e-16-" in out and "/host1 (slice 0, worker 1" in out
     assert "RuntimeError: boom on host 1" in out
+    # Where it failed reaches Airflow as fields of the task's exception, not only as words in its message.
+    assert "failure: RayStepFailed retried=True type=StepFailedError slice=0 worker=1 host=127.0.0.2 exit=None" \
+        in out, out[-3000:]
     sid = submission_id(owner_of_ti(dr, "fail"))  # the id holds the try's task-instance id, set under dag.test()
     assert sid.endswith("-try1-" + sid.rsplit("-", 1)[1]) and "rayslice-adhoc" not in sid
     assert xcom_values(dr, "fail", key="ray_submission_id") == [sid]
     assert xcom_values(dr, "fail", key="_link_RayJobLink") == [f"{ray_default.dashboard_url}/#/jobs/{sid}"]
     assert jobs.get(sid).status == JobStatus.FAILED
+
+
+def test_a_request_no_node_can_hold_fails_once_without_retrying(dags, capfd):
+    dr = dags["rt_never"].test()
+    out = capfd.readouterr().out
+    assert task_states(dr) == {"npu": "failed"}
+    assert task_instance(dr, "npu").try_number == 1, "an unsatisfiable request was retried"
+    assert "failure: RayStepFailedForGood retried=False type=UnsatisfiableRequestError" in out, out[-3000:]
 
 
 async def _submit(cluster, owner: Owner, fn=sleeper, emit=print) -> str:

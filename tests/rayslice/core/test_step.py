@@ -51,6 +51,19 @@ def test_a_malformed_driver_marker_is_a_step_failure_not_a_value_error(line):
         parse_result(line) if "result" in line else parse_error(line)
 
 
+def test_an_error_line_carries_where_the_step_failed():
+    from rayslice.core.exceptions import StepFailedError, error_fields
+    from rayslice.core.step import format_error, parse_error
+
+    exc = StepFailedError("step failed", slice_index=1, worker_id=3, host="10.0.0.7", cause="exit", exit_code=3)
+    line = format_error("StepFailedError", str(exc), "t1", error_fields(exc))
+    assert parse_error(line, "t1") == {"type": "StepFailedError", "message": "step failed", "fields": {
+        "slice_index": 1, "worker_id": 3, "host": "10.0.0.7", "cause": "exit", "exit_code": 3}}
+    forged = '::rayslice-error::{"type": "StepFailedError", "message": "m", "fields": {"evil": 1, "host": "h"}}'
+    assert parse_error(forged)["fields"] == {"host": "h"}  # only the known fields are taken
+    assert parse_error(format_error("CapacityTimeoutError", "waited"))["fields"] == {}
+
+
 def test_a_command_is_an_argv_and_a_string_is_split_like_a_shell():
     from rayslice.core.accelerators import TpuSliceRequest
     from rayslice.core.step import StepSpec
