@@ -1,7 +1,8 @@
 """Airflow operators for rayslice steps: `from rayslice.operators import TpuSliceOperator`.
 
 Names load on first use, so importing the package stays cheap (the DAG processor imports it per file).
-The TaskFlow decorators `@task.tpu_slice` and `@task.ray_accelerator` come from the provider.
+The TaskFlow decorators `@task.tpu_slice` and `@task.ray_accelerator` come from the provider. The two
+step operators' shared base, `rayslice.operators.step.RayStepOperator`, is not one to use in a DAG.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import Any
 _WHERE = {
     "TpuSliceOperator": "tpu_slice",
     "AcceleratorOperator": "accelerator",
-    "RayStepOperator": "step",
     "RayStepTrigger": "triggers",
     "RayJobLink": "links",
     "CreateTpuSliceOperator": "cloud_tpu",

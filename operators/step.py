@@ -249,6 +249,8 @@ class RayStepOperator(BaseOperator):
         hook = RayHook(self.ray_conn_id)
         try:
             request = self.build_request()  # the rendered values, before anything is submitted
+            if note := getattr(request, "programs_note", None):
+                self.log.info("[rayslice] %s", note)
             self._check_zone_offers(hook, request)
             self._settings = hook.settings()
             self._check_checkpoint_root(self.checkpoint_root)

@@ -24,6 +24,15 @@ from rayslice.core.step import Owner, StepSpec
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """`rayslice.run` (blocking, over HTTP) loads the client side only when used: `import rayslice` stays light."""
+    if name == "run":
+        from rayslice.client.submission import run
+
+        return run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "AcceleratorRequest",
     "CapacityTimeoutError",
@@ -47,4 +56,5 @@ __all__ = [
     "get_step_context",
     "request_from_json",
     "request_to_json",
+    "run",
 ]

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import io
+import os
 import re
 import secrets
 import time
@@ -26,8 +27,10 @@ from typing import Any
 
 from rayslice.client.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, LogTail, zip_directory
 from rayslice.client.uploads import upload_runtime_env
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import (
     STEP_ERRORS,
+    InvalidRequestError,
     JobNotFoundError,
     RayJobsError,
     RayUnreachableError,
@@ -689,6 +692,44 @@ async def wait_for_step(
     async for _ in follow.statuses():
         pass
     return follow.outcome()
+
+
+def run(
+    step: StepSpec | Callable[..., Any],
+    *,
+    request: TpuSliceRequest | AcceleratorRequest | None = None,
+    kwargs: dict[str, Any] | None = None,
+    address: str | None = None,
+    token: str | None = None,
+    emit: Callable[[str], None] = print,
+    **spec_fields: Any,
+) -> Any:
+    """Run one step on the cluster and return its result, blocking: `run_step_job` for scripts and notebooks.
+
+    `step` is a `StepSpec`, or a function shipped by value with `request` and `kwargs` (and any other
+    `StepSpec` field, e.g. `capacity_timeout=`). `address` is the Ray dashboard URL, by default
+    `$RAYSLICE_DASHBOARD_URL` (what `rayslice local env` exports); `token` likewise `$RAYSLICE_RAY_TOKEN`.
+    Inside a running event loop (a notebook cell is not one), await `run_step_job` instead.
+    """
+    address = address or os.environ.get("RAYSLICE_DASHBOARD_URL")
+    if not address:
+        raise InvalidRequestError("run() needs the Ray dashboard: pass address='http://head:8265' or set "
+                                  "RAYSLICE_DASHBOARD_URL (`eval \"$(rayslice local env)\"` sets it locally)")
+    if isinstance(step, StepSpec):
+        if request is not None or kwargs or spec_fields:
+            raise InvalidRequestError("run(spec) takes the StepSpec as it is: give request/kwargs only with a function")
+        spec = step
+    else:
+        if request is None:
+            raise InvalidRequestError("run(fn) needs request=, e.g. TpuSliceRequest(tpu='v6e-16') or "
+                                      "AcceleratorRequest(resource='GPU', count=0.25)")
+        spec = StepSpec.for_function(step, request=request, kwargs=kwargs or {}, **spec_fields)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run_step_job(address, spec, token=token or os.environ.get("RAYSLICE_RAY_TOKEN"),
+                                        emit=emit))
+    raise InvalidRequestError("run() blocks and cannot be called inside a running event loop: await run_step_job()")
 
 
 async def run_step_job(

@@ -314,6 +314,15 @@ class TpuSliceRequest(_Request):
         """The custom resource Ray puts on worker 0 of each slice, e.g. "TPU-v6e-16-head"."""
         return f"TPU-{self.pod_type}-head"
 
+    @property
+    def programs_note(self) -> str | None:
+        """What N slices without multislice run, said once in the task log (None for one program)."""
+        if self.num_slices == 1 or self.multislice:
+            return None
+        return (f"{self.num_slices} x {self.pod_type} without multislice: {self.num_slices} independent JAX programs, "
+                f"each on its own slice and seeing its {self.chips_per_slice} chips' devices; multislice=True "
+                f"makes them one program over {self.total_chips} chips")
+
     def __str__(self) -> str:
         details = []
         if self.topology != _default_topology(self.version, self.chips_per_slice):

@@ -230,3 +230,35 @@ def test_marker_lines_a_step_prints_are_relayed_as_text_and_the_step_returns_its
     for text in ('copied from another job: ::rayslice-result::"spoofed"', "::rayslice-result::not json",
                  '::rayslice-error::{"type": "StepFailedError", "message": "a printed error line"}'):
         assert text in relayed, lines
+
+
+def _quarter_gpu_id():
+    import os
+
+    return os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def test_run_blocks_and_returns_the_steps_value(cluster, monkeypatch):
+    import rayslice
+
+    monkeypatch.setenv("RAYSLICE_DASHBOARD_URL", cluster.dashboard_url)
+    if cluster.token:
+        monkeypatch.setenv("RAYSLICE_RAY_TOKEN", cluster.token)
+    lines: list[str] = []
+    value = rayslice.run(_quarter_gpu_id, request=AcceleratorRequest(resource="GPU", count=0.25), emit=lines.append)
+    assert value in ("0", "1", "2"), value  # one of the cluster's 3 logical GPUs
+    assert any("capacity released" in line for line in lines), lines[-10:]
+
+
+def test_run_says_what_it_needs(monkeypatch):
+    import rayslice
+    from rayslice.core.exceptions import InvalidRequestError
+
+    monkeypatch.delenv("RAYSLICE_DASHBOARD_URL", raising=False)
+    with pytest.raises(InvalidRequestError, match="RAYSLICE_DASHBOARD_URL"):
+        rayslice.run(_quarter_gpu_id, request=AcceleratorRequest(resource="GPU", count=0.25))
+    with pytest.raises(InvalidRequestError, match="needs request="):
+        rayslice.run(_quarter_gpu_id, address="http://127.0.0.1:1")
+    spec = StepSpec.for_function(_quarter_gpu_id, request=AcceleratorRequest(resource="GPU", count=0.25))
+    with pytest.raises(InvalidRequestError, match="takes the StepSpec as it is"):
+        rayslice.run(spec, address="http://127.0.0.1:1", kwargs={"x": 1})

@@ -264,6 +264,14 @@ def test_model_validate_raises_our_error_too():
         AcceleratorRequest.model_validate_json('{"resource": "GPU", "count": 1.5}')
 
 
+def test_several_slices_without_multislice_say_they_are_independent_programs():
+    note = TpuSliceRequest(tpu="v6e-16", num_slices=2).programs_note
+    assert note is not None and "2 independent JAX programs" in note and "multislice=True" in note
+    assert "one program over 32 chips" in note
+    assert TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True).programs_note is None
+    assert TpuSliceRequest(tpu="v6e-16").programs_note is None
+
+
 def test_invalid_request_is_a_value_error():
     with pytest.raises(ValueError):
         TpuSliceRequest(tpu="v6e-15")
