@@ -41,6 +41,7 @@ from rayslice.core.step import (
     ERROR_MARKER,
     HOST_DONE_MARKER,
     MARKER_TAG_KEY,
+    PHASES_MARKER,
     RESULT_MARKER,
     Owner,
     StepSpec,
@@ -340,6 +341,8 @@ class LogFollower:
         self._handle(line)
 
     def _handle(self, line: str) -> None:
+        if line.startswith(PHASES_MARKER):  # every host's timestamps: the Ray job's log keeps them
+            return
         # Only the driver's own marker lines count: they start the line (see `parse_result`);
         # a marker anywhere else (a host's line, after a "\r") is the step's text, relayed as such.
         for kind, marker in ((RESULT_MARKER, result_marker(self.tag)), (ERROR_MARKER, error_marker(self.tag))):

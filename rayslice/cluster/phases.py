@@ -6,8 +6,9 @@ started on every host, the step done on every host, the capacity released. A hos
 the latest host's time (the gang waits for its slowest member). Times are `time.time()` of the
 machine that saw them (hosts of a real slice must have synchronized clocks, as NTP gives GCE VMs).
 
-The log gets one readable line per phase and one `[rayslice] phases: {json}` line with the
-epoch times, which benchmarks parse (`parse_phases`).
+The log gets one readable summary line and one `[rayslice] phases: {json}` line with every
+phase's (and every host's) epoch times, which benchmarks parse (`parse_phases`). Task logs show the
+summary only: the follower keeps the JSON line out of them (it stays in the Ray job's log).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from itertools import pairwise
+
+from rayslice.core.step import PHASES_MARKER
 
 #: Phase name -> what the log line says.
 PHASES = {
@@ -28,7 +32,7 @@ PHASES = {
     "released": "capacity released",
 }
 #: The prefix of the machine-readable line.
-MARKER = "[rayslice] phases: "
+MARKER = PHASES_MARKER
 #: What hosts report back with their results (each a `time.time()`).
 HOST_PHASES = ("hosts_started", "jax_ready", "step_started", "step_done")
 
@@ -72,15 +76,14 @@ class Timeline:
                 self.times[phase] = max(values)
 
     def lines(self) -> list[str]:
-        """One readable line per phase reached (seconds since the first), then the JSON line."""
+        """One readable summary (each phase reached, seconds after the one before), then the JSON line."""
         known = [(phase, self.times[phase]) for phase in PHASES if phase in self.times]
         if not known:
             return []
         first = known[0][1]
-        out, previous = [], first
-        for phase, at in known:
-            out.append(f"[rayslice] phase {at - first:7.2f} s (+{at - previous:5.2f} s)  {PHASES[phase]}")
-            previous = at
+        steps = [f"{PHASES[phase]} +{at - before:.2f} s" for (_, before), (phase, at) in pairwise(known)]
+        out = [f"[rayslice] timeline: {PHASES[known[0][0]]}, " + ", ".join(steps)
+               + f" ({known[-1][1] - first:.2f} s in all)"]
         record: dict = {phase: round(at, 4) for phase, at in known}
         if self.detail:
             record["detail"] = {moment: round(at, 4) for moment, at in self.detail.items()}

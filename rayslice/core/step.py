@@ -26,6 +26,8 @@ RESULT_MARKER = "::rayslice-result::"
 ERROR_MARKER = "::rayslice-error::"
 #: Each host's last line: the driver waits (briefly) until every host's output reached it before its own last line.
 HOST_DONE_MARKER = "::rayslice-host-done::"
+#: The launcher's machine-readable timing line (every host's phase times): kept in the Ray job's log, out of task logs.
+PHASES_MARKER = "[rayslice] phases: "
 #: The job metadata key that holds a step's marker tag (see `StepSpec.marker_tag`).
 MARKER_TAG_KEY = "marker_tag"
 #: The most JSON a step may return: the result travels as one line of the job's log, and then as an XCom.

@@ -1,0 +1,29 @@
+"""The phase lines a step's job log ends with: one readable summary, one machine-readable record."""
+
+from __future__ import annotations
+
+from rayslice.client.submission import LogFollower
+from rayslice.cluster.phases import Timeline, parse_phases
+
+
+def test_one_summary_line_and_the_full_record_for_benchmarks():
+    timeline = Timeline()
+    for offset, phase in enumerate(["accepted", "driver_started", "reserved", "released"]):
+        timeline.mark(phase, at=100.0 + offset * 0.5)
+    timeline.hosts([{"hosts_started": 101.2}])  # one host: its phases become the gang's
+    summary, record = timeline.lines()
+    assert summary == ("[rayslice] timeline: job accepted by Ray, driver process started +0.50 s, capacity "
+                       "reserved +0.50 s, every host process started +0.20 s, capacity released +0.30 s "
+                       "(1.50 s in all)")
+    [parsed] = parse_phases(record)
+    assert parsed["reserved"] == 101.0 and parsed["hosts"] == [{"hosts_started": 101.2}]
+
+
+def test_the_task_log_gets_the_summary_not_every_hosts_timestamps():
+    timeline = Timeline()
+    timeline.mark("accepted", at=1.0)
+    timeline.mark("released", at=2.0)
+    relayed: list[str] = []
+    LogFollower(relayed.append).feed("\n".join(["step output", *timeline.lines(), ""]))
+    assert relayed == ["step output", "[rayslice] timeline: job accepted by Ray, capacity released +1.00 s "
+                                      "(1.00 s in all)"]
