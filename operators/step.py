@@ -263,8 +263,7 @@ class RayStepOperator(BaseOperator):
         context["ti"].xcom_push(key=SUBMISSION_ID_KEY, value=sid)
         try:
             result = _run_coroutine(self._submit_and_follow(spec))
-        except RaysliceError as exc:
-            self.log.error("[rayslice] %s", exc)
+        except RaysliceError as exc:  # logged once, by Airflow, as the task's exception
             raise self._failure(type(exc).__name__, str(exc), error_fields(exc)) from None
         if self.deferrable:
             # Airflow 3 does not time deferred tasks out: the trigger stops the job at the deadline.
@@ -334,8 +333,7 @@ class RayStepOperator(BaseOperator):
             return event.get("result")
         if not event.get("log_complete"):  # the trigger gave up on a job that may still run: the task does too
             self._stop_if_running(sid)
-        message = str(event.get("message") or "no message")
-        self.log.error("[rayslice] %s", message)
+        message = str(event.get("message") or "no message")  # logged once, by Airflow, as the task's exception
         if event.get("error_type") == EXECUTION_TIMEOUT:
             raise AirflowTaskTimeout(message)
         raise self._failure(str(event.get("error_type") or "StepFailedError"), message, event.get("error_fields"))
