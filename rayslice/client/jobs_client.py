@@ -340,6 +340,9 @@ class _BaseJobsClient:
         else:  # an Authorization header given by hand is as secret as a token
             self._headers.update(user_auth)
         self._secrets = [s for s in (self._token, *user_auth.values(), url.password) if s]
+        # Every configured header may carry a credential (a proxy's key): its value never reaches a message.
+        self._header_values = sorted({v for k, v in (headers or {}).items()
+                                      if k.lower() != "authorization" and len(str(v)) >= 3}, key=len, reverse=True)
         self._verify = self._ssl_verify(verify)
         self.timeout = float(timeout)
         self.retries = max(1, int(retries))
@@ -376,6 +379,8 @@ class _BaseJobsClient:
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
             text = text.replace(secret, "<token>")
+        for value in self._header_values:
+            text = text.replace(value, "<header>")
         return text
 
     def _summary(self, text: str) -> str:
@@ -501,7 +506,7 @@ class _BaseJobsClient:
             else:
                 if resp.status_code not in RETRY_STATUSES and not (call.method == "GET" and resp.status_code >= 500):
                     return resp
-                cause = f"HTTP {resp.status_code} on {call.label}"
+                cause = f"HTTP {resp.status_code} on {call.label}: {self._summary(resp.text)}"
                 delay = self._transient(call, attempt, cause)
                 if delay is None:
                     raise self._unreachable(cause, resp.status_code)
