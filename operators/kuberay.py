@@ -23,6 +23,9 @@ from rayslice.core.exceptions import InvalidRequestError
 
 __all__ = ["CreateRayClusterOperator", "DeleteRayClusterOperator"]
 
+#: On a RayCluster this run created: the Secret holding its Ray token, which the teardown deletes too.
+TOKEN_SECRET_ANNOTATION = "rayslice.io/token-secret"
+
 
 def _owner(context: Context) -> str:
     from rayslice.cloud.kuberay_client import owner_for_run
@@ -124,6 +127,9 @@ class CreateRayClusterOperator(_ClusterOperator):
                     made = kube.ensure_token_secret(secret, owner=owner)
                     self.log.info("[rayslice] Ray token auth on: the token is in Secret %s/%s (%s)",
                                   kube.ref.namespace, secret, "made now" if made else "already there, used as is")
+                    # The teardown deletes the Secret this names (a given manifest may name any).
+                    manifest = {**manifest, "metadata": {**manifest.get("metadata", {}), "annotations": {
+                        **(manifest.get("metadata", {}).get("annotations") or {}), TOKEN_SECRET_ANNOTATION: secret}}}
                 kube.create(manifest, owner=owner)
                 self.log.info("[rayslice] created RayCluster %s (owner %s); waiting for its head", kube.ref, owner)
                 url = kube.wait_ready(timeout=self.ready_timeout, poll_interval=self.poll_interval)
@@ -171,6 +177,8 @@ class DeleteRayClusterOperator(_ClusterOperator):
     def execute(self, context: Context) -> str:
         owner = _owner(context)
         with self._client() as kube:
+            existing = kube.get() or {}
+            named = ((existing.get("metadata") or {}).get("annotations") or {}).get(TOKEN_SECRET_ANNOTATION)
             outcome = kube.delete(owner=owner)
             if outcome == "not-owned":
                 self.log.warning("[rayslice] RayCluster %s was not created by %s: left alone", kube.ref, owner)
@@ -181,7 +189,7 @@ class DeleteRayClusterOperator(_ClusterOperator):
                 if self.wait:
                     kube.wait_gone(timeout=self.delete_timeout, poll_interval=self.poll_interval)
                     self.log.info("[rayslice] RayCluster %s is gone", kube.ref)
-            secret = self.token_secret or kuberay.token_secret_name(kube.ref.name)
+            secret = self.token_secret or named or kuberay.token_secret_name(kube.ref.name)
             self.log.info("[rayslice] Ray token Secret %s/%s: %s", kube.ref.namespace, secret,
                           kube.delete_token_secret(secret, owner=owner))
         return outcome

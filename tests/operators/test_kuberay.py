@@ -317,6 +317,12 @@ def test_the_cluster_is_deleted_when_the_step_between_fails(fake, airflow_db, ra
     assert created == {"namespace": "ml", "name": "rs", "dashboard_url": f"http://{url.host}:{url.port}"}
     assert xcom_values(dr, "delete") == ["deleted"]
     assert fake.cluster("ml", "rs") is None
-    [(_, _, body)] = [r for r in fake.requests if r[0] == "POST"]
+    [(_, _, body)] = [r for r in fake.requests if r[0] == "POST" and "rayclusters" in r[1]]
     assert body["metadata"]["annotations"][OWNER_ANNOTATION] == f"kr_lifecycle/{dr.run_id}"
     assert body["spec"]["headGroupSpec"]["serviceType"] == "LoadBalancer"
+    # Token auth on: the setup made the token's Secret before the cluster, the teardown removed it after.
+    assert body["spec"]["authOptions"] == {"mode": "token", "secretName": "ignored-ray-token"}
+    posts = [r[1] for r in fake.requests if r[0] == "POST"]
+    assert posts == ["/api/v1/namespaces/ml/secrets", "/apis/ray.io/v1/namespaces/ml/rayclusters"], posts
+    assert ("DELETE", "/api/v1/namespaces/ml/secrets/ignored-ray-token", None) in fake.requests
+    assert not fake.secrets
