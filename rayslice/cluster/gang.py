@@ -257,7 +257,7 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
                     slow = ", ".join(plans[refs[r]].label for r in pending)
                     raise StepTimeoutError(
                         f"step exceeded step_timeout={spec.step_timeout:.0f} s; still running on {slow}")
-                _check_hang(spec, [plans[refs[r]] for r in pending], watch_keys)
+                _check_hang(spec, [plans[refs[r]] for r in pending], watch_keys, plans)
                 continue
             index = refs[ready[0]]
             try:
@@ -287,8 +287,13 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     return results
 
 
-def _check_hang(spec: StepSpec, running: list[HostPlan], watch_keys: dict[str, str]) -> None:
-    """Fail the step once every still-running host has sat idle inside JAX for its hang_timeout."""
+def _check_hang(spec: StepSpec, running: list[HostPlan], watch_keys: dict[str, str],
+                plans: list[HostPlan]) -> None:
+    """Fail the step once every still-running host has sat idle inside JAX for its hang_timeout.
+
+    The message names every host: those stuck, where, and those that already returned (often the
+    one that skipped the collective its peers wait in).
+    """
     if not watch_keys or spec.hang_timeout is None:
         return
     states = hang_watch.read({plan.label: watch_keys[plan.label] for plan in running})
@@ -297,6 +302,9 @@ def _check_hang(spec: StepSpec, running: list[HostPlan], watch_keys: dict[str, s
         return
     where = {s.label: s.where for s in states}
     hosts = "; ".join(f"{_where(plan)} in {where[plan.label]}" for plan in running)
+    returned = [_where(plan) for plan in plans if plan not in running]
+    if returned:
+        hosts += f"; already returned from the step: {'; '.join(returned)}"
     first = running[0]
     raise CollectiveHangError(
         f"collective hang: every host process still running has sat idle inside JAX for {idle:.0f} s "
