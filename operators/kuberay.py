@@ -65,7 +65,7 @@ class CreateRayClusterOperator(_ClusterOperator):
         manifest`` (``rayslice.cloud.kuberay.render_raycluster``), checked when the DAG file is parsed.
     :param head_service_type: the head Service type: ``ClusterIP`` (default), or ``NodePort`` /
         ``LoadBalancer`` to reach the dashboard from outside the Kubernetes cluster (refused without auth,
-        and logged as a warning with it).
+        and logged as a warning with it); with ``manifest``, it replaces the manifest's own when given.
     :param auth: Ray token auth (default on). The token lives in the Secret ``token_secret`` (default
         ``<name>-ray-token``, key ``auth_token``): created with a random token before the cluster unless it
         exists, deleted by the teardown when this run made it. Give the `ray` connection's kuberay extra the
@@ -77,7 +77,7 @@ class CreateRayClusterOperator(_ClusterOperator):
 
     def __init__(self, *, tpus: Sequence[str] = (), max_slices: int = 1, gpu_nodes: int = 0,
                  gpu_type: str = "nvidia-l4", image: str = kuberay.DEFAULT_IMAGE, idle_timeout_seconds: int = 60,
-                 head_service_type: str = "ClusterIP", auth: bool = True, token_secret: str | None = None,
+                 head_service_type: str | None = None, auth: bool = True, token_secret: str | None = None,
                  manifest: dict[str, Any] | None = None, ready_timeout: float = 900.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if manifest is not None and (tpus or gpu_nodes):
@@ -86,7 +86,9 @@ class CreateRayClusterOperator(_ClusterOperator):
             raise InvalidRequestError(f"ready_timeout={ready_timeout} of {self.task_id!r} is invalid: use > 0")
         self.render_kwargs = {"tpus": list(tpus), "max_slices": max_slices, "gpu_nodes": gpu_nodes,
                               "gpu_type": gpu_type, "image": image, "idle_timeout_seconds": idle_timeout_seconds,
-                              "auth": auth, "token_secret": token_secret, "head_service_type": head_service_type}
+                              "auth": auth, "token_secret": token_secret,
+                              "head_service_type": head_service_type or "ClusterIP"}
+        self.head_service_type = head_service_type  # with `manifest`: replaces its head serviceType when given
         self.manifest = manifest
         self.ready_timeout = ready_timeout
         if manifest is not None and (not isinstance(manifest, dict) or manifest.get("kind") != "RayCluster"):
@@ -102,10 +104,14 @@ class CreateRayClusterOperator(_ClusterOperator):
         """The manifest to create, and the exposure check both paths (rendered or given) go through."""
         if self.manifest is None:
             return kuberay.render_raycluster(name, **self.render_kwargs)
-        head = (self.manifest.get("spec") or {}).get("headGroupSpec") or {}
-        auth = ((self.manifest.get("spec") or {}).get("authOptions") or {}).get("mode") == "token"
-        kuberay.exposure_warning(head.get("serviceType") or "ClusterIP", auth)
-        return dict(self.manifest)
+        manifest = dict(self.manifest)
+        spec = manifest.get("spec") or {}
+        if self.head_service_type:
+            spec = manifest["spec"] = {**spec, "headGroupSpec": {**(spec.get("headGroupSpec") or {}),
+                                                                 "serviceType": self.head_service_type}}
+        auth = (spec.get("authOptions") or {}).get("mode") == "token"
+        kuberay.exposure_warning((spec.get("headGroupSpec") or {}).get("serviceType") or "ClusterIP", auth)
+        return manifest
 
     @staticmethod
     def _token_secret(manifest: dict[str, Any]) -> str | None:
