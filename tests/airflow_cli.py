@@ -63,3 +63,13 @@ class CliAirflow:
                           timeout=30)
         resp.raise_for_status()
         return resp.json()["access_token"]
+
+
+def get_json(api: httpx.Client, path: str) -> dict | None:
+    """The JSON at `path` of Airflow's REST API, or None (not there yet, or the API stalled behind a SQLite
+    lock: poll again)."""
+    try:
+        resp = api.get(path)
+    except httpx.TransportError:
+        return None
+    return resp.json() if resp.status_code == 200 else None

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from rayslice.local.airflow_stack import AirflowStack
+from tests.airflow_cli import get_json as _get
 from tests.e2e.conftest import ARTIFACTS, browser_page, needs_chromium
 
 DAG_ID = "rayslice_training_pipeline"
@@ -149,13 +150,6 @@ def _find_the_run_on_the_timeline(page, airflow: AirflowStack, run_id: str, slic
     page.wait_for_url(f"**/dags/{DAG_ID}/runs/{run_id}/tasks/train**")
 
 
-def _get(api: httpx.Client, path: str) -> dict | None:
-    """The JSON at `path`, or None (not there yet, or the API stalled behind a SQLite lock: poll again)."""
-    try:
-        resp = api.get(path)
-    except httpx.TransportError:
-        return None
-    return resp.json() if resp.status_code == 200 else None
 
 
 def _finished(api: httpx.Client, run_id: str) -> dict | None:

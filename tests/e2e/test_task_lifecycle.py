@@ -28,6 +28,7 @@ from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import RaysliceError
 from rayslice.core.step import Owner
 from rayslice.local.airflow_stack import AirflowStack
+from tests.airflow_cli import get_json as _get
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 
 DAGS = Path(__file__).with_name("dags")
@@ -182,13 +183,6 @@ def _sid(jobs: RayJobsClient, dag_id: str, run: str, try_number: int = 1) -> str
     return found[0] if found else None
 
 
-def _get(api: httpx.Client, path: str) -> dict | None:
-    """The JSON at `path`, or None (not there yet, or the API stalled behind a SQLite lock: poll again)."""
-    try:
-        resp = api.get(path)
-    except httpx.TransportError:
-        return None
-    return resp.json() if resp.status_code == 200 else None
 
 
 def _trigger(api: httpx.Client, dag_id: str) -> str:

@@ -27,6 +27,7 @@ from rayslice.core.step import Owner
 from rayslice.local import processes
 from rayslice.local.airflow_stack import _airflow_bin
 from rayslice.local.local_cluster import free_port
+from tests.airflow_cli import get_json as _get
 from tests.conftest import end_sessions, wait_until
 
 DAG_ID = "sc_moved_trigger"
@@ -161,12 +162,6 @@ def _running_sid(jobs: RayJobsClient, run: str) -> str | None:
     return found[0].submission_id if found else None
 
 
-def _get(api: httpx.Client, path: str) -> dict | None:
-    try:
-        resp = api.get(path)
-    except httpx.TransportError:
-        return None
-    return resp.json() if resp.status_code == 200 else None
 
 
 def _state(api: httpx.Client, run: str) -> str | None:

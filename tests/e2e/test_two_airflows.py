@@ -27,6 +27,7 @@ from rayslice.client import orphans
 from rayslice.client.jobs_client import JobStatus, RayJobsClient
 from rayslice.client.submission import jobs_of_task
 from rayslice.core.step import Owner
+from tests.airflow_cli import get_json as _get
 from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,12 +132,6 @@ def _finish(b: subprocess.Popen, release: Path) -> str:
     return out
 
 
-def _get(api: httpx.Client, path: str) -> dict | None:
-    try:
-        resp = api.get(path)
-    except httpx.TransportError:
-        return None
-    return resp.json() if resp.status_code == 200 else None
 
 
 def _ti(api: httpx.Client, run_id: str) -> dict:
