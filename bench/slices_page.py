@@ -179,14 +179,11 @@ def measure(variant: str, url: str, reps: int, commit: str) -> dict:
     sys.path.insert(0, str(ROOT))
     if variant == "before":
         capacity, usage = _old_modules(commit)
-
-        async def refresh() -> None:
-            await asyncio.gather(capacity.asnapshot(url, timeout=120), usage.ausage(url, hours=HOURS, timeout=120))
     else:
         from rayslice.client import capacity, usage  # noqa: F811
 
-        async def refresh() -> None:
-            await asyncio.gather(capacity.asnapshot(url, timeout=120), usage.ausage(url, hours=HOURS, timeout=120))
+    async def refresh() -> None:  # one page refresh: the same two readings in both variants
+        await asyncio.gather(capacity.asnapshot(url, timeout=120), usage.ausage(url, hours=HOURS, timeout=120))
 
     async def main() -> dict:
         lags: list[float] = []
