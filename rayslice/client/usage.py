@@ -32,10 +32,10 @@ from rayslice.client.capacity import (
     SLICE_LABEL,
     _base,
     _client,
-    _int,
 )
+from rayslice.client.actor_table import _ACTORS, _ms, aread_window
 from rayslice.client.job_records import records_for
-from rayslice.client.jobs_client import RayJobsClient
+from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.core.accelerators import ResourceName
 from rayslice.core.step import TaskRef
 
@@ -44,8 +44,6 @@ __all__ = ["Bar", "Lane", "Usage", "UsageRow", "ausage", "parse", "totals", "usa
 WINDOWS_H = (1, 3, 6, 12, 24, 72)
 DEFAULT_WINDOW_H = 6
 _NODES = ("/api/v0/nodes", {"detail": "1", "limit": "10000"})  # dead nodes too: their slices had steps
-# `nocache=1`: otherwise the dashboard answers an expired cached reply, maybe minutes old, and refreshes it after.
-_ACTORS = ("/logical/actors", {"nocache": "1"})
 #: Every accelerator a step may hold, in the order lanes and table columns show them.
 ACCELERATORS: tuple[str, ...] = ("TPU", "GPU", *(r for r in get_args(ResourceName) if r not in ("TPU", "GPU")))
 
@@ -110,11 +108,6 @@ class Usage(BaseModel):
     lanes: list[Lane]
     bars: list[Bar]
     oldest: datetime | None = None  # the first start of a step's host process Ray still lists
-
-
-def _ms(value: Any) -> float | None:
-    ms = _int(value, 0)
-    return ms / 1000 if ms > 0 else None
 
 
 def _at(seconds: float) -> datetime:
@@ -271,8 +264,14 @@ def usage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAUL
 
 async def ausage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAULT_WINDOW_H,
                  timeout: float = 20.0, verify: bool | str = True, headers: dict[str, str] | None = None) -> Usage:
-    """`usage` for async callers (the UI plugin), in a thread: the reads and the parsing of the actor table
-    (up to 100,000 ended actors) run off the caller's event loop. Its JSON decode is one C call that holds
-    the GIL, so the loop still waits that long (BENCHMARKS.md §9)."""
-    return await asyncio.to_thread(usage, dashboard_url, token, hours=hours, timeout=timeout, verify=verify,
-                                   headers=headers)
+    """`usage` for async callers (the UI plugin), without stopping their event loop: the actor table
+    (up to 100,000 ended actors, whose JSON decode holds the GIL for seconds) is read and cut to the
+    window in a child process (`actor_table`), the rest parsed in a thread."""
+    now = time.time()
+    async with _client(dashboard_url, token, timeout, verify, headers, AsyncRayJobsClient) as client:
+        nodes, actors = await asyncio.gather(
+            client.get_json(*_NODES),
+            aread_window(dashboard_url=dashboard_url, token=token, timeout=timeout, verify=verify,
+                         headers=headers, now=now, hours=hours))
+        jobs = await records_for(client.address).afind(client, step_ids(actors, now=now, hours=hours))
+    return await asyncio.to_thread(parse, nodes, actors, jobs, now=now, hours=hours)
