@@ -155,7 +155,7 @@ def test_the_ray_job_link_redirects_only_connection_readers(client, airflow):
     assert op.status_code == 307 and op.headers["location"] == f"{cluster.dashboard_url}/#/jobs/rayslice-d-t-1"
     viewer = client.get(path, headers=bearer(jwt("viewer", "viewer")), follow_redirects=False)
     assert viewer.status_code == 403 and "location" not in viewer.headers
-    assert cluster.dashboard_url not in viewer.text and "read the task's `ray` connection" in viewer.text
+    assert cluster.dashboard_url not in viewer.text and "only users allowed to read the task" in viewer.text
     for conn in ("nope", "not_ray"):  # a viewer learns nothing about other connections either
         other = client.get(f"{path}?conn_id={conn}", headers=bearer(jwt("viewer", "viewer")), follow_redirects=False)
         assert other.status_code == 403 and other.text == viewer.text
