@@ -16,6 +16,7 @@ from airflow.sdk import BaseOperator, Context
 from rayslice.hooks.ray import RayHook
 from rayslice.operators.step import is_templated
 
+from rayslice.cloud import pins
 from rayslice.cloud.cloud_tpu import QueuedSlice, startup_script
 from rayslice.core.exceptions import InvalidRequestError
 
@@ -62,7 +63,11 @@ class CreateTpuSliceOperator(_QueuedOperator):
     :param project: / zone / queued_resource_id: where, and the queued resource's id (templated).
     :param head_address: the Ray head's GCS address ``host:6379`` (templated); default: the host of the
         `ray` connection's dashboard URL, port 6379.
-    :param ray_version: install ``ray[default]==<version>`` at boot (None: the image has Ray).
+    :param install: at boot, make a Python ``python_version`` environment with uv and install
+        ``rayslice[cluster]`` (this version), ``jax[tpu]==<jax_version>`` and ``ray[default]==<ray_version>``
+        into it, then start Ray from it (default). False: the VM image has all of it; only ``ray start``.
+    :param ray_version: / jax_version / python_version: default the versions rayslice is tested with
+        (``rayslice.cloud.pins``); Ray's must be the head's.
     :param ray_start_args: more ``ray start`` arguments.
     :param check_zone: first check that the zone offers ``tpu`` (the list is cached per zone).
     :param active_timeout: seconds to wait for ACTIVE (a queued resource can wait long for capacity).
@@ -71,18 +76,22 @@ class CreateTpuSliceOperator(_QueuedOperator):
     template_fields: Sequence[str] = (*_QueuedOperator.template_fields, "head_address")
 
     def __init__(self, *, head_address: str | None = None, ray_conn_id: str = RayHook.default_conn_name,
-                 ray_version: str | None = None, ray_start_args: str = "", check_zone: bool = True,
+                 install: bool = True, ray_version: str = pins.RAY_VERSION, jax_version: str = pins.JAX_VERSION,
+                 python_version: str = pins.PYTHON_VERSION, ray_start_args: str = "", check_zone: bool = True,
                  active_timeout: float = 3600.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.head_address = head_address
         self.ray_conn_id = ray_conn_id
-        self.ray_version, self.ray_start_args = ray_version, ray_start_args
+        self.script_kwargs = {"install": install, "ray_version": ray_version, "jax_version": jax_version,
+                              "python_version": python_version, "ray_start_args": ray_start_args}
         self.check_zone = check_zone
         if active_timeout <= 0:
             raise InvalidRequestError(f"active_timeout={active_timeout} of {self.task_id!r} is invalid: use > 0")
         self.active_timeout = active_timeout
         if head_address and not is_templated(head_address):
-            startup_script(head_address, ray_version=ray_version, ray_start_args=ray_start_args)
+            startup_script(head_address, **self.script_kwargs)
+        else:  # the versions are checked now all the same
+            startup_script("0.0.0.0:6379", **self.script_kwargs)
 
     def _head_address(self) -> str:
         if self.head_address:
@@ -95,8 +104,7 @@ class CreateTpuSliceOperator(_QueuedOperator):
         from rayslice.cloud.cloud_tpu import check_accelerator_type
 
         queued = self._queued()
-        script = startup_script(self._head_address(), ray_version=self.ray_version,
-                                ray_start_args=self.ray_start_args)
+        script = startup_script(self._head_address(), **self.script_kwargs)
         if self.check_zone:
             check_accelerator_type(self.tpu, queued.project, queued.zone, api_endpoint=self.api_endpoint)
         owner = _owner(context)

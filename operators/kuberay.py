@@ -61,8 +61,10 @@ class CreateRayClusterOperator(_ClusterOperator):
 
     :param ray_conn_id: the `ray` connection whose ``kuberay`` extra names the cluster (and the API server).
     :param name: / :param namespace: override the connection's (templated).
-    :param tpus: / max_slices / gpu_nodes / gpu_type / image / idle_timeout_seconds: as ``rayslice kuberay
-        manifest`` (``rayslice.cloud.kuberay.render_raycluster``), checked when the DAG file is parsed.
+    :param tpus: / max_slices / gpu_nodes / gpu_type / image / gpu_image / idle_timeout_seconds: as ``rayslice
+        kuberay manifest`` (``rayslice.cloud.kuberay.render_raycluster``), checked when the DAG file is parsed.
+        ``image`` / ``gpu_image`` default to the names of what ``docker/Dockerfile.tpu`` / ``.gpu`` build; push
+        them to a registry the nodes pull from and pass those names (docs/deploying.md, Cluster image).
     :param head_service_type: the head Service type: ``ClusterIP`` (default), or ``NodePort`` /
         ``LoadBalancer`` to reach the dashboard from outside the Kubernetes cluster (refused without auth,
         and logged as a warning with it); with ``manifest``, it replaces the manifest's own when given.
@@ -76,7 +78,8 @@ class CreateRayClusterOperator(_ClusterOperator):
     """
 
     def __init__(self, *, tpus: Sequence[str] = (), max_slices: int = 1, gpu_nodes: int = 0,
-                 gpu_type: str = "nvidia-l4", image: str = kuberay.DEFAULT_IMAGE, idle_timeout_seconds: int = 60,
+                 gpu_type: str = "nvidia-l4", image: str = kuberay.DEFAULT_IMAGE,
+                 gpu_image: str = kuberay.DEFAULT_GPU_IMAGE, idle_timeout_seconds: int = 60,
                  head_service_type: str | None = None, auth: bool = True, token_secret: str | None = None,
                  manifest: dict[str, Any] | None = None, ready_timeout: float = 900.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -85,7 +88,8 @@ class CreateRayClusterOperator(_ClusterOperator):
         if ready_timeout <= 0:
             raise InvalidRequestError(f"ready_timeout={ready_timeout} of {self.task_id!r} is invalid: use > 0")
         self.render_kwargs = {"tpus": list(tpus), "max_slices": max_slices, "gpu_nodes": gpu_nodes,
-                              "gpu_type": gpu_type, "image": image, "idle_timeout_seconds": idle_timeout_seconds,
+                              "gpu_type": gpu_type, "image": image, "gpu_image": gpu_image,
+                              "idle_timeout_seconds": idle_timeout_seconds,
                               "auth": auth, "token_secret": token_secret,
                               "head_service_type": head_service_type or "ClusterIP"}
         self.head_service_type = head_service_type  # with `manifest`: replaces its head serviceType when given
@@ -123,6 +127,10 @@ class CreateRayClusterOperator(_ClusterOperator):
         with self._client() as kube:
             self._kube = kube
             manifest = self._render(kube.ref.name)
+            if self.manifest is None and (note := kuberay.default_image_note(
+                    self.render_kwargs["image"], self.render_kwargs["gpu_image"] if self.render_kwargs["gpu_nodes"]
+                    else None)):
+                self.log.warning("[rayslice] %s", note)
             options = manifest["spec"].get("authOptions") or {}
             if warning := kuberay.exposure_warning(manifest["spec"]["headGroupSpec"].get("serviceType") or "ClusterIP",
                                                    options.get("mode") == "token"):

@@ -2,12 +2,17 @@
 
 The operator pushes the job's submission id to XCom (key ``ray_submission_id``) before it
 waits, so the link works while the step runs, and after it failed or was killed.
+
+Airflow 3 computes the link in the worker and stores it with the task instance, where anyone who
+may read the DAG sees it. So the link is not the dashboard's URL: it is the Slices plugin's
+``/rayslice/job/<submission id>?conn_id=<connection>`` on this Airflow, which redirects to the
+job's dashboard page only users allowed to read that connection (and refuses everyone else).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
+from urllib.parse import quote, urlencode
 
 from airflow.sdk import BaseOperatorLink
 
@@ -18,15 +23,15 @@ if TYPE_CHECKING:
 __all__ = ["SUBMISSION_ID_KEY", "RayJobLink"]
 
 SUBMISSION_ID_KEY = "ray_submission_id"
-log = logging.getLogger(__name__)
 
 
 class RayJobLink(BaseOperatorLink):
-    """Links a task to ``<dashboard>/#/jobs/<submission id>``."""
+    """Links a task to ``<airflow>/rayslice/job/<id>``: ``<dashboard>/#/jobs/<id>`` for connection readers."""
 
     name = "Ray job"
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        from airflow.sdk import conf
         from airflow.sdk.execution_time.xcom import XCom  # the configured XCom backend
 
         sid = XCom.get_value(ti_key=ti_key, key=SUBMISSION_ID_KEY)
@@ -35,8 +40,5 @@ class RayJobLink(BaseOperatorLink):
         from rayslice.hooks.ray import RayHook
 
         conn_id = getattr(operator, "ray_conn_id", RayHook.default_conn_name)
-        try:
-            return RayHook(conn_id).settings().job_url(str(sid))
-        except Exception as exc:  # a link must never fail the task
-            log.warning("no Ray job link for %s: %s", sid, exc)
-            return ""
+        base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
+        return f"{base}/rayslice/job/{quote(str(sid), safe='')}?{urlencode({'conn_id': conn_id})}"

@@ -111,7 +111,8 @@ class RayStepOperator(BaseOperator):
         ``py_modules`` (local folders are uploaded once per content), ``pip``/``uv``, ``env_vars``,
         ``excludes``, ``image_uri``/``container``, ``config`` (templated; merged over the connection's
         ``runtime_env`` extra).
-    :param op_kwargs: keyword arguments for the function; must be JSON (templated).
+    :param op_kwargs: keyword arguments for the function; must be JSON (templated). Not with ``command=``
+        (refused at parse time): a program gets its values as argv or ``runtime_env`` ``env_vars``.
     :param ray_conn_id: the `ray` connection (the Ray dashboard URL and token).
     :param capacity_timeout: seconds to wait for free capacity before failing.
     :param step_timeout: seconds the step may run once started (None: no limit). On real TPUs this is what
@@ -185,6 +186,11 @@ class RayStepOperator(BaseOperator):
                 command = split_command(list(command))
             elif isinstance(command, str):
                 split_command(command)  # refuse an empty or unbalanced one now; split after rendering
+        if command is not None and (is_templated(op_kwargs) or op_kwargs):
+            raise InvalidRequestError(
+                f"op_kwargs of {self.task_id!r} cannot go with command=: a program takes no keyword arguments; "
+                "pass the values as arguments in command=[...] or as runtime_env={'env_vars': {...}}"
+            )
         runtime_envs.validate(runtime_env, f"runtime_env of {self.task_id!r}")
         if isinstance(min_deferral, bool) or not isinstance(min_deferral, (int, float)) or not min_deferral >= 0:
             raise InvalidRequestError(

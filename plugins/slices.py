@@ -10,6 +10,9 @@ Every route takes the same credentials as Airflow's own API (the UI's `_token` c
 may not read are shown as hidden. The `ray` connection's token never leaves the server.
 Only a user allowed to read connections may point the page at another connection
 (`?conn_id=`); anyone else asking for one gets the same refusal whether it exists or not.
+The Ray dashboard's URL (the header link, job links, the JSON's `dashboard_url`) is shown only
+to users allowed to read the connection it comes from; the "Ray job" extra link of a task goes
+through `/rayslice/job/<submission id>`, which checks the same before it redirects there.
 
 Below the live view, a usage timeline of the last hours (`?hours=`) and the accelerator-hours
 per DAG and task over it (`rayslice.client.usage`), drawn on the server too.
@@ -23,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import cache
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 
 from airflow.plugins_manager import AirflowPlugin
 
@@ -37,10 +41,14 @@ URL_PREFIX = "/rayslice"
 DEFAULT_CONN_ID = "ray_default"
 CACHE_S = 2.0  # many open pages share one reading of the cluster
 USAGE_CACHE_S = 10.0  # the usage reading lists every ended actor: read it less often
+NO_DASHBOARD = ("the Ray job's page is in the Ray dashboard, whose address only users allowed to read the "
+                "task's `ray` connection may see; ask an Airflow admin for that permission")
 NOT_YOURS = ("only users allowed to read Airflow connections may choose the page's connection; "
              "open the page without ?conn_id= for the default one")
 HIDDEN = "a task in a DAG you cannot read"
 _CONN_ID = re.compile(r"^[\w.-]{1,250}$")
+#: What a Ray submission id may hold (rayslice's are `rayslice-...`; plain Ray ones `raysubmit_...`).
+_SUBMISSION_ID = re.compile(r"^[\w.:-]{1,500}$")
 _ICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" fill="none" stroke="#5b5bd6" stroke-width="2">'
          + "".join(f'<rect x="{x}" y="{y}" width="7" height="7" rx="1"/>' for x in (3, 14) for y in (3, 14))
          + "</svg>")
@@ -121,15 +129,25 @@ async def shared(key: str, read: Callable[[], Awaitable[T]]) -> T:
     return await asyncio.shield(reading)
 
 
-def may_choose(conn_id: str, user: Any) -> bool:
-    """The default connection is everyone's; another one only for users who may read connections."""
-    if conn_id == DEFAULT_CONN_ID:
-        return True
+def may_read_connection(conn_id: str, user: Any) -> bool:
+    """Whether the auth manager lets `user` read the connection `conn_id` (and so see its dashboard URL)."""
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import ConnectionDetails
 
     return get_auth_manager().is_authorized_connection(method="GET", details=ConnectionDetails(conn_id=conn_id),
                                                        user=user)
+
+
+def may_choose(conn_id: str, user: Any) -> bool:
+    """The default connection is everyone's; another one only for users who may read connections."""
+    return conn_id == DEFAULT_CONN_ID or may_read_connection(conn_id, user)
+
+
+async def shown_dashboard(conn_id: str, user: Any, dashboard: str) -> str:
+    """The dashboard URL for a user who may read the connection, else "" (no link is drawn)."""
+    from starlette.concurrency import run_in_threadpool
+
+    return dashboard if dashboard and await run_in_threadpool(may_read_connection, conn_id, user) else ""
 
 
 async def read_usage(conn_id: str, hours: float) -> "Usage":
@@ -239,7 +257,7 @@ def build_app() -> "FastAPI":
     from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
     from airflow.api_fastapi.core_api.security import GetUserDep, requires_access_view
     from fastapi import Depends, FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, Response
+    from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
     from rayslice.plugins import slices_page
     from starlette.concurrency import run_in_threadpool
 
@@ -258,6 +276,7 @@ def build_app() -> "FastAPI":
         except _Problem as exc:
             return JSONResponse({"detail": str(exc)}, status_code=exc.status)
         data = await run_in_threadpool(visible, snap, user)  # auth managers may ask their database
+        dashboard = await shown_dashboard(conn_id, user, dashboard)
         return JSONResponse({**data, "conn_id": conn_id, "dashboard_url": dashboard},
                             headers={"Cache-Control": "no-store"})
 
@@ -290,6 +309,7 @@ def build_app() -> "FastAPI":
         except _Problem as exc:
             return slices_page.error_box(str(exc))
         data = await run_in_threadpool(visible_usage, found, user)
+        dashboard = await shown_dashboard(conn_id, user, dashboard)
         return slices_page.usage_section(data, {"airflow_base": base, "dashboard_url": dashboard})
 
     @app.get("/", response_class=HTMLResponse)
@@ -305,6 +325,7 @@ def build_app() -> "FastAPI":
         try:
             snap, dashboard = await read(conn_id)
             data = await run_in_threadpool(visible, snap, user)
+            dashboard = await shown_dashboard(conn_id, user, dashboard)
         except _Problem as exc:
             error = str(exc)
         hours = window(hours)
@@ -313,6 +334,21 @@ def build_app() -> "FastAPI":
                                 dashboard_url=dashboard, error=error, usage_html=usage_html, hours=hours,
                                 usage_url=f"{root}/usage")
         return HTMLResponse(body, headers={"Cache-Control": "no-store"})
+
+    @app.get("/job/{submission_id}")
+    async def job(user: GetUserDep, submission_id: str, conn_id: str = DEFAULT_CONN_ID) -> Response:
+        """The "Ray job" extra link: to the job's dashboard page, for users who may read the connection."""
+        if not _SUBMISSION_ID.match(submission_id):
+            return HTMLResponse(slices_page.error_box(f"{submission_id!r} is not a Ray submission id"),
+                                status_code=400)
+        if not _CONN_ID.match(conn_id) or not await run_in_threadpool(may_read_connection, conn_id, user):
+            return HTMLResponse(slices_page.error_box(NO_DASHBOARD), status_code=403)
+        try:
+            ray = await run_in_threadpool(ray_connection, conn_id)
+        except _Problem as exc:
+            return HTMLResponse(slices_page.error_box(str(exc)), status_code=exc.status)
+        return RedirectResponse(ray.job_url(quote(submission_id, safe="")), status_code=307,
+                                headers={"Cache-Control": "no-store"})
 
     @app.get("/icon.svg")
     async def icon() -> Response:

@@ -100,11 +100,13 @@ def local_up(
     gpus: Annotated[int, typer.Option("--gpus", min=0, help="Logical GPUs on one GPU node (0 for none).")] = 0,
     token: Annotated[bool, typer.Option("--token", help="Turn on Ray token authentication.")] = False,
     name: Name = "default",
+    python: Annotated[str | None, typer.Option(
+        "--python", help="The nodes' Python (e.g. a venv with only rayslice[cluster]); default: this one.")] = None,
 ) -> None:
     """Start the cluster; prints its dashboard URL (the `ray` connection's host)."""
     spec = local_cluster.ClusterSpec(tpus=tuple(tpu), gpus=gpus)
     with console.status(f"starting {1 + sum(r.hosts_per_slice for _, r in spec.slices()) + bool(gpus)} Ray nodes"):
-        record = local_cluster.up(spec, name=name, token=local_cluster.new_token() if token else None)
+        record = local_cluster.up(spec, name=name, token=local_cluster.new_token() if token else None, python=python)
     console.print(f"dashboard: [bold]{record.dashboard_url}[/bold]")
     console.print(f"gcs:       {record.gcs_address}")
     console.print(f"checkpoints: {record.checkpoint_root}")

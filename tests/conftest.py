@@ -26,7 +26,8 @@ TOTAL_TPU_CHIPS = 36
 #: Fixtures that start or use a local Ray cluster, and those that start a whole Airflow or a browser.
 #: A test that needs any of them (directly or through another fixture) gets the matching mark, so
 #: `-m "not cluster"` is the fast loop: everything that runs without a cluster.
-CLUSTER_FIXTURES = {"cluster", "small_cluster", "autoscaling_cluster", "token_cluster", "ray_driver", "_head_factory"}
+CLUSTER_FIXTURES = {"cluster", "small_cluster", "autoscaling_cluster", "token_cluster", "ray_driver", "_head_factory",
+                    "wheel_cluster"}
 AIRFLOW_FIXTURES = {"airflow", "airflow_stack"}
 BROWSER_FIXTURES = {"browser"}
 

@@ -161,6 +161,11 @@ CASES = [
          InvalidRequestError, "callable 'pkg/train.py' of 'train' must look like 'package.module:function'"),
     Case("dag", "`command=[]`", lambda: _operator(tpu="v6e-4", command=[]), InvalidRequestError,
          "command must be a non-empty argv list such as ['python', 'train.py']"),
+    Case("dag", "`command=[...]` with `op_kwargs={'steps': 100}`",
+         lambda: _operator(tpu="v6e-4", command=["python", "train.py"], op_kwargs={"steps": 100}),
+         InvalidRequestError,
+         "op_kwargs of 'train' cannot go with command=: a program takes no keyword arguments; pass the values "
+         "as arguments in command=[...] or as runtime_env={'env_vars': {...}}"),
     Case("dag", "`runtime_env={'workdir': '.'}` (a typo)",
          lambda: _operator(tpu="v6e-4", command="python train.py", runtime_env={"workdir": "."}),
          InvalidRequestError, "runtime_env of 'train' has unknown key(s) 'workdir'; valid keys: working_dir, "

@@ -12,6 +12,10 @@ same cluster, with the same DAG, run and task names, is left alone, as is a job 
 
 Then it runs `python -m rayslice.cluster.reaper` as a small Ray job, which removes named
 placement groups and actors of ended jobs. No `ray` import here.
+
+A dry run changes nothing on the cluster: it submits no job and uploads no package. It stops no
+job, and it lists the leftovers the sweep would remove from the dashboard's state API, with the
+same rule (a `rayslice:` name whose creating Ray job has ended).
 """
 
 from __future__ import annotations
@@ -137,10 +141,52 @@ async def stop_abandoned_jobs(client: AsyncRayJobsClient, airflow: AirflowTasks,
         emit(f"Ray job {sid} was stopped but has not ended after {STOP_WAIT_S:.0f} s")
 
 
+#: The names the launcher gives every placement group and actor of a step (`rayslice.cluster.reaper.PREFIX`).
+NAME_PREFIX = "rayslice:"
+_STATE_QUERIES = {
+    "placement_groups": {"filter_keys": "state", "filter_predicates": "!=", "filter_values": "REMOVED"},
+    "actors": {"filter_keys": "state", "filter_predicates": "!=", "filter_values": "DEAD"},
+}
+
+
+def _state_rows(body: Any) -> list[dict[str, Any]]:
+    result = body.get("data", {}).get("result", {}) if isinstance(body, dict) else {}
+    return list(result.get("result") or []) if isinstance(result, dict) else []
+
+
+async def find_leftovers(client: AsyncRayJobsClient) -> list[dict[str, Any]]:
+    """What the sweep would remove, read from the dashboard only (GETs): `rayslice:` placement groups and
+    actors still held whose creating Ray job has ended. A creator the Jobs API does not list counts as alive."""
+    params = {"detail": "1", "limit": "10000"}
+    groups, actors, jobs = await asyncio.gather(
+        client.get_json("/api/v0/placement_groups", {**params, **_STATE_QUERIES["placement_groups"]}),
+        client.get_json("/api/v0/actors", {**params, **_STATE_QUERIES["actors"]}),
+        client.list_jobs(),
+    )
+    ended = {job.job_id for job in jobs if job.job_id and job.is_terminal}
+    status = {job.submission_id: job.status.value for job in jobs if job.submission_id}
+    found = [("placement_group", row.get("name") or "", row.get("creator_job_id"))
+             for row in _state_rows(groups) if row.get("state") != "REMOVED"]
+    found += [("actor", row.get("name") or "", row.get("job_id")) for row in _state_rows(actors)
+              if row.get("state") != "DEAD"]
+    leftovers = []
+    for kind, name, creator in found:
+        if name.startswith(NAME_PREFIX) and creator in ended:
+            sid = name[len(NAME_PREFIX):].split("/", 1)[0]
+            leftovers.append({"kind": kind, "name": name, "submission_id": sid,
+                              "job_status": status.get(sid) or "ended (its driver exited)"})
+    return leftovers
+
+
 async def sweep(client: AsyncRayJobsClient, *, dry_run: bool) -> list[dict[str, Any]]:
-    """Run the cluster-side sweep (`rayslice.cluster.reaper`) as a Ray job; the orphans it reaped."""
+    """Run the cluster-side sweep (`rayslice.cluster.reaper`) as a Ray job; the orphans it reaped.
+
+    With `dry_run`, no job: the leftovers as the dashboard lists them (`find_leftovers`).
+    """
+    if dry_run:
+        return await find_leftovers(client)
     py_modules = [await client.ensure_package(package) for package in submission.launcher_packages()]
-    sid = await client.submit(SWEEP_ENTRYPOINT + (" --dry-run" if dry_run else ""),
+    sid = await client.submit(SWEEP_ENTRYPOINT,
                               submission_id=f"rayslice-reap-{time.time_ns()}",
                               runtime_env={"py_modules": py_modules}, metadata={"rayslice-reap": "1"})
     return await submission.wait_for_step(client, sid, emit=lambda line: None, poll=0.5)

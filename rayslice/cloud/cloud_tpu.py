@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rayslice.cloud.pins import JAX_VERSION, PYTHON_VERSION, RAY_VERSION, RAYSLICE_VERSION
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 
@@ -130,21 +131,55 @@ def owner_label(owner: str) -> str:
     return hashlib.sha256(owner.encode()).hexdigest()[:32]
 
 
-def startup_script(head_address: str, *, ray_version: str | None = None, ray_start_args: str = "") -> str:
+#: Where the startup script puts the hosts' Python environment (and the Python uv downloads for it).
+VENV_DIR = "/opt/rayslice/venv"
+PYTHON_DIR = "/opt/rayslice/python"
+_VERSION = re.compile(r"\d+(\.\d+)+((a|b|rc|\.dev|\.post)\d+)?")
+
+
+def startup_script(head_address: str, *, install: bool = True, ray_version: str = RAY_VERSION,
+                   jax_version: str = JAX_VERSION, rayslice_version: str = RAYSLICE_VERSION,
+                   python_version: str = PYTHON_VERSION, ray_start_args: str = "", venv: str = VENV_DIR) -> str:
     """The TPU VM startup script: join the Ray cluster at ``head_address`` (GCS ``host:port``).
 
-    Ray detects the slice (TPU_NAME, worker id, pod type) from the TPU VM's metadata itself.
+    With ``install`` (the default) it makes a Python ``python_version`` environment with uv (installed
+    first when the VM lacks it; uv downloads that Python when the image has another) at ``venv``,
+    installs ``rayslice[cluster]``, ``jax[tpu]`` and ``ray[default]`` at the given versions (default:
+    the ones rayslice is tested with, ``rayslice.cloud.pins``) and starts Ray from it, so every Ray
+    worker and step runs that Python. It runs at every boot: an existing environment is reused and
+    the install is a no-op once done. ``install=False``: the VM image already has all of it; only
+    ``ray start``. Ray detects the slice (TPU_NAME, worker id, pod type) from the TPU VM's metadata itself.
     """
     if not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:\d+", head_address or ""):
         raise InvalidRequestError(f"head_address {head_address!r} is invalid: give the Ray head's GCS address "
                                   "as host:port, e.g. '10.0.0.2:6379'")
-    if ray_version and not re.fullmatch(r"\d+\.\d+\.\d+", ray_version):
-        raise InvalidRequestError(f"ray_version {ray_version!r} is invalid: use e.g. '2.60.0'")
-    lines = ["#!/bin/bash", "set -euo pipefail"]
-    if ray_version:
-        lines.append(f"python3 -m pip install --quiet {shlex.quote(f'ray[default]=={ray_version}')}")
+    for name, value in (("ray_version", ray_version), ("jax_version", jax_version),
+                        ("rayslice_version", rayslice_version)):
+        if not isinstance(value, str) or not _VERSION.fullmatch(value):
+            raise InvalidRequestError(f"{name} {value!r} is invalid: use a version such as '2.60.0'")
+    if not isinstance(venv, str) or not venv.startswith("/"):
+        raise InvalidRequestError(f"venv {venv!r} is invalid: give an absolute path, e.g. {VENV_DIR!r}")
+    minor = re.fullmatch(r"3\.(\d+)", python_version) if isinstance(python_version, str) else None
+    if not minor or int(minor[1]) < 12:
+        raise InvalidRequestError(f"python_version {python_version!r} is invalid: rayslice needs Python 3.12 or "
+                                  "newer, e.g. '3.12' (the Airflow side's minor version, for steps shipped by value)")
     args = " ".join(shlex.quote(a) for a in shlex.split(ray_start_args))
-    lines.append(f"ray start --address={shlex.quote(head_address)}" + (f" {args}" if args else ""))
+    start = f"start --address={shlex.quote(head_address)}" + (f" {args}" if args else "")
+    lines = ["#!/bin/bash", f"# rayslice: join the Ray cluster at {head_address}", "set -euo pipefail"]
+    if not install:
+        return "\n".join([*lines, f"ray {start}"]) + "\n"
+    packages = " ".join(shlex.quote(p) for p in (f"rayslice[cluster]=={rayslice_version}",
+                                                  f"jax[tpu]=={jax_version}", f"ray[default]=={ray_version}"))
+    lines += [
+        f'export HOME="${{HOME:-/root}}" UV_PYTHON_INSTALL_DIR={PYTHON_DIR} UV_COMPILE_BYTECODE=1',
+        f"venv={shlex.quote(venv)}",
+        "if ! command -v uv >/dev/null 2>&1; then",
+        "  curl -LsSf https://astral.sh/uv/install.sh | env UV_INSTALL_DIR=/usr/local/bin UV_NO_MODIFY_PATH=1 sh",
+        "fi",
+        f'[ -x "$venv/bin/python" ] || uv venv --python {shlex.quote(python_version)} "$venv"',
+        f'uv pip install --python "$venv/bin/python" {packages}',
+        f'"$venv/bin/ray" {start}',
+    ]
     return "\n".join(lines) + "\n"
 
 

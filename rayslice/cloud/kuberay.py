@@ -21,11 +21,29 @@ import typer
 import yaml
 
 from rayslice.cloud.kuberay_crds import HOW_TO_VALIDATE, CrdUnavailableError, KubeRayCrds
+from rayslice.cloud.pins import DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, RAY_VERSION
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV
 from rayslice.core.exceptions import InvalidRequestError
 
-DEFAULT_IMAGE = "rayproject/ray:2.60.0-py312"
+#: Ray's own images carry the Ray version in their tag (``rayproject/ray:2.60.0-py312``, or a mirror's ``.../ray:``).
+_RAY_IMAGE_TAG = re.compile(r"(?:^|/)ray:(\d+\.\d+\.\d+)")
+
+
+def image_ray_version(image: str) -> str:
+    """The Ray version an image runs: from a Ray image's tag, else the pinned one the `docker/` recipes install."""
+    match = _RAY_IMAGE_TAG.search(image)
+    return match[1] if match else RAY_VERSION
+
+
+def default_image_note(image: str, gpu_image: str | None) -> str | None:
+    """What to do when a manifest names the `docker/` recipes' default image names (None: it names its own)."""
+    defaults = [i for i in (image, gpu_image) if i in (DEFAULT_IMAGE, DEFAULT_GPU_IMAGE)]
+    if not defaults:
+        return None
+    return (f"the pods run {' and '.join(defaults)}, the image(s) docker/Dockerfile.tpu and docker/Dockerfile.gpu "
+            "build (docs/deploying.md, Cluster image): build them, push them to a registry your nodes pull from, "
+            "and pass that name with --image / --gpu-image")
 
 #: GKE's node label for each TPU version (cloud.google.com/gke-tpu-accelerator).
 #: v2/v3 have no GKE node pools, so they are missing on purpose.
@@ -144,6 +162,7 @@ def render_raycluster(
     gpu_nodes: int = 0,
     gpu_type: str = "nvidia-l4",
     image: str = DEFAULT_IMAGE,
+    gpu_image: str = DEFAULT_GPU_IMAGE,
     idle_timeout_seconds: int = 60,
     namespace: str | None = None,
     checkpoint_root: str | None = None,
@@ -156,6 +175,12 @@ def render_raycluster(
     Nothing runs on the head (``num-cpus: "0"``), so every step lands on a TPU or GPU group the
     autoscaler adds on demand and removes after ``idle_timeout_seconds``. ``checkpoint_root``
     (a bucket URL) becomes ``RAYSLICE_CHECKPOINT_ROOT`` on every pod: the steps' checkpoint folders.
+
+    ``image`` runs the head and the TPU hosts, ``gpu_image`` the GPU hosts; they need Python 3.12 with
+    ``rayslice[cluster]`` and JAX (``jax[tpu]`` / ``jax[cuda12]``). The defaults are the names of what
+    ``docker/Dockerfile.tpu`` and ``docker/Dockerfile.gpu`` build, which no public registry serves: build
+    and push them, then pass the pushed names. ``rayVersion`` is a Ray image's tag's version, else the
+    pinned Ray the recipes install.
 
     Secure by default: Ray token auth is on (``authOptions``, KubeRay >= 1.5.1, Ray >= 2.52), with the
     token in the Secret ``token_secret`` (default ``<name>-ray-token``, key ``auth_token``), which must
@@ -191,7 +216,7 @@ def render_raycluster(
                                       "give each pod type once and raise max_slices instead")
     groups = [_tpu_group(r, max_slices, image) for r in requests]
     if gpu_nodes:
-        gpu = _container("ray-worker", image, {**_GPU_HOST, "nvidia.com/gpu": "1"})
+        gpu = _container("ray-worker", gpu_image, {**_GPU_HOST, "nvidia.com/gpu": "1"})
         # KubeRay turns the nvidia.com/gpu limit into --num-gpus itself.
         groups.append(_worker_group(f"gpu-{gpu_type}", gpu_nodes, gpu,
                                     {"cloud.google.com/gke-accelerator": gpu_type}, rayStartParams={}))
@@ -199,11 +224,10 @@ def render_raycluster(
     head = _container("ray-head", image, {"cpu": "8", "memory": "40G"},
                       ports=[{"containerPort": port, "name": port_name} for port, port_name in head_ports])
     spec: dict[str, Any] = {}
-    if version := re.search(r":(\d+\.\d+\.\d+)", image):
-        spec["rayVersion"] = version[1]
-        if auth and tuple(map(int, version[1].split("."))) < (2, 52, 0):
-            raise InvalidRequestError(f"image {image!r} runs Ray {version[1]}: Ray token auth needs Ray 2.52 or "
-                                      "newer; use a newer image")
+    spec["rayVersion"] = version = image_ray_version(image)
+    if auth and tuple(map(int, version.split("."))) < (2, 52, 0):
+        raise InvalidRequestError(f"image {image!r} runs Ray {version}: Ray token auth needs Ray 2.52 or "
+                                  "newer; use a newer image")
     if auth:
         # KubeRay sets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (from the Secret) on every Ray container.
         spec["authOptions"] = {"mode": "token", "secretName": token_secret}
@@ -357,8 +381,10 @@ def manifest(
     name: Annotated[str, typer.Option("--name", help="RayCluster (or RayJob) name.")] = "rayslice",
     namespace: Annotated[str | None, typer.Option("--namespace", help="The Kubernetes namespace (default: none "
                                                   "in the manifest, so kubectl's current one).")] = None,
-    image: Annotated[str, typer.Option("--image", help="The Ray image of every pod (Ray >= 2.52 for token auth).")
-                     ] = DEFAULT_IMAGE,
+    image: Annotated[str, typer.Option("--image", help="The image of the head and TPU pods: docker/Dockerfile.tpu "
+                                       "built and pushed (Ray >= 2.52 for token auth).")] = DEFAULT_IMAGE,
+    gpu_image: Annotated[str, typer.Option("--gpu-image", help="The image of the GPU pods: docker/Dockerfile.gpu "
+                                           "built and pushed.")] = DEFAULT_GPU_IMAGE,
     idle_timeout: Annotated[int, typer.Option("--idle-timeout", min=0, help="Seconds before idle nodes go.")] = 60,
     rayjob: Annotated[bool, typer.Option("--rayjob", help="Print a RayJob bringing the cluster up.")] = False,
     entrypoint: Annotated[str | None, typer.Option("--entrypoint", help="The RayJob's command.")] = None,
@@ -393,7 +419,8 @@ def manifest(
         if rayjob and not entrypoint:
             raise InvalidRequestError("--rayjob needs --entrypoint, e.g. --entrypoint 'python train.py'")
         result = render_raycluster(name, tpus=tpu, max_slices=max_slices, gpu_nodes=gpu_nodes,
-                                   gpu_type=gpu_type, image=image, idle_timeout_seconds=idle_timeout,
+                                   gpu_type=gpu_type, image=image, gpu_image=gpu_image,
+                                   idle_timeout_seconds=idle_timeout,
                                    namespace=namespace, checkpoint_root=checkpoint_root, auth=auth,
                                    token_secret=token_secret, head_service_type=head_service_type)
         if rayjob:
@@ -414,3 +441,5 @@ def manifest(
                    f"extra's \"token_secret\": \"{secret}\")", err=True)
     if warning := exposure_warning(head_service_type, auth):
         typer.echo(warning, err=True)
+    if note := default_image_note(image, gpu_image if gpu_nodes else None):
+        typer.echo(note, err=True)

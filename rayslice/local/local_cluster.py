@@ -106,6 +106,7 @@ class ClusterRecord:
     token: str | None = None
     nodes: list[NodeRecord] = field(default_factory=list)
     checkpoint_root: str = ""  # RAYSLICE_CHECKPOINT_ROOT on every node: where steps' checkpoint folders go
+    python: str = ""  # the nodes' (so every worker's and job driver's) Python; "": the one running rayslice
 
     @property
     def path(self) -> Path:
@@ -200,7 +201,26 @@ def _ray_bin() -> str:
     return str(candidate) if candidate.exists() else "ray"
 
 
-def _launch(args: list[str], env: dict[str, str], log: Path, sockets: Path | None = None) -> int:
+def check_python(python: str) -> str:
+    """A Python the nodes can run: it imports ray and rayslice's cluster side (nothing of Airflow's is needed)."""
+    path = Path(python).expanduser().absolute()  # not resolved: a venv's python is a symlink to its base
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise RaysliceError(f"--python {python}: no such executable")
+    probe = subprocess.run([str(path), "-c", "import ray, rayslice.cluster, rayslice; print(rayslice.__version__)"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        raise RaysliceError(f"--python {python} cannot run the cluster side ({last}): install "
+                            "'rayslice[cluster]' into it")
+    return str(path)
+
+
+def _command(python: str) -> list[str]:
+    """How a node starts: this Python's `ray` script, or `<python> -m ray.scripts.scripts` for another Python."""
+    return [python, "-m", "ray.scripts.scripts"] if python else [_ray_bin()]
+
+
+def _launch(args: list[str], env: dict[str, str], log: Path, sockets: Path | None = None, python: str = "") -> int:
     """Start one node; with `sockets`, return only once its raylet has claimed a socket name.
 
     Nodes on one machine share the head's session dir and pick socket names by looking for
@@ -209,7 +229,7 @@ def _launch(args: list[str], env: dict[str, str], log: Path, sockets: Path | Non
     before = _raylet_sockets(sockets) if sockets else 0
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [_ray_bin(), "start", "--block", *args],
+            [*_command(python), "start", "--block", *args],
             env={**os.environ, **env},
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -237,8 +257,13 @@ def alive_nodes(dashboard_url: str, token: str | None = None) -> list[dict]:
     return [n for n in response.json()["data"]["result"]["result"] if n["state"] == "ALIVE"]
 
 
-def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeout: float = 420) -> ClusterRecord:
-    """Start a head plus one node per TPU host and one GPU node; return once all have joined."""
+def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeout: float = 420,
+       python: str | None = None) -> ClusterRecord:
+    """Start a head plus one node per TPU host and one GPU node; return once all have joined.
+
+    ``python``: the nodes run this Python (e.g. a venv with only ``rayslice[cluster]``) instead of the
+    one running rayslice; Ray starts every worker and job driver with it.
+    """
     if (state_dir() / f"{name}.json").exists():
         raise RaysliceError(
             f"a local cluster named {name!r} is already recorded; run `rayslice local down --name {name}` first"
@@ -251,18 +276,20 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
         dashboard_url=f"http://127.0.0.1:{dashboard_port}",
         temp_dir=temp_dir,
         token=token,
+        python=check_python(python) if python else "",
     )
     # Job drivers run `python`: make it this interpreter, which has ray and jax. Every simulated
     # host reaches the same local folder, so it is the cluster's default checkpoint root.
     record.checkpoint_root = f"file://{state_dir().parent / 'checkpoints' / name}"
-    env = record.ray_env() | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    bin_dir = Path(record.python).parent if record.python else Path(sys.executable).parent
+    env = record.ray_env() | {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     log = state_dir() / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     sockets = Path(temp_dir) / "session_latest" / "sockets"
     deadline = time.monotonic() + timeout
     try:
-        head = _launch(head_args(gcs_port, dashboard_port, temp_dir, spec.head_cpus), env, log)
+        head = _launch(head_args(gcs_port, dashboard_port, temp_dir, spec.head_cpus), env, log, python=record.python)
         record.nodes.append(NodeRecord(role="head", pid=head))
         record.save()
         # Raylets that join before the head has registered itself stall until they time out.
@@ -294,7 +321,7 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
                     "--resources",
                     json.dumps({"TPU": request.chips_per_host}),
                 ]
-                pid = _launch(args, tpu_env, log, sockets)
+                pid = _launch(args, tpu_env, log, sockets, record.python)
                 record.nodes.append(
                     NodeRecord(
                         role="tpu",
@@ -308,11 +335,12 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
                 )
         if spec.gpus:
             args = [*join, *common_args(), "--num-cpus", "4", "--num-gpus", str(spec.gpus)]
-            record.nodes.append(NodeRecord(role="gpu", pid=_launch(args, env, log, sockets), args=args, env=env))
+            record.nodes.append(NodeRecord(role="gpu", pid=_launch(args, env, log, sockets, record.python),
+                                           args=args, env=env))
         record.save()
 
         def relaunch(index: int) -> int:
-            return _launch(record.nodes[index].args, record.nodes[index].env, log, sockets)
+            return _launch(record.nodes[index].args, record.nodes[index].env, log, sockets, record.python)
 
         _wait_for_nodes(record, deadline, relaunch)
     except BaseException:
@@ -341,7 +369,7 @@ def restart_node(record: ClusterRecord, index: int, timeout: float = 180) -> Non
     def relaunch(i: int) -> int:
         if i != index:
             raise RaysliceError(f"node {i} of {record.name!r} is down too; restart_node starts node {index} only")
-        return _launch(node.args, node.env, state_dir() / f"{record.name}.log", sockets)
+        return _launch(node.args, node.env, state_dir() / f"{record.name}.log", sockets, record.python)
 
     node.pid = relaunch(index)
     record.save()

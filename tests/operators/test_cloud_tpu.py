@@ -89,7 +89,7 @@ def test_the_slices_are_deleted_when_the_step_between_fails(fake, dags):
     [(_, _, _, body)] = [r for r in fake.requests if r[0] == "POST"]
     node = body["tpu"]["nodeSpec"][0]["node"]
     assert node["labels"]["rayslice-owner"] == cloud_tpu.owner_label(f"tpu_lifecycle/{dr.run_id}")
-    assert "ray start --address=10.0.0.2:6379" in node["metadata"]["startup-script"]
+    assert "/bin/ray\" start --address=10.0.0.2:6379" in node["metadata"]["startup-script"]
 
 
 def test_a_type_the_zone_lacks_fails_before_anything_is_queued(fake, dags, capfd):

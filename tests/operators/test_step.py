@@ -167,7 +167,8 @@ def test_a_failing_host_fails_the_task_with_its_error(dags, jobs, ray_default, c
     sid = submission_id(owner_of_ti(dr, "fail"))  # the id holds the try's task-instance id, set under dag.test()
     assert sid.endswith("-try1-" + sid.rsplit("-", 1)[1]) and "rayslice-adhoc" not in sid
     assert xcom_values(dr, "fail", key="ray_submission_id") == [sid]
-    assert xcom_values(dr, "fail", key="_link_RayJobLink") == [f"{ray_default.dashboard_url}/#/jobs/{sid}"]
+    # The link goes through the Slices plugin, which redirects only connection readers to the dashboard.
+    assert xcom_values(dr, "fail", key="_link_RayJobLink") == [f"/rayslice/job/{sid}?conn_id=ray_default"]
     assert jobs.get(sid).status == JobStatus.FAILED
 
 

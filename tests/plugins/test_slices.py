@@ -94,7 +94,8 @@ def test_importing_the_plugin_is_cheap():
 
 
 @pytest.mark.parametrize("path", ["/rayslice/", "/rayslice/api/capacity", "/rayslice/icon.svg",
-                                  "/rayslice/api/capacity?conn_id=not_ray", "/rayslice/api/usage", "/rayslice/usage"])
+                                  "/rayslice/api/capacity?conn_id=not_ray", "/rayslice/api/usage", "/rayslice/usage",
+                                  "/rayslice/job/rayslice-d-t-1"])
 def test_anonymous_and_forged_requests_are_refused(client, path):
     assert client.get(path).status_code == 401
     assert client.get(path, headers=bearer("not-a-jwt")).status_code in (401, 403)
@@ -116,8 +117,11 @@ def test_json_is_the_snapshot(client, airflow):
     assert [len(s["hosts"]) for s in data["slices"]] == [4, 4, 1]
     assert [n["total"] for n in data["gpu_nodes"]] == [3]
     assert {"pending", "taken_at", "warnings"} <= set(data)
-    assert data["dashboard_url"] == cluster.dashboard_url and data["conn_id"] == "ray_default"
+    assert data["dashboard_url"] == "" and data["conn_id"] == "ray_default"  # a viewer may not read connections
+    assert cluster.dashboard_url not in resp.text
     assert (cluster.token or TOKEN) not in resp.text and resp.headers["cache-control"] == "no-store"
+    reader = client.get("/rayslice/api/capacity", headers=bearer(jwt("op", "op")))
+    assert reader.json()["dashboard_url"] == cluster.dashboard_url
 
 
 def test_page_draws_the_slices_with_the_ui_cookie(client, airflow):
@@ -130,6 +134,34 @@ def test_page_draws_the_slices_with_the_ui_cookie(client, airflow):
     assert "GPU node" in page and '"api": "/rayslice/api/capacity"' in script
     assert (airflow[1].token or TOKEN) not in resp.text
     assert "<script src" not in resp.text and "<link" not in resp.text  # no external assets: the machine may be offline
+
+
+def test_the_dashboard_url_is_shown_only_to_users_who_may_read_the_connection(client, airflow):
+    """The page's dashboard link, its job links and the usage section: none for a viewer, all for an op."""
+    cluster = airflow[1]
+    for path in ("/rayslice/", "/rayslice/usage", "/rayslice/api/capacity"):
+        viewer = client.get(path, headers=bearer(jwt("viewer", "viewer")))
+        op = client.get(path, headers=bearer(jwt("op", "op")))
+        assert viewer.status_code == op.status_code == 200, (viewer.text[:300], op.text[:300])
+        assert cluster.dashboard_url not in viewer.text, path
+        assert cluster.dashboard_url in op.text or path == "/rayslice/usage", path  # no bars: no job links
+    assert "Ray dashboard" in client.get("/rayslice/", headers=bearer(jwt("op", "op"))).text
+
+
+def test_the_ray_job_link_redirects_only_connection_readers(client, airflow):
+    cluster = airflow[1]
+    path = "/rayslice/job/rayslice-d-t-1"
+    op = client.get(path, headers=bearer(jwt("op", "op")), follow_redirects=False)
+    assert op.status_code == 307 and op.headers["location"] == f"{cluster.dashboard_url}/#/jobs/rayslice-d-t-1"
+    viewer = client.get(path, headers=bearer(jwt("viewer", "viewer")), follow_redirects=False)
+    assert viewer.status_code == 403 and "location" not in viewer.headers
+    assert cluster.dashboard_url not in viewer.text and "only users allowed to read the task" in viewer.text
+    for conn in ("nope", "not_ray"):  # a viewer learns nothing about other connections either
+        other = client.get(f"{path}?conn_id={conn}", headers=bearer(jwt("viewer", "viewer")), follow_redirects=False)
+        assert other.status_code == 403 and other.text == viewer.text
+    assert client.get(f"{path}?conn_id=nope", headers=bearer(jwt("op", "op"))).status_code == 404
+    assert client.get("/rayslice/job/a%20b", headers=bearer(jwt("op", "op"))).status_code == 400
+    assert client.get(path).status_code == 401
 
 
 def test_connection_problems_are_explained_not_leaked(client):

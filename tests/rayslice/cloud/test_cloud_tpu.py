@@ -6,11 +6,15 @@ every request and response body strictly into the client library's own protobuf 
 
 from __future__ import annotations
 
+import re
 import shlex
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
+import rayslice
 from rayslice.cloud import cloud_tpu
 from rayslice.cloud.cloud_tpu import CloudTpuError, QueuedSlice, QueuedSliceClient
 from rayslice.core.exceptions import InvalidRequestError
@@ -98,17 +102,77 @@ def test_bad_queued_slices_fail_at_construction(kwargs, message):
 # --- the startup script
 
 
-def test_the_startup_script_joins_the_head_and_quotes_everything():
-    script = cloud_tpu.startup_script("10.0.0.2:6379", ray_version="2.60.0",
-                                      ray_start_args="--num-cpus 4; rm -rf /")
+def _lock(package: str) -> str:
+    lock = (Path(__file__).resolve().parents[3] / "requirements.lock").read_text()
+    (version,) = re.findall(rf"^{package}==(\S+)$", lock, re.M)
+    return version
+
+
+def test_the_startup_script_installs_the_locked_versions_into_a_python_312_venv_and_starts_ray_from_it():
+    script = cloud_tpu.startup_script("10.0.0.2:6379", ray_start_args="--num-cpus 4; rm -rf /")
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     lines = script.splitlines()
-    assert lines[0] == "#!/bin/bash" and "ray[default]==2.60.0" in lines[2]
-    assert shlex.split(lines[-1]) == ["ray", "start", "--address=10.0.0.2:6379", "--num-cpus", "4;", "rm", "-rf", "/"]
-    with pytest.raises(InvalidRequestError, match="host:port"):
-        cloud_tpu.startup_script("10.0.0.2")
-    with pytest.raises(InvalidRequestError, match="ray_version"):
-        cloud_tpu.startup_script("h:6379", ray_version="latest; reboot")
+    assert lines[0] == "#!/bin/bash" and "set -euo pipefail" in lines
+    assert 'uv venv --python 3.12 "$venv"' in script and "venv=/opt/rayslice/venv" in lines
+    [install] = [line for line in lines if line.startswith("uv pip install")]
+    assert shlex.split(install)[3:] == ["--python", "$venv/bin/python", f"rayslice[cluster]=={rayslice.__version__}",
+                                        f"jax[tpu]=={_lock('jax')}", f"ray[default]=={_lock('ray')}"]
+    assert shlex.split(lines[-1]) == ["$venv/bin/ray", "start", "--address=10.0.0.2:6379", "--num-cpus", "4;", "rm",
+                                      "-rf", "/"]
+    bare = cloud_tpu.startup_script("10.0.0.2:6379", install=False)
+    assert "uv" not in bare and bare.splitlines()[-1] == "ray start --address=10.0.0.2:6379"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"head_address": "10.0.0.2"}, "host:port"),
+    ({"ray_version": "latest; reboot"}, "ray_version 'latest; reboot' is invalid"),
+    ({"jax_version": "0.12 && reboot"}, "jax_version"),
+    ({"python_version": "3.11"}, "rayslice needs Python 3.12 or newer"),
+    ({"python_version": "3"}, "python_version '3' is invalid"),
+    ({"venv": "relative/venv"}, "give an absolute path"),
+])
+def test_the_startup_script_refuses_bad_arguments(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        cloud_tpu.startup_script(**{"head_address": "h:6379", **kwargs})
+
+
+def test_the_startup_script_runs_the_way_a_booting_vm_would(tmp_path):
+    """Run it, twice (a reboot), with stand-ins for curl, uv and ray on PATH that record what they were asked."""
+    stubs, log, venv = tmp_path / "bin", tmp_path / "calls", tmp_path / "venv"
+    stubs.mkdir()
+    record = f'echo "$(basename "$0") $*" >> {shlex.quote(str(log))}'
+
+    def stub(path: Path, body: str) -> None:
+        path.write_text(f"#!/bin/bash\n{record}\n{body}\n")
+        path.chmod(0o755)
+
+    # `uv venv --python 3.12 DIR` makes DIR/bin/{python,ray}, which record their calls as venv-<name>.
+    stub(tmp_path / "uv", 'if [ "$1" = venv ]; then mkdir -p "$4/bin"; for b in python ray; do\n'
+         f'  printf \'#!/bin/bash\\necho "venv-$(basename "$0") $*" >> %s\\n\' {shlex.quote(str(log))} > "$4/bin/$b"\n'
+         '  chmod +x "$4/bin/$b"; done; fi')
+    # The uv installer that `curl ... | sh` runs puts that uv where UV_INSTALL_DIR says.
+    stub(stubs / "curl", f'echo \'cp {tmp_path / "uv"} "$UV_INSTALL_DIR/uv"\'')
+    uv_dir = tmp_path / "uv-bin"
+    uv_dir.mkdir()
+    script = cloud_tpu.startup_script("10.0.0.2:6379", venv=str(venv)).replace("/usr/local/bin", str(uv_dir))
+    for tool in ("basename", "chmod", "cp", "env", "mkdir", "sh"):  # only these: no uv of this machine's
+        (stubs / tool).symlink_to(shutil.which(tool))
+    env = {"PATH": f"{stubs}:{uv_dir}", "HOME": str(tmp_path)}
+    for _ in range(2):
+        done = subprocess.run([shutil.which("bash"), "-c", script], env=env, text=True, capture_output=True)
+        assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    packages = (f"rayslice[cluster]=={rayslice.__version__} jax[tpu]=={_lock('jax')} "
+                f"ray[default]=={_lock('ray')}")
+    assert calls == [
+        "curl -LsSf https://astral.sh/uv/install.sh",  # first boot: no uv yet
+        f"uv venv --python 3.12 {venv}",
+        f"uv pip install --python {venv}/bin/python {packages}",
+        "venv-ray start --address=10.0.0.2:6379",
+        # the reboot: uv is there, and so is the venv; the install is uv's no-op
+        f"uv pip install --python {venv}/bin/python {packages}",
+        "venv-ray start --address=10.0.0.2:6379",
+    ]
 
 
 # --- queued resources

@@ -508,3 +508,44 @@ def test_missing_reference_files_fail_under_ci_and_skip_elsewhere(monkeypatch):
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception, match="not-there.yaml is missing"):
         reference_file("not-there.yaml")
+
+
+# --- the pods' images: docker/'s recipes by default
+
+def _images(manifest: dict) -> dict[str, str]:
+    spec = manifest["spec"]
+    groups = {"head": spec["headGroupSpec"]} | {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    return {name: g["template"]["spec"]["containers"][0]["image"] for name, g in groups.items()}
+
+
+def test_pods_run_the_recipes_images_by_default(cluster):
+    assert _images(cluster) == {"head": "rayslice-cluster:0.1.0-tpu", "tpu-v6e-16": "rayslice-cluster:0.1.0-tpu",
+                                "gpu-nvidia-l4": "rayslice-cluster:0.1.0-gpu"}
+    assert cluster["spec"]["rayVersion"] == "2.60.0"  # what the recipes install
+
+
+def test_pushed_images_are_used_and_their_ray_version_read_from_ray_tags_only(crds):
+    pushed = kuberay.render_raycluster("rs", tpus=["v6e-4"], gpu_nodes=1, image="gcr.io/p/rayslice-cluster:0.1.0-tpu",
+                                       gpu_image="gcr.io/p/rayslice-cluster:0.1.0-gpu")
+    kuberay.validate(pushed, crds)
+    assert _images(pushed) == {"head": "gcr.io/p/rayslice-cluster:0.1.0-tpu",
+                               "tpu-v6e-4": "gcr.io/p/rayslice-cluster:0.1.0-tpu",
+                               "gpu-nvidia-l4": "gcr.io/p/rayslice-cluster:0.1.0-gpu"}
+    # Its tag's 0.1.0 is rayslice's version, not Ray's: no "token auth needs Ray 2.52" refusal.
+    assert pushed["spec"]["rayVersion"] == "2.60.0"
+    mirror = kuberay.render_raycluster("rs", tpus=["v6e-4"], image="mirror.example/rayproject/ray:2.58.1-py312")
+    assert mirror["spec"]["rayVersion"] == "2.58.1"
+
+
+def test_cli_says_the_default_images_must_be_built_and_pushed():
+    default = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--gpu-nodes", "1", "--no-validate"])
+    assert default.exit_code == 0, default.output
+    assert ("the pods run rayslice-cluster:0.1.0-tpu and rayslice-cluster:0.1.0-gpu, the image(s) "
+            "docker/Dockerfile.tpu and docker/Dockerfile.gpu build") in default.stderr
+    assert "pass that name with --image / --gpu-image" in default.stderr
+    pushed = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--no-validate",
+                                         "--image", "gcr.io/p/rayslice-cluster:0.1.0-tpu"])
+    assert pushed.exit_code == 0, pushed.output
+    assert "docker/Dockerfile" not in pushed.stderr  # no GPU group: its default image is not named
+    assert yaml.safe_load(pushed.stdout)["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"] == (
+        "gcr.io/p/rayslice-cluster:0.1.0-tpu")

@@ -238,7 +238,17 @@ def test_the_sweep_keys_on_the_creating_driver_never_on_a_name_a_caller_chose(cl
     assert done.returncode == 0, done.stderr[-3000:]
     try:
         ray_driver.get([rerun.ready(), slashed.ready(), actor.ping.remote()], timeout=120)
+        # A dry run reads the dashboard only: no sweep job is submitted, and it names what the sweep removes.
+        with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+            jobs_before = {job.submission_id or job.job_id for job in client.list_jobs()}
+            dry = reap_cli(cluster, "--dry-run")
+            jobs_after = {job.submission_id or job.job_id for job in client.list_jobs()}
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        assert jobs_after == jobs_before, jobs_after - jobs_before
+        assert f"would reap placement_group {dead_driver} " in " ".join(dry.stdout.split()), dry.stdout
         reaped = {orphan.name for orphan in reaper.reap()}
+        assert not any(f"{live} " in " ".join(dry.stdout.split()) for live in (
+            f"rayslice:{ended}/heads", f"rayslice:{ended}/forged-part/hosts", f"rayslice:{ended}/v6e-4/host0"))
         assert dead_driver in reaped, reaped  # no Jobs API record, but its driver has exited
         live = {rerun: f"rayslice:{ended}/heads", slashed: f"rayslice:{ended}/forged-part/hosts"}
         assert not reaped & {*live.values(), f"rayslice:{ended}/v6e-4/host0"}, reaped
