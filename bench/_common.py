@@ -109,10 +109,11 @@ def _one_node_at_a_time() -> None:
         return
     launch = local_cluster._launch
 
-    def serial(args: list[str], env: dict[str, str], log_path: Path, sockets: Path | None = None) -> int:
+    def serial(args: list[str], env: dict[str, str], log_path: Path, sockets: Path | None = None,
+               python: str = "") -> int:
         session = sockets.parent if sockets else Path(args[args.index("--temp-dir") + 1]) / "session_latest"
         before = len(list(session.glob("dashboard_agent_listen_port_*")))
-        pid = launch(args, env, log_path, sockets)
+        pid = launch(args, env, log_path, sockets, python)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and processes.alive(pid):
             if len(list(session.glob("dashboard_agent_listen_port_*"))) > before:

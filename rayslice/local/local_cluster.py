@@ -344,7 +344,7 @@ def up(spec: ClusterSpec, name: str = "default", token: str | None = None, timeo
 
         _wait_for_nodes(record, deadline, relaunch)
     except BaseException:
-        down(name)
+        stop(record)  # the record in hand: one that failed before it was saved stops too
         raise
     return record
 
@@ -420,7 +420,11 @@ def owned_pids(record: ClusterRecord) -> set[int]:
 
 def down(name: str = "default", grace: float = 10) -> int:
     """Stop every process this cluster started; returns how many were running."""
-    record = ClusterRecord.load(name)
+    return stop(ClusterRecord.load(name), grace)
+
+
+def stop(record: ClusterRecord, grace: float = 10) -> int:
+    """Stop every process of `record` (its nodes, and anything naming its temp dir) and forget it."""
     pids = owned_pids(record)
     for node in record.nodes:  # `ray start --block` stops its own children on SIGTERM
         processes.send_signal(node.pid, signal.SIGTERM)
@@ -434,7 +438,7 @@ def down(name: str = "default", grace: float = 10) -> int:
         time.sleep(0.1)
     left = owned_pids(record)
     if left:
-        raise RaysliceError(f"processes {sorted(left)} of cluster {name!r} did not exit")
+        raise RaysliceError(f"processes {sorted(left)} of cluster {record.name!r} did not exit")
     record.path.unlink(missing_ok=True)
     subprocess.run(["rm", "-rf", record.temp_dir], check=False)
     return len(pids)

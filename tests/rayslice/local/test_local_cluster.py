@@ -76,6 +76,19 @@ def test_a_second_cluster_with_the_same_name_is_refused(home: Path, monkeypatch:
 
 
 
+def test_a_cluster_that_fails_to_start_says_why_and_leaves_nothing(home: Path, monkeypatch: pytest.MonkeyPatch):
+    """The head's own start failing: its error, not a follow-up "no local cluster named" from the clean-up."""
+    monkeypatch.setenv("RAYSLICE_HOME", str(home))
+
+    def refuse(*args, **kwargs):
+        raise OSError("ray: command not found")
+
+    monkeypatch.setattr(local_cluster, "_launch", refuse)
+    with pytest.raises(OSError, match="ray: command not found"):
+        local_cluster.up(local_cluster.ClusterSpec(), name="broken")
+    assert not (local_cluster.state_dir() / "broken.json").exists()
+
+
 def test_free_ports_come_from_below_the_ephemeral_range():
     """Outgoing connections take ephemeral ports: a port `up` picks there can be gone before `ray start` binds it."""
     low = local_cluster._ephemeral_range_start()
