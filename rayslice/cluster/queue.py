@@ -228,3 +228,15 @@ def settings_for(spec: StepSpec) -> rules.QueueSettings | None:
         return spec.queue
     raw = os.environ.get(rules.SETTINGS_ENV)
     return rules.QueueSettings.model_validate_json(raw) if raw else None
+
+
+def main() -> None:
+    """`python -m rayslice.cluster.queue`: print the queue as one marked JSON line (read by `rayslice queue`)."""
+    import json
+
+    ray.init(address="auto", logging_level="ERROR")
+    print("::rayslice-queue::" + json.dumps(snapshot()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -154,3 +154,39 @@ def test_a_launcher_killed_while_waiting_loses_its_place_within_5_s(empty_queue,
         proc.kill()
         proc.wait()
         leave_all(blocker, later)
+
+
+def returns_none():
+    return None
+
+
+def test_a_stopped_waiting_step_leaves_the_queue_at_once(empty_queue, cluster):
+    """`ray job stop` (what a killed Airflow task does) on a step that waits in the queue: its place goes at once."""
+    import asyncio
+
+    from rayslice.client.jobs_client import AsyncRayJobsClient
+    from rayslice.client.submission import submit_step
+    from rayslice.core.step import Owner, StepSpec
+
+    blocker = place("blocker", QueueSettings(), tpu="v6e-4")
+    assert wait_until(lambda: blocker.admitted.is_set(), timeout=5)
+    sid = f"test-stopped-{time.time_ns()}"
+    spec = StepSpec.for_function(returns_none, request=TpuSliceRequest(tpu="v6e-4"), capacity_timeout=120,
+                                 owner=Owner(submission_id=sid, dag_id="dag", task_id="stopped"))
+
+    async def submit_then_stop():
+        async with AsyncRayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+            await submit_step(client, spec, emit=lambda line: None)
+            try:
+                assert await asyncio.to_thread(wait_until, lambda: any(
+                    r["label"] == "dag.stopped" for r in queue.snapshot()["entries"]), 60)
+            finally:
+                await client.stop(sid)
+
+    try:
+        asyncio.run(submit_then_stop())
+        stopped = time.monotonic()
+        assert wait_until(lambda: all(r["label"] != "dag.stopped" for r in queue.snapshot()["entries"]), timeout=10)
+        assert time.monotonic() - stopped < 2, "the stopped step's place outlived its launcher"
+    finally:
+        blocker.leave()

@@ -1,7 +1,7 @@
 """Reservation under contention, on the real test cluster (two v6e-16, one v6e-4, 3 GPUs).
 
 All-or-nothing across slices, one deadline, the order in which waiting requests are served
-(and that a stream of small requests can starve a large one), slow releases that must not
+(a stream of small requests no longer starves a large one: the admission queue), slow releases that must not
 hide the step's outcome, and requests no node could ever hold.
 """
 
@@ -115,43 +115,57 @@ def test_one_deadline_bounds_the_whole_reservation(ray_driver):
     assert_all_released(ray_driver)
 
 
-def test_a_stream_of_one_slice_steps_starves_a_waiting_two_slice_step(ray_driver):
-    """Known limit, shown on purpose: waiting requests are not queued.
+def one_slice_step(stream, n):
+    import time
 
-    Two streams of 1-slice reservations hand over so that one slice is always held: the
-    2-slice request never sees both free at once and times out, although each slice was
-    free again and again while it waited. Once the stream stops it gets both at once.
-    """
+    time.sleep(6)
+    return [stream, n]
+
+
+def two_slice_step():
+    import time
+
+    return time.time()
+
+
+def test_a_stream_of_one_slice_steps_no_longer_starves_a_two_slice_step(cluster, ray_driver):
+    """Four streams of one-slice 6 s steps, back to back for 80 s, keep both v6e-16 busy; 10 s in, a
+    2-slice multislice step asks for both. The admission queue serves it within 30 s (without one it
+    waited until the streams stopped); every step returns its own result."""
+    from rayslice.client.submission import run_step_job
+
     one = TpuSliceRequest(tpu="v6e-16")
-    stop = threading.Event()
-    handovers = []
+    started = time.time()
+    results: dict[str, list] = {"stream": [], "big": []}
 
-    def stream():
-        held = reserve_slices(one, timeout=30, name=f"rayslice:test-stream-{time.time_ns()}")
-        while not stop.is_set():
-            time.sleep(0.3)
-            nxt = reserve_slices(one, timeout=30, name=f"rayslice:test-stream-{time.time_ns()}")  # the other slice
-            held.release()  # only now: one slice is always held
-            held = nxt
-            handovers.append(time.monotonic())
-        held.release()
+    async def step(fn, request, kwargs, timeout):
+        spec = StepSpec.for_function(fn, request=request, kwargs=kwargs, capacity_timeout=timeout,
+                                     owner=Owner(submission_id=f"test-queue-{fn.__name__}-{time.time_ns()}"))
+        return await run_step_job(cluster.dashboard_url, spec, token=cluster.token, emit=lambda line: None)
 
-    streamer = threading.Thread(target=stream)
-    streamer.start()
-    try:
-        wait_until(lambda: len(handovers) >= 1, timeout=30)
-        with pytest.raises(CapacityTimeoutError):
-            reserve_slices(TpuSliceRequest(tpu="v6e-16", num_slices=2), timeout=8,
-                           name=f"rayslice:test-starved-{time.time_ns()}")
-    finally:
-        stop.set()
-        streamer.join()
-    assert len(handovers) >= 5, "the stream did not keep handing slices over while the big request waited"
-    started = time.monotonic()
-    big = reserve_slices(TpuSliceRequest(tpu="v6e-16", num_slices=2), timeout=30,
-                         name=f"rayslice:test-big-{time.time_ns()}")
-    assert time.monotonic() - started < 5
-    assert big.release() == []
+    async def stream(k):
+        await asyncio.sleep(k * 1.5)  # staggered
+        n = 0
+        while time.time() - started < 80:
+            assert await step(one_slice_step, one, {"stream": k, "n": n}, 300) == [[k, n]] * 4
+            results["stream"].append((k, n))
+            n += 1
+
+    async def big():
+        await asyncio.sleep(10)
+        asked = time.time()
+        starts = await step(two_slice_step, TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True), {}, 120)
+        assert len(starts) == 8
+        results["big"].append((asked, min(starts), time.time() - started))
+
+    async def everything():
+        await asyncio.gather(big(), *(stream(k) for k in range(4)))
+
+    asyncio.run(everything())
+    (asked, first_host, done_at), = results["big"]
+    assert first_host - asked <= 30, f"the 2-slice step started {first_host - asked:.0f} s after asking"
+    assert done_at < 80, "it ran only once the streams had stopped"
+    assert len(results["stream"]) >= 8 and {k for k, _ in results["stream"]} == {0, 1, 2, 3}
     assert_all_released(ray_driver)
 
 
