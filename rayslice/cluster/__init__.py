@@ -176,17 +176,19 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
     check_satisfiable(request, lost=waits.lost_nodes)  # an impossible request never enters the queue
     place = _admit(spec, waits, timeline)
     try:
-        return _reserve_and_run_on_slices(spec, request, attempt, timeline, waits, name, started)
+        return _reserve_and_run_on_slices(spec, request, attempt, timeline, waits, name, started, place)
     finally:
         place.leave()
 
 
 def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt,
-                               timeline: phases.Timeline, waits: Waits, name: str, started: float) -> list[Any]:
+                               timeline: phases.Timeline, waits: Waits, name: str, started: float,
+                               place: admission.Place) -> list[Any]:
     reserving = time.monotonic()
     timeline.note("reserving")
     try:
-        reservation = reserve_slices(request, timeout=waits.capacity, name=name, lost_nodes=waits.lost_nodes)
+        reservation = reserve_slices(request, timeout=waits.capacity, name=name, lost_nodes=waits.lost_nodes,
+                                     place=place)
     finally:
         waits.spend("capacity", reserving)
     timeline.mark("reserved")
@@ -235,7 +237,7 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     finally:
         timeline.note("gang_returned")
         gang.kill(actors)
-        still_held = reservation.release()
+        still_held = reservation.release()  # and leaves the queue: the next in line may reserve now
         timeline.mark("released")
         _log_release(str(request), started, still_held)
         drain.wait(drain_from, quiet=quiet)  # after the release: the chips are free while the last lines arrive
@@ -266,13 +268,13 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
     started = time.monotonic()
     place = _admit(spec, waits, timeline)
     try:
-        return _place_and_run_fraction(spec, request, attempt, timeline, waits, started)
+        return _place_and_run_fraction(spec, request, attempt, timeline, waits, started, place)
     finally:
         place.leave()
 
 
 def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
-                            timeline: phases.Timeline, waits: Waits, started: float) -> Any:
+                            timeline: phases.Timeline, waits: Waits, started: float, place: admission.Place) -> Any:
     placing = time.monotonic()
     plan = HostPlan(
         slice_index=0,
@@ -307,6 +309,7 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
         return result
     finally:
         gang.kill([actor])
+        place.leave()
         timeline.mark("released")
         log(f"released {request} after {time.monotonic() - started:.1f} s")
         drain.wait(drain_from, quiet=quiet)

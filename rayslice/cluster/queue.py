@@ -201,8 +201,12 @@ class Place:
         return time.monotonic() - started
 
     def leave(self) -> None:
-        """Give the place up (at the step's end, its cancellation, or a timeout): at once."""
+        """Give the place up (at the step's end, its cancellation, or a timeout): at once; once."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=6)  # a beat in flight must not re-register the place after it left
         try:
             ray.get((self._broker or broker()).leave.remote(self.entry.id), timeout=5)
         except Exception:

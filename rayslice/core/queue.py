@@ -144,8 +144,12 @@ def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings
         if blocker is None and fits(e):
             take(e)
             continue
-        reasons[e.id] = (f"behind {blocker.label}" if blocker else
-                         f"first in line; {used.get(e.kind, 0):g} of {totals.get(e.kind, 0):g} {e.kind} in use")
+        if blocker is None:
+            reasons[e.id] = f"first in line; {used.get(e.kind, 0):g} of {totals.get(e.kind, 0):g} {e.kind} in use"
+        elif blocker.kind != e.kind:
+            reasons[e.id] = f"held back by {blocker.label} (waiting for {blocker.what}, served strictly)"
+        else:
+            reasons[e.id] = ""  # behind the line of its own kind
         blocked_kinds.setdefault(e.kind, e)
         if strictly:
             blocked_families.setdefault(e.family, e)
@@ -186,10 +190,8 @@ def describe(state: dict[str, Any]) -> str:
     if ahead:
         where += f" behind {ahead['label']} (priority {ahead['priority']}, waiting {ahead['waited']:.0f} s)"
     reason = state.get("reason", "")
-    if reason and not reason.startswith(("behind", "first in line")):
+    if reason and not reason.startswith("first in line"):
         where += f"; {reason}"
-    elif reason.startswith("behind") and not (ahead and reason == f"behind {ahead['label']}"):
-        where += f"; held back: {reason}"  # a request of another type, served strictly
     return f"waiting for {state['what']}: {where}"
 
 
