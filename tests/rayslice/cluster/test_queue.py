@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +50,7 @@ def empty_queue(ray_driver):
     assert wait_until(lambda: queue.snapshot()["entries"] == [], timeout=queue.EXPIRE_S + 3)
 
 
-def test_policies_priority_aging_and_team_quotas(empty_queue):
+def test_policies_priority_aging_and_team_quotas(empty_queue, cluster):
     best_effort, strict = QueueSettings(), QueueSettings(policy="strict")
     run = [place(f"run{i}", best_effort) for i in range(2)]  # both v6e-16 slices
     assert wait_until(lambda: admitted(*run) == ["run0", "run1"], timeout=5)
@@ -96,6 +97,14 @@ def test_policies_priority_aging_and_team_quotas(empty_queue):
     rows = queue.snapshot()["entries"]
     assert [(r["label"], r["admitted"], r["team"]) for r in rows] == [
         ("test.a1", True, "a"), ("test.b1", True, "b"), ("test.a3", False, "a")]
+    # `rayslice queue` prints the same, in order, through a short Ray job (as it would from a laptop)
+    cli = str(Path(sys.executable).with_name("rayslice"))
+    out = subprocess.run([cli, "queue", "--name", cluster.name], capture_output=True, text=True, timeout=180)
+    table = [line.split() for line in out.stdout.splitlines() if line.strip().endswith(("a1", "b1", "a3"))]
+    assert [(row[0], row[1], row[3], row[-1]) for row in table] == [
+        ("1", "running", "a", "test.a1"), ("2", "running", "b", "test.b1"), ("3", "waiting", "a", "test.a3")], \
+        out.stdout + out.stderr
+    assert "1 x v6e-16" in out.stdout and "quotas" in out.stdout
     leave_all(a1, a3, b1)
 
 
