@@ -27,7 +27,6 @@ from rayslice.cluster.reservation import (
     wait_ready,
 )
 from rayslice.core.accelerators import TpuSliceRequest
-from rayslice.core.queue import entry_for
 from rayslice.local import local_cluster
 
 NAME = "reservation"
@@ -55,20 +54,16 @@ def main() -> None:
             for rep in range(args.reps + 1):  # the first of each is not recorded
                 wait_all_free(ray)
                 started = time.perf_counter()
-                reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-{rep}")
+                reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-{rep}", queued=False)
                 took = time.perf_counter() - started
                 reservation.release()
                 wait_all_free(ray)
                 direct = _groups_alone(ray, request, names)
                 wait_all_free(ray)
                 started = time.perf_counter()
-                place = queue.Place(entry_for(request, id=f"bench-{rep}-{time.time_ns()}", label="bench.reservation"),
-                                    log=lambda message: None)
-                place.wait(60)
-                reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-q{rep}")
+                reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-q{rep}")  # queued
                 with_queue = time.perf_counter() - started
-                reservation.release()
-                place.leave()
+                reservation.release()  # leaves the queue
                 if rep:
                     ours.add(took)
                     alone.add(direct)
@@ -83,9 +78,10 @@ def main() -> None:
         "ready, its table read, the hosts group created and ready, its table read); release not counted",
         "groups alone: the same two groups created one after the other, each waited for with ray.wait on its "
         "ready() ref; the slice names given, so no reads; removal not counted",
-        "queue + reserve_slices: a place taken in the admission queue (one call to the broker actor, which "
-        "admits at once on an idle cluster) and then reserve_slices(), from the place's creation to the return; "
-        "its heartbeat thread and its leave() after release not counted",
+        "rayslice reserve_slices: queued=False, without the admission queue (as before it); queue + "
+        "reserve_slices: the default, a place taken in the queue first (one call to the broker actor, which "
+        "admits at once on an idle cluster, and a heartbeat thread started), from the call to the return; "
+        "leaving the queue after release not counted",
         "every repetition starts with every TPU chip free; the first repetition of each shape is not recorded",
     ]
     report.add(table)

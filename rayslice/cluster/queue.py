@@ -170,9 +170,17 @@ class Place:
         while not self._stop.wait(HEARTBEAT_S):
             self._beat()
 
+    @classmethod
+    def unqueued(cls) -> Place:
+        """A place outside the queue, admitted from the start (`reserve_slices(queued=False)`)."""
+        place = cls(rules.Entry(id="", label="", family="", kind="", amount=0, chips=0, what="", admitted=True))
+        place.admitted.set()
+        place._stop.set()
+        return place
+
     def join(self) -> Place:
         """Take the place (one heartbeat now, then every HEARTBEAT_S from a thread) without waiting."""
-        if self._thread is None:
+        if self._thread is None and not self._stop.is_set():
             self._beat()
             self._thread = threading.Thread(target=self._run, name="rayslice-queue", daemon=True)
             self._thread.start()

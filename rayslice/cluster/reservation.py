@@ -85,13 +85,15 @@ class SliceReservation:
 
 
 def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
-                   lost_nodes: frozenset[str] = frozenset(), place: admission.Place | None = None) -> SliceReservation:
+                   lost_nodes: frozenset[str] = frozenset(), place: admission.Place | None = None,
+                   queued: bool = True) -> SliceReservation:
     """Reserve `request.num_slices` whole slices within `timeout` seconds, or hold nothing.
 
     First a place in the cluster's admission queue (`rayslice.cluster.queue`): `place`, the step's
     own (its priority, team, arrival), else one taken now; `timeout` covers the queue and the
     reservation together, and `release()` gives the place up. A request no slice could ever
-    hold fails before it takes a place.
+    hold fails before it takes a place. `queued=False` skips the queue (for measuring it only: such
+    a reservation is ordered by nothing, as before the queue).
 
     Slices whose every host is free now are preferred: a head bundle claims only worker 0, so a
     slice whose other hosts run something else (a plain Ray task asking for `TPU`) would be held
@@ -103,6 +105,8 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
     broken = check_satisfiable(request, nodes, lost=lost_nodes)
     if place is None:
         place = admission.Place(entry_for(request, id=f"{name}/{time.time_ns()}", label=name))
+    if not queued:
+        place = admission.Place.unqueued()
     try:
         if place.wait(timeout) > 0.5:  # at once for a place already admitted; after a wait, a fresh snapshot
             nodes = ray.nodes()
