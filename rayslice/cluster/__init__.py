@@ -6,6 +6,7 @@ JAX is imported only inside the host processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from rayslice.cluster import checkpoints, gang, host_env, phases, reaper
 from rayslice.cluster import queue as admission
@@ -154,13 +156,19 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline) -> admission
     place = admission.place_for(spec, arrival=waits.arrival)
     started = time.monotonic()
     timeline.note("queued")
+    marker = None
     try:
+        if not place.join().admitted.is_set():  # it waits: say so where the Slices page and `capacity` look
+            marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}/queued")
         waited = place.wait(waits.capacity)
     except BaseException:
         place.leave()  # a cancelled step (ray job stop) gives its place up at once
         raise
     finally:
         waits.spend("capacity", started)
+        if marker is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(marker)
     timeline.note("admitted")
     if waited >= 1:
         log(f"admitted after {waited:.1f} s in the queue")

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from rayslice.core import queue as rules
+from rayslice.core.accelerators import VISIBLE_DEVICES_ENV
 from rayslice.core.exceptions import CapacityTimeoutError
 from rayslice.core.step import StepSpec
 
@@ -87,17 +88,24 @@ class Broker:
         if now < self.hold_until:
             self.reasons = {e.id: "the queue is being rebuilt after a restart" for e in self.entries.values()}
             return
-        decided = rules.plan(list(self.entries.values()), self._capacity(), self.settings)
+        kinds = {(e.family, e.kind) for e in self.entries.values()}
+        decided = rules.plan(list(self.entries.values()), self._capacity(kinds), self.settings)
         for id in decided.admit:
             self.entries[id].admitted = True
             self.entries[id].admitted_at = time.time()
         self.reasons = decided.reasons
 
-    def _capacity(self) -> dict[str, float]:
-        """Slices per TPU slice type (their worker-0 hosts), and each accelerator resource's total."""
+    def _capacity(self, kinds: set[tuple[str, str]]) -> dict[str, float]:
+        """Slices per TPU slice type (their worker-0 hosts), and each accelerator resource's total.
+
+        A kind an autoscaler may add is unbounded: its requests are admitted at once, since their
+        placement groups are what asks the autoscaler for more (Ray orders those, as before the queue).
+        """
         read, totals = self._totals
-        if time.monotonic() - read < TOTALS_TTL_S:
+        if time.monotonic() - read < TOTALS_TTL_S and all(kind in totals for _, kind in kinds):
             return totals
+        from rayslice.cluster.reservation import _autoscaler_may_add
+
         totals = {}
         for node in ray.nodes():
             if not node["Alive"]:
@@ -106,8 +114,15 @@ class Broker:
             if labels.get(POD_TYPE_LABEL) and labels.get(WORKER_ID_LABEL) == "0":
                 totals[labels[POD_TYPE_LABEL]] = totals.get(labels[POD_TYPE_LABEL], 0) + 1
             for resource, amount in node["Resources"].items():
-                if resource in ("GPU", "NPU", "HPU", "neuron_cores"):
+                if resource in VISIBLE_DEVICES_ENV:
                     totals[resource] = totals.get(resource, 0) + amount
+        for family, kind in kinds:
+            try:
+                if _autoscaler_may_add(kind if family == kind else f"TPU-{kind}-head"):
+                    totals[kind] = float("inf")
+            except Exception:  # cannot tell: count what is there
+                pass
+            totals.setdefault(kind, 0)
         self._totals = (time.monotonic(), totals)
         return totals
 

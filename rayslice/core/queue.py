@@ -190,7 +190,9 @@ def describe(state: dict[str, Any]) -> str:
     if ahead:
         where += f" behind {ahead['label']} (priority {ahead['priority']}, waiting {ahead['waited']:.0f} s)"
     reason = state.get("reason", "")
-    if reason and not reason.startswith("first in line"):
+    if reason.startswith("first in line; "):
+        where += f" ({reason.removeprefix('first in line; ')})"
+    elif reason:
         where += f"; {reason}"
     return f"waiting for {state['what']}: {where}"
 

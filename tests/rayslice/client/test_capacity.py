@@ -123,7 +123,7 @@ def test_busy_slices_shared_gpu_and_pending_demand(cluster, tmp_path: Path):
         assert all(sh.since is not None and sh.held_s is not None for sh in mine)
 
         waits = [p for p in snap.pending if ours(p.holder)]
-        assert all(p.request == "v6e-16" and p.kind == "placement_group" for p in waits)
+        assert all(p.request == "v6e-16" and p.kind == "queue" for p in waits)  # waiting in the admission queue
         assert all(p.waiting_s is not None and 0 <= p.waiting_s < 400 and p.since for p in waits)
         if len(running) == 2:  # a fresh cluster: both slices ours, the third request waits
             assert len(waits) == 1 and waits[0].holder.task_id not in {s.holder.task_id for s in running}
