@@ -384,8 +384,9 @@ def _pending(groups: list[dict[str, Any]], actors: list[dict[str, Any]], pg_hold
     for pg in groups:
         if (pg.get("name") or "").endswith(QUEUED_SUFFIX):  # a step waiting in the cluster's admission queue
             created_ns = _int((pg.get("stats") or {}).get("creation_request_received_ns"), 0)
-            holder = pg_holder[pg["placement_group_id"]]
-            out.append(_demand("queue", {}, holder, created_ns / 1e9 or None, now))
+            job = holders.by_job_id.get(pg.get("creator_job_id") or "") or {}
+            started = job.get("start_time") / 1000 if job.get("start_time") else None  # its driver queues at once
+            out.append(_demand("queue", {}, pg_holder[pg["placement_group_id"]], created_ns / 1e9 or started, now))
             continue
         if pg.get("state") not in ("PENDING", "RESCHEDULING"):
             continue
