@@ -33,7 +33,7 @@ HEARTBEAT_S = 0.5
 #: A launcher not heard from this long has lost its place.
 EXPIRE_S = 3.0
 #: After a restart, the broker admits nothing this long: every live launcher re-registers first.
-RECOVERY_S = 2.0
+RECOVERY_S = 3.0
 #: How long the broker reuses its reading of the cluster's capacity.
 TOTALS_TTL_S = 2.0
 POD_TYPE_LABEL = "ray.io/tpu-pod-type"
