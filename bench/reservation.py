@@ -2,7 +2,9 @@
 
 From one long-lived driver on an idle private cluster (a v6e-4 and two v6e-16): rayslice's
 `reserve_slices` (the heads group, then the hosts group pinned by label, with the node-table and
-placement-group-table reads between them) and then its release, against creating and waiting for
+placement-group-table reads between them) and then its release; the same after taking a place in
+the cluster's admission queue and being admitted (`rayslice.cluster.queue`, as the launcher does);
+against creating and waiting for
 the same two placement groups directly (same bundles, strategies and label selectors; the slice
 names known in advance, so no reads between them), then removing them.
 
@@ -16,6 +18,7 @@ from typing import Any
 
 from _common import Report, Series, Table, cluster, driver, fmt_ratio, fmt_s, log, parse_args, wait_all_free
 
+from rayslice.cluster import queue
 from rayslice.cluster.reservation import (
     POD_TYPE_LABEL,
     SLICE_NAME_LABEL,
@@ -36,7 +39,8 @@ def main() -> None:
     args = parse_args(__doc__.split("\n")[0], default_reps=20)
     report = Report(NAME, args)
     table = Table("Reserving free slices on an idle cluster (median / p90 over n reps)",
-                  ["shape", "n", "rayslice reserve_slices", "p90", "× groups alone", "the two groups alone", "p90"])
+                  ["shape", "n", "rayslice reserve_slices", "p90", "queue + reserve_slices", "p90",
+                   "queue adds (median)", "× groups alone", "the two groups alone", "p90"])
     with cluster(SPEC, NAME) as record, driver(record) as ray:
         slices = {}
         for node in ray.nodes():
@@ -44,27 +48,40 @@ def main() -> None:
             if node["Alive"] and labels.get(POD_TYPE_LABEL):
                 slices.setdefault(labels[POD_TYPE_LABEL], set()).add(labels[SLICE_NAME_LABEL])
         for label, request in SHAPES:
-            ours, alone = Series(), Series()
+            ours, alone, queued = Series(), Series(), Series()
+            queue.snapshot()  # the broker started before the first recorded repetition
             names = sorted(slices[request.pod_type])[: request.num_slices]
             for rep in range(args.reps + 1):  # the first of each is not recorded
                 wait_all_free(ray)
                 started = time.perf_counter()
-                reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-{rep}")
+                reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-{rep}", queued=False)
                 took = time.perf_counter() - started
                 reservation.release()
                 wait_all_free(ray)
                 direct = _groups_alone(ray, request, names)
+                wait_all_free(ray)
+                started = time.perf_counter()
+                reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-q{rep}")  # queued
+                with_queue = time.perf_counter() - started
+                reservation.release()  # leaves the queue
                 if rep:
                     ours.add(took)
                     alone.add(direct)
-            log(f"{label}: rayslice {fmt_s(ours.median())}, groups alone {fmt_s(alone.median())}")
-            table.add(label, ours.n, fmt_s(ours.median()), fmt_s(ours.p90()),
+                    queued.add(with_queue)
+            log(f"{label}: rayslice {fmt_s(ours.median())}, with the queue {fmt_s(queued.median())}, "
+                f"groups alone {fmt_s(alone.median())}")
+            table.add(label, ours.n, fmt_s(ours.median()), fmt_s(ours.p90()), fmt_s(queued.median()),
+                      fmt_s(queued.p90()), fmt_s(queued.median() - ours.median()),
                       fmt_ratio(ours.median(), alone.median()), fmt_s(alone.median()), fmt_s(alone.p90()))
     table.notes = [
         "rayslice: reserve_slices() from call to return (a ray.nodes() snapshot, the heads group created and "
         "ready, its table read, the hosts group created and ready, its table read); release not counted",
         "groups alone: the same two groups created one after the other, each waited for with ray.wait on its "
         "ready() ref; the slice names given, so no reads; removal not counted",
+        "rayslice reserve_slices: queued=False, without the admission queue (as before it); queue + "
+        "reserve_slices: the default, a place taken in the queue first (one call to the broker actor, which "
+        "admits at once on an idle cluster, and a heartbeat thread started), from the call to the return; "
+        "leaving the queue after release not counted",
         "every repetition starts with every TPU chip free; the first repetition of each shape is not recorded",
     ]
     report.add(table)

@@ -114,7 +114,12 @@ class RayStepOperator(BaseOperator):
     :param op_kwargs: keyword arguments for the function; must be JSON (templated). Not with ``command=``
         (refused at parse time): a program gets its values as argv or ``runtime_env`` ``env_vars``.
     :param ray_conn_id: the `ray` connection (the Ray dashboard URL and token).
-    :param capacity_timeout: seconds to wait for free capacity before failing.
+    :param capacity_timeout: seconds to wait for free capacity before failing, counted from the moment the
+        step takes its place in the cluster's admission queue.
+    :param priority: the step's rank in the cluster's admission queue (higher first); by default the task's
+        Airflow ``priority_weight``.
+    :param team: the team whose quota the step counts against (the connection's ``queue`` extra,
+        ``quotas``); None: no quota.
     :param step_timeout: seconds the step may run once started (None: no limit). On real TPUs this is what
         ends a hung step (a collective that a host never joins).
     :param hang_timeout: simulated cluster only: fail the step (``CollectiveHangError``) once every host
@@ -150,6 +155,8 @@ class RayStepOperator(BaseOperator):
         op_kwargs: Mapping[str, Any] | None = None,
         ray_conn_id: str = RayHook.default_conn_name,
         capacity_timeout: float = 600,
+        priority: int | None = None,
+        team: str | None = None,
         step_timeout: float | None = None,
         hang_timeout: float | None = 300,
         preemption_retries: int = 0,
@@ -206,6 +213,12 @@ class RayStepOperator(BaseOperator):
             raise InvalidRequestError(
                 f"preemption_retries of {self.task_id!r} must be a whole number >= 0, got {preemption_retries!r}"
             )
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise InvalidRequestError(f"priority of {self.task_id!r} must be a whole number, got {priority!r}")
+        if team is not None and (not isinstance(team, str) or not 0 < len(team) <= 64):
+            raise InvalidRequestError(f"team of {self.task_id!r} must be a name of 1 to 64 characters, got {team!r}")
+        self.priority = priority
+        self.team = team
         self.callable = callable
         self.command = command
         self.runtime_env = None if runtime_env is None else dict(runtime_env)
@@ -380,10 +393,23 @@ class RayStepOperator(BaseOperator):
                       try_number=ti.try_number, deployment=deployment, ti_id=str(ti.id))
         return owner.model_copy(update={"submission_id": submission_id(owner)})
 
+    def _priority_weight(self, context: Context) -> int:
+        """The task try's Airflow priority weight (after its weight rule), else the operator's own."""
+        weight = getattr(context.get("ti"), "priority_weight", None)
+        if weight is None:
+            weight = self.priority_weight
+        try:
+            return int(weight)
+        except (TypeError, ValueError):
+            return 0
+
     def _spec(self, request: Any, owner: Owner, context: Context) -> StepSpec:
         try:
             fields = {"request": request, "kwargs": self.step_kwargs(context), "owner": owner,
                       "capacity_timeout": float(self.capacity_timeout),
+                      "priority": self.priority if self.priority is not None else self._priority_weight(context),
+                      "team": self.team,
+                      "queue": self._settings.queue if self._settings else None,
                       "step_timeout": None if self.step_timeout is None else float(self.step_timeout),
                       "hang_timeout": None if self.hang_timeout is None else float(self.hang_timeout),
                       "preemption_retries": self.preemption_retries,

@@ -20,6 +20,7 @@ from rayslice.core.exceptions import (
     SubmissionConflictError,
     UnsatisfiableRequestError,
 )
+from rayslice.core.queue import QueueSettings
 from rayslice.core.step import Owner, StepSpec
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidRequestError",
     "Owner",
     "PreemptedError",
+    "QueueSettings",
     "RayAuthError",
     "RayJobsError",
     "RayUnreachableError",

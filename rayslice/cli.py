@@ -226,6 +226,36 @@ def capacity(
         console.print(cap.render(snapshot))
 
 
+@app.command("queue")
+def queue_(
+    address: Address = None,
+    token: Token = None,
+    conn_id: ConnId = None,
+    name: Name = "default",
+    installed: Annotated[bool, typer.Option("--installed", help="The cluster's image has this rayslice: "
+                                            "upload nothing (the connection's `launcher: installed`).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """The cluster's admission queue in order: rank, state, priority, team, time waited, what each waits for."""
+    from rayslice.client.jobs_client import RayJobsClient
+    from rayslice.client.queue import read_queue
+    from rayslice.core.queue import format_queue
+
+    where = target(address, token, conn_id, name)
+    try:
+        with RayJobsClient(where.url, token=where.token, headers=where.headers, verify=where.verify) as client:
+            found = read_queue(client, installed=installed)
+    except RaysliceError as exc:
+        raise unreachable(where, exc) from None
+    if as_json:
+        console.print_json(json.dumps(found))
+    else:
+        settings = found["settings"]
+        console.print(f"policy {settings['policy']}, aging {settings['aging_s']} s"
+                      + (f", quotas {json.dumps(settings['quotas'])}" if settings["quotas"] else ""), highlight=False)
+        console.print(format_queue(found["entries"]), highlight=False, markup=False)
+
+
 @app.command()
 def reap(
     address: Address = None,

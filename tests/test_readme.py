@@ -21,7 +21,7 @@ from tests.airflow_env import REPO, TEST_DAGS, init_db
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 #: The pages whose Python blocks run, in this order (every page of docs/ is listed; a test checks that).
 PAGES = ["README.md", "docs/examples.md", "docs/concepts.md", "docs/connection.md", "docs/deploying.md",
-         "docs/ui.md", "docs/cli.md", "docs/errors.md", "docs/limits.md"]
+         "docs/ui.md", "docs/cli.md", "docs/errors.md", "docs/limits.md", "docs/sharing.md"]
 EXAMPLES = [block for page in PAGES for block in BLOCK.findall((REPO / page).read_text())]
 HOST_LINE = re.compile(r"^(\x1b\[\d+m)?\([\w.-]+/(host\d+|GPU) pid=\d+\)")
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))
@@ -33,6 +33,7 @@ PRINTS = [
     [r"\[12\.0\]"],
     [r"[0-2]"],
     [rf"\{{'process': {i}, 'devices': 16, 'total': 16\.0, 'lr': '0\.1'\}}" for i in range(4)],
+    [r"nightly urgent True"],
 ]
 
 
@@ -51,7 +52,7 @@ def local_env(cluster) -> dict[str, str]:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("index", range(len(PRINTS)), ids=["dag", "run_step", "checkpoints", "run_step_job",
-                                                                  "command_step"])
+                                                                  "command_step", "sharing"])
 def test_a_readme_example_runs_as_written(cluster, index, tmp_path):
     source = EXAMPLES[index]
     folder = tmp_path

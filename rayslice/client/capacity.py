@@ -37,7 +37,9 @@ from rayslice.core.step import TaskRef
 __all__ = ["GpuNode", "GpuShare", "Holder", "Host", "Pending", "Slice", "Snapshot", "asnapshot", "render",
            "snapshot"]
 
-PREFIX = "rayslice:"  # launcher.reservation_name: every placement group and actor a step creates
+PREFIX = "rayslice:"
+#: The placement group (one tiny CPU bundle) a step holds while it waits in the admission queue.
+QUEUED_SUFFIX = "/queued"  # launcher.reservation_name: every placement group and actor a step creates
 SLICE_LABEL, WORKER_LABEL = "ray.io/tpu-slice-name", "ray.io/tpu-worker-id"
 POD_TYPE_LABEL, TOPOLOGY_LABEL = "ray.io/tpu-pod-type", "ray.io/tpu-topology"
 _STATE = "/api/v0/{}"
@@ -123,7 +125,7 @@ class Pending(BaseModel):
     worker process, not for capacity (the state API does not tell the two apart).
     """
 
-    kind: Literal["placement_group", "actor"]
+    kind: Literal["placement_group", "actor", "queue"]
     request: str
     resources: dict[str, float]
     holder: Holder | None = None
@@ -380,6 +382,12 @@ def _pending(groups: list[dict[str, Any]], actors: list[dict[str, Any]], pg_hold
              holders: _Holders, now: float, gpu_free: float) -> list[Pending]:
     out = []
     for pg in groups:
+        if (pg.get("name") or "").endswith(QUEUED_SUFFIX):  # a step waiting in the cluster's admission queue
+            created_ns = _int((pg.get("stats") or {}).get("creation_request_received_ns"), 0)
+            job = holders.by_job_id.get(pg.get("creator_job_id") or "") or {}
+            started = job.get("start_time") / 1000 if job.get("start_time") else None  # its driver queues at once
+            out.append(_demand("queue", {}, pg_holder[pg["placement_group_id"]], created_ns / 1e9 or started, now))
+            continue
         if pg.get("state") not in ("PENDING", "RESCHEDULING"):
             continue
         resources: Counter[str] = Counter()
@@ -459,6 +467,8 @@ def render(snap: Snapshot) -> Any:
             pending.add_column(column, overflow="fold")
         for p in snap.pending:
             wait = "starting (capacity is free)" if p.starting else _duration(p.waiting_s)
+            if p.kind == "queue":
+                wait += " (in the admission queue)"
             pending.add_row(p.request, p.holder.label if p.holder else "", wait)
         parts.append(pending)
     else:

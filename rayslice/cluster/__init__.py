@@ -6,18 +6,21 @@ JAX is imported only inside the host processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from rayslice.cluster import checkpoints, gang, host_env, phases, reaper
+from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
-from rayslice.cluster.reservation import check_accelerator_satisfiable, reserve_slices
+from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, reserve_slices
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
 from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError
@@ -91,6 +94,7 @@ class Waits:
     capacity: float
     start: float
     lost_nodes: frozenset[str] = frozenset()
+    arrival: float = field(default_factory=time.time)  # in the admission queue: kept by a retried gang
 
     def spend(self, kind: str, since: float) -> None:
         setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
@@ -147,17 +151,54 @@ def _reap_orphans(spec: StepSpec) -> None:
         log(f"could not sweep orphaned reservations: {type(exc).__name__}: {exc}")
 
 
+def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline) -> admission.Place:
+    """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted."""
+    place = admission.place_for(spec, arrival=waits.arrival)
+    started = time.monotonic()
+    timeline.note("queued")
+    marker = None
+    try:
+        if not place.join().admitted.is_set():  # it waits: say so where the Slices page and `capacity` look
+            marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}/queued")
+        waited = place.wait(waits.capacity)
+    except BaseException:
+        place.leave()  # a cancelled step (ray job stop) gives its place up at once
+        raise
+    finally:
+        waits.spend("capacity", started)
+        if marker is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(marker)
+    timeline.note("admitted")
+    if waited >= 1:
+        log(f"admitted after {waited:.1f} s in the queue")
+    return place
+
+
 def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt,
                    timeline: phases.Timeline, waits: Waits) -> list[Any]:
     name = reservation_name(spec)
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s, "
         f"{waits.capacity:.0f} s of it left)")
     started = time.monotonic()
+    check_satisfiable(request, lost=waits.lost_nodes)  # an impossible request never enters the queue
+    place = _admit(spec, waits, timeline)
+    try:
+        return _reserve_and_run_on_slices(spec, request, attempt, timeline, waits, name, started, place)
+    finally:
+        place.leave()
+
+
+def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt,
+                               timeline: phases.Timeline, waits: Waits, name: str, started: float,
+                               place: admission.Place) -> list[Any]:
+    reserving = time.monotonic()
     timeline.note("reserving")
     try:
-        reservation = reserve_slices(request, timeout=waits.capacity, name=name, lost_nodes=waits.lost_nodes)
+        reservation = reserve_slices(request, timeout=waits.capacity, name=name, lost_nodes=waits.lost_nodes,
+                                     place=place)
     finally:
-        waits.spend("capacity", started)
+        waits.spend("capacity", reserving)
     timeline.mark("reserved")
     actors: list[Any] = []
     spec_json = spec.model_dump_json()
@@ -204,7 +245,7 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
     finally:
         timeline.note("gang_returned")
         gang.kill(actors)
-        still_held = reservation.release()
+        still_held = reservation.release()  # and leaves the queue: the next in line may reserve now
         timeline.mark("released")
         _log_release(str(request), started, still_held)
         drain.wait(drain_from, quiet=quiet)  # after the release: the chips are free while the last lines arrive
@@ -230,9 +271,19 @@ def _log_release(what: str, started: float, still_held: list[str]) -> None:
 
 def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
                      timeline: phases.Timeline, waits: Waits) -> Any:
-    check_accelerator_satisfiable(request)
+    check_accelerator_satisfiable(request)  # an impossible request never enters the queue
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
     started = time.monotonic()
+    place = _admit(spec, waits, timeline)
+    try:
+        return _place_and_run_fraction(spec, request, attempt, timeline, waits, started, place)
+    finally:
+        place.leave()
+
+
+def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
+                            timeline: phases.Timeline, waits: Waits, started: float, place: admission.Place) -> Any:
+    placing = time.monotonic()
     plan = HostPlan(
         slice_index=0,
         slice_name=str(request),
@@ -250,7 +301,7 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     try:
         ready, _ = ray.wait([actor.free_port.remote()], timeout=waits.capacity)
-        waits.spend("capacity", started)
+        waits.spend("capacity", placing)
         if not ready:
             raise CapacityTimeoutError(
                 f"no capacity for {request} within capacity_timeout={spec.capacity_timeout:.0f} s; "
@@ -266,6 +317,7 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
         return result
     finally:
         gang.kill([actor])
+        place.leave()
         timeline.mark("released")
         log(f"released {request} after {time.monotonic() - started:.1f} s")
         drain.wait(drain_from, quiet=quiet)

@@ -62,6 +62,12 @@ class Timeline:
     def note(self, moment: str, at: float | None = None) -> None:
         self.detail[moment] = time.time() if at is None else at
 
+    def queue_wait(self) -> float | None:
+        """Seconds from taking a place in the admission queue to being admitted (None: not queued)."""
+        if "queued" in self.detail and "admitted" in self.detail:
+            return self.detail["admitted"] - self.detail["queued"]
+        return None
+
     def mark(self, phase: str, at: float | None = None) -> None:
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}")
@@ -82,9 +88,13 @@ class Timeline:
             return []
         first = known[0][1]
         steps = [f"{PHASES[phase]} +{at - before:.2f} s" for (_, before), (phase, at) in pairwise(known)]
+        queued = self.queue_wait()
         out = [f"[rayslice] timeline: {PHASES[known[0][0]]}, " + ", ".join(steps)
-               + f" ({known[-1][1] - first:.2f} s in all)"]
+               + f" ({known[-1][1] - first:.2f} s in all"
+               + (f", {queued:.2f} s of it in the admission queue)" if queued is not None else ")")]
         record: dict = {phase: round(at, 4) for phase, at in known}
+        if queued is not None:
+            record["queue_wait_s"] = round(queued, 4)
         if self.detail:
             record["detail"] = {moment: round(at, 4) for moment, at in self.detail.items()}
         if self.per_host:

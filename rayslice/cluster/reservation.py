@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
+from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import CapacityTimeoutError, UnsatisfiableRequestError
+from rayslice.core.queue import entry_for
 
 POD_TYPE_LABEL = "ray.io/tpu-pod-type"
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
@@ -50,6 +52,7 @@ class SliceReservation:
     hosts_group: PlacementGroup | None = None
     hosts: list[HostPlan] = field(default_factory=list)
     bundles: dict[tuple[int, int], int] = field(default_factory=dict)  # (slice, worker) -> bundle index
+    place: admission.Place | None = None  # in the admission queue: left once the groups are gone
 
     @property
     def groups(self) -> list[PlacementGroup]:
@@ -76,12 +79,21 @@ class SliceReservation:
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
+        if self.place is not None:
+            self.place.leave()  # the next in line may reserve now
         return [_name(group) for group in pending]
 
 
 def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
-                   lost_nodes: frozenset[str] = frozenset()) -> SliceReservation:
+                   lost_nodes: frozenset[str] = frozenset(), place: admission.Place | None = None,
+                   queued: bool = True) -> SliceReservation:
     """Reserve `request.num_slices` whole slices within `timeout` seconds, or hold nothing.
+
+    First a place in the cluster's admission queue (`rayslice.cluster.queue`): `place`, the step's
+    own (its priority, team, arrival), else one taken now; `timeout` covers the queue and the
+    reservation together, and `release()` gives the place up. A request no slice could ever
+    hold fails before it takes a place. `queued=False` skips the queue (for measuring it only: such
+    a reservation is ordered by nothing, as before the queue).
 
     Slices whose every host is free now are preferred: a head bundle claims only worker 0, so a
     slice whose other hosts run something else (a plain Ray task asking for `TPU`) would be held
@@ -89,8 +101,19 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
     alive for seconds; their slices are avoided like broken ones.
     """
     deadline = time.monotonic() + timeout
-    nodes = ray.nodes()  # one snapshot for the whole reservation (refreshed only for a node that joined since)
+    nodes = ray.nodes()  # one snapshot for the reservation (refreshed only for a node that joined since)
     broken = check_satisfiable(request, nodes, lost=lost_nodes)
+    if place is None:
+        place = admission.Place(entry_for(request, id=f"{name}/{time.time_ns()}", label=name))
+    if not queued:
+        place = admission.Place.unqueued()
+    try:
+        if place.wait(timeout) > 0.5:  # at once for a place already admitted; after a wait, a fresh snapshot
+            nodes = ray.nodes()
+            broken = check_satisfiable(request, nodes, lost=lost_nodes)
+    except BaseException:
+        place.leave()
+        raise
     head_selector = {POD_TYPE_LABEL: request.pod_type, WORKER_ID_LABEL: "0"}
     if broken:  # a slice that lost a host could take the head and then never get its hosts
         head_selector[SLICE_NAME_LABEL] = f"!in({','.join(sorted(broken))})"
@@ -107,12 +130,19 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
         )
         last = tried == len(selectors)
         # The free slices were free a moment ago: if another step took one since, any slice will do.
-        if wait_ready(heads, deadline if last else min(deadline, time.monotonic() + FREE_SLICE_WAIT_S)):
+        try:
+            ready = wait_ready(heads, deadline if last else min(deadline, time.monotonic() + FREE_SLICE_WAIT_S))
+        except BaseException:
+            remove_placement_group(heads)
+            place.leave()
+            raise
+        if ready:
             break
         remove_placement_group(heads)
         if last:
+            place.leave()
             raise _capacity_timeout(request, timeout, "no free slice heads")
-    reservation = SliceReservation(request=request, heads=heads)
+    reservation = SliceReservation(request=request, heads=heads, place=place)
     try:
         slices = _slice_names(heads, nodes)
         plan = [(s, slice_name, w) for s, slice_name in enumerate(slices) for w in range(request.hosts_per_slice)]

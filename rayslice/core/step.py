@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import StepRequest
 from rayslice.core.exceptions import FAILURE_FIELDS, InvalidRequestError, StepFailedError
+from rayslice.core.queue import QueueSettings
 
 RESULT_MARKER = "::rayslice-result::"
 ERROR_MARKER = "::rayslice-error::"
@@ -113,6 +114,12 @@ class StepSpec(BaseModel):
         None, description="root URL of checkpoint folders (else the cluster's RAYSLICE_CHECKPOINT_ROOT)"
     )
     owner: Owner = Field(default_factory=Owner)
+    priority: int | None = Field(None, description="rank in the cluster's admission queue (higher first); "
+                                                   "Airflow's priority_weight by default")
+    team: str | None = Field(None, min_length=1, max_length=64,
+                             description="the team whose quota the step counts against (the queue's `quotas`)")
+    queue: QueueSettings | None = Field(None, description="the cluster queue's policy, aging and quotas "
+                                                          "(the connection's `queue` extra)")
     launcher: Launcher = Field(
         "shipped", description="ship rayslice's cluster side with the job, or use the copy installed on the cluster"
     )

@@ -74,3 +74,18 @@ def test_min_deferral_is_kept_and_bad_values_fail_at_parse_time():
     for bad in (-1, "15", True, float("nan")):
         with pytest.raises(InvalidRequestError, match="min_deferral of 't' must be a number of seconds >= 0"):
             TpuSliceOperator(task_id="t", tpu="v6e-4", callable="pkg.mod:fn", min_deferral=bad)
+
+
+def test_queue_priority_defaults_to_the_priority_weight_and_team_reaches_the_step():
+    from types import SimpleNamespace
+
+    from rayslice.core.step import Owner
+
+    op = TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", priority_weight=7, team="research")
+    spec = op._spec(op.build_request(), Owner(), context={})
+    assert (spec.priority, spec.team) == (7, "research")
+    assert op._spec(op.build_request(), Owner(), context={"ti": SimpleNamespace(priority_weight=12)}).priority == 12
+    op = TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", priority=3)
+    assert op._spec(op.build_request(), Owner(), context={"ti": SimpleNamespace(priority_weight=12)}).priority == 3
+    with pytest.raises(InvalidRequestError, match="priority of 't' must be a whole number"):
+        TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", priority="high")

@@ -123,7 +123,7 @@ def test_busy_slices_shared_gpu_and_pending_demand(cluster, tmp_path: Path):
         assert all(sh.since is not None and sh.held_s is not None for sh in mine)
 
         waits = [p for p in snap.pending if ours(p.holder)]
-        assert all(p.request == "v6e-16" and p.kind == "placement_group" for p in waits)
+        assert all(p.request == "v6e-16" and p.kind == "queue" for p in waits)  # waiting in the admission queue
         assert all(p.waiting_s is not None and 0 <= p.waiting_s < 400 and p.since for p in waits)
         if len(running) == 2:  # a fresh cluster: both slices ours, the third request waits
             assert len(waits) == 1 and waits[0].holder.task_id not in {s.holder.task_id for s in running}
@@ -247,6 +247,20 @@ def test_a_gpu_actor_that_fits_is_starting_not_waiting():
     full = parse(actor("other", "ALIVE", "g", 0.75), actor("sid", "PENDING_CREATION", None, 0.5))
     assert [(p.starting, p.holder.task_id) for p in full.pending] == [(False, "t")]
     assert [(n.used, n.free) for n in full.gpu_nodes] == [(0.75, 0.25)]
+
+
+def test_a_step_waiting_in_the_admission_queue_is_pending_demand():
+    """Its launcher holds `rayslice:<sid>/queued` (one tiny CPU bundle) while it waits: shown as waiting, in the queue."""
+    job = {"type": "SUBMISSION", "job_id": "02000000", "submission_id": "sid", "status": "RUNNING",
+           "start_time": 1_000_000, "metadata": {"dag_id": "d", "run_id": "r", "task_id": "t", "request": "v6e-16 x2"}}
+    marker = {"placement_group_id": "pg1", "name": "rayslice:sid/queued", "state": "CREATED",
+              "creator_job_id": "02000000", "bundles": [{"unit_resources": {"CPU": 0.001}, "node_id": "n"}]}
+    snap = capacity._parse(_state([]), _state([marker]), _state([]), [job], now=1_040.0)
+    assert [(p.kind, p.request, p.holder.task_id, p.waiting_s) for p in snap.pending] == [
+        ("queue", "v6e-16 x2", "t", 40)]
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(capacity.render(snap))
+    assert "in the admission queue" in console.export_text()
 
 
 class StateApiFake(JsonHttpFake):

@@ -1,7 +1,7 @@
 """Reservation under contention, on the real test cluster (two v6e-16, one v6e-4, 3 GPUs).
 
 All-or-nothing across slices, one deadline, the order in which waiting requests are served
-(and that a stream of small requests can starve a large one), slow releases that must not
+(a stream of small requests no longer starves a large one: the admission queue), slow releases that must not
 hide the step's outcome, and requests no node could ever hold.
 """
 
@@ -60,6 +60,9 @@ class HeadSampler:
         while not self._stop.wait(0.1):
             held, waiting = {}, set()
             for group in placement_group_table().values():
+                if group["name"].endswith("/queued") and group["state"] == "CREATED":
+                    waiting.add(group["name"])  # waiting in the admission queue
+                    continue
                 heads = sum(1 for b in group["bundles"].values() if any(k.endswith("-head") for k in b))
                 if not heads:
                     continue
@@ -94,7 +97,7 @@ def test_two_multislice_requests_at_once_take_turns_never_holding_part(cluster, 
     partial = [sample for sample in sampler.samples if any(heads != 2 for heads in sample.values())]
     assert partial == [], f"a request held some but not all of its slice heads: {partial[:3]}"
     assert max(len(sample) for sample in sampler.samples) == 1, "both requests held slices at once"
-    # They really contended: one waited (its heads group pending) while the other held both slices.
+    # They really contended: one waited (in the admission queue) while the other held both slices.
     assert any(len(held) == 1 and waiting for held, waiting in zip(sampler.samples, sampler.waiting, strict=True))
     assert_all_released(ray_driver)
 
@@ -115,43 +118,78 @@ def test_one_deadline_bounds_the_whole_reservation(ray_driver):
     assert_all_released(ray_driver)
 
 
-def test_a_stream_of_one_slice_steps_starves_a_waiting_two_slice_step(ray_driver):
-    """Known limit, shown on purpose: waiting requests are not queued.
+def one_slice_step(stream, n):
+    import time
 
-    Two streams of 1-slice reservations hand over so that one slice is always held: the
-    2-slice request never sees both free at once and times out, although each slice was
-    free again and again while it waited. Once the stream stops it gets both at once.
-    """
-    one = TpuSliceRequest(tpu="v6e-16")
-    stop = threading.Event()
-    handovers = []
+    started = time.time()
+    time.sleep(6)
+    return [stream, n, started]
 
-    def stream():
-        held = reserve_slices(one, timeout=30, name=f"rayslice:test-stream-{time.time_ns()}")
-        while not stop.is_set():
-            time.sleep(0.3)
-            nxt = reserve_slices(one, timeout=30, name=f"rayslice:test-stream-{time.time_ns()}")  # the other slice
-            held.release()  # only now: one slice is always held
-            held = nxt
-            handovers.append(time.monotonic())
-        held.release()
 
-    streamer = threading.Thread(target=stream)
-    streamer.start()
-    try:
-        wait_until(lambda: len(handovers) >= 1, timeout=30)
-        with pytest.raises(CapacityTimeoutError):
-            reserve_slices(TpuSliceRequest(tpu="v6e-16", num_slices=2), timeout=8,
-                           name=f"rayslice:test-starved-{time.time_ns()}")
-    finally:
-        stop.set()
-        streamer.join()
-    assert len(handovers) >= 5, "the stream did not keep handing slices over while the big request waited"
-    started = time.monotonic()
-    big = reserve_slices(TpuSliceRequest(tpu="v6e-16", num_slices=2), timeout=30,
-                         name=f"rayslice:test-big-{time.time_ns()}")
-    assert time.monotonic() - started < 5
-    assert big.release() == []
+def test_a_stream_of_one_slice_steps_no_longer_starves_a_two_slice_step(ray_driver):
+    """Four streams of one-slice 6 s steps, back to back for 80 s, keep both v6e-16 busy with more
+    waiting; 10 s in, a 2-slice multislice step asks for both. Without a queue it waited until the
+    streams stopped; with it, it starts in its turn: after the one-slice requests that asked before
+    it, before every one that asked after it. Every step returns its own result.
+
+    Its wait is about two one-slice steps plus its own start: 30 s where a one-slice step takes
+    about 10 s from reservation to release; on a loaded two-core machine (JAX imported by 8 host
+    processes at once, about 30 s) it is longer, so the bound here is in one-slice steps."""
+    from rayslice.cluster import run_step
+
+    started = time.time()
+    done: list[tuple[int, int, float, float, float]] = []  # stream, n, asked, started, returned
+    big: list[tuple[float, list]] = []
+    errors: list[BaseException] = []
+
+    def step(request, kwargs):
+        spec = StepSpec.for_function(one_slice_step, request=request, kwargs=kwargs, capacity_timeout=300,
+                                     owner=Owner(submission_id=f"test-queue-{time.time_ns()}"))
+        return run_step(spec)
+
+    def stream(k):
+        try:
+            time.sleep(k * 1.5)  # staggered
+            n = 0
+            while time.time() - started < 80:
+                asked = time.time()
+                results = step(TpuSliceRequest(tpu="v6e-16"), {"stream": k, "n": n})
+                assert [r[:2] for r in results] == [[k, n]] * 4
+                done.append((k, n, asked, min(r[2] for r in results), time.time()))
+                n += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    def two_slices():
+        try:
+            time.sleep(10)
+            asked = time.time()
+            big.append((asked, step(TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True),
+                                    {"stream": -1, "n": 0})))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(k,)) for k in range(4)] + [threading.Thread(target=two_slices)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    (asked, results), = big
+    assert [r[:2] for r in results] == [[-1, 0]] * 8
+    big_started = min(r[2] for r in results)
+    passed = [d[:2] for d in done if d[2] > asked + 1 and d[3] < big_started]
+    assert passed == [], f"one-slice steps that asked after the 2-slice step started before it: {passed}"
+    ahead = [d for d in done if d[2] < asked and d[4] > asked]  # running or waiting when it asked
+    assert len(ahead) <= 4
+    # Two one-slice steps (the running ones, the ones waiting ahead), then its own start: a step that
+    # never queued (stream 0's first) says how long one takes to start on this machine.
+    first = next(d for d in done if d[:2] == (0, 0))
+    start_s = first[3] - first[2]
+    waited = big_started - asked
+    assert waited <= max(30.0, 2 * (start_s + 6) + start_s + 10), (
+        f"the 2-slice step started {waited:.0f} s after asking (a one-slice step takes {start_s:.0f} s to start)")
+    assert len(done) >= 8 and {d[0] for d in done} == {0, 1, 2, 3}
     assert_all_released(ray_driver)
 
 
