@@ -239,6 +239,8 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
             results = gang.run_gang(actors, plans, spec, attempt, timeline)
         except BaseException as exc:
             drain_from = gang.raised_on(exc, plans)
+            if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
+                quiet = 0.0
             raise
         drain_from, quiet = [plan.label for plan in plans], 0.0
         return results
@@ -312,6 +314,8 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
             result = gang.run_gang([actor], [plan], spec, attempt, timeline)[0]
         except BaseException as exc:
             drain_from = [str(request)] if gang.raised_on(exc, [plan]) else []  # the actor's label
+            if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
+                quiet = 0.0
             raise
         drain_from, quiet = [str(request)], 0.0
         return result
