@@ -29,12 +29,13 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import AsyncIterator, Mapping
+from datetime import UTC
 from typing import Any
 
 from airflow.sdk import BaseXCom
 from airflow.triggers.base import StartTriggerArgs, TaskSuccessEvent, TriggerEvent
 from rayslice.hooks.ray import RayHook
-from rayslice.operators.links import SUBMISSION_ID_KEY
+from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
 from rayslice.operators.triggers import RayStepTrigger
 
 from rayslice.client.submission import submit_step
@@ -47,6 +48,8 @@ __all__ = ["START_ON_WORKER", "RayStepStartTrigger", "ship_function", "start_tri
 START_ON_WORKER = "start_on_worker"
 #: Another task's output in start arguments: ``{XCOM_REF: {"task_id": ..., "key": ...}}``.
 XCOM_REF = "__rayslice_xcom__"
+#: Seconds before Airflow's own deferral timeout (start + execution_timeout) that the trigger stops the job.
+DEADLINE_LEAD_S = 3.0
 #: The operator arguments the trigger rebuilds an unmapped operator from (plus its request fields).
 STEP_ARGUMENTS = ("callable", "command", "op_kwargs", "runtime_env", "ray_conn_id", "capacity_timeout",
                   "step_timeout", "hang_timeout", "preemption_retries", "checkpoint_root", "poll_interval",
@@ -170,9 +173,16 @@ class RayStepStartTrigger(RayStepTrigger):
         operator._submission_id = self.submission_id = owner.submission_id
         spec = operator._spec(request, owner, context)
         limit, reason = operator.deferral_limit()
-        started = getattr(ti, "start_date", None)
-        start = started.timestamp() if started is not None else time.time()
-        self.deadline, self.deadline_reason = (None if limit is None else start + limit), reason or "execution_timeout"
+        self.deadline = None if limit is None else time.time() + limit
+        self.deadline_reason = reason or "execution_timeout"
+        timeout_after = getattr(self, "timeout_after", None)  # Airflow's: the deferral's start + execution_timeout
+        if reason == "execution_timeout" and timeout_after is not None:
+            if timeout_after.tzinfo is None:
+                timeout_after = timeout_after.replace(tzinfo=UTC)
+            # The triggerer cancels the trigger at that moment itself (no event, no on_kill; the task then
+            # fails on a worker, which stops the job): the trigger stops the job a little before, waits for
+            # its end and reports the timeout.
+            self.deadline = timeout_after.timestamp() - DEADLINE_LEAD_S
         return operator, spec
 
     async def _operator(self) -> Any:
@@ -262,7 +272,11 @@ class RayStepStartTrigger(RayStepTrigger):
 
     async def _submit_and_follow(self, operator: Any, spec: Any) -> AsyncIterator[TriggerEvent]:
         sid = self.submission_id
-        await self._push(SUBMISSION_ID_KEY, sid)  # the "Ray job" link works while the step runs
+        # The "Ray job" link works while the step runs: Airflow 3 reads a link from its XCom, which a
+        # worker pushes when its task ends; no worker runs here.
+        links = {SUBMISSION_ID_KEY: sid, RayJobLink().xcom_key: operator._settings.job_url(sid)}
+        for key, value in links.items():
+            await self._push(key, value)
         try:
             async with operator._settings.async_client() as client:
                 if spec.owner.try_number > 1:
@@ -279,7 +293,7 @@ class RayStepStartTrigger(RayStepTrigger):
                 return
             self.log.info("[rayslice] Ray job %s succeeded", sid)
             result = payload.get("result")
-            xcoms = {SUBMISSION_ID_KEY: sid}
+            xcoms = dict(links)
             if operator.do_xcom_push:
                 xcoms["return_value"] = result
                 if getattr(operator, "multiple_outputs", False) and isinstance(result, Mapping):

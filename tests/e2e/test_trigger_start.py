@@ -65,10 +65,16 @@ def _xcom(api: httpx.Client, dag_id: str, run_id: str, task_id: str, key: str, m
 
 
 def _log(api: httpx.Client, dag_id: str, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
+    """The try's log as the UI shows it: the task process's, if one ran, and the trigger's."""
     resp = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
-                   params={"map_index": map_index, "full_content": True}, headers={"Accept": "text/plain"})
+                   params={"map_index": map_index, "full_content": True})
     resp.raise_for_status()
-    return resp.text
+    content = resp.json()["content"]
+    return "\n".join(json.dumps(entry) if isinstance(entry, dict) else str(entry) for entry in content)
+
+
+#: What every task process logs as it ends (the Task SDK's task runner); a trigger never does.
+TASK_PROCESS_LINE = "::group::Post Execute"
 
 
 def test_16_mapped_steps_start_and_end_in_the_triggerer_without_a_task_process(api, cluster):
@@ -89,11 +95,12 @@ def test_16_mapped_steps_start_and_end_in_the_triggerer_without_a_task_process(a
             sid = _xcom(api, "ts_mapped", run_id, "step", "ray_submission_id", index)
             assert sid == ours[index].submission_id
             links = api.get(f"/dags/ts_mapped/dagRuns/{run_id}/taskInstances/step/links",
-                            params={"map_index": index}).json()
-            assert links.get("Ray job", "").endswith(f"#/jobs/{sid}"), links
+                            params={"map_index": index}).json()["extra_links"]
+            assert (links.get("Ray job") or "").endswith(f"#/jobs/{sid}"), links
             log = _log(api, "ts_mapped", run_id, "step", 1, index)
             assert all(f"item {index} line {n}" in log for n in range(3)), log[-3000:]
             assert "min_deferral" not in log  # nothing waited for the scheduler race
+            assert TASK_PROCESS_LINE not in log
 
 
 def test_a_failing_step_is_retried_and_the_retry_starts_in_the_triggerer(api, cluster):
@@ -101,9 +108,10 @@ def test_a_failing_step_is_retried_and_the_retry_starts_in_the_triggerer(api, cl
     (ti,) = [ti for ti in tis if ti["task_id"] == "flaky"]
     assert ti["state"] == "success" and ti["try_number"] == 2, ti
     assert _xcom(api, "ts_retry", run_id, "flaky", "return_value") == "try 2"
-    assert ti["pid"] is None  # try 2 ran no task process (try 1 resumed on a worker to raise)
-    first = _log(api, "ts_retry", run_id, "flaky", 1)
-    assert "try 1 fails on purpose" in first and "RayStepFailed" in first, first[-3000:]
+    first = _log(api, "ts_retry", run_id, "flaky", 1)  # resumed on a worker to raise: a task process ran
+    assert "try 1 fails on purpose" in first and "RayStepFailed" in first and TASK_PROCESS_LINE in first, first[-3000:]
+    second = _log(api, "ts_retry", run_id, "flaky", 2)
+    assert "succeeded" in second and TASK_PROCESS_LINE not in second, second[-3000:]
     with RayJobsClient(cluster.dashboard_url, token=cluster.token) as jobs:
         ours = sorted((int(j.metadata["try_number"]), j.status) for j in jobs.list_jobs()
                       if (j.metadata or {}).get("dag_id") == "ts_retry" and j.metadata.get("run_id") == run_id)
