@@ -7,9 +7,15 @@ The baseline, in every mode: plain Ray tasks with `num_gpus=0.25` from one drive
 - `--mode airflow` (the issue's question): one DAG run of the example DAG
   `dags/gpu_fraction_mapping.py`, 32 mapped `@task.ray_accelerator(accelerator="GPU", count=0.25,
   deferrable=True)` tasks, on a real Airflow 3 (`rayslice.local.airflow_stack.AirflowStack`,
-  LocalExecutor, the trigger path); each mapped task is a Ray job. Both rows run that DAG's
+  LocalExecutor, the trigger path); each mapped task is a Ray job. Every row runs that DAG's
   `score_shard` (a small JAX computation, JAX imported inside the step), and the baseline's
-  first repetition, on freshly started workers, is reported as a row of its own.
+  first repetition, on freshly started workers, is reported as a row of its own. A row of the
+  same 32 steps as rayslice Ray jobs submitted at once (`run_step_job`, no Airflow) is what the
+  Airflow row must stay within 1.5x of; per mapped task the Airflow overhead around its step is
+  reported too: task start (Airflow's `start_date`) to the step body's start, and the body's end
+  to the task's `end_date`. Then a chain of four 1 s quarter-GPU steps, each given the one
+  before's result (`bench/airflow_dags/chain.py`), against the same four steps as Ray jobs back
+  to back.
 - `--mode driver` (default): rayslice `run_step` from 32 driver threads (one fresh host actor
   per step), without job submission: the launcher's own cost.
 - `--mode jobs`: rayslice as 32 concurrent Ray jobs through the Jobs REST API (`run_step_job`).
@@ -49,6 +55,8 @@ STEPS = 32
 AIRFLOW_DAG = "rayslice_gpu_fraction_mapping"
 AIRFLOW_TASK = "score"
 EXAMPLE_DAG = ROOT / "dags" / "gpu_fraction_mapping.py"
+CHAIN_DAG = ROOT / "bench" / "airflow_dags" / "chain.py"
+CHAIN = "rayslice_bench_chain"
 SHARE = 0.25
 REQUEST = AcceleratorRequest(resource="GPU", count=SHARE)
 
@@ -99,6 +107,9 @@ def main() -> None:
             task_args = [args.step_s] * STEPS
 
         def spec(i: int) -> StepSpec:
+            if args.mode == "airflow":  # the example DAG's work, as its mapped tasks run it
+                return StepSpec.for_function(work, request=REQUEST, kwargs={"shard": i},
+                                             owner=Owner(submission_id=f"bench-frac-{time.time_ns()}-{i}"))
             return StepSpec.for_function(
                 gpu_step,
                 request=REQUEST,
@@ -154,13 +165,59 @@ def main() -> None:
             if state != "success":
                 raise RuntimeError(f"DAG run {run_id} {state}")
             out = []
+            tis = api.get(f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()
+            times = {ti["map_index"]: ti for ti in tis["task_instances"] if ti["task_id"] == AIRFLOW_TASK}
             for i in range(STEPS):
                 resp = api.get(f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}/taskInstances/{AIRFLOW_TASK}"
                                "/xcomEntries/return_value", params={"map_index": i, "deserialize": True})
                 resp.raise_for_status()
                 value = resp.json()["value"]
+                result = json.loads(value) if isinstance(value, str) else value
+                out.append((t0, t1, result))
+                ti = times[i]
+                overheads["before"].append(result["start"] - _ts(ti["start_date"]))
+                overheads["after"].append(_ts(ti["end_date"]) - result["end"])
+                overheads["pids"].append(ti.get("pid"))
+            return out
+
+        def airflow_chain() -> list[tuple[float, float, dict]]:
+            api = airflow_api()
+            run_id = f"bench-chain-{time.time_ns()}"
+            t0 = time.time()
+            api.post(f"/dags/{CHAIN}/dagRuns", json={"dag_run_id": run_id, "logical_date": None}).raise_for_status()
+            state = None
+            while state not in ("success", "failed"):
+                time.sleep(0.5)
+                resp = api.get(f"/dags/{CHAIN}/dagRuns/{run_id}")
+                state = resp.json().get("state") if resp.status_code == 200 else state
+            t1 = time.time()
+            if state != "success":
+                raise RuntimeError(f"DAG run {run_id} {state}")
+            out = []
+            for index in range(4):
+                resp = api.get(f"/dags/{CHAIN}/dagRuns/{run_id}/taskInstances/step_{index}/xcomEntries/return_value",
+                               params={"deserialize": True})
+                resp.raise_for_status()
+                value = resp.json()["value"]
                 out.append((t0, t1, json.loads(value) if isinstance(value, str) else value))
             return out
+
+        def jobs_chain() -> list[tuple[float, float, dict]]:
+            from airflow_dags.chain import one_second
+
+            async def chain() -> list[tuple[float, float, dict]]:
+                out, previous = [], None
+                for index in range(4):
+                    t = time.time()
+                    spec = StepSpec.for_function(one_second, request=REQUEST,
+                                                 kwargs={"index": index, "previous": previous},
+                                                 owner=Owner(submission_id=f"bench-chain-{time.time_ns()}-{index}"))
+                    previous = await run_step_job(record.dashboard_url, spec, token=record.token,
+                                                  emit=lambda _: None)
+                    out.append((t, time.time(), previous))
+                return out
+
+            return asyncio.run(chain())
 
         def airflow_api() -> Any:
             if not hasattr(airflow_api, "client"):
@@ -171,13 +228,14 @@ def main() -> None:
                 stack.callback(stop_jobs, record, AIRFLOW_DAG)  # runs after the stack stopped, also on error
                 dags = Path(tempfile.mkdtemp(prefix="rs-bench-frac-dags-"))
                 stack.callback(shutil.rmtree, dags, True)
-                shutil.copy(EXAMPLE_DAG, dags / EXAMPLE_DAG.name)  # the example DAG alone, as users run it
+                shutil.copy(EXAMPLE_DAG, dags / EXAMPLE_DAG.name)  # the example DAG, as users run it
+                shutil.copy(CHAIN_DAG, dags / CHAIN_DAG.name)
                 af = stack.enter_context(BenchStack(record.dashboard_url, record.token, dags_folder=dags, steps=STEPS,
                                                     parallelism=args.parallelism))
                 api = stack.enter_context(httpx.Client(base_url=f"{af.url}/api/v2", timeout=60,
                                                        headers={"Authorization": f"Bearer {af.api_token()}"}))
                 deadline = time.monotonic() + 180
-                while api.get(f"/dags/{AIRFLOW_DAG}").status_code != 200:
+                while any(api.get(f"/dags/{d}").status_code != 200 for d in (AIRFLOW_DAG, CHAIN)):
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"the DAG processor did not register {AIRFLOW_DAG}")
                     time.sleep(1)
@@ -186,6 +244,7 @@ def main() -> None:
             return airflow_api.client
 
         rows = []
+        overheads: dict[str, list] = {"before": [], "after": [], "pids": []}
         if args.mode == "airflow":
             airflow_api()  # started before the clock runs; it stays up (and busy) during every row
             baseline = Row("plain Ray tasks, num_gpus=0.25, num_cpus=0")
@@ -195,6 +254,10 @@ def main() -> None:
             rows.append((baseline, plain_tasks, args.reps))
             rows.append((Row("Airflow: 32 mapped deferrable @task.ray_accelerator tasks (one DAG run)"),
                          airflow_mapping, args.job_reps))
+            rows.append((Row("rayslice as 32 Ray jobs submitted at once (run_step_job, no Airflow)"),
+                         rayslice_jobs, args.job_reps))
+            rows.append((Row("Airflow: a chain of four 1 s steps (one DAG run)"), airflow_chain, args.job_reps))
+            rows.append((Row("rayslice: the same four steps as Ray jobs back to back"), jobs_chain, args.job_reps))
         elif args.mode == "driver":
             rows += [
                 (Row("plain Ray tasks, num_gpus=0.25, num_cpus=0"), plain_tasks, args.reps),
@@ -216,7 +279,26 @@ def main() -> None:
                     _measure(ray, row, fn)
             log(f"rep {rep + 1} done ({time.monotonic() - started:.0f} s)")
         report.add(_table([r for r, _, _ in rows] + ([cold] if args.mode == "airflow" else []), args))
+        if args.mode == "airflow" and overheads["before"]:
+            airflow_row, jobs_row = rows[1][0], rows[2][0]
+            before, after, pids = overheads["before"], overheads["after"], overheads["pids"]
+            ratio = fmt_ratio(airflow_row.makespan.median(), jobs_row.makespan.median())
+            chain = fmt_ratio(rows[3][0].makespan.median(), rows[4][0].makespan.median())
+            report.note(
+                f"- mapped: Airflow makespan / Ray jobs makespan: {ratio}\n"
+                f"- chain of four: Airflow makespan / Ray jobs back to back: {chain}\n"
+                f"- per mapped task, Airflow's start_date → step body start: median {fmt_s(median(before))}"
+                f" (p90 {fmt_s(_p90(before))}); step body end → end_date: median {fmt_s(median(after))}"
+                f" (p90 {fmt_s(_p90(after))}), n={len(after)}\n"
+                f"- mapped tasks that ran an Airflow task process (a pid): "
+                f"{sum(p is not None for p in pids)} of {len(pids)}")
     report.write()
+
+
+def _ts(value: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
 def _example_work() -> Any:

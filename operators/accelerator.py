@@ -39,6 +39,7 @@ class AcceleratorOperator(RayStepOperator):
         self.count = count
         self.accelerator_type = accelerator_type
         self.validate_literal_request()
+        self.plan_trigger_start()
 
     @staticmethod
     def make_request(accelerator: Any, count: Any = 1, accelerator_type: Any = None) -> AcceleratorRequest:

@@ -8,17 +8,21 @@ from the task's context; objects such as ``ti`` cannot travel to the cluster.
 
 Registered through the provider's ``task-decorators``, so ``from airflow.sdk import task``
 finds them. Mapping works as for ``@task``: ``evaluate.expand(checkpoint=[...])``.
+
+Deferrable by default: the function is pickled where it is decorated (DAG parse time), so that the
+triggerer can start the step without a worker (`rayslice.operators.start_trigger`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import date, datetime
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 from rayslice.operators.accelerator import AcceleratorOperator
+from rayslice.operators.start_trigger import CannotStart, ship_function
 from rayslice.operators.step import RayStepOperator, is_templated
 from rayslice.operators.tpu_slice import TpuSliceOperator
 
@@ -95,6 +99,39 @@ class _AcceleratorDecoratedOperator(_RayStepDecoratedMixin, DecoratedOperator, A
                          **kwargs)
 
 
+class _BlockingTpuSliceDecoratedOperator(_TpuSliceDecoratedOperator):
+    """``deferrable=False``: a worker submits and waits (also when mapped)."""
+
+    start_from_trigger = False
+    start_trigger_args = None
+
+
+class _BlockingAcceleratorDecoratedOperator(_AcceleratorDecoratedOperator):
+    """``deferrable=False``: a worker submits and waits (also when mapped)."""
+
+    start_from_trigger = False
+    start_trigger_args = None
+
+
+def _shipping(decorator: Any, kwargs: Mapping[str, Any]) -> Any:
+    """The decorator, or its factory, with the function pickled for the triggerer where it is decorated."""
+    if kwargs.get("deferrable", True) is False:
+        return decorator
+
+    def ship(task_decorator: Any) -> Any:
+        import attr
+
+        try:
+            shipped: dict[str, Any] = ship_function(task_decorator.function)
+        except CannotStart as exc:
+            shipped = {"cannot_start": str(exc)}
+        return attr.evolve(task_decorator, kwargs={**task_decorator.kwargs, "shipped_callable": shipped})
+
+    if hasattr(decorator, "function"):
+        return ship(decorator)
+    return lambda python_callable: ship(decorator(python_callable))
+
+
 def _check_now(operator: type[RayStepOperator], kwargs: dict[str, Any]) -> None:
     """Validate literal request arguments and the runtime env where the decorator is applied (DAG parse time)."""
     runtime_envs.validate(kwargs.get("runtime_env"))
@@ -121,13 +158,16 @@ def tpu_slice_task(python_callable: Callable[..., Any] | None = None, multiple_o
         raise InvalidRequestError("@task.tpu_slice returns one result per host (a list): "
                                   "multiple_outputs=True cannot apply; index the list downstream instead")
     _check_now(TpuSliceOperator, kwargs)
-    return task_decorator_factory(python_callable=python_callable, multiple_outputs=False,
-                                  decorated_operator_class=_TpuSliceDecoratedOperator, **kwargs)
+    cls = _BlockingTpuSliceDecoratedOperator if kwargs.get("deferrable", True) is False else _TpuSliceDecoratedOperator
+    return _shipping(task_decorator_factory(python_callable=python_callable, multiple_outputs=False,
+                                            decorated_operator_class=cls, **kwargs), kwargs)
 
 
 def ray_accelerator_task(python_callable: Callable[..., Any] | None = None,
                          multiple_outputs: bool | None = None, **kwargs: Any) -> TaskDecorator:
     """``@task.ray_accelerator(accelerator="GPU", count=0.25, accelerator_type=None)``."""
     _check_now(AcceleratorOperator, kwargs)
-    return task_decorator_factory(python_callable=python_callable, multiple_outputs=multiple_outputs,
-                                  decorated_operator_class=_AcceleratorDecoratedOperator, **kwargs)
+    cls = (_BlockingAcceleratorDecoratedOperator if kwargs.get("deferrable", True) is False
+           else _AcceleratorDecoratedOperator)
+    return _shipping(task_decorator_factory(python_callable=python_callable, multiple_outputs=multiple_outputs,
+                                            decorated_operator_class=cls, **kwargs), kwargs)

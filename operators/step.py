@@ -9,7 +9,10 @@ Subclasses only say what capacity they want (`build_request`). Everything else i
   else submits afresh; a new try first stops every earlier try's job that still runs, of this
   Airflow deployment only (`RayHook.deployment`: each job's metadata names it);
 - the id goes to XCom before any waiting, for ``on_kill`` and the "Ray job" link;
-- the job's log is relayed line by line to the task log (by the trigger when deferred).
+- the job's log is relayed line by line to the task log (by the trigger when deferred);
+- a deferrable step (the default) starts in the triggerer (`rayslice.operators.start_trigger`): no
+  worker process unless it fails or cannot be built there; the worker path below is the fallback
+  and the blocking mode (``deferrable=False``).
 """
 
 from __future__ import annotations
@@ -23,11 +26,19 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, XComArg, conf
+from airflow.sdk import BaseOperator, XComArg
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import RayConnectionSettings, RayHook
 from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
+from rayslice.operators.start_trigger import (
+    START_ON_WORKER,
+    STEP_ARGUMENTS,
+    CannotStart,
+    encode_refs,
+    ship_function,
+    start_trigger_args,
+)
 from rayslice.operators.triggers import EXECUTION_TIMEOUT, RayStepTrigger
 
 from rayslice.client.jobs_client import AsyncRayJobsClient
@@ -42,7 +53,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RayStepOperator", "is_templated"]
 
-#: A deferred task resumes no sooner than this after deferring (Airflow's scheduler race; see `min_deferral`).
+#: A task a worker deferred resumes no sooner than this after deferring (Airflow's scheduler race,
+#: apache/airflow#67287 / #72716; see `min_deferral`). Steps started in the triggerer never wait it.
 MIN_DEFERRAL_S = 15.0
 #: How long a new try waits for the earlier tries' stopped jobs to end before giving up.
 PREVIOUS_TRY_STOP_TIMEOUT_S = 120.0
@@ -129,12 +141,17 @@ class RayStepOperator(BaseOperator):
     :param checkpoint_root: root URL of the step's checkpoint folder (``gs://…``, ``s3://…``, ``file://…``;
         templated); else the `ray` connection's ``checkpoint_root`` extra, else the cluster's
         ``RAYSLICE_CHECKPOINT_ROOT``. The step finds its folder in ``rayslice.get_step_context()``.
-    :param deferrable: wait in the triggerer instead of holding a worker slot.
+    :param deferrable: (default True) start, wait and end in the triggerer: a step that succeeds costs no
+        Airflow worker process. A step that cannot be built there (see ``start_blocker``) submits from a
+        worker and then waits in the triggerer. False: a worker submits and waits (blocking).
     :param poll_interval: seconds between polls of the job's status (its log is streamed as it is written).
-    :param min_deferral: when deferred, the task resumes no sooner than this many seconds after it
-        deferred, even if the step ended earlier: Airflow's scheduler (3.3.2 and earlier) fails a task
-        that resumes before it has seen the deferring worker's exit (apache/airflow#67287, #72716).
-        Capacity is released when the step ends either way; 0 turns the wait off.
+    :param min_deferral: only for a step a worker deferred (the fallback path): the task resumes no sooner
+        than this many seconds after it deferred, even if the step ended earlier. Airflow's scheduler
+        (3.3.2 and earlier) fails a task that resumes before it has seen the deferring worker's exit
+        (apache/airflow#67287, #72716). A step started in the triggerer has no deferring worker and never
+        waits. Capacity is released when the step ends either way; 0 turns the wait off.
+    :param shipped_callable: set by rayslice (the decorators, or ``python_callable=``): the function pickled
+        at parse time, for the triggerer.
     """
 
     template_fields: Sequence[str] = ("callable", "command", "op_kwargs", "checkpoint_root", "runtime_env")
@@ -143,6 +160,12 @@ class RayStepOperator(BaseOperator):
     ui_color = "#e3f2fd"
     #: The attributes `build_request` reads; validated at parse time when none is templated.
     request_fields: Sequence[str] = ()
+    #: Airflow 3.3: start in the triggerer. A mapped task takes these class values (its trigger rebuilds
+    #: the step from the serialized task); an unmapped one sets its own in `plan_trigger_start`.
+    start_from_trigger = True
+    start_trigger_args = start_trigger_args()
+    #: Why this (unmapped) task starts on a worker, when it is deferrable and does; None: it starts in the triggerer.
+    start_blocker: str | None = None
 
     def __init__(
         self,
@@ -161,9 +184,10 @@ class RayStepOperator(BaseOperator):
         hang_timeout: float | None = 300,
         preemption_retries: int = 0,
         checkpoint_root: str | None = None,
-        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        deferrable: bool = True,
         poll_interval: float = 2,
         min_deferral: float = MIN_DEFERRAL_S,
+        shipped_callable: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -234,6 +258,13 @@ class RayStepOperator(BaseOperator):
         self.deferrable = deferrable
         self.poll_interval = poll_interval
         self.min_deferral = float(min_deferral)
+        if shipped_callable is None and python_callable is not None and deferrable:
+            try:
+                shipped_callable = ship_function(python_callable)
+            except CannotStart as exc:
+                shipped_callable = {"cannot_start": str(exc)}
+        self.shipped_callable = None if shipped_callable is None else dict(shipped_callable)
+        self._in_triggerer = False
         self._submission_id: str | None = None
         self._settings: RayConnectionSettings | None = None
 
@@ -251,6 +282,23 @@ class RayStepOperator(BaseOperator):
 
     def build_request(self) -> TpuSliceRequest | AcceleratorRequest:
         return self.make_request(**{name: getattr(self, name) for name in self.request_fields})
+
+    def plan_trigger_start(self) -> None:
+        """Whether this task starts in the triggerer, and with what (subclasses call it last in `__init__`)."""
+        reason, step = None, None
+        if not self.deferrable:
+            reason = "deferrable=False"
+        elif self.shipped_callable and "cannot_start" in self.shipped_callable:
+            reason = str(self.shipped_callable["cannot_start"])
+        else:
+            names = [*STEP_ARGUMENTS, *self.request_fields, *(("op_args",) if hasattr(self, "op_args") else ())]
+            try:
+                step = {name: encode_refs(getattr(self, name, None)) for name in names}
+            except CannotStart as exc:
+                reason = str(exc)
+        self.start_blocker = reason
+        self.start_from_trigger = reason is None
+        self.start_trigger_args = start_trigger_args(step) if reason is None else None
 
     def validate_literal_request(self) -> None:
         """Build the request now (DAG parse time) unless some of its arguments are templated."""
@@ -276,6 +324,8 @@ class RayStepOperator(BaseOperator):
             deployment = hook.deployment()
         except InvalidRequestError as exc:
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
+        if self.deferrable and self.start_blocker:
+            self.log.info("[rayslice] submitting from a worker, not the triggerer: %s", self.start_blocker)
         owner = self._owner(context, deployment)
         spec = self._spec(request, owner, context)
         self._submission_id = sid = owner.submission_id
@@ -343,6 +393,9 @@ class RayStepOperator(BaseOperator):
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         """Resume after the trigger: relay what the trigger did not, return the result or fail."""
+        if event.get("status") == START_ON_WORKER:  # the triggerer could not build the step: the worker path
+            self.start_blocker = str(event.get("reason"))  # execute() logs it
+            return self.execute(context)
         sid = event.get("submission_id") or self._owner(context).submission_id
         self._submission_id = sid
         if not event.get("log_complete"):  # the trigger relayed the whole log unless it says otherwise
@@ -422,6 +475,8 @@ class RayStepOperator(BaseOperator):
                 spec = StepSpec(callable=self.callable, **fields)
             elif self.command is not None:
                 spec = StepSpec(command=split_command(self.command), **fields)
+            elif self._in_triggerer and self.shipped_callable:  # pickled at parse time (the live function is not here)
+                spec = StepSpec(pickled=self.shipped_callable["pickled"], **fields)
             else:
                 spec = StepSpec.for_function(self.python_callable, **fields)
             spec.model_dump_json()  # the arguments must be JSON: fail here, not halfway through submitting

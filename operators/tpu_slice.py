@@ -43,6 +43,7 @@ class TpuSliceOperator(RayStepOperator):
         self.multislice = multislice
         self.chips_per_host = chips_per_host
         self.validate_literal_request()
+        self.plan_trigger_start()
 
     @staticmethod
     def make_request(tpu: Any, topology: Any = None, num_slices: Any = 1, multislice: Any = False,

@@ -175,22 +175,49 @@ class StepSpec(BaseModel):
         `helpers.py`, `include/utils.py`), travel by value: the cluster has none of them. Installed
         packages and rayslice itself are imported there instead.
         """
-        import cloudpickle
+        return cls(pickled=pickle_function(fn), **fields)
 
-        modules = _local_modules(sys.modules.get(getattr(fn, "__module__", ""), None))
+
+def pickle_function(fn: Any) -> str:
+    """`fn` by value (base64 of cloudpickle), with its DAG file's helpers and the local modules that file imports."""
+    import cloudpickle
+
+    modules = _local_modules(sys.modules.get(getattr(fn, "__module__", ""), None))
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        blob = cloudpickle.dumps(fn)
+    except Exception as exc:
+        raise InvalidRequestError(
+            f"cannot ship {getattr(fn, '__qualname__', fn)!r} by value ({type(exc).__name__}: {exc}): pass the "
+            "code it needs in runtime_env={'py_modules': [<folder>]} and use callable='package.module:function'"
+        ) from None
+    finally:
         for module in modules:
-            cloudpickle.register_pickle_by_value(module)
+            cloudpickle.unregister_pickle_by_value(module)
+    return base64.b64encode(blob).decode()
+
+
+def undefined_names(fn: Any) -> list[str]:
+    """Global and closure names `fn`'s code uses that are not bound yet (a helper defined further down its file).
+
+    Pickled now, such a function would miss them on the cluster; pickled later (on a worker), it would not.
+    """
+    import builtins
+
+    from cloudpickle.cloudpickle import _extract_code_globals
+
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    glob = getattr(fn, "__globals__", {})
+    missing = sorted(n for n in _extract_code_globals(code) if n not in glob and not hasattr(builtins, n))
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
         try:
-            blob = cloudpickle.dumps(fn)
-        except Exception as exc:
-            raise InvalidRequestError(
-                f"cannot ship {getattr(fn, '__qualname__', fn)!r} by value ({type(exc).__name__}: {exc}): pass the "
-                "code it needs in runtime_env={'py_modules': [<folder>]} and use callable='package.module:function'"
-            ) from None
-        finally:
-            for module in modules:
-                cloudpickle.unregister_pickle_by_value(module)
-        return cls(pickled=base64.b64encode(blob).decode(), **fields)
+            cell.cell_contents  # noqa: B018
+        except ValueError:
+            missing.append(name)
+    return missing
 
 
 def _local_modules(module: Any) -> list[Any]:

@@ -80,8 +80,9 @@ def test_a_deferred_step_waits_for_capacity_then_completes(airflow, api, jobs, r
     try:
         run = _trigger(api, "lc_wait")
         _wait_state(api, "lc_wait", run, {"deferred"}, STEP_START_S)
-        sid = _sid(jobs, "lc_wait", run)
-        assert sid, f"lc_wait/{run} is deferred but no Ray job of it is listed"
+        # Deferred first, then submitted: the step starts in the triggerer, after the scheduler deferred it.
+        sid = wait_until(lambda: _sid(jobs, "lc_wait", run), timeout=60, interval=0.5)
+        assert sid, f"lc_wait/{run} is deferred but no Ray job of it is listed after 60 s"
         # Parked: the task is in the triggerer, its job waits for the slice we hold, for as long as we hold it.
         assert wait_until(lambda: "waiting for capacity" in jobs.logs(sid), timeout=60, interval=0.5), jobs.logs(sid)
         for _ in range(10):  # 5 s, ten trigger polls

@@ -12,7 +12,7 @@ from rayslice.operators.tpu_slice import TpuSliceOperator
 START = datetime(2026, 1, 1)
 #: The timeout scenarios' execution_timeout: long enough for the step to start and hold its slice first
 #: (3.3-3.9 s from execute() on the 2-core machine, 2026-12-01; the test fails, saying so, if it takes longer).
-TIMEOUT_S = 15
+TIMEOUT_S = 25
 
 
 def hello():

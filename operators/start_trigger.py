@@ -1,0 +1,310 @@
+"""Steps that start in the triggerer: a step that succeeds costs no Airflow worker process.
+
+A deferrable rayslice task starts in the triggerer (Airflow 3.3's ``start_from_trigger``): the
+scheduler moves it from ``scheduled`` straight to ``deferred`` with a `RayStepStartTrigger`, which
+builds the step there (the operator's own code: request, program, kwargs rendered with the task's
+context, the `ray` connection), submits it under the same submission id a worker would use (same
+reattach, same "stop earlier tries"), follows it and relays its log like `RayStepTrigger`, and ends
+the task with ``TaskSuccessEvent(xcoms={"return_value": ..., "ray_submission_id": ...})``.
+
+A failed step resumes on a worker (``execute_complete``) to raise there: Airflow's ``TaskFailedEvent``
+applies ``retries``, but not the task's exception (callbacks read `RayStepFailed`'s fields) nor
+"fail without retrying" (`NOT_RETRIED`). What cannot be built in the triggerer resumes on a worker
+too (event ``start_on_worker``), which runs the worker path and logs why.
+
+What the trigger starts from:
+
+- an unmapped task: its start arguments, set per instance at parse time (`step_arguments`):
+  the operator's arguments, a DAG-file function pickled by value at parse time
+  (`ship_function`), another task's output as a reference (`XCOM_REF`);
+- a mapped task: Airflow builds a mapped task's trigger from the class's ``start_trigger_args``
+  (it never calls ``expand_start_trigger_args``), so every map index gets the same, empty kwargs. The
+  trigger reads the serialized task the triggerer hands it instead: ``partial_kwargs`` and this map
+  index's share of the expand input (literal lists, or an unmapped task's output), the same
+  arithmetic as the Task SDK's ``DictOfListsExpandInput``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC
+from typing import Any
+
+from airflow.sdk import BaseXCom
+from airflow.triggers.base import StartTriggerArgs, TaskSuccessEvent, TriggerEvent
+from rayslice.hooks.ray import RayHook
+from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
+from rayslice.operators.triggers import RayStepTrigger
+
+from rayslice.client.submission import submit_step
+from rayslice.core.exceptions import RaysliceError
+from rayslice.core.step import pickle_function, undefined_names
+
+__all__ = ["START_ON_WORKER", "RayStepStartTrigger", "ship_function", "start_trigger_args"]
+
+#: The event's status when the step must start on a worker after all (its reason in ``reason``).
+START_ON_WORKER = "start_on_worker"
+#: Another task's output in start arguments: ``{XCOM_REF: {"task_id": ..., "key": ...}}``.
+XCOM_REF = "__rayslice_xcom__"
+#: Seconds before Airflow's own deferral timeout (start + execution_timeout) that the trigger stops the job.
+DEADLINE_LEAD_S = 3.0
+#: The operator arguments the trigger rebuilds an unmapped operator from (plus its request fields).
+STEP_ARGUMENTS = ("callable", "command", "op_kwargs", "runtime_env", "ray_conn_id", "capacity_timeout",
+                  "step_timeout", "hang_timeout", "preemption_retries", "checkpoint_root", "poll_interval",
+                  "execution_timeout", "shipped_callable")
+
+
+class CannotStart(Exception):
+    """The step cannot start in the triggerer; the message says why (it goes to the task log)."""
+
+
+def start_trigger_args(step: Mapping[str, Any] | None = None) -> StartTriggerArgs:
+    return StartTriggerArgs(trigger_cls=f"{__name__}.RayStepStartTrigger",
+                            trigger_kwargs={} if step is None else {"step": dict(step)},
+                            next_method="execute_complete", next_kwargs=None, timeout=None)
+
+
+def ship_function(fn: Any) -> dict[str, Any]:
+    """A DAG-file function for the triggerer: pickled by value now (parse time), and its parameters.
+
+    Raises CannotStart when pickling now could differ from pickling on a worker (a name it uses is
+    not bound yet) or fails.
+    """
+    missing = undefined_names(fn)
+    if missing:
+        raise CannotStart(f"the function {getattr(fn, '__qualname__', fn)!r} uses {', '.join(missing)}, not yet "
+                          "defined where it is decorated, so it is pickled on the worker")
+    try:
+        blob = pickle_function(fn)
+        parameters = [[p.name, int(p.kind), p.default is not inspect.Parameter.empty]
+                      for p in inspect.signature(fn).parameters.values()]
+    except Exception as exc:
+        raise CannotStart(f"the function cannot be pickled at parse time ({exc})") from None
+    return {"pickled": blob, "parameters": parameters, "name": getattr(fn, "__name__", "step")}
+
+
+def stand_in(shipped: Mapping[str, Any]) -> Any:
+    """A function with the shipped one's parameters (the decorator binds arguments to them); never called."""
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the stand-in of a shipped step function is never called")
+
+    step.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+        inspect.Parameter(name, inspect._ParameterKind(kind), default=None if has_default else inspect.Parameter.empty)
+        for name, kind, has_default in shipped["parameters"]])
+    step.__name__ = step.__qualname__ = str(shipped.get("name") or "step")
+    return step
+
+
+def encode_refs(value: Any) -> Any:
+    """Arguments as JSON for the trigger's kwargs: another (unmapped) task's output becomes a reference."""
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
+    from airflow.sdk.definitions.xcom_arg import PlainXComArg, XComArg
+
+    if isinstance(value, PlainXComArg):
+        if isinstance(value.operator, MappedOperator):
+            raise CannotStart(f"an argument is the output of the mapped task {value.operator.task_id!r}")
+        return {XCOM_REF: {"task_id": value.operator.task_id, "key": value.key}}
+    if isinstance(value, XComArg):
+        raise CannotStart(f"an argument is a {type(value).__name__} (only a task's plain output is read in the "
+                          "triggerer)")
+    if isinstance(value, Mapping):
+        return {k: encode_refs(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode_refs(v) for v in value]
+    return value
+
+
+class RayStepStartTrigger(RayStepTrigger):
+    """Start a step in the triggerer, follow it, end the task (see the module's docstring)."""
+
+    def __init__(self, step: Mapping[str, Any] | None = None, **_: Any) -> None:
+        # Never fails to inflate (a trigger that cannot be built would leave its task deferred).
+        super().__init__(ray_conn_id=RayHook.default_conn_name, submission_id="")
+        self.step = dict(step or {})
+        self._context: Any = None
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{type(self).__module__}.{type(self).__qualname__}", {"step": self.step}
+
+    def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
+        """Keep the task's context: the operator renders its own fields with it in `run`."""
+        self._context = context
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            operator, spec = await self._build()
+        except CannotStart as exc:
+            self.log.info("[rayslice] this step starts on a worker: %s", exc)
+            yield TriggerEvent({"status": START_ON_WORKER, "reason": str(exc)})
+            return
+        except Exception as exc:  # what the worker path fails with at the same point: the task fails there
+            from airflow.sdk.exceptions import AirflowFailException
+
+            error_type = "InvalidRequestError" if isinstance(exc, AirflowFailException) else type(exc).__name__
+            yield self._event("error", 0, log_complete=True, error_type=error_type, message=str(exc))
+            return
+        async for event in self._submit_and_follow(operator, spec):
+            yield event
+
+    # ---- building the step, as the operator would on a worker
+
+    async def _build(self) -> tuple[Any, Any]:
+        ti, context = self.task_instance, self._context
+        if ti is None or context is None or self.task is None:
+            raise CannotStart("the triggerer gave the trigger no task context")
+        operator = await self._operator()
+        if not operator.deferrable:
+            raise CannotStart("deferrable=False: the step runs (and waits) on a worker")
+        operator.render_template_fields(context)
+        operator._settings = settings = await RayHook(operator.ray_conn_id).asettings()
+        self.ray_conn_id, self.poll_interval = operator.ray_conn_id, float(operator.poll_interval)
+        request = operator.build_request()
+        if note := getattr(request, "programs_note", None):
+            self.log.info("[rayslice] %s", note)
+        operator._check_checkpoint_root(operator.checkpoint_root)
+        if getattr(settings, "cloud_tpu", None) is not None:
+            import asyncio
+
+            await asyncio.to_thread(operator._check_zone_offers, RayHook(operator.ray_conn_id), request)
+        owner = operator._owner(context, RayHook(operator.ray_conn_id).deployment())
+        operator._submission_id = self.submission_id = owner.submission_id
+        spec = operator._spec(request, owner, context)
+        limit, reason = operator.deferral_limit()
+        self.deadline = None if limit is None else time.time() + limit
+        self.deadline_reason = reason or "execution_timeout"
+        timeout_after = getattr(self, "timeout_after", None)  # Airflow's: the deferral's start + execution_timeout
+        if reason == "execution_timeout" and timeout_after is not None:
+            if timeout_after.tzinfo is None:
+                timeout_after = timeout_after.replace(tzinfo=UTC)
+            # The triggerer cancels the trigger at that moment itself (no event, no on_kill; the task then
+            # fails on a worker, which stops the job): the trigger stops the job a little before, waits for
+            # its end and reports the timeout.
+            self.deadline = timeout_after.timestamp() - DEADLINE_LEAD_S
+        return operator, spec
+
+    async def _operator(self) -> Any:
+        """The task's operator, rebuilt from its start arguments (unmapped) or its serialized partial + expand."""
+        from airflow._shared.module_loading import import_string
+
+        task = self.task
+        module = getattr(task, "_task_module", None) or getattr(task, "task_module", None)
+        cls = import_string(f"{module}.{task.task_type}")
+        if getattr(task, "_is_mapped", False) or hasattr(task, "partial_kwargs"):
+            kwargs = dict(task.partial_kwargs)
+            mapped = await self._expand(task)
+            if getattr(task, "_expand_input_attr", "expand_input") == "op_kwargs_expand_input":
+                kwargs["op_kwargs"] = {**(kwargs.get("op_kwargs") or {}), **mapped}
+            else:
+                kwargs.update(mapped)
+        elif self.step:
+            kwargs = dict(self.step)
+        else:
+            raise CannotStart("the task has no start arguments (serialized by an older rayslice)")
+        kwargs = {k: await self._resolve(v) for k, v in kwargs.items()}
+        for name in ("task_id", "dag", "task_group", "start_date", "end_date"):
+            kwargs.pop(name, None)
+        from airflow.sdk.bases.decorator import DecoratedOperator
+
+        decorated = issubclass(cls, DecoratedOperator)
+        if decorated or all(kwargs.get(name) is None for name in ("callable", "command")):
+            shipped = kwargs.get("shipped_callable")
+            if not shipped:
+                raise CannotStart("the step's function is not pickled at parse time (python_callable= of a "
+                                  "mapped operator): it is pickled on a worker")
+            kwargs["python_callable"] = stand_in(shipped)
+        operator = cls(task_id=task.task_id, **kwargs)
+        operator._in_triggerer = True
+        return operator
+
+    async def _expand(self, task: Any) -> dict[str, Any]:
+        """This map index's share of a mapped task's expand input."""
+        from airflow.models.expandinput import SchedulerDictOfListsExpandInput, SchedulerListOfDictsExpandInput
+
+        index = self.task_instance.map_index
+        expand_input = task._get_specified_expand_input()
+        if isinstance(expand_input, SchedulerListOfDictsExpandInput):
+            values = await self._resolve(expand_input.value)
+            if not isinstance(values, list) or not isinstance(values[index], Mapping):
+                raise CannotStart("expand_kwargs() needs a list of dicts")
+            return dict(values[index])
+        if not isinstance(expand_input, SchedulerDictOfListsExpandInput):
+            raise CannotStart(f"unknown expand input {type(expand_input).__name__}")
+        resolved = {k: await self._resolve(v) for k, v in expand_input.value.items()}
+        lengths = {k: len(v) for k, v in resolved.items()}
+        data = {}
+        for key, value in resolved.items():
+            position, rest = -1, index
+            for mapped_key in reversed(list(expand_input.value)):  # the Task SDK's _find_index_for_this_field
+                if mapped_key == key:
+                    position = rest % lengths[mapped_key]
+                    break
+                rest //= lengths[mapped_key]
+            data[key] = list(value.items())[position] if isinstance(value, Mapping) else value[position]
+        return data
+
+    async def _resolve(self, value: Any) -> Any:
+        """Another task's output (a reference, or a serialized XComArg) read now; anything else as it is."""
+        from airflow.serialization.definitions.xcom_arg import SchedulerPlainXComArg, SchedulerXComArg
+
+        ref: dict[str, Any] | None = None
+        if isinstance(value, SchedulerPlainXComArg):
+            if getattr(value.operator, "_is_mapped", False) or hasattr(value.operator, "partial_kwargs"):
+                raise CannotStart(f"an argument is the output of the mapped task {value.operator.task_id!r}")
+            ref = {"task_id": value.operator.task_id, "key": value.key}
+        elif isinstance(value, SchedulerXComArg):
+            raise CannotStart(f"an argument is a {type(value).__name__}")
+        elif isinstance(value, Mapping) and set(value) == {XCOM_REF}:
+            ref = value[XCOM_REF]
+        elif isinstance(value, Mapping):
+            return {k: await self._resolve(v) for k, v in value.items()}
+        elif isinstance(value, list):
+            return [await self._resolve(v) for v in value]
+        if ref is None:
+            return value
+        ti = self.task_instance
+        return await BaseXCom.aget_one(key=ref["key"], dag_id=ti.dag_id, run_id=ti.run_id, task_id=ref["task_id"],
+                                       map_index=-1)
+
+    # ---- submitting and following
+
+    async def _submit_and_follow(self, operator: Any, spec: Any) -> AsyncIterator[TriggerEvent]:
+        sid = self.submission_id
+        # The "Ray job" link works while the step runs: Airflow 3 reads a link from its XCom, which a
+        # worker pushes when its task ends; no worker runs here.
+        links = {SUBMISSION_ID_KEY: sid, RayJobLink().xcom_key: operator._settings.job_url(sid)}
+        for key, value in links.items():
+            await self._push(key, value)
+        try:
+            async with operator._settings.async_client() as client:
+                if spec.owner.try_number > 1:
+                    await operator._stop_earlier_tries(client, spec.owner)
+                await submit_step(client, spec, emit=self.log.info)
+        except RaysliceError as exc:
+            yield self._event("error", 0, log_complete=True, error_type=type(exc).__name__, message=str(exc))
+            return
+        self.log.info("[rayslice] Ray job %s in the dashboard: %s", sid, operator._settings.job_url(sid))
+        async for event in self._follow():
+            payload = event.payload
+            if payload.get("status") != "success":
+                yield event  # resumes on a worker, which raises the step's error (retries, callbacks)
+                return
+            self.log.info("[rayslice] Ray job %s succeeded", sid)
+            result = payload.get("result")
+            xcoms = dict(links)
+            if operator.do_xcom_push:
+                xcoms["return_value"] = result
+                if getattr(operator, "multiple_outputs", False) and isinstance(result, Mapping):
+                    xcoms.update({str(k): v for k, v in result.items()})
+            yield TaskSuccessEvent(xcoms=xcoms)
+            return
+
+    async def _push(self, key: str, value: Any) -> None:
+        ti = self.task_instance
+        try:
+            await BaseXCom.aset(key, value, dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
+                                map_index=ti.map_index)
+        except Exception as exc:  # the link only
+            self.log.warning("[rayslice] could not record the submission id %s: %s", value, exc)
