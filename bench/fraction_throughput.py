@@ -147,23 +147,26 @@ def main() -> None:
 
             return asyncio.run(all_of_them())
 
-        def airflow_mapping() -> list[tuple[float, float, dict]]:
-            api = airflow_api()
-            run_id = f"bench-{time.time_ns()}"
-            t0 = time.time()
-            resp = api.post(f"/dags/{AIRFLOW_DAG}/dagRuns", json={"dag_run_id": run_id, "logical_date": None})
-            resp.raise_for_status()
+        def run_dag(api: Any, dag_id: str, run_id: str) -> float:
+            """Trigger `dag_id` as `run_id` and wait (polling every 0.5 s) until it succeeds: the time it ended."""
+            api.post(f"/dags/{dag_id}/dagRuns", json={"dag_run_id": run_id, "logical_date": None}).raise_for_status()
             deadline = time.monotonic() + args.airflow_timeout
             state = None
             while state not in ("success", "failed"):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"DAG run {run_id} still {state} after {args.airflow_timeout:.0f} s")
-                time.sleep(1)
-                resp = api.get(f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}")
+                time.sleep(0.5)
+                resp = api.get(f"/dags/{dag_id}/dagRuns/{run_id}")
                 state = resp.json().get("state") if resp.status_code == 200 else state
-            t1 = time.time()
             if state != "success":
                 raise RuntimeError(f"DAG run {run_id} {state}")
+            return time.time()
+
+        def airflow_mapping() -> list[tuple[float, float, dict]]:
+            api = airflow_api()
+            run_id = f"bench-{time.time_ns()}"
+            t0 = time.time()
+            t1 = run_dag(api, AIRFLOW_DAG, run_id)
             out = []
             tis = api.get(f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()
             times = {ti["map_index"]: ti for ti in tis["task_instances"] if ti["task_id"] == AIRFLOW_TASK}
@@ -184,15 +187,7 @@ def main() -> None:
             api = airflow_api()
             run_id = f"bench-chain-{time.time_ns()}"
             t0 = time.time()
-            api.post(f"/dags/{CHAIN}/dagRuns", json={"dag_run_id": run_id, "logical_date": None}).raise_for_status()
-            state = None
-            while state not in ("success", "failed"):
-                time.sleep(0.5)
-                resp = api.get(f"/dags/{CHAIN}/dagRuns/{run_id}")
-                state = resp.json().get("state") if resp.status_code == 200 else state
-            t1 = time.time()
-            if state != "success":
-                raise RuntimeError(f"DAG run {run_id} {state}")
+            t1 = run_dag(api, CHAIN, run_id)
             out = []
             for index in range(4):
                 resp = api.get(f"/dags/{CHAIN}/dagRuns/{run_id}/taskInstances/step_{index}/xcomEntries/return_value",
