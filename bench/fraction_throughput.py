@@ -162,6 +162,14 @@ def main() -> None:
                 raise RuntimeError(f"DAG run {run_id} {state}")
             return time.time()
 
+        def returned(api: Any, task_path: str, map_index: int = -1) -> Any:
+            """A task instance's return value (the REST API's XCom entry, deserialized)."""
+            resp = api.get(f"{task_path}/xcomEntries/return_value",
+                           params={"map_index": map_index, "deserialize": True})
+            resp.raise_for_status()
+            value = resp.json()["value"]
+            return json.loads(value) if isinstance(value, str) else value
+
         def airflow_mapping() -> list[tuple[float, float, dict]]:
             api = airflow_api()
             run_id = f"bench-{time.time_ns()}"
@@ -171,11 +179,7 @@ def main() -> None:
             tis = api.get(f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()
             times = {ti["map_index"]: ti for ti in tis["task_instances"] if ti["task_id"] == AIRFLOW_TASK}
             for i in range(STEPS):
-                resp = api.get(f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}/taskInstances/{AIRFLOW_TASK}"
-                               "/xcomEntries/return_value", params={"map_index": i, "deserialize": True})
-                resp.raise_for_status()
-                value = resp.json()["value"]
-                result = json.loads(value) if isinstance(value, str) else value
+                result = returned(api, f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}/taskInstances/{AIRFLOW_TASK}", i)
                 out.append((t0, t1, result))
                 ti = times[i]
                 overheads["before"].append(result["start"] - _ts(ti["start_date"]))
@@ -190,11 +194,7 @@ def main() -> None:
             t1 = run_dag(api, CHAIN, run_id)
             out = []
             for index in range(4):
-                resp = api.get(f"/dags/{CHAIN}/dagRuns/{run_id}/taskInstances/step_{index}/xcomEntries/return_value",
-                               params={"deserialize": True})
-                resp.raise_for_status()
-                value = resp.json()["value"]
-                out.append((t0, t1, json.loads(value) if isinstance(value, str) else value))
+                out.append((t0, t1, returned(api, f"/dags/{CHAIN}/dagRuns/{run_id}/taskInstances/step_{index}")))
             return out
 
         def jobs_chain() -> list[tuple[float, float, dict]]:

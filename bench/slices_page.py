@@ -313,8 +313,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for variant, r in rows.items():
         reqs = ", ".join(f"{p} x{n}" for p, n in sorted(r["requests"].items()))
-        print(f"| {variant} | {r['first_s']:.2f} s | {r['median_s']:.2f} s | {r['peak_mb']:.0f} MiB ({r['child_peak_mb']:.0f} MiB) "
-              f"| {r['max_lag_ms']:.0f} ms ({r['p99_lag_ms']:.0f} ms) | {reqs} |")
+        print(f"| {variant} | {r['first_s']:.2f} s | {r['median_s']:.2f} s | {r['peak_mb']:.0f} MiB "
+              f"({r['child_peak_mb']:.0f} MiB) | {r['max_lag_ms']:.0f} ms ({r['p99_lag_ms']:.0f} ms) | {reqs} |")
     if not conc:
         return
     print(f"\n| {args.pages} pages refreshing at once | dashboard requests | bytes read | wall (incl. start) |")

@@ -26,6 +26,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, computed_field, model_validator
 
+from rayslice.client.actor_table import _ACTORS, _ms, aread_window
 from rayslice.client.capacity import (
     POD_TYPE_LABEL,
     PREFIX,
@@ -33,7 +34,6 @@ from rayslice.client.capacity import (
     _base,
     _client,
 )
-from rayslice.client.actor_table import _ACTORS, _ms, aread_window
 from rayslice.client.job_records import records_for
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.core.accelerators import ResourceName

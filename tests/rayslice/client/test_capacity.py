@@ -250,7 +250,7 @@ def test_a_gpu_actor_that_fits_is_starting_not_waiting():
 
 
 def test_a_step_waiting_in_the_admission_queue_is_pending_demand():
-    """Its launcher holds `rayslice:<sid>/queued` (one tiny CPU bundle) while it waits: shown as waiting, in the queue."""
+    """Its launcher holds `rayslice:<sid>/queued` (one tiny CPU bundle) while it waits: shown waiting, in the queue."""
     job = {"type": "SUBMISSION", "job_id": "02000000", "submission_id": "sid", "status": "RUNNING",
            "start_time": 1_000_000, "metadata": {"dag_id": "d", "run_id": "r", "task_id": "t", "request": "v6e-16 x2"}}
     marker = {"placement_group_id": "pg1", "name": "rayslice:sid/queued", "state": "CREATED",
