@@ -133,3 +133,19 @@ def test_deferrable_is_the_default_and_blocking_stays_available(deferrable):
     op = _serialized(dag).get_task("step")
     assert op.start_from_trigger is deferrable
     assert dag.get_task("step").partial_kwargs.get("deferrable", True) is deferrable
+
+
+def test_the_queue_rank_and_team_reach_the_trigger():
+    """`priority=` and `team=` order the step in the admission queue: the triggerer's rebuild keeps them."""
+    with DAG("start_ranked", schedule=None, start_date=START) as dag:
+        AcceleratorOperator(task_id="ranked", accelerator="GPU", count=0.25, callable="m:f", priority=7,
+                            team="vision")
+        AcceleratorOperator.partial(task_id="swept", accelerator="GPU", count=0.25, callable="m:f", priority=3,
+                                    team="nlp").expand(op_kwargs=[{"shard": 0}, {"shard": 1}])
+    serialized = _serialized(dag)
+    unmapped = _trigger_for(serialized.get_task("ranked"),
+                            step=dag.get_task("ranked").start_trigger_args.trigger_kwargs["step"])
+    mapped = _trigger_for(serialized.get_task("swept"), map_index=1)
+    for trigger, rank, team in ((unmapped, 7, "vision"), (mapped, 3, "nlp")):
+        operator = asyncio.run(_operator_without_xcom(trigger))
+        assert (operator.priority, operator.team) == (rank, team)
