@@ -5,7 +5,9 @@ scheduler moves it from ``scheduled`` straight to ``deferred`` with a `RayStepSt
 builds the step there (the operator's own code: request, program, kwargs rendered with the task's
 context, the `ray` connection), submits it under the same submission id a worker would use (same
 reattach, same "stop earlier tries"), follows it and relays its log like `RayStepTrigger`, and ends
-the task with ``TaskSuccessEvent(xcoms={"return_value": ..., "ray_submission_id": ...})``.
+the task with ``TaskSuccessEvent()``, its XComs (``return_value``, ``ray_submission_id``, the link)
+pushed through the Task SDK first, as a worker pushes them (the event's own ``xcoms`` are stored
+JSON-encoded twice in Airflow 3.3.2: a downstream task would read a string).
 
 A failed step resumes on a worker (``execute_complete``) to raise there: Airflow's ``TaskFailedEvent``
 applies ``retries``, but not the task's exception (callbacks read `RayStepFailed`'s fields) nor
@@ -293,12 +295,17 @@ class RayStepStartTrigger(RayStepTrigger):
                 return
             self.log.info("[rayslice] Ray job %s succeeded", sid)
             result = payload.get("result")
-            xcoms = dict(links)
             if operator.do_xcom_push:
-                xcoms["return_value"] = result
+                xcoms = {"return_value": result}
                 if getattr(operator, "multiple_outputs", False) and isinstance(result, Mapping):
                     xcoms.update({str(k): v for k, v in result.items()})
-            yield TaskSuccessEvent(xcoms=xcoms)
+                # Through the Task SDK, as a worker pushes them: `TaskSuccessEvent(xcoms=...)` stores each
+                # value JSON-encoded once more (Airflow 3.3.2), so a downstream task would read a string.
+                ti = self.task_instance
+                for key, value in xcoms.items():
+                    await BaseXCom.aset(key, value, dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
+                                        map_index=ti.map_index)
+            yield TaskSuccessEvent()
             return
 
     async def _push(self, key: str, value: Any) -> None:

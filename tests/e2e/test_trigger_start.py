@@ -81,6 +81,9 @@ def test_16_mapped_steps_start_and_end_in_the_triggerer_without_a_task_process(a
     run_id, tis = _run(api, "ts_mapped", 900)
     steps = {ti["map_index"]: ti for ti in tis if ti["task_id"] == "step"}
     assert {i: ti["state"] for i, ti in steps.items()} == dict.fromkeys(range(ITEMS), "success")
+    # A downstream task reads every step's value as the step returned it (a dict, not its JSON).
+    assert [ti["state"] for ti in tis if ti["task_id"] == "total"] == ["success"]
+    assert _xcom(api, "ts_mapped", run_id, "total", "return_value") == sum(range(ITEMS))
     # A task process reports its pid when it starts (the Task SDK's ti_run); none ran.
     assert [ti["pid"] for ti in steps.values() if ti["pid"] is not None] == []
     assert all(ti["try_number"] == 1 for ti in steps.values())
@@ -107,6 +110,7 @@ def test_a_failing_step_is_retried_and_the_retry_starts_in_the_triggerer(api, cl
     run_id, tis = _run(api, "ts_retry", 400)
     (ti,) = [ti for ti in tis if ti["task_id"] == "flaky"]
     assert ti["state"] == "success" and ti["try_number"] == 2, ti
+    assert [t["state"] for t in tis if t["task_id"] == "echo"] == ["success"]  # it read "try 2" itself
     assert _xcom(api, "ts_retry", run_id, "flaky", "return_value") == "try 2"
     first = _log(api, "ts_retry", run_id, "flaky", 1)  # resumed on a worker to raise: a task process ran
     assert "try 1 fails on purpose" in first and "RayStepFailed" in first and TASK_PROCESS_LINE in first, first[-3000:]

@@ -22,7 +22,12 @@ def ts_mapped():
     def step(item: int, scale: int) -> dict:
         return {**work(item), "scale": scale}
 
-    step.partial(scale=10).expand(item=list(range(ITEMS)))
+    @task
+    def total(results: list) -> int:  # on a worker: reads the steps' XComs as a downstream task does
+        assert all(isinstance(r, dict) for r in results), [type(r).__name__ for r in results]
+        return sum(r["item"] for r in results)
+
+    total(step.partial(scale=10).expand(item=list(range(ITEMS))))
 
 
 @dag(dag_id="ts_retry", schedule=None, start_date=START, catchup=False)
@@ -33,7 +38,12 @@ def ts_retry():
             raise RuntimeError("try 1 fails on purpose")
         return f"try {try_number}"
 
-    flaky(try_number="{{ ti.try_number }}")
+    @task
+    def echo(value: str) -> str:
+        assert value == "try 2", repr(value)
+        return value
+
+    echo(flaky(try_number="{{ ti.try_number }}"))
 
 
 ts_mapped()

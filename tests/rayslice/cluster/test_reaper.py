@@ -117,14 +117,15 @@ FOLDER = {folder!r}
 
 @dag(dag_id="reaper_orphan", schedule=None, start_date=pendulum.datetime(2025, 1, 1), catchup=False)
 def reaper_orphan():
-    @task.tpu_slice(tpu="v6e-4", retries=0)
+    # On a worker (not deferred): the orphan this test makes is a killed worker's.
+    @task.tpu_slice(tpu="v6e-4", retries=0, deferrable=False)
     def hold():
         import pathlib, time
         pathlib.Path({folder!r}, "hold").touch()
         while not pathlib.Path({folder!r}, "release").exists():
             time.sleep(0.2)
 
-    @task.ray_accelerator(accelerator="GPU", count=0.25, retries=0)
+    @task.ray_accelerator(accelerator="GPU", count=0.25, retries=0, deferrable=False)
     def live():
         import pathlib, time
         pathlib.Path({folder!r}, "live").touch()
