@@ -534,7 +534,8 @@ def test_the_token_works_end_to_end_and_shows_nowhere(token_cluster, airflow, ap
     for task_id in ("deferred", "running"):
         base = f"/dags/{dag_id}/dagRuns/{run}/taskInstances/{task_id}"
         ti = _get(api, base)
-        assert ti["rendered_fields"]["op_kwargs"] == {"where": url}, ti["rendered_fields"]
+        if task_id == "running":  # a worker stores what it rendered; a triggerer-started step renders in the trigger
+            assert ti["rendered_fields"]["op_kwargs"] == {"where": url}, ti["rendered_fields"]
         exposed[f"{task_id} rendered fields"] = json.dumps(ti["rendered_fields"])
         entries = _get(api, f"{base}/xcomEntries")["xcom_entries"]
         assert {e["key"] for e in entries} >= {"return_value", "ray_submission_id"}, entries
