@@ -139,7 +139,8 @@ def broker() -> Any:
     if head:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+        # Hard: a 0-CPU actor elsewhere would keep that node from ever reading idle (no scale-down).
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
     return Broker.options(**options).remote()
 
 
