@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import sys
+import threading
 import warnings
 from typing import Any, Literal
 
@@ -178,23 +179,31 @@ class StepSpec(BaseModel):
         return cls(pickled=pickle_function(fn), **fields)
 
 
+#: cloudpickle's by-value registry is one process-wide set: a thread must not give a module back
+#: while another pickles with it (steps shipped from parallel threads, or the triggerer's).
+_BY_VALUE = threading.Lock()
+
+
 def pickle_function(fn: Any) -> str:
     """`fn` by value (base64 of cloudpickle), with its DAG file's helpers and the local modules that file imports."""
     import cloudpickle
 
-    modules = _local_modules(sys.modules.get(getattr(fn, "__module__", ""), None))
-    for module in modules:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        blob = cloudpickle.dumps(fn)
-    except Exception as exc:
-        raise InvalidRequestError(
-            f"cannot ship {getattr(fn, '__qualname__', fn)!r} by value ({type(exc).__name__}: {exc}): pass the "
-            "code it needs in runtime_env={'py_modules': [<folder>]} and use callable='package.module:function'"
-        ) from None
-    finally:
+    with _BY_VALUE:
+        # Modules the caller registered itself stay registered.
+        modules = [m for m in _local_modules(sys.modules.get(getattr(fn, "__module__", ""), None))
+                   if not cloudpickle.cloudpickle._is_registered_pickle_by_value(m)]
         for module in modules:
-            cloudpickle.unregister_pickle_by_value(module)
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            blob = cloudpickle.dumps(fn)
+        except Exception as exc:
+            raise InvalidRequestError(
+                f"cannot ship {getattr(fn, '__qualname__', fn)!r} by value ({type(exc).__name__}: {exc}): pass the "
+                "code it needs in runtime_env={'py_modules': [<folder>]} and use callable='package.module:function'"
+            ) from None
+        finally:
+            for module in modules:
+                cloudpickle.unregister_pickle_by_value(module)
     return base64.b64encode(blob).decode()
 
 

@@ -21,7 +21,7 @@ EXPECTED_DAGS = {
     "rayslice_tpu_slice_training",
     "rayslice_tpu_multislice",
     "rayslice_gpu_fraction_sweep",
-    "rayslice_gpu_fraction_mapping",  # run by tests/e2e/test_fraction_mapping.py (32 Ray jobs: real Airflow)
+    "rayslice_gpu_fraction_mapping",  # run by tests/e2e/test_trigger_start.py (16 shards: real Airflow)
     "rayslice_training_pipeline",
 }
 

@@ -44,3 +44,45 @@ def test_helpers_from_sibling_modules_of_the_dags_folder_travel_with_the_functio
                          cwd=tmp_path.parent, env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "{'tripled': 15, 'doubled': 10, 'scale': 3}"
+
+
+def test_functions_pickled_from_many_threads_at_once_all_travel_by_value():
+    """Threads that ship functions of one module at once (a driver running steps in parallel, the
+    triggerer) each get a blob that carries the module by value, and none fails because another
+    thread gave the module's by-value registration back in the middle of its pickling."""
+    import threading
+
+    import cloudpickle
+
+    from rayslice.core.step import pickle_function
+
+    errors: list[BaseException] = []
+    blobs: list[str] = []
+    start = threading.Barrier(8)
+
+    def ship() -> None:
+        start.wait()
+        for _ in range(100):
+            try:
+                blobs.append(pickle_function(_local_step))
+            except BaseException as exc:  # collected: a failing thread must not hide the others
+                errors.append(exc)
+
+    threads = [threading.Thread(target=ship) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(blobs) == 800
+    # By value: a Python that cannot import this test module runs it.
+    assert len(set(blobs)) == 1
+    code = "import base64, sys, cloudpickle; print(cloudpickle.loads(base64.b64decode(sys.stdin.read()))(41))"
+    out = subprocess.run([sys.executable, "-I", "-c", code], input=blobs[0], capture_output=True, text=True,
+                         cwd="/", env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0 and out.stdout.strip() == "42", out.stderr
+    assert not cloudpickle.cloudpickle._is_registered_pickle_by_value(sys.modules[__name__])  # given back
+
+
+def _local_step(x):
+    return x + 1
