@@ -2,18 +2,23 @@
 
 Why: without KubeRay nothing adds TPU hosts to a Ray cluster for a step. ``CreateTpuSliceOperator``
 (``.as_setup()``) checks the zone offers the type, asks for a queued resource whose hosts run
-``ray start --address=<head>`` at boot, and waits until it is ACTIVE, deleting it again if that
-fails (a failed setup skips its teardown). ``DeleteTpuSliceOperator`` (``.as_teardown(setups=...)``)
-deletes it after the steps, whatever they did, but only if this DAG run made it.
+``ray start --address=<head>`` at boot, and waits until it is ACTIVE (in the triggerer, deferrable
+by default), deleting it again if that fails (a failed setup skips its teardown).
+``DeleteTpuSliceOperator`` (``.as_teardown(setups=...)``) deletes it after the steps, whatever they
+did, but only if this DAG run made it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import asdict
+from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 from rayslice.hooks.ray import RayHook
+from rayslice.operators.setup_triggers import DEFERRAL_GRACE_S, QueuedSliceActiveTrigger
 from rayslice.operators.step import is_templated
 
 from rayslice.cloud import pins
@@ -71,6 +76,8 @@ class CreateTpuSliceOperator(_QueuedOperator):
     :param ray_start_args: more ``ray start`` arguments.
     :param check_zone: first check that the zone offers ``tpu`` (the list is cached per zone).
     :param active_timeout: seconds to wait for ACTIVE (a queued resource can wait long for capacity).
+    :param deferrable: wait in the triggerer (default), holding no worker slot; a wait that fails or
+        runs out resumes on a worker to delete the queued resource and fail. False: wait on the worker.
     """
 
     template_fields: Sequence[str] = (*_QueuedOperator.template_fields, "head_address")
@@ -78,8 +85,9 @@ class CreateTpuSliceOperator(_QueuedOperator):
     def __init__(self, *, head_address: str | None = None, ray_conn_id: str = RayHook.default_conn_name,
                  install: bool = True, ray_version: str = pins.RAY_VERSION, jax_version: str = pins.JAX_VERSION,
                  python_version: str = pins.PYTHON_VERSION, ray_start_args: str = "", check_zone: bool = True,
-                 active_timeout: float = 3600.0, **kwargs: Any) -> None:
+                 active_timeout: float = 3600.0, deferrable: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.deferrable = deferrable
         self.head_address = head_address
         self.ray_conn_id = ray_conn_id
         self.script_kwargs = {"install": install, "ray_version": ray_version, "jax_version": jax_version,
@@ -111,19 +119,41 @@ class CreateTpuSliceOperator(_QueuedOperator):
         client = self._client()
         try:
             client.create(owner=owner, script=script)
-            self.log.info("[rayslice] queued %s (%d x %s); waiting for ACTIVE", queued.name, self.num_slices,
-                          self.tpu)
-            client.wait_active(timeout=self.active_timeout, poll_interval=self.poll_interval)
+            self.log.info("[rayslice] queued %s (%d x %s); waiting for ACTIVE%s", queued.name, self.num_slices,
+                          self.tpu, " in the triggerer" if self.deferrable else "")
+            if not self.deferrable:
+                client.wait_active(timeout=self.active_timeout, poll_interval=self.poll_interval)
         except BaseException:
             # A failed setup skips its teardown: never leave slices of ours behind.
-            try:
-                self.log.warning("[rayslice] after the failed setup, %s: %s", queued.name,
-                                 client.delete(owner=owner, wait=False))
-            except Exception as exc:
-                self.log.error("[rayslice] could not delete %s after the failure: %s", queued.name, exc)
+            self._delete_own(client, owner)
             raise
+        if self.deferrable:
+            self.defer(trigger=QueuedSliceActiveTrigger(
+                queued=asdict(queued), api_endpoint=self.api_endpoint, owner=owner,
+                deadline=time.time() + self.active_timeout, timeout=self.active_timeout,
+                poll_interval=self.poll_interval),
+                method_name="execute_complete", timeout=timedelta(seconds=self.active_timeout + DEFERRAL_GRACE_S))
+        return self._active(queued)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, str]:
+        """Back from the triggerer: the ACTIVE slices, or their deletion and the reason the wait failed."""
+        if event.get("status") == "ready":
+            return self._active(self._queued())
+        self._delete_own(self._client(), _owner(context))
+        from rayslice.cloud.cloud_tpu import CloudTpuError
+
+        raise CloudTpuError(event.get("message", event))
+
+    def _active(self, queued: QueuedSlice) -> dict[str, str]:
         self.log.info("[rayslice] %s is ACTIVE; its hosts join the Ray cluster as they boot", queued.name)
         return {"name": queued.name, "tpu": self.tpu, "num_slices": str(self.num_slices)}
+
+    def _delete_own(self, client: Any, owner: str) -> None:
+        try:
+            self.log.warning("[rayslice] after the failed setup, %s: %s", client.queued.name,
+                             client.delete(owner=owner, wait=False))
+        except Exception as exc:
+            self.log.error("[rayslice] could not delete %s after the failure: %s", client.queued.name, exc)
 
 
 class DeleteTpuSliceOperator(_QueuedOperator):

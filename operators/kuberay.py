@@ -1,21 +1,26 @@
 """Setup/teardown operators: a KubeRay RayCluster that lives exactly as long as one DAG run.
 
 Why: a per-run cluster bills only while the run needs it. ``CreateRayClusterOperator(...).as_setup()``
-renders the cluster (``rayslice.cloud.kuberay``), creates it marked with the run as owner, waits until its
-dashboard answers to an address, and deletes it again if anything in that fails (a failed setup
-skips its teardown). ``DeleteRayClusterOperator(...).as_teardown(setups=create)`` runs even when
-steps fail, deletes only a cluster this run made (a pre-existing one is left alone), and is a no-op
-when the cluster is already gone. Both find the cluster through the `ray` connection's ``kuberay``
-extra, the same connection the steps use, so the steps reach the new cluster with no other wiring.
+renders the cluster (``rayslice.cloud.kuberay``), creates it marked with the run as owner, waits
+until its dashboard answers to an address (in the triggerer, deferrable by default), and deletes it
+again if anything in that fails (a failed setup skips its teardown).
+``DeleteRayClusterOperator(...).as_teardown(setups=create)`` runs even when steps fail, deletes only
+a cluster this run made (a pre-existing one is left alone), and is a no-op when the cluster is
+already gone. Both find the cluster through the `ray` connection's ``kuberay`` extra, the same
+connection the steps use, so the steps reach the new cluster with no other wiring.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import asdict
+from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 from rayslice.hooks.ray import RayHook
+from rayslice.operators.setup_triggers import DEFERRAL_GRACE_S, RayClusterReadyTrigger
 from rayslice.operators.step import is_templated
 
 from rayslice.cloud import kuberay
@@ -75,14 +80,18 @@ class CreateRayClusterOperator(_ClusterOperator):
     :param manifest: a complete RayCluster instead of the rendering arguments (its ``authOptions`` and
         head ``serviceType`` are honoured and checked the same way).
     :param ready_timeout: seconds to wait for the cluster's head to be ready.
+    :param deferrable: wait in the triggerer (default), holding no worker slot; a wait that fails or
+        runs out resumes on a worker to delete the cluster and fail. False: wait on the worker.
     """
 
     def __init__(self, *, tpus: Sequence[str] = (), max_slices: int = 1, gpu_nodes: int = 0,
                  gpu_type: str = "nvidia-l4", image: str = kuberay.DEFAULT_IMAGE,
                  gpu_image: str = kuberay.DEFAULT_GPU_IMAGE, idle_timeout_seconds: int = 60,
                  head_service_type: str | None = None, auth: bool = True, token_secret: str | None = None,
-                 manifest: dict[str, Any] | None = None, ready_timeout: float = 900.0, **kwargs: Any) -> None:
+                 manifest: dict[str, Any] | None = None, ready_timeout: float = 900.0, deferrable: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.deferrable = deferrable
         if manifest is not None and (tpus or gpu_nodes):
             raise InvalidRequestError(f"{self.task_id!r}: give either manifest or tpus/gpu_nodes, not both")
         if ready_timeout <= 0:
@@ -145,16 +154,38 @@ class CreateRayClusterOperator(_ClusterOperator):
                     manifest = {**manifest, "metadata": {**manifest.get("metadata", {}), "annotations": {
                         **(manifest.get("metadata", {}).get("annotations") or {}), TOKEN_SECRET_ANNOTATION: secret}}}
                 kube.create(manifest, owner=owner)
-                self.log.info("[rayslice] created RayCluster %s (owner %s); waiting for its head", kube.ref, owner)
-                url = kube.wait_ready(timeout=self.ready_timeout, poll_interval=self.poll_interval)
+                self.log.info("[rayslice] created RayCluster %s (owner %s); waiting for its head%s", kube.ref, owner,
+                              " in the triggerer" if self.deferrable else "")
+                url = None if self.deferrable else kube.wait_ready(timeout=self.ready_timeout,
+                                                                   poll_interval=self.poll_interval)
             except BaseException:
                 # A failed setup skips its teardown: never leave a cluster of ours behind.
                 self._delete_own(kube, owner)
                 raise
             finally:
                 self._kube = None
-        self.log.info("[rayslice] RayCluster %s is ready; dashboard %s", kube.ref, url)
-        return {"namespace": kube.ref.namespace, "name": kube.ref.name, "dashboard_url": url}
+        if url is None:
+            self.defer(trigger=RayClusterReadyTrigger(
+                ref=asdict(kube.ref), token_secret=self._token_secret(manifest), owner=owner,
+                deadline=time.time() + self.ready_timeout, timeout=self.ready_timeout,
+                poll_interval=self.poll_interval),
+                method_name="execute_complete", timeout=timedelta(seconds=self.ready_timeout + DEFERRAL_GRACE_S))
+        return self._ready(kube.ref.namespace, kube.ref.name, url)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, str]:
+        """Back from the triggerer: the ready cluster's address, or its deletion and the reason it failed."""
+        if event.get("status") == "ready":
+            return self._ready(event["namespace"], event["name"], event["dashboard_url"])
+        with self._client() as kube:
+            self._delete_own(kube, _owner(context))
+        from rayslice.cloud.kuberay_client import KubeRayError, KubeRayNotReadyError
+
+        error = KubeRayNotReadyError if event.get("status") == "timeout" else KubeRayError
+        raise error(event.get("message", event))
+
+    def _ready(self, namespace: str, name: str, url: str) -> dict[str, str]:
+        self.log.info("[rayslice] RayCluster %s/%s is ready; dashboard %s", namespace, name, url)
+        return {"namespace": namespace, "name": name, "dashboard_url": url}
 
     def _delete_own(self, kube: Any, owner: str) -> None:
         try:

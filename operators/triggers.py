@@ -237,21 +237,12 @@ class RayStepTrigger(BaseTrigger):
     async def on_kill(self) -> None:
         """The user killed the deferred task: stop the Ray job (its end frees the slice); a moved trigger: nothing.
 
-        Airflow's triggerer cancels the trigger again at every sync until it has ended (its
-        `to_cancel` set is re-sent), which would cancel this in the middle of asking Airflow or
-        stopping the job: the work runs shielded, and those repeated cancels are waited out
-        (each call is bounded by `call_timeout`).
+        Shielded from the triggerer's repeated cancels (`shielded`); each call is bounded by `call_timeout`.
         """
-        work = asyncio.ensure_future(self._kill())
-        while True:
-            try:
-                return await asyncio.shield(work)
-            except asyncio.CancelledError:
-                if work.done():
-                    raise
+        await shielded(self._kill())
 
     async def _kill(self) -> None:
-        state = await self._task_state()
+        state = await task_state(self, self.call_timeout, about=self.submission_id)
         if state == "deferred":
             self.log.info("[rayslice] the trigger of Ray job %s moved to another triggerer (the task is still "
                           "deferred): leaving the job to it", self.submission_id)
@@ -262,29 +253,46 @@ class RayStepTrigger(BaseTrigger):
         self.log.info("Ray job %s: %s", self.submission_id,
                       "stop requested" if stopped else "was not running")
 
-    async def _task_state(self) -> str | None:
-        """The task instance's state as Airflow has it now; None when it cannot be asked.
 
-        Through the triggerer's channel to its supervisor (the Task SDK's `GetTaskStates`, answered
-        by the execution API), the way a trigger's `RuntimeTaskInstance.get_task_states` asks.
-        """
-        ti = getattr(self, "task_instance", None)
+async def shielded(work: Any) -> Any:
+    """Await `work` (a coroutine) to its end although the triggerer cancels again meanwhile.
+
+    Airflow's triggerer cancels a trigger it no longer runs at every sync until it has ended (its
+    `to_cancel` set is re-sent), which would cancel an `on_kill` in the middle of asking Airflow or
+    of the cleanup it decided on: the work runs shielded, and those repeated cancels are waited out.
+    """
+    task = asyncio.ensure_future(work)
+    while True:
         try:
-            from airflow.sdk.execution_time import task_runner
-            from airflow.sdk.execution_time.comms import GetTaskStates, TaskStatesResult
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
 
-            comms = getattr(task_runner, "SUPERVISOR_COMMS", None)
-            if ti is None or comms is None:
-                return None
-            map_index = ti.map_index if ti.map_index is not None and ti.map_index >= 0 else -1
-            answer = await asyncio.wait_for(comms.asend(GetTaskStates(
-                dag_id=ti.dag_id, run_ids=[ti.run_id], task_ids=[ti.task_id], map_index=map_index)),
-                self.call_timeout)
-        except Exception as exc:  # an unreachable Airflow must not keep a kill from stopping the job
-            self.log.warning("[rayslice] could not ask Airflow for the state of %s: %s", self.submission_id, exc)
+
+async def task_state(trigger: BaseTrigger, timeout: float, *, about: str) -> str | None:
+    """The trigger's task instance's state as Airflow has it now; None when it cannot be asked.
+
+    Through the triggerer's channel to its supervisor (the Task SDK's `GetTaskStates`, answered
+    by the execution API), the way a trigger's `RuntimeTaskInstance.get_task_states` asks. A
+    trigger cancelled while its task is still ``deferred`` only moved to another triggerer.
+    """
+    ti = getattr(trigger, "task_instance", None)
+    try:
+        from airflow.sdk.execution_time import task_runner
+        from airflow.sdk.execution_time.comms import GetTaskStates, TaskStatesResult
+
+        comms = getattr(task_runner, "SUPERVISOR_COMMS", None)
+        if ti is None or comms is None:
             return None
-        if not isinstance(answer, TaskStatesResult):
-            self.log.warning("[rayslice] Airflow did not report the state of %s: %s", self.submission_id, answer)
-            return None
-        states = [state for tasks in answer.task_states.values() for state in tasks.values()]
-        return str(states[0]) if len(states) == 1 and states[0] is not None else None
+        map_index = ti.map_index if ti.map_index is not None and ti.map_index >= 0 else -1
+        answer = await asyncio.wait_for(comms.asend(GetTaskStates(
+            dag_id=ti.dag_id, run_ids=[ti.run_id], task_ids=[ti.task_id], map_index=map_index)), timeout)
+    except Exception as exc:  # an unreachable Airflow must not keep a kill from cleaning up
+        trigger.log.warning("[rayslice] could not ask Airflow for the state of %s: %s", about, exc)
+        return None
+    if not isinstance(answer, TaskStatesResult):
+        trigger.log.warning("[rayslice] Airflow did not report the state of %s: %s", about, answer)
+        return None
+    states = [state for tasks in answer.task_states.values() for state in tasks.values()]
+    return str(states[0]) if len(states) == 1 and states[0] is not None else None

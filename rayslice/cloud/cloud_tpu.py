@@ -282,26 +282,37 @@ class QueuedSliceClient:
         except gexc.GoogleAPIError as exc:
             raise _api_error(f"create {self.queued.name}", exc) from None
 
-    def wait_active(self, *, timeout: float = 3600.0, poll_interval: float = 30.0) -> Any:
-        """Poll until ACTIVE (every host up); FAILED or SUSPENDED end the wait with the reason."""
+    def active_state(self) -> tuple[Any | None, str]:
+        """One look: (the queued resource, "ACTIVE") once every host is up, else (None, its state).
+
+        FAILED or SUSPENDED raise, with the reason.
+        """
         from google.cloud import tpu_v2
 
         states = tpu_v2.QueuedResourceState.State
+        queued = self.get()
+        if queued is None:
+            raise CloudTpuError(f"queued resource {self.queued.name} disappeared while waiting for it")
+        state = queued.state.state
+        if state in (states.FAILED, states.SUSPENDED, states.SUSPENDING):
+            detail = queued.state.failed_data.error.message if state == states.FAILED else ""
+            raise CloudTpuError(f"queued resource {self.queued.name} is {state.name}"
+                                + (f": {detail}" if detail else ""))
+        return (queued if state == states.ACTIVE else None), state.name
+
+    def not_active_in_time(self, timeout: float, state: str) -> CloudTpuError:
+        return CloudTpuError(f"queued resource {self.queued.name} not ACTIVE after {timeout:g} s "
+                             f"(state {state}): capacity may be short in {self.queued.zone}")
+
+    def wait_active(self, *, timeout: float = 3600.0, poll_interval: float = 30.0) -> Any:
+        """Poll until ACTIVE (every host up); FAILED or SUSPENDED end the wait with the reason."""
         deadline = time.monotonic() + timeout
         while True:
-            queued = self.get()
-            if queued is None:
-                raise CloudTpuError(f"queued resource {self.queued.name} disappeared while waiting for it")
-            state = queued.state.state
-            if state == states.ACTIVE:
-                return queued
-            if state in (states.FAILED, states.SUSPENDED, states.SUSPENDING):
-                detail = queued.state.failed_data.error.message if state == states.FAILED else ""
-                raise CloudTpuError(f"queued resource {self.queued.name} is {state.name}"
-                                    + (f": {detail}" if detail else ""))
+            active, state = self.active_state()
+            if active is not None:
+                return active
             if time.monotonic() >= deadline:
-                raise CloudTpuError(f"queued resource {self.queued.name} not ACTIVE after {timeout:g} s "
-                                    f"(state {state.name}): capacity may be short in {self.queued.zone}")
+                raise self.not_active_in_time(timeout, state)
             time.sleep(poll_interval)
 
     def delete(self, *, owner: str, wait: bool = True) -> Deleted:

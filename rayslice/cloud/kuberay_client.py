@@ -410,21 +410,26 @@ class KubeRayClient:
             return
         logger.info("RayCluster %s validated against %s", self.ref, checked)
 
+    def ready_url(self) -> tuple[str | None, str]:
+        """One look: (the dashboard URL, "") once the cluster is ready, else (None, why not yet)."""
+        obj = self.get()
+        if obj is None:
+            raise KubeRayError(f"RayCluster {self.ref} disappeared while waiting for it to become ready",
+                               status_code=404)
+        try:
+            return self.dashboard_url(obj), ""
+        except KubeRayNotReadyError as exc:
+            return None, str(exc)
+
     def wait_ready(self, *, timeout: float = 900.0, poll_interval: float = 5.0) -> str:
         """Poll until the cluster is ready and its dashboard has an address; returns the dashboard URL."""
         deadline = time.monotonic() + timeout
-        last = "not found"
         while True:
-            obj = self.get()
-            if obj is None:
-                raise KubeRayError(f"RayCluster {self.ref} disappeared while waiting for it to become ready",
-                                   status_code=404)
-            try:
-                return self.dashboard_url(obj)
-            except KubeRayNotReadyError as exc:
-                last = str(exc)
+            url, why = self.ready_url()
+            if url is not None:
+                return url
             if time.monotonic() >= deadline:
-                raise KubeRayNotReadyError(f"RayCluster {self.ref} not ready after {timeout:g} s: {last}")
+                raise not_ready_in_time(self.ref, timeout, why)
             time.sleep(poll_interval)
 
     def delete(self, *, owner: str) -> Deleted:
@@ -461,6 +466,10 @@ class KubeRayClient:
                 raise KubeRayError(f"RayCluster {self.ref} still exists {timeout:g} s after its deletion "
                                    "(finalizers or pods stuck terminating?)")
             time.sleep(poll_interval)
+
+
+def not_ready_in_time(ref: ClusterRef, timeout: float, why: str) -> KubeRayNotReadyError:
+    return KubeRayNotReadyError(f"RayCluster {ref} not ready after {timeout:g} s: {why or 'not found'}")
 
 
 def resolve_dashboard_url(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None) -> str:

@@ -6,7 +6,9 @@ google-cloud-tpu client and checks every body against the client's protobuf mess
 
 from __future__ import annotations
 
+import asyncio
 import textwrap
+import time
 
 import pytest
 
@@ -37,6 +39,12 @@ DAGS = textwrap.dedent(
 
     with DAG("tpu_lifecycle", schedule=None, start_date=START):
         create = CreateTpuSliceOperator(task_id="create", head_address="10.0.0.2:6379", active_timeout=30, **WHERE)
+        delete = DeleteTpuSliceOperator(task_id="delete", **WHERE)
+        create.as_setup() >> train() >> delete.as_teardown(setups=create)
+
+    with DAG("tpu_lifecycle_on_a_worker", schedule=None, start_date=START):
+        create = CreateTpuSliceOperator(task_id="create", head_address="10.0.0.2:6379", active_timeout=30,
+                                        deferrable=False, **WHERE)
         delete = DeleteTpuSliceOperator(task_id="delete", **WHERE)
         create.as_setup() >> train() >> delete.as_teardown(setups=create)
 
@@ -80,15 +88,18 @@ def dags(airflow_db, server):
     return dags
 
 
-def test_the_slices_are_deleted_when_the_step_between_fails(fake, dags):
-    dr = dags["tpu_lifecycle"].test()
+@pytest.mark.parametrize("dag_id", ["tpu_lifecycle", "tpu_lifecycle_on_a_worker"],
+                         ids=["waits-in-the-triggerer", "waits-on-the-worker"])
+def test_the_slices_are_deleted_when_the_step_between_fails(fake, dags, dag_id, capfd):
+    dr = dags[dag_id].test()
+    assert ("waiting for ACTIVE in the triggerer" in capfd.readouterr().out) is (dag_id == "tpu_lifecycle")
     assert task_states(dr) == {"create": "success", "train": "failed", "delete": "success"}
     assert xcom_values(dr, "create") == [{"name": NAME, "tpu": "v6e-16", "num_slices": "2"}]
     assert xcom_values(dr, "delete") == ["deleted"]
     assert NAME not in fake.queued
     [(_, _, _, body)] = [r for r in fake.requests if r[0] == "POST"]
     node = body["tpu"]["nodeSpec"][0]["node"]
-    assert node["labels"]["rayslice-owner"] == cloud_tpu.owner_label(f"tpu_lifecycle/{dr.run_id}")
+    assert node["labels"]["rayslice-owner"] == cloud_tpu.owner_label(f"{dag_id}/{dr.run_id}")
     assert "/bin/ray\" start --address=10.0.0.2:6379" in node["metadata"]["startup-script"]
 
 
@@ -100,10 +111,12 @@ def test_a_type_the_zone_lacks_fails_before_anything_is_queued(fake, dags, capfd
     assert not [r for r in fake.requests if r[0] == "POST"]
 
 
-def test_a_setup_that_never_gets_capacity_deletes_its_request(fake, dags, capfd):
+@pytest.mark.parametrize("dag_id", ["tpu_lifecycle", "tpu_lifecycle_on_a_worker"],
+                         ids=["waits-in-the-triggerer", "waits-on-the-worker"])
+def test_a_setup_that_never_gets_capacity_deletes_its_request(fake, dags, capfd, dag_id):
     fake.fail_with = "no capacity"
     try:
-        dr = dags["tpu_lifecycle"].test()
+        dr = dags[dag_id].test()
     finally:
         fake.fail_with = None
     assert task_states(dr)["create"] == "failed"
@@ -200,3 +213,63 @@ def test_a_slice_operator_fails_on_a_type_its_zone_lacks_before_asking_ray(fake,
     out = capfd.readouterr().out
     assert "v6e-32 is not offered in zone us-east5-b: v6e there comes as v6e-16, v6e-4" in out, out[-3000:]
     assert [r[1] for r in fake.requests] == [f"/v2/{PARENT}/acceleratorTypes"]
+
+
+# --- the deferred setup's trigger
+
+
+def _trigger(server, **kwargs):
+    from rayslice.operators.setup_triggers import QueuedSliceActiveTrigger
+
+    queued = {"project": "my-project", "zone": "us-east5-b", "queued_resource_id": "rs-slices", "tpu": "v6e-16"}
+    return QueuedSliceActiveTrigger(queued=queued, api_endpoint=server.url, owner="tpu_lifecycle/manual__1",
+                                    deadline=kwargs.pop("deadline", 4e9), timeout=60, poll_interval=0.05, **kwargs)
+
+
+def _queue(server) -> None:
+    queued = cloud_tpu.QueuedSlice(project="my-project", zone="us-east5-b", queued_resource_id="rs-slices",
+                                   tpu="v6e-16")
+    cloud_tpu.QueuedSliceClient(queued, api_endpoint=server.url).create(owner="tpu_lifecycle/manual__1",
+                                                                        script="#!/bin/sh\n")
+
+
+async def _events(trigger) -> list[dict]:
+    events = [event.payload async for event in trigger.run()]
+    await trigger.cleanup()
+    return events
+
+
+def test_the_trigger_reports_active_slices_and_its_deadline(fake):
+    _queue(fake)
+    trigger = _trigger(fake)
+    assert trigger.serialize()[0] == "rayslice.operators.setup_triggers.QueuedSliceActiveTrigger"
+    assert asyncio.run(_events(trigger)) == [{"status": "ready", "name": NAME, "tpu": "v6e-16", "num_slices": "1"}]
+    fake.queued.clear()
+    fake.active_after_gets = None
+    try:
+        _queue(fake)
+        [event] = asyncio.run(_events(_trigger(fake, deadline=time.time() + 0.3)))
+    finally:
+        fake.active_after_gets = 2
+    assert event["status"] == "timeout" and "not ACTIVE after 60 s" in event["message"], event
+    assert NAME in fake.queued  # the operator deletes it when it resumes, not the trigger
+
+
+def test_a_killed_deferred_setup_deletes_its_request_and_a_moved_one_does_not(fake, monkeypatch):
+    from rayslice.operators import setup_triggers
+
+    fake.active_after_gets = None
+    try:
+        _queue(fake)
+
+        async def still_deferred(*args, **kwargs):
+            return "deferred"
+
+        with monkeypatch.context() as patch:  # the trigger only moved to another triggerer
+            patch.setattr(setup_triggers, "task_state", still_deferred)
+            asyncio.run(_trigger(fake).on_kill())
+        assert NAME in fake.queued
+        asyncio.run(_trigger(fake).on_kill())  # no Airflow to ask (as when the user's kill reaches it): delete
+    finally:
+        fake.active_after_gets = 2
+    assert NAME not in fake.queued

@@ -74,6 +74,13 @@ NO_RAY = COMMON + textwrap.dedent(
         delete = DeleteRayClusterOperator(task_id="delete", ray_conn_id="kuberay_fake", poll_interval=0.05)
         create.as_setup() >> use_cluster() >> delete.as_teardown(setups=create)
 
+    with DAG("kr_setup_teardown_on_a_worker", schedule=None, start_date=START):
+        create = CreateRayClusterOperator(task_id="create", ray_conn_id="kuberay_fake", tpus=["v6e-16"],
+                                          head_service_type="LoadBalancer", poll_interval=0.05, ready_timeout=0.5,
+                                          deferrable=False)
+        delete = DeleteRayClusterOperator(task_id="delete", ray_conn_id="kuberay_fake", poll_interval=0.05)
+        create.as_setup() >> use_cluster() >> delete.as_teardown(setups=create)
+
     with DAG("kr_teardown_only", schedule=None, start_date=START):
         use_cluster() >> DeleteRayClusterOperator(task_id="delete", ray_conn_id="kuberay_fake", poll_interval=0.05)
     """
@@ -84,6 +91,7 @@ NO_RAY = COMMON + textwrap.dedent(
 def fake(monkeypatch, tmp_path, reference_crds):
     with FakeKubernetes(crds=reference_crds) as server:
         kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+        server.kubeconfig = str(kubeconfig)
         extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": str(kubeconfig)}}
         monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
         yield server
@@ -239,13 +247,16 @@ def test_a_templated_name_is_checked_at_run_time():
 # --- setup/teardown in real DAG runs
 
 
-def test_a_setup_that_never_gets_ready_deletes_its_own_cluster(fake, no_ray_dags, capfd):
+@pytest.mark.parametrize("dag_id", ["kr_setup_teardown", "kr_setup_teardown_on_a_worker"],
+                         ids=["waits-in-the-triggerer", "waits-on-the-worker"])
+def test_a_setup_that_never_gets_ready_deletes_its_own_cluster(fake, no_ray_dags, capfd, dag_id):
     fake.ready_after_gets = None
     fake.gone_after_gets = 0
-    dr = no_ray_dags["kr_setup_teardown"].test()
+    dr = no_ray_dags[dag_id].test()
     out = capfd.readouterr().out
     assert task_states(dr)["create"] == "failed"
     assert "not ready after 0.5 s" in out
+    assert ("waiting for its head in the triggerer" in out) is (dag_id == "kr_setup_teardown")
     assert fake.cluster("ml", "rs") is None  # the failed setup removed what it created
     assert not fake.secrets  # and the token Secret it made for it
     posts = [r for r in fake.requests if r[0] == "POST" and "rayclusters" in r[1]]
@@ -326,3 +337,68 @@ def test_the_cluster_is_deleted_when_the_step_between_fails(fake, airflow_db, ra
     assert posts == ["/api/v1/namespaces/ml/secrets", "/apis/ray.io/v1/namespaces/ml/rayclusters"], posts
     assert ("DELETE", "/api/v1/namespaces/ml/secrets/ignored-ray-token", None) in fake.requests
     assert not fake.secrets
+
+
+# --- the deferred setup's trigger
+
+
+OWNER = "kr_setup_teardown/manual__1"
+
+
+def _trigger(fake, **kwargs):
+    from rayslice.operators.setup_triggers import RayClusterReadyTrigger
+
+    ref = {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig, "address": "load-balancer"}
+    return RayClusterReadyTrigger(ref=ref, owner=OWNER, deadline=kwargs.pop("deadline", 4e9), timeout=60,
+                                  poll_interval=0.05, **kwargs)
+
+
+def _created(fake) -> None:
+    from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient
+
+    manifest = kuberay.render_raycluster("rs", tpus=["v6e-4"], namespace="ml")
+    manifest["spec"]["headGroupSpec"]["serviceType"] = "LoadBalancer"
+    with KubeRayClient(ClusterRef(name="rs", namespace="ml", kubeconfig=fake.kubeconfig)) as kube:
+        kube.create(manifest, owner=OWNER)
+
+
+async def _events(trigger) -> list[dict]:
+    events = [event.payload async for event in trigger.run()]
+    await trigger.cleanup()
+    return events
+
+
+def test_the_trigger_reports_the_dashboard_once_the_cluster_is_ready(fake):
+    fake.ready_after_gets = 3
+    _created(fake)
+    trigger = _trigger(fake)
+    assert trigger.serialize()[0] == "rayslice.operators.setup_triggers.RayClusterReadyTrigger"
+    [event] = asyncio.run(_events(trigger))
+    assert event["status"] == "ready" and event["name"] == "rs" and event["namespace"] == "ml"
+    assert event["dashboard_url"].startswith("http://") and event["dashboard_url"].endswith(":8265")
+
+
+def test_the_trigger_reports_its_deadline_with_the_clusters_state(fake):
+    fake.ready_after_gets = None
+    _created(fake)
+    [event] = asyncio.run(_events(_trigger(fake, deadline=__import__("time").time() + 0.3)))
+    assert event["status"] == "timeout" and "not ready after 60 s" in event["message"], event
+    assert fake.cluster("ml", "rs") is not None  # the operator deletes it when it resumes, not the trigger
+
+
+def test_a_killed_deferred_setup_deletes_its_cluster_and_a_moved_one_does_not(fake, monkeypatch):
+    from rayslice.operators import setup_triggers
+
+    fake.ready_after_gets = None
+    fake.gone_after_gets = 0
+    _created(fake)
+
+    async def still_deferred(*args, **kwargs):
+        return "deferred"
+
+    with monkeypatch.context() as patch:  # the trigger only moved to another triggerer
+        patch.setattr(setup_triggers, "task_state", still_deferred)
+        asyncio.run(_trigger(fake).on_kill())
+    assert fake.cluster("ml", "rs") is not None
+    asyncio.run(_trigger(fake).on_kill())  # no Airflow to ask (as when the user's kill reaches it): delete
+    assert fake.cluster("ml", "rs") is None
