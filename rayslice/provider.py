@@ -54,10 +54,12 @@ def get_provider_info() -> dict:
                     "rayslice.operators.tpu_slice",
                     "rayslice.operators.accelerator",
                     "rayslice.operators.kuberay",
+                    "rayslice.operators.cloud_tpu",
                 ],
             }
         ],
-        "triggers": [{"integration-name": _INTEGRATION, "python-modules": ["rayslice.operators.triggers"]}],
+        "triggers": [{"integration-name": _INTEGRATION, "python-modules": [
+            "rayslice.operators.triggers", "rayslice.operators.start_trigger", "rayslice.operators.setup_triggers"]}],
         "connection-types": [
             {
                 "connection-type": "ray",
