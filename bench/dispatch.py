@@ -8,6 +8,10 @@ and followed by the same follower (`rayslice.client.submission.wait_for_step`):
 - rayslice (`run_step_job`), twice: the launcher shipped with each job (the default) and the
   launcher installed on the cluster (`launcher="installed"`: the job carries only the step, and
   its host processes start without a runtime env);
+- rayslice command step (installed launcher): the same work as an unmodified program run on every
+  host, `python -c "import jax; jax.distributed.initialize(); ..."` (JAX's own auto-detection wires
+  it), which writes its device count to `RAYSLICE_RESULT_FILE`: its host processes start one more
+  Python each;
 - (a) the hand-written head-targeted pattern of Ray's TPU docs (a task on `TPU-<type>-head` that
   starts one task per host with `{<slice name>: 1, "TPU": 4}`), each host wiring `jax.distributed`
   over gloo itself (`bench/_job_baseline.py`);
@@ -68,9 +72,10 @@ SHAPES = {
     "v6e-16": ("v6e-16 (4 hosts)", TpuSliceRequest(tpu="v6e-16")),
     "2xv6e-16": ("2 × v6e-16 multislice (8 hosts)", TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True)),
 }
-RAYSLICE, INSTALLED, HAND, ON_SLICE, FLOOR = (
+RAYSLICE, INSTALLED, COMMAND, HAND, ON_SLICE, FLOOR = (
     "rayslice as a Ray job, launcher shipped (run_step_job)",
     "rayslice as a Ray job, launcher installed (run_step_job)",
+    "rayslice command step (python -c ...), launcher installed",
     "(a) hand-written head-targeted pattern + JAX wiring, as a Ray job",
     "(b) run_on_slice (one-shot) + JAX wiring, as a Ray job",
     "floor: N plain processes (start + JAX import + jax.distributed), no Ray",
@@ -91,6 +96,16 @@ def jax_step() -> dict[str, Any]:
     age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     return {"t": now, "devices": devices, "pid": os.getpid(), "proc_start": time.time() - age}
 
+
+#: The command step's program: JAX wires itself (jax.distributed.initialize() finds the slice).
+COMMAND_PROGRAM = (
+    "import json, os, time\n"
+    "import jax\n"
+    "jax.distributed.initialize()\n"
+    "devices = jax.device_count()\n"
+    "out = open(os.environ['RAYSLICE_RESULT_FILE'], 'w')\n"
+    "json.dump({'t': time.time(), 'devices': devices, 'pid': os.getpid()}, out)\n"
+)
 
 FLOOR_PROCESS = r"""
 import json, os, sys, time
@@ -172,12 +187,16 @@ def _rows(record: Any, slice_names: list[str], args: Any) -> list[Row]:
 
     package = zip_file(Path(__file__).with_name("_job_baseline.py"))
 
-    def rayslice_job(launcher: str) -> Callable:
+    def rayslice_job(launcher: str, command: bool = False) -> Callable:
         def run(request: TpuSliceRequest) -> tuple[float, list[dict], float, dict]:
             lines: list[str] = []
             t0 = time.time()
-            spec = StepSpec.for_function(jax_step, request=request, launcher=launcher,
-                                         owner=Owner(submission_id=f"bench-{time.time_ns()}"))
+            owner = Owner(submission_id=f"bench-{time.time_ns()}")
+            if command:
+                spec = StepSpec(command=["python", "-c", COMMAND_PROGRAM], request=request, launcher=launcher,
+                                owner=owner)
+            else:
+                spec = StepSpec.for_function(jax_step, request=request, launcher=launcher, owner=owner)
             results = asyncio.run(run_step_job(record.dashboard_url, spec, token=record.token, emit=lines.append))
             t1 = time.time()
             # The full timing record stays in the Ray job's log (task logs and `emit` get the summary only).
@@ -210,7 +229,8 @@ def _rows(record: Any, slice_names: list[str], args: Any) -> list[Row]:
         return run
 
     rows = [Row(RAYSLICE, rayslice_job("shipped")), Row(INSTALLED, rayslice_job("installed")),
-            Row(HAND, baseline("a")), Row(ON_SLICE, baseline("b")), Row(FLOOR, floor)]
+            Row(COMMAND, rayslice_job("installed", command=True)), Row(HAND, baseline("a")),
+            Row(ON_SLICE, baseline("b")), Row(FLOOR, floor)]
     if args.nojax_rows:
         rows += [Row("(a) hand-written head-targeted pattern, no JAX, as a Ray job", baseline("a-nojax")),
                  Row("(b) run_on_slice (one-shot), no JAX, as a Ray job", baseline("b-nojax"))]

@@ -226,7 +226,8 @@ def visible(snap: "Snapshot", user: Any) -> dict[str, Any]:
     """The snapshot as JSON, with holders of no DAG this user may read replaced by a hidden one.
 
     That includes holders Ray cannot trace to a DAG (a step whose job record was deleted, another
-    Ray workload): their names are whatever their creator chose. What hidden demand asks for is hidden too.
+    Ray workload): their names are whatever their creator chose. What hidden demand asks for, and its
+team, are hidden too (its place in line and priority stay: they say why a visible step waits).
     """
     from airflow.api_fastapi.app import get_auth_manager
 
@@ -242,7 +243,7 @@ def visible(snap: "Snapshot", user: Any) -> dict[str, Any]:
                           job_id=None, job_status=None, name="", label=HIDDEN)
     for demand in data["pending"]:
         if not demand["holder"] or demand["holder"]["label"] == HIDDEN:
-            demand.update(request="hidden", resources={})
+            demand.update(request="hidden", resources={}, team=None)
     return data
 
 

@@ -132,18 +132,31 @@ def gpu_card(node: dict[str, Any], ctx: dict[str, str]) -> str:
             f'<ul class="users">{users or "<li class=muted>no one is using it</li>"}</ul></article>')
 
 
+def in_queue(p: dict[str, Any]) -> str:
+    """Where a step waiting in the admission queue stands: "2nd in line, priority 5, team research"."""
+    if p.get("kind") != "queue":
+        return ""
+    place = p.get("place")
+    suffix = "th" if place and 10 <= place % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get((place or 0) % 10, "th")
+    parts = [f"{place}{suffix} in line" if place else "",
+             f"priority {p['priority']}" if p.get("priority") is not None else "",
+             f"team {p['team']}" if p.get("team") else ""]
+    return ", ".join(part for part in parts if part)
+
+
 def waiting(pending: list[dict[str, Any]], ctx: dict[str, str]) -> str:
     if not pending:
         return '<p class="muted">Nothing is waiting for capacity.</p>'
     rows = "".join(
         f'<tr class="{"starting" if p["starting"] else ""}"><td><b>{esc(p["request"])}</b></td>'
-        f'<td>{who(p["holder"], ctx)}</td>'
+        f'<td>{who(p["holder"], ctx)}</td><td class="queue">{esc(in_queue(p))}</td>'
         + ('<td class="muted" title="capacity is free; its worker process is starting">starting</td></tr>'
            if p["starting"] else
            f'<td class="wait" data-waiting="{amount(p["waiting_s"]) if p["waiting_s"] is not None else ""}">'
            f'{esc(duration(p["waiting_s"]))}</td></tr>')
         for p in pending)
-    return f'<table class="pending"><tr><th>asks for</th><th>for task</th><th>waiting</th></tr>{rows}</table>'
+    return ('<table class="pending"><tr><th>asks for</th><th>for task</th><th>in the queue</th><th>waiting</th>'
+            f'</tr>{rows}</table>')
 
 
 def summary(data: dict[str, Any]) -> str:

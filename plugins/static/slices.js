@@ -91,14 +91,25 @@ function gpuCard(n, ctx) {
     `<ul class="users">${users || "<li class=muted>no one is using it</li>"}</ul></article>`;
 }
 
+// Where a step waiting in the admission queue stands (as plugins/slices_page.py in_queue says it).
+function inQueue(p) {
+  if (p.kind !== "queue") return "";
+  const place = p.place;
+  const suffix = place && place % 100 >= 10 && place % 100 <= 20 ? "th"
+    : ({1: "st", 2: "nd", 3: "rd"})[(place || 0) % 10] || "th";
+  return [place ? `${place}${suffix} in line` : "", p.priority != null ? `priority ${p.priority}` : "",
+          p.team ? `team ${p.team}` : ""].filter(Boolean).join(", ");
+}
+
 function waiting(pending, ctx) {
   if (!pending.length) return '<p class="muted">Nothing is waiting for capacity.</p>';
   const rows = pending.map((p) =>
     `<tr class="${p.starting ? "starting" : ""}"><td><b>${esc(p.request)}</b></td>` +
-    `<td>${who(p.holder, ctx)}</td>` +
+    `<td>${who(p.holder, ctx)}</td><td class="queue">${esc(inQueue(p))}</td>` +
     (p.starting ? '<td class="muted" title="capacity is free; its worker process is starting">starting</td></tr>'
       : `<td class="wait" data-waiting="${p.waiting_s ?? ""}">${esc(duration(p.waiting_s))}</td></tr>`)).join("");
-  return `<table class="pending"><tr><th>asks for</th><th>for task</th><th>waiting</th></tr>${rows}</table>`;
+  return '<table class="pending"><tr><th>asks for</th><th>for task</th><th>in the queue</th><th>waiting</th></tr>' +
+    `${rows}</table>`;
 }
 
 function summary(d) {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections import Counter
 from datetime import UTC, datetime
@@ -132,6 +133,10 @@ class Pending(BaseModel):
     since: datetime | None = None
     waiting_s: float | None = None
     starting: bool = False
+    # In the admission queue (kind "queue"): its rank (priority, then arrival), as the broker orders it.
+    priority: int | None = None
+    team: str | None = None
+    place: int | None = None  # 1 = first in line for its kind of capacity (TPU, or an accelerator resource)
 
 
 class Snapshot(BaseModel):
@@ -321,7 +326,7 @@ def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, no
     gpu_nodes = _gpu_nodes(nodes, usage, now)
     gpu_free = max((n.free for n in gpu_nodes), default=0)
     return Snapshot(slices=_slices(nodes, usage, now), gpu_nodes=gpu_nodes,
-                    pending=_pending(groups, actors, pg_holder, holders, now, gpu_free),
+                    pending=_rank_queue(_pending(groups, actors, pg_holder, holders, now, gpu_free)),
                     taken_at=datetime.fromtimestamp(now, UTC), warnings=warnings)
 
 
@@ -386,7 +391,10 @@ def _pending(groups: list[dict[str, Any]], actors: list[dict[str, Any]], pg_hold
             created_ns = _int((pg.get("stats") or {}).get("creation_request_received_ns"), 0)
             job = holders.by_job_id.get(pg.get("creator_job_id") or "") or {}
             started = job.get("start_time") / 1000 if job.get("start_time") else None  # its driver queues at once
-            out.append(_demand("queue", {}, pg_holder[pg["placement_group_id"]], created_ns / 1e9 or started, now))
+            demand = _demand("queue", {}, pg_holder[pg["placement_group_id"]], created_ns / 1e9 or started, now)
+            meta = job.get("metadata") or {}
+            demand.priority, demand.team = _int(meta.get("priority"), 0), meta.get("team") or None
+            out.append(demand)
             continue
         if pg.get("state") not in ("PENDING", "RESCHEDULING"):
             continue
@@ -412,6 +420,25 @@ def _pending(groups: list[dict[str, Any]], actors: list[dict[str, Any]], pg_hold
     return sorted(out, key=lambda p: (p.starting, -(p.waiting_s or 0)))
 
 
+def _rank_queue(pending: list[Pending]) -> list[Pending]:
+    """Number the queued steps in line per kind of capacity, by the queue's own rule: priority, then arrival."""
+    lines: dict[str, list[Pending]] = {}
+    for p in pending:
+        if p.kind == "queue":
+            lines.setdefault(_family(p.request), []).append(p)
+    for line in lines.values():
+        line.sort(key=lambda p: (-(p.priority or 0), p.since or datetime.max.replace(tzinfo=UTC)))
+        for place, p in enumerate(line, 1):
+            p.place = place
+    return pending
+
+
+def _family(request: str) -> str:
+    """TPU for a slice ("v6e-16 x2") or a whole-TPU request; else the accelerator resource ("GPU x0.25")."""
+    first = request.split(" ", 1)[0]
+    return "TPU" if re.match(r"v\d", first) else first
+
+
 def _demand(kind: str, resources: dict[str, float], holder: Holder, since: float | None, now: float) -> Pending:
     return Pending(kind=kind, request=holder.request or _describe(resources), resources=resources, holder=holder,
                    since=datetime.fromtimestamp(since, UTC) if since else None,
@@ -429,6 +456,15 @@ def _duration(seconds: float | None) -> str:
     minutes, sec = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{sec:02d}s" if minutes else f"{sec}s"
+
+
+def _queue_place(p: Pending) -> str:
+    """ "2nd in line, priority 5, team research"."""
+    from rayslice.core.queue import ordinal
+
+    return ", ".join(part for part in (f"{ordinal(p.place)} in line" if p.place else "",
+                                       f"priority {p.priority}" if p.priority is not None else "",
+                                       f"team {p.team}" if p.team else "") if part)
 
 
 def _indices(gpus: list[int]) -> str:
@@ -468,7 +504,7 @@ def render(snap: Snapshot) -> Any:
         for p in snap.pending:
             wait = "starting (capacity is free)" if p.starting else _duration(p.waiting_s)
             if p.kind == "queue":
-                wait += " (in the admission queue)"
+                wait += f" (in the admission queue: {_queue_place(p)})"
             pending.add_row(p.request, p.holder.label if p.holder else "", wait)
         parts.append(pending)
     else:

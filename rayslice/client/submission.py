@@ -219,7 +219,8 @@ async def submit_step(
         submission_id=sid,
         runtime_env=runtime_env,
         metadata={"rayslice": "1", "request": str(spec.request), **{k: str(v) for k, v in owner.items()},
-                  MARKER_TAG_KEY: spec.marker_tag},
+                  MARKER_TAG_KEY: spec.marker_tag, "priority": str(spec.priority or 0),
+                  **({"team": spec.team} if spec.team else {})},
     )
     emit(f"[rayslice] submitted {spec.request} as Ray job {sid}")
     return sid

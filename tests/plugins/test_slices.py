@@ -276,7 +276,9 @@ def _rich_snapshot() -> dict:
         pending=[Pending(kind="placement_group", request="v6e-16", resources={"TPU": 16}, holder=task,
                          since="2026-01-01T00:00:00Z", waiting_s=3725.5),
                  Pending(kind="actor", request="GPU x0.25", resources={"GPU": 0.25}, holder=driver, starting=True),
-                 Pending(kind="actor", request="NPU x1", resources={"NPU": 1}, holder=foreign)],
+                 Pending(kind="actor", request="NPU x1", resources={"NPU": 1}, holder=foreign),
+                 Pending(kind="queue", request="v6e-16 x2", resources={}, holder=task, waiting_s=40, priority=5,
+                         team="<b>research</b>", place=2)],
         taken_at="2026-01-01T01:02:05Z", warnings=["actors: only 10000 of 12000 listed"],
     ).model_dump(mode="json")
 
@@ -310,6 +312,7 @@ def test_page_links_to_the_task_instance_and_the_ray_job():
     assert "1h 02m" in html and ">starting<" in html
     assert 'since 00:59:30 UTC &#183; <span class="held">2m 35s</span>' in html  # a held slice: since when
     assert html.count("on GPU 0</span>") == 1 and html.count("gpu-index") == 1  # the unknown one says nothing
+    assert "2nd in line, priority 5, team &lt;b&gt;research&lt;/b&gt;" in html  # its place in the queue, as text
 
 
 # Names any code on the cluster can set: an actor's name, a Ray job's metadata.

@@ -263,6 +263,31 @@ def test_a_step_waiting_in_the_admission_queue_is_pending_demand():
     assert "in the admission queue" in console.export_text()
 
 
+def test_steps_in_the_admission_queue_are_numbered_in_line_by_priority_then_arrival():
+    """Per kind of capacity, as the broker orders them; priority and team come from the job's metadata."""
+
+    def job(n: int, request: str, **meta: str) -> dict:
+        return {"type": "SUBMISSION", "job_id": f"0{n}000000", "submission_id": f"s{n}", "status": "RUNNING",
+                "start_time": 1_000_000, "metadata": {"dag_id": "d", "run_id": "r", "task_id": f"t{n}",
+                                                      "request": request, **meta}}
+
+    def marker(n: int, created: float) -> dict:
+        return {"placement_group_id": f"pg{n}", "name": f"rayslice:s{n}/queued", "state": "CREATED",
+                "creator_job_id": f"0{n}000000", "bundles": [{"unit_resources": {"CPU": 0.001}, "node_id": "n"}],
+                "stats": {"creation_request_received_ns": int(created * 1e9)}}
+
+    jobs = [job(1, "v6e-16", priority="1"), job(2, "v6e-16 x2 (multislice)", priority="5", team="research"),
+            job(3, "GPU x0.25", priority="1"), job(4, "v6e-4", priority="1"), job(5, "TPU x1", priority="1")]
+    markers = [marker(1, 1_001), marker(2, 1_010), marker(3, 1_020), marker(4, 1_005), marker(5, 1_030)]
+    snap = capacity._parse(_state([]), _state(markers), _state([]), jobs, now=1_040.0)
+    line = {p.holder.task_id: (p.place, p.priority, p.team) for p in snap.pending}
+    assert line == {"t2": (1, 5, "research"), "t1": (2, 1, None), "t4": (3, 1, None), "t5": (4, 1, None),
+                    "t3": (1, 1, None)}
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(capacity.render(snap))
+    assert "in the admission queue: 1st in line, priority 5, team research" in console.export_text()
+
+
 class StateApiFake(JsonHttpFake):
     """A dashboard with an empty cluster behind a token, whose first answers are 503 (a restarting proxy)."""
 

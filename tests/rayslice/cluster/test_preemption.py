@@ -1,7 +1,8 @@
-"""Losing a host's whole node (preemption) on a cluster of its own: three single-host v6e-4 slices.
+"""Losing a host's whole node (preemption) on a cluster of its own: four single-host v6e-4 slices.
 
-The tests run in file order and each removes one slice's node: mid-step with a retry, between
-reservation and step start with a retry, then mid-step without one.
+The tests run in file order and each removes one slice's node: mid-step with a retry (a function
+step, then a command step that resumes from its checkpoint), between reservation and step start
+with a retry, then mid-step without one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.conftest import private_cluster, wait_until
 
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory: pytest.TempPathFactory):
-    spec = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-4", "v6e-4"))
+    spec = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-4", "v6e-4", "v6e-4"))
     home = tmp_path_factory.mktemp("preemption-home")
     with private_cluster(home, "preemption", lambda: local_cluster.up(spec, name="preemption")) as record:
         yield record
@@ -104,6 +105,63 @@ def test_a_lost_node_is_a_preemption_and_the_gang_retries_on_a_fresh_slice(small
         killer.join()
         releaser.join()
     assert len(result) == 1 and result[0] != victim["name"]
+    assert wait_until(lambda: free_chips_match_alive_hosts(small_cluster), timeout=10)
+
+
+#: An unmodified program as a team would bring it: it resumes from the last step its checkpoint
+#: folder holds (`RAYSLICE_CHECKPOINT_DIR`, the same folder for every preemption attempt), marks
+#: which slice it runs on, and saves a step every 0.1 s until the test says it is done.
+RESUMING_PROGRAM = """
+import json, os, pathlib, sys, time
+
+folder = pathlib.Path(sys.argv[1])
+checkpoints = pathlib.Path(os.environ["RAYSLICE_CHECKPOINT_DIR"].removeprefix("file://"))
+state = checkpoints / "step.json"
+start = json.loads(state.read_text())["step"] if state.exists() else 0
+(folder / os.environ["TPU_NAME"]).touch()
+step = start
+while not (folder / "done").exists():
+    step += 1
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    (checkpoints / "step.tmp").write_text(json.dumps({"step": step}))
+    (checkpoints / "step.tmp").replace(state)
+    time.sleep(0.1)
+with open(os.environ["RAYSLICE_RESULT_FILE"], "w") as out:
+    json.dump({"resumed_from": start, "attempt": int(os.environ["RAYSLICE_PREEMPTION_ATTEMPT"]),
+               "slice": os.environ["TPU_NAME"]}, out)
+"""
+
+
+def test_a_command_step_resumes_from_its_checkpoint_on_a_fresh_slice_after_a_lost_node(small_cluster, tmp_path):
+    import sys
+
+    folder, root = tmp_path / "markers", tmp_path / "checkpoints"
+    folder.mkdir()
+    spec = StepSpec(
+        command=[sys.executable, "-c", RESUMING_PROGRAM, str(folder)],
+        request=TpuSliceRequest(tpu="v6e-4"),
+        preemption_retries=1,
+        checkpoint_root=root.as_uri(),
+        owner=Owner(run_id=f"preempt-command-{time.time_ns()}"),
+    )
+    victim: dict[str, str] = {}
+
+    def kill_after_a_few_steps() -> None:
+        wait_until(lambda: any(root.rglob("step.json")), 120)
+        time.sleep(0.5)  # a few steps saved
+        victim["name"] = remove_node_under_the_step(small_cluster, str(folder))
+
+    killer = threading.Thread(target=kill_after_a_few_steps)
+    releaser = threading.Thread(
+        target=lambda: (wait_until(lambda: len(os.listdir(folder)) >= 2, 180), Path(folder, "done").touch())
+    )
+    killer.start()
+    releaser.start()
+    [result] = run_as_job(small_cluster, spec)
+    killer.join()
+    releaser.join()
+    assert result["attempt"] == 1 and result["slice"] != victim["name"]
+    assert result["resumed_from"] >= 1, result  # the first attempt's last saved step, not a fresh start
     assert wait_until(lambda: free_chips_match_alive_hosts(small_cluster), timeout=10)
 
 
@@ -188,7 +246,7 @@ def test_without_retries_a_lost_node_fails_the_step_naming_the_host(small_cluste
         killer = threading.Thread(target=remove_node_under_the_step, args=(small_cluster, folder))
         killer.start()
         started = time.monotonic()
-        with pytest.raises(PreemptedError, match=r"v6e-4-[abc]/host0 .*node was preempted or removed"):
+        with pytest.raises(PreemptedError, match=r"v6e-4-[a-d]/host0 .*node was preempted or removed"):
             run_as_job(small_cluster, spec)
         killer.join()
     assert time.monotonic() - started < 60

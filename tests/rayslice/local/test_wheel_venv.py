@@ -5,7 +5,9 @@ is offline and uv's cache does not hold every locked wheel, so the dependencies 
 the venv gets exactly the installed distributions `rayslice[cluster]` requires (its closure, read
 from this `.venv`'s metadata) linked in, and nothing else: no Airflow. `rayslice local up --python`
 then starts a small cluster on that Python, and a function step and a command step run on it with the
-installed launcher (the wheel's rayslice, not a shipped copy).
+installed launcher (the wheel's rayslice, not a shipped copy). The venv has pip, as `python -m venv`
+makes it, so a step's `pip` runtime env can install a package the cluster lacks (a wheel built here,
+installed offline); Ray installs it once per node and list, and a second step reuses it.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def wheel_python(tmp_path_factory) -> Path:
                    check=True)
     (wheel,) = (root / "dist").glob("rayslice-*.whl")
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)  # with pip: Ray's `pip` env uses it
     python = venv / "bin" / "python"
     subprocess.run([_uv(), "pip", "install", "--offline", "--quiet", "--no-deps", "--python", str(python), str(wheel)],
                    check=True)
@@ -149,3 +151,56 @@ def test_a_cluster_on_the_wheel_venv_runs_a_function_step_and_a_command_step(whe
     [command] = run(StepSpec(request=request, command=["python", "-c", program, "--steps", "3"], launcher="installed",
                              owner=Owner(submission_id=f"test-wheel-cmd-{time.time_ns()}")))
     assert command == {"python": str(wheel_python), "devices": 4, "argv": ["--steps", "3"]}
+
+
+def probe_wheel(folder: Path) -> Path:
+    """A one-module wheel (`rayslice_pip_probe`) that no index and no cluster venv holds."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        "rayslice_pip_probe/__init__.py": 'VALUE = "installed by the step\'s pip runtime env"\n',
+        "rayslice_pip_probe-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: rayslice-pip-probe\nVersion: 1.0\n",
+        "rayslice_pip_probe-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                "Tag: py3-none-any\n",
+    }
+    record = [f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text.encode())}" for name, text in files.items()]
+    files["rayslice_pip_probe-1.0.dist-info/RECORD"] = "\n".join([*record, "rayslice_pip_probe-1.0.dist-info/RECORD,,"])
+    wheel = folder / "rayslice_pip_probe-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+    return wheel
+
+
+def uses_the_probe() -> dict:
+    import os
+    import sys
+
+    import rayslice_pip_probe
+
+    return {"value": rayslice_pip_probe.VALUE, "python": sys.executable, "env": os.environ.get("VIRTUAL_ENV", "")}
+
+
+def test_a_steps_pip_runtime_env_installs_a_package_the_cluster_lacks(wheel_python, wheel_cluster, tmp_path):
+    probe = subprocess.run([str(wheel_python), "-c", "import rayslice_pip_probe"], capture_output=True, text=True)
+    assert probe.returncode != 0  # not in the cluster's venv
+    runtime_env = {"pip": {"packages": [str(probe_wheel(tmp_path))],
+                           "pip_install_options": ["--no-index", "--disable-pip-version-check"]}}
+
+    def run() -> dict:
+        [result] = asyncio.run(run_step_job(
+            wheel_cluster.dashboard_url, token=wheel_cluster.token, emit=lambda line: None,
+            spec=StepSpec.for_function(uses_the_probe, request=TpuSliceRequest(tpu="v6e-4"), launcher="installed",
+                                       runtime_env=runtime_env,
+                                       owner=Owner(submission_id=f"test-wheel-pip-{time.time_ns()}"))))
+        return result
+
+    first, second = run(), run()
+    assert first["value"] == second["value"] == "installed by the step's pip runtime env"
+    # Ray's own environment for that list (a clone of the cluster's venv under its runtime resources),
+    # made once on the node and used by both steps.
+    assert first["python"] == second["python"] != str(wheel_python)
+    assert "runtime_resources/pip/" in first["python"], first
