@@ -154,6 +154,9 @@ class ClusterRecord:
             "RAY_health_check_period_ms": "2000",
             "RAY_health_check_timeout_ms": "5000",
             "RAY_health_check_failure_threshold": "5",
+            # A local cluster stops as a whole (`down`): a node that got SIGTERM after it ran steps
+            # would otherwise wait for Ray's graceful drain (up to 30 s) before its processes exit.
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         }
         if self.token:  # explicit either way: Ray turns token auth on by itself if a token file exists
             env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}

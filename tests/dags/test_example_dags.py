@@ -21,7 +21,7 @@ EXPECTED_DAGS = {
     "rayslice_tpu_slice_training",
     "rayslice_tpu_multislice",
     "rayslice_gpu_fraction_sweep",
-    "rayslice_gpu_fraction_mapping",  # run by tests/e2e/test_trigger_start.py (16 shards: real Airflow)
+    "rayslice_gpu_fraction_mapping",
     "rayslice_training_pipeline",
 }
 
@@ -80,6 +80,18 @@ def test_gpu_fraction_sweep(example_dags):
         assert r["cuda_visible_devices"] in {"0", "1", "2"}
         assert float(r["memory_fraction"]) == pytest.approx(0.2375, abs=1e-3)
         assert 0 < r["score"] < 1
+
+
+def test_gpu_fraction_mapping_maps_over_the_runs_shard_count(example_dags, capfd):
+    dr = example_dags[0]["rayslice_gpu_fraction_mapping"].test(run_conf={"shards": 2})  # as the trigger form sends
+    out = capfd.readouterr().out
+    assert set(task_states(dr).values()) == {"success"}, out[-3000:]
+    results = xcom_values(dr, "score")
+    assert sorted(r["shard"] for r in results) == [0, 1] and {r["size"] for r in results} == {64}
+    assert all(r["cuda_visible_devices"] in {"0", "1", "2"} and 0 < r["score"] < 1 for r in results)
+    assert "shard 1: score" in out  # the step's own line, relayed from its host
+    [summary] = xcom_values(dr, "summarize")
+    assert summary["shards"] == 2 and summary["mean_score"] == round(sum(r["score"] for r in results) / 2, 6)
 
 
 def test_training_pipeline_renders_the_slice_from_params(example_dags, capfd):

@@ -1,14 +1,15 @@
 """Deferrable steps start in the triggerer under real Airflow: no task process for a step that succeeds.
 
-The example DAG `rayslice_gpu_fraction_mapping` maps 16 quarter-GPU steps over an upstream task's
-output (a run parameter), with a partial argument; no Airflow task process runs for any of them:
-a task instance a worker ran carries that process's pid (the Task SDK reports it when the task
-starts), and these never do. Their XComs (read by a downstream task), task logs (the step's own
-lines), the submission id behind the "Ray job" link are there as on the worker path, each on its
-own quarter of one logical GPU, and every GPU is free after. A step that fails resumes on a
-worker to raise (Airflow's retries apply) and its retry starts in the triggerer again. The
-scheduler race that `min_deferral` works around needs a worker that deferred: none did here,
-and no task waited for it.
+16 mapped quarter-GPU steps, mapped over an upstream task's output with a partial argument, run
+with every map index's own argument, and no Airflow task process runs for any of them: a task
+instance a worker ran carries that process's pid (the Task SDK reports it when the task starts),
+and these never do. Their XComs (read by a downstream task), task logs (the step's own lines),
+the submission id behind the "Ray job" link are there as on the worker path, each on its own
+quarter of one logical GPU, and every GPU is free after. A step that fails resumes on a worker
+to raise (Airflow's retries apply) and its retry starts in the triggerer again. The scheduler
+race that `min_deferral` works around needs a worker that deferred: none did here, and no task
+waited for it. (The example DAG `rayslice_gpu_fraction_mapping`, the same shape with JAX in each
+step, runs under `dag.test()` in tests/dags/test_example_dags.py.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rayslice.client.jobs_client import JobStatus, RayJobsClient
 from tests.conftest import wait_until
 
 DAGS = Path(__file__).parent / "dags" / "trigger_start.py"
-MAPPED = "rayslice_gpu_fraction_mapping"  # the example DAG
+MAPPED = "ts_mapped"
 ITEMS = 16
 
 pytestmark = pytest.mark.timeout(1200)
@@ -82,13 +83,12 @@ TASK_PROCESS_LINE = "::group::Post Execute"
 
 
 def test_16_mapped_steps_start_and_end_in_the_triggerer_without_a_task_process(api, cluster, ray_driver):
-    run_id, tis = _run(api, MAPPED, 900, conf={"shards": ITEMS})
-    steps = {ti["map_index"]: ti for ti in tis if ti["task_id"] == "score"}
+    run_id, tis = _run(api, MAPPED, 900)
+    steps = {ti["map_index"]: ti for ti in tis if ti["task_id"] == "step"}
     assert {i: ti["state"] for i, ti in steps.items()} == dict.fromkeys(range(ITEMS), "success")
     # A downstream task reads every step's value as the step returned it (a dict, not its JSON).
-    assert [ti["state"] for ti in tis if ti["task_id"] == "summarize"] == ["success"]
-    summary = _xcom(api, MAPPED, run_id, "summarize", "return_value")
-    assert summary["shards"] == ITEMS and 0 < summary["mean_score"] < 1, summary
+    assert [ti["state"] for ti in tis if ti["task_id"] == "total"] == ["success"]
+    assert _xcom(api, MAPPED, run_id, "total", "return_value") == sum(range(ITEMS))
     # A task process reports its pid when it starts (the Task SDK's ti_run); none ran.
     assert [ti["pid"] for ti in steps.values() if ti["pid"] is not None] == []
     assert all(ti["try_number"] == 1 for ti in steps.values())
@@ -98,17 +98,17 @@ def test_16_mapped_steps_start_and_end_in_the_triggerer_without_a_task_process(a
         assert sorted(ours) == list(range(ITEMS))
         assert all(j.status == JobStatus.SUCCEEDED for j in ours.values())
     for index in range(ITEMS):
-        result = _xcom(api, MAPPED, run_id, "score", "return_value", index)
-        assert result["shard"] == index and result["size"] == 64  # its own map index's argument, and the partial
-        assert result["cuda_visible_devices"] in {"0", "1", "2"}  # one quarter of one logical GPU
+        result = _xcom(api, MAPPED, run_id, "step", "return_value", index)
+        assert result["item"] == index and result["scale"] == 10  # its own map index's argument, and the partial
+        assert result["gpu"] in {"0", "1", "2"}  # one quarter of one logical GPU
     for index in (0, 7, ITEMS - 1):
-        sid = _xcom(api, MAPPED, run_id, "score", "ray_submission_id", index)
+        sid = _xcom(api, MAPPED, run_id, "step", "ray_submission_id", index)
         assert sid == ours[index].submission_id
-        links = api.get(f"/dags/{MAPPED}/dagRuns/{run_id}/taskInstances/score/links",
+        links = api.get(f"/dags/{MAPPED}/dagRuns/{run_id}/taskInstances/step/links",
                         params={"map_index": index}).json()["extra_links"]
         assert (links.get("Ray job") or "").endswith(f"#/jobs/{sid}"), links
-        log = _log(api, MAPPED, run_id, "score", 1, index)
-        assert f"shard {index}: score" in log, log[-3000:]  # the step's own line, from its host
+        log = _log(api, MAPPED, run_id, "step", 1, index)
+        assert all(f"item {index} line {n}" in log for n in range(3)), log[-3000:]  # the step's own lines
         assert "min_deferral" not in log  # nothing waited for the scheduler race
         assert TASK_PROCESS_LINE not in log
     total = ray_driver.cluster_resources().get("GPU", 0)

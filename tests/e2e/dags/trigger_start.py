@@ -1,10 +1,37 @@
-"""A DAG for tests/e2e/test_trigger_start.py: a step that fails once, then starts in the triggerer again."""
+"""DAGs for tests/e2e/test_trigger_start.py: steps that start, run and end in the triggerer."""
 
 from datetime import datetime, timedelta
 
 from airflow.sdk import dag, task
 
 START = datetime(2026, 1, 1)
+ITEMS = 16
+
+
+def work(item: int) -> dict:
+    import os
+
+    for line in range(3):
+        print(f"item {item} line {line}", flush=True)
+    return {"item": item, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@dag(dag_id="ts_mapped", schedule=None, start_date=START, catchup=False, max_active_tasks=ITEMS)
+def ts_mapped():
+    @task
+    def items() -> list[int]:  # mapped over an upstream task's output: the trigger reads that XCom
+        return list(range(ITEMS))
+
+    @task.ray_accelerator(accelerator="GPU", count=0.25, poll_interval=0.5)
+    def step(item: int, scale: int) -> dict:
+        return {**work(item), "scale": scale}
+
+    @task
+    def total(results: list) -> int:  # on a worker: reads the steps' XComs as a downstream task does
+        assert all(isinstance(r, dict) for r in results), [type(r).__name__ for r in results]
+        return sum(r["item"] for r in results)
+
+    total(step.partial(scale=10).expand(item=items()))
 
 
 @dag(dag_id="ts_retry", schedule=None, start_date=START, catchup=False)
@@ -23,4 +50,5 @@ def ts_retry():
     echo(flaky(try_number="{{ ti.try_number }}"))
 
 
+ts_mapped()
 ts_retry()
