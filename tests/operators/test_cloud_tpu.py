@@ -15,6 +15,7 @@ import pytest
 from rayslice.cloud import cloud_tpu
 from tests.airflow_env import load_dag_file, task_states, write_dag_file, xcom_values
 from tests.fake_cloud_tpu import FakeCloudTpu
+from tests.operators.moved_trigger import kill_while_still_deferred
 
 PARENT = "projects/my-project/locations/us-east5-b"
 NAME = f"{PARENT}/queuedResources/rs-slices"
@@ -256,18 +257,10 @@ def test_the_trigger_reports_active_slices_and_its_deadline(fake):
 
 
 def test_a_killed_deferred_setup_deletes_its_request_and_a_moved_one_does_not(fake, monkeypatch):
-    from rayslice.operators import setup_triggers
-
     fake.active_after_gets = None
     try:
         _queue(fake)
-
-        async def still_deferred(*args, **kwargs):
-            return "deferred"
-
-        with monkeypatch.context() as patch:  # the trigger only moved to another triggerer
-            patch.setattr(setup_triggers, "task_state", still_deferred)
-            asyncio.run(_trigger(fake).on_kill())
+        kill_while_still_deferred(_trigger(fake), monkeypatch)
         assert NAME in fake.queued
         asyncio.run(_trigger(fake).on_kill())  # no Airflow to ask (as when the user's kill reaches it): delete
     finally:

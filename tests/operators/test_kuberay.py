@@ -22,6 +22,7 @@ from rayslice.cloud.kuberay_client import OWNER_ANNOTATION, KubeRayError
 from rayslice.core.exceptions import InvalidRequestError
 from tests.airflow_env import load_dag_file, task_states, write_dag_file, xcom_values
 from tests.fake_kubernetes import FakeKubernetes
+from tests.operators.moved_trigger import kill_while_still_deferred
 
 CONN = "kuberay_fake"
 
@@ -387,18 +388,10 @@ def test_the_trigger_reports_its_deadline_with_the_clusters_state(fake):
 
 
 def test_a_killed_deferred_setup_deletes_its_cluster_and_a_moved_one_does_not(fake, monkeypatch):
-    from rayslice.operators import setup_triggers
-
     fake.ready_after_gets = None
     fake.gone_after_gets = 0
     _created(fake)
-
-    async def still_deferred(*args, **kwargs):
-        return "deferred"
-
-    with monkeypatch.context() as patch:  # the trigger only moved to another triggerer
-        patch.setattr(setup_triggers, "task_state", still_deferred)
-        asyncio.run(_trigger(fake).on_kill())
+    kill_while_still_deferred(_trigger(fake), monkeypatch)
     assert fake.cluster("ml", "rs") is not None
     asyncio.run(_trigger(fake).on_kill())  # no Airflow to ask (as when the user's kill reaches it): delete
     assert fake.cluster("ml", "rs") is None
