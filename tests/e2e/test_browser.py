@@ -28,7 +28,9 @@ from tests.e2e.conftest import ARTIFACTS, browser_page, needs_chromium
 DAG_ID = "rayslice_training_pipeline"
 # Enough steps that `train` holds its slice for several of the page's refreshes: with the default 6
 # it can start and end between two of them.
-SLICE_TYPE, LEARNING_RATE, STEPS = "v6e-4", "0.05", "60"
+# 300 training steps hold the slice for about half a minute: a step that starts in the triggerer
+# runs at once, and on a loaded machine one reading of the Slices page takes seconds.
+SLICE_TYPE, LEARNING_RATE, STEPS = "v6e-4", "0.05", "300"
 RUN_TIMEOUT_S = 240
 
 pytestmark = needs_chromium
