@@ -119,7 +119,7 @@ def test_one_deadline_bounds_the_whole_reservation(ray_driver):
 
 
 def test_a_stream_of_one_slice_steps_no_longer_starves_a_two_slice_step(ray_driver):
-    """Four streams of one-slice 6 s holds, back to back for 50 s, keep both v6e-16 busy with more
+    """Four streams of one-slice 6 s holds, back to back for 40 s, keep both v6e-16 busy with more
     waiting; 10 s in, a 2-slice multislice request asks for both. Without a queue it waited until the
     streams stopped; with it, it starts in its turn: after the one-slice requests that asked before
     it, before every one that asked after it, within 30 s of asking.
@@ -148,7 +148,7 @@ def test_a_stream_of_one_slice_steps_no_longer_starves_a_two_slice_step(ray_driv
         try:
             time.sleep(k * 1.5)  # staggered
             n = 0
-            while time.time() - started < 50:
+            while time.time() - started < 40:
                 asked = time.time()
                 at = hold(TpuSliceRequest(tpu="v6e-16"))
                 done.append((k, n, asked, at, time.time()))
