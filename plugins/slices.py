@@ -227,7 +227,7 @@ def visible(snap: "Snapshot", user: Any) -> dict[str, Any]:
 
     That includes holders Ray cannot trace to a DAG (a step whose job record was deleted, another
     Ray workload): their names are whatever their creator chose. What hidden demand asks for, and its
-team, are hidden too (its place in line and priority stay: they say why a visible step waits).
+    team, are hidden too (its place in line and priority stay: they say why a visible step waits).
     """
     from airflow.api_fastapi.app import get_auth_manager
 

@@ -136,9 +136,10 @@ def in_queue(p: dict[str, Any]) -> str:
     """Where a step waiting in the admission queue stands: "2nd in line, priority 5, team research"."""
     if p.get("kind") != "queue":
         return ""
+    from rayslice.core.queue import ordinal
+
     place = p.get("place")
-    suffix = "th" if place and 10 <= place % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get((place or 0) % 10, "th")
-    parts = [f"{place}{suffix} in line" if place else "",
+    parts = [f"{ordinal(place)} in line" if place else "",
              f"priority {p['priority']}" if p.get("priority") is not None else "",
              f"team {p['team']}" if p.get("team") else ""]
     return ", ".join(part for part in parts if part)
