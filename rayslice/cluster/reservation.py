@@ -37,8 +37,8 @@ SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
 #: How long release waits for Ray to confirm the groups are gone before it leaves them to Ray.
 RELEASE_TIMEOUT_S = 10.0
-#: How long heads wait for the slices that were wholly free before they take any slice.
-FREE_SLICE_WAIT_S = 2.0
+#: How often a waiting heads group looks again at which slices are trapped by a busy worker.
+RECHECK_S = 0.5
 #: Longest single blocking wait, so a SIGTERM (`ray job stop`) is handled within this time.
 _WAIT_SLICE_S = 0.5
 
@@ -95,9 +95,9 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
     hold fails before it takes a place. `queued=False` skips the queue (for measuring it only: such
     a reservation is ordered by nothing, as before the queue).
 
-    Slices whose every host is free now are preferred: a head bundle claims only worker 0, so a
-    slice whose other hosts run something else (a plain Ray task asking for `TPU`) would be held
-    while its hosts stay busy. `lost_nodes`: nodes a step just lost, which the GCS may still show
+    A slice whose head is free while another of its hosts is busy is passed over: a head bundle
+    claims only worker 0, so such a slice (a plain Ray task asking for `TPU` on a worker) would be
+    held while its hosts stay busy. `lost_nodes`: nodes a step just lost, which the GCS may still show
     alive for seconds; their slices are avoided like broken ones.
     """
     deadline = time.monotonic() + timeout
@@ -114,34 +114,14 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
     except BaseException:
         place.leave()
         raise
-    head_selector = {POD_TYPE_LABEL: request.pod_type, WORKER_ID_LABEL: "0"}
-    if broken:  # a slice that lost a host could take the head and then never get its hosts
-        head_selector[SLICE_NAME_LABEL] = f"!in({','.join(sorted(broken))})"
-    selectors = [head_selector]
-    free = free_slices(request, nodes, broken)
-    if len(free) >= request.num_slices:  # heads only where every host is free too (a busy worker, not a head)
-        selectors.insert(0, {**head_selector, SLICE_NAME_LABEL: f"in({','.join(sorted(free))})"})
-    for tried, selector in enumerate(selectors, 1):
-        heads = placement_group(
-            [{request.head_resource: 1}] * request.num_slices,
-            strategy="STRICT_SPREAD",
-            name=f"{name}/heads",
-            bundle_label_selector=[selector] * request.num_slices,
-        )
-        last = tried == len(selectors)
-        # The free slices were free a moment ago: if another step took one since, any slice will do.
-        try:
-            ready = wait_ready(heads, deadline if last else min(deadline, time.monotonic() + FREE_SLICE_WAIT_S))
-        except BaseException:
-            remove_placement_group(heads)
-            place.leave()
-            raise
-        if ready:
-            break
-        remove_placement_group(heads)
-        if last:
-            place.leave()
-            raise _capacity_timeout(request, timeout, "no free slice heads")
+    try:
+        heads = _hold_heads(request, nodes, broken, deadline, name)
+    except BaseException:
+        place.leave()
+        raise
+    if heads is None:
+        place.leave()
+        raise _capacity_timeout(request, timeout, "no free slice heads")
     reservation = SliceReservation(request=request, heads=heads, place=place)
     try:
         slices = _slice_names(heads, nodes)
@@ -165,6 +145,40 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
     return reservation
 
 
+def _hold_heads(request: TpuSliceRequest, nodes: list[dict], broken: set[str], deadline: float,
+                name: str) -> PlacementGroup | None:
+    """One head per slice, never on a slice that lost a host or whose head is free while a worker is busy.
+
+    A trapped slice (a plain Ray task asking for `TPU` sits on a worker) would be held for hosts that
+    stay busy while another slice is free. Ray places a group's bundles at random among the nodes
+    that match, so the trapped slices are excluded by label, and looked at again every `RECHECK_S`:
+    the group is made anew only when that set changes (a trap cleared, or a freshly released
+    slice whose workers' chips Ray reports free a moment after its head). None: nothing by `deadline`.
+    """
+    heads, avoided = None, None
+    try:
+        while True:
+            avoid = broken | trapped_slices(request, nodes, broken)
+            if avoid != avoided:
+                if heads is not None:
+                    remove_placement_group(heads)
+                selector = {POD_TYPE_LABEL: request.pod_type, WORKER_ID_LABEL: "0"}
+                if avoid:
+                    selector[SLICE_NAME_LABEL] = f"!in({','.join(sorted(avoid))})"
+                heads = placement_group([{request.head_resource: 1}] * request.num_slices, strategy="STRICT_SPREAD",
+                                        name=f"{name}/heads", bundle_label_selector=[selector] * request.num_slices)
+                avoided = avoid
+            if wait_ready(heads, min(deadline, time.monotonic() + RECHECK_S)):
+                return heads
+            if time.monotonic() >= deadline:
+                remove_placement_group(heads)
+                return None
+    except BaseException:
+        if heads is not None:
+            remove_placement_group(heads)
+        raise
+
+
 def wait_ready(group: PlacementGroup, deadline: float) -> bool:
     """Wait for Ray to place the whole group until `deadline`, in short waits that let signals in.
 
@@ -180,21 +194,24 @@ def wait_ready(group: PlacementGroup, deadline: float) -> bool:
             return False
 
 
-def free_slices(request: TpuSliceRequest, nodes: list[dict], broken: set[str]) -> set[str]:
-    """The intact slices of the request's pod type whose every host has its chips (and worker 0 its head) free."""
+def trapped_slices(request: TpuSliceRequest, nodes: list[dict], broken: set[str]) -> set[str]:
+    """Intact slices of the request's pod type whose head is free while some other host's chips are taken."""
     from ray._private.state import available_resources_per_node
 
     available = available_resources_per_node()
-    hosts: dict[str, list[bool]] = {}
+    head_free, worker_busy = set(), set()
     for node in nodes:
         labels = node.get("Labels", {})
         name = labels.get(SLICE_NAME_LABEL)
         if not node["Alive"] or labels.get(POD_TYPE_LABEL) != request.pod_type or not name or name in broken:
             continue
         free = available.get(node["NodeID"], {})
-        head_free = labels.get(WORKER_ID_LABEL) != "0" or free.get(request.head_resource, 0) >= 1
-        hosts.setdefault(name, []).append(head_free and free.get("TPU", 0) >= request.chips_per_host)
-    return {name for name, ok in hosts.items() if len(ok) == request.hosts_per_slice and all(ok)}
+        if labels.get(WORKER_ID_LABEL) == "0":
+            if free.get(request.head_resource, 0) >= 1:
+                head_free.add(name)
+        elif free.get("TPU", 0) < request.chips_per_host:
+            worker_busy.add(name)
+    return head_free & worker_busy
 
 
 def check_satisfiable(request: TpuSliceRequest, nodes: list[dict] | None = None,

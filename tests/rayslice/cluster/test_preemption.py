@@ -1,8 +1,8 @@
-"""Losing a host's whole node (preemption) on a cluster of its own: four single-host v6e-4 slices.
+"""Losing a host's whole node (preemption) on a cluster of its own: four single-host v6e-4 slices, two v4-16.
 
 The tests run in file order and each removes one slice's node: mid-step with a retry (a function
 step, then a command step that resumes from its checkpoint), between reservation and step start
-with a retry, then mid-step without one.
+with a retry, then mid-step without one; last, a worker host of a two-host v4-16 mid-step.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.conftest import private_cluster, wait_until
 
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory: pytest.TempPathFactory):
-    spec = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-4", "v6e-4", "v6e-4"))
+    spec = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-4", "v6e-4", "v6e-4", "v4-16", "v4-16"))
     home = tmp_path_factory.mktemp("preemption-home")
     with private_cluster(home, "preemption", lambda: local_cluster.up(spec, name="preemption")) as record:
         yield record
@@ -250,3 +250,58 @@ def test_without_retries_a_lost_node_fails_the_step_naming_the_host(small_cluste
             run_as_job(small_cluster, spec)
         killer.join()
     assert time.monotonic() - started < 60
+
+
+def mark_host_then_wait(folder: str):
+    """Marks `<slice>-<worker>` for its host, then waits until the test says it is done."""
+    import os
+    import time
+
+    Path(folder, f"{os.environ['TPU_NAME']}-{os.environ['TPU_WORKER_ID']}").touch()
+    for _ in range(600):
+        if Path(folder, "done").exists():
+            return os.environ["TPU_NAME"]
+        time.sleep(0.1)
+    return "timed out"
+
+
+def test_a_retry_after_a_lost_worker_host_takes_the_other_slice_not_the_damaged_one(small_cluster, tmp_path):
+    """A v4-16 (two hosts) loses worker 1's node mid-step: the retry runs on the other v4-16 at once.
+
+    The launcher knows of the loss within a second or two (the raylet stops answering); the GCS
+    shows the node alive for about 10 s more. The damaged slice's head is free then, and Ray picks
+    among free heads at random: a retry that asked Ray only held it half the time, and waited out
+    `capacity_timeout` for a host that never comes back.
+    """
+    spec = StepSpec.for_function(
+        mark_host_then_wait,
+        request=TpuSliceRequest(tpu="v4-16"),
+        kwargs={"folder": str(tmp_path)},
+        preemption_retries=1,
+        capacity_timeout=45,
+        owner=Owner(run_id=f"preempt-worker-{time.time_ns()}"),
+    )
+    victim: dict[str, str] = {}
+
+    def remove_worker_1() -> None:
+        wait_until(lambda: any(tmp_path.glob("v4-16-*-1")), 120)
+        victim["name"] = next(tmp_path.glob("v4-16-*-1")).name.removesuffix("-1")
+        remove_node(next(n.pid for n in small_cluster.nodes if n.slice_name == victim["name"] and n.worker_id == 1))
+
+    def release_on_the_other_slice() -> None:
+        wait_until(lambda: "name" in victim and {p.name for p in tmp_path.iterdir()} - {
+            f"{victim['name']}-0", f"{victim['name']}-1"}, 120)
+        (tmp_path / "done").touch()
+
+    killer, releaser = threading.Thread(target=remove_worker_1), threading.Thread(target=release_on_the_other_slice)
+    killer.start()
+    releaser.start()
+    started = time.monotonic()
+    result = run_as_job(small_cluster, spec)
+    took = time.monotonic() - started
+    killer.join()
+    releaser.join()
+    assert len(result) == 2 and len(set(result)) == 1 and result[0] != victim["name"], result
+    print(f"\n[preemption] {victim['name']} lost worker 1; retried on {result[0]}, whole step {took:.1f} s")
+    assert took < spec.capacity_timeout, "the retry waited on the damaged slice"
+    assert wait_until(lambda: free_chips_match_alive_hosts(small_cluster), timeout=10)

@@ -235,7 +235,11 @@ def which_slice():
 
 
 def test_a_slice_with_a_busy_worker_is_passed_over_for_a_wholly_free_one(cluster, ray_driver):
-    """A plain Ray actor asking `TPU: 4` sits on worker 1 of one v6e-16: a v6e-16 step gets the other at once."""
+    """A plain Ray actor asking `TPU: 4` sits on worker 1 of one v6e-16: a v6e-16 step gets the other at once.
+
+    Ray picks a slice head at random (it took the busy slice 5 times in 12 before the fix), so each
+    busy slice is tried with several reservations and one whole step.
+    """
     from rayslice.cluster import run_step
     from rayslice.cluster.reservation import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL
 
@@ -247,7 +251,13 @@ def test_a_slice_with_a_busy_worker_is_passed_over_for_a_wholly_free_one(cluster
         try:
             assert ray_driver.get(holder.ping.remote(), timeout=120) == 1
             request = TpuSliceRequest(tpu="v6e-16")
-            assert reservation.free_slices(request, ray_driver.nodes(), set()) == set(slices) - {busy}
+            assert reservation.trapped_slices(request, ray_driver.nodes(), set()) == {busy}
+            for _ in range(4):
+                held = reserve_slices(request, timeout=10, name=f"rayslice:test-busy-worker-{time.time_ns()}")
+                try:
+                    assert {host.slice_name for host in held.hosts} == set(slices) - {busy}
+                finally:
+                    assert held.release() == []
             spec = StepSpec.for_function(which_slice, request=TpuSliceRequest(tpu="v6e-16"), capacity_timeout=60,
                                          owner=Owner(submission_id=f"test-busy-worker-{time.time_ns()}"))
             assert set(run_step(spec)) == set(slices) - {busy}
