@@ -5,11 +5,16 @@ requested) through the same "user action" path that calls `on_kill()`. A trigger
 heartbeat (here: SIGSTOPped past `triggerer_health_check_threshold`) loses its triggers to another
 one, and once it runs again it cancels them that way. Two real triggerers on the session's Airflow:
 the step must finish on its Ray job, and its result must reach XCom.
+
+The trigger that takes over resumes relaying the job's log where its predecessor last recorded it
+(an XCom of the task, item 8): the step prints a numbered line every 0.5 s, and no line is lost
+while at most the last `CHECKPOINT_S` of them are relayed twice.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sqlite3
 import subprocess
@@ -20,6 +25,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from rayslice.operators.triggers import CHECKPOINT_S
 
 from rayslice.client.jobs_client import JobStatus, RayJobsClient
 from rayslice.client.submission import jobs_of_task
@@ -75,6 +81,8 @@ def test_a_trigger_moved_to_another_triggerer_leaves_its_job_running(airflow, ap
 
             status = jobs.get(sid).status
             assert status == JobStatus.RUNNING, f"Ray job {sid} is {status} already:\n{_log(airflow, run)[-3000:]}"
+            # Well past one checkpoint interval of lines relayed before the move, so a restart from the start shows.
+            assert wait_until(lambda: "tick 30" in _log(airflow, run), timeout=120, interval=0.5), _log(airflow, run)
             # The holder misses its heartbeats until the other triggerer has taken the trigger over.
             stopped = processes.session_members({sessions[holder]})
             for pid in stopped:
@@ -98,6 +106,7 @@ def test_a_trigger_moved_to_another_triggerer_leaves_its_job_running(airflow, ap
             assert _xcom(api, run)["value"] == run
             assert jobs.get(sid).status == JobStatus.SUCCEEDED
             assert "moved to another triggerer" in _log(airflow, run)
+            _assert_relayed_once(_log(airflow, run))
         finally:
             _continue(stopped)
             release.touch()
@@ -106,6 +115,17 @@ def test_a_trigger_moved_to_another_triggerer_leaves_its_job_running(airflow, ap
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _assert_relayed_once(log: str) -> None:
+    """Every `tick <n>` line is in the task's logs, and few twice: the new trigger resumed at the recorded offset."""
+    ticks = [int(n) for n in re.findall(r"\btick (\d+)\b", log)]
+    assert ticks and sorted(set(ticks)) == list(range(1, max(ticks) + 1)), "a line of the job's log was lost"
+    twice = sorted({n for n in ticks if ticks.count(n) > 1})
+    # Lines since the last record before the freeze (one every CHECKPOINT_S) come again, and a few in flight.
+    assert len(twice) <= CHECKPOINT_S / 0.5 + 6, f"{len(twice)} lines relayed twice: {twice}"
+    assert re.search(r"resuming the log of Ray job \S+ at character \d+", log), \
+        "the trigger that took over did not resume from its predecessor's record"
 
 
 def _start_second_triggerer(first: int, log: Path) -> subprocess.Popen:

@@ -13,7 +13,8 @@ START = datetime(2026, 1, 1)
 
 
 def hold_until_released(release: str, value: str):
-    """Hold the slice until `release` exists (at most 10 min); return `value` and the checkpoint folder."""
+    """Hold the slice until `release` exists (at most 10 min), printing `tick <n>` every 0.5 s; return
+    `value` and the checkpoint folder."""
     import os
     import time
 
@@ -21,10 +22,13 @@ def hold_until_released(release: str, value: str):
 
     print("holding the slice until released", flush=True)
     deadline = time.monotonic() + 600
+    ticks = 0
     while not os.path.exists(release):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{release} was not created within 10 min")
-        time.sleep(0.2)
+        ticks += 1
+        print(f"tick {ticks}", flush=True)
+        time.sleep(0.5)
     return {"value": value, "checkpoint_dir": rayslice.get_step_context().checkpoint_dir}
 
 
