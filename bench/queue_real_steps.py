@@ -52,12 +52,14 @@ def two_slice_step() -> float:
 def run_once(record, seconds: float, step_s: float) -> dict:
     """The scenario once: the 2-slice step's ask, start and phases, and the one-slice steps' results."""
     started = time.time()
-    out: dict = {"streams": [], "wrong": []}
+    out: dict = {"streams": [], "wrong": [], "asks": {}}
 
     async def step(fn, request, kwargs, timeout, tag):
         spec = StepSpec.for_function(fn, request=request, kwargs=kwargs, capacity_timeout=timeout,
                                      owner=Owner(submission_id=f"bench-queue-{tag}-{time.time_ns()}"))
+        asked = time.time()
         result = await run_step_job(record.dashboard_url, spec, token=record.token, emit=lambda line: None)
+        out["asks"][spec.owner.submission_id] = asked
         return spec.owner.submission_id, result
 
     async def stream(k: int) -> None:
@@ -78,9 +80,16 @@ def run_once(record, seconds: float, step_s: float) -> dict:
         await asyncio.gather(big(), *(stream(k) for k in range(4)))
 
     asyncio.run(everything())
+    out["moments"] = []
     with RayJobsClient(record.dashboard_url, token=record.token) as client:
-        found = parse_phases(client.logs(out["sid"]))
-    out["phases"] = found[-1] if found else {}
+        for sid, asked in sorted(out["asks"].items(), key=lambda item: item[1]):
+            found = parse_phases(client.logs(sid))
+            phases = found[-1] if found else {}
+            if sid == out["sid"]:
+                out["phases"] = phases
+            at = {"asked": asked, "admitted": phases.get("detail", {}).get("admitted"),
+                  **{phase: phases.get(phase) for phase in ("reserved", "jax_ready", "step_started", "released")}}
+            out["moments"].append((sid.split("-")[2], {k: v - started if v else None for k, v in at.items()}))
     return out
 
 
@@ -94,7 +103,7 @@ def main() -> None:
                   ["run", "asked to body started", "to driver started", "to admitted", "to reserved",
                    "to hosts started", "to JAX ready", "to step started", "one-slice steps (own results)",
                    "2-slice step ended at"])
-    asks = []
+    asks, timelines = [], []
     with cluster(SPEC, NAME) as record, driver(record) as ray:
         queue.snapshot()  # the broker exists before the first run
         for rep in range(args.reps):
@@ -103,7 +112,7 @@ def main() -> None:
             phases, detail = out["phases"], out["phases"].get("detail", {})
             asked = out["asked"]
 
-            def since(at):
+            def since(at, asked=asked):
                 return fmt_s(at - asked) if at else "-"
 
             asks.append(out["first_host"] - asked)
@@ -113,6 +122,11 @@ def main() -> None:
                    f"{len(out['streams'])} ({len(out['wrong'])} wrong)", f"{out['done']:.0f} s in")
             log(f"run {rep + 1}: {row}")
             table.add(*row)
+            steps = Table(f"Run {rep + 1}: every step, seconds after the streams began",
+                          ["step", "asked", "admitted", "reserved", "JAX ready", "body started", "released"])
+            for step, at in out["moments"]:
+                steps.add(step, *(f"{v:.1f}" if v is not None else "-" for v in at.values()))
+            timelines.append(steps)
     table.notes = [
         f"median of {len(asks)}: asked to body started {fmt_s(median(asks))}",
         "asked: the 2-slice step's submission through the Jobs API; the phase columns are the step's own phase "
@@ -120,6 +134,8 @@ def main() -> None:
         "every step is a Ray job with its own driver; the streams keep one-slice requests waiting the whole time",
     ]
     report.add(table)
+    for steps in timelines:
+        report.add(steps)
     report.write()
 
 
