@@ -104,6 +104,16 @@ _AUTH_HINT = "set the `ray` connection's password to the cluster's token"
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*$")
 
 
+@functools.lru_cache(maxsize=2)
+def _default_tls(verify: bool) -> ssl.SSLContext:
+    """httpx's own TLS settings for `verify=True` (its CA bundle) or `False`, built once per process.
+
+    httpx builds them for every client, loading the CA bundle each time (about 40 ms): a triggerer
+    starting hundreds of deferred steps at once builds a client per step. One context serves them all.
+    """
+    return httpx.create_ssl_context(verify=verify)
+
+
 class JobStatus(StrEnum):
     """A Ray job's status, as the Jobs API reports it."""
 
@@ -355,9 +365,9 @@ class _BaseJobsClient:
         return f"{type(self).__name__}(address={self.address!r}, auth={auth!r})"
 
     @staticmethod
-    def _ssl_verify(verify: bool | str) -> bool | ssl.SSLContext:
+    def _ssl_verify(verify: bool | str) -> ssl.SSLContext:
         if isinstance(verify, bool):
-            return verify
+            return _default_tls(verify)
         if os.path.isdir(verify):
             return ssl.create_default_context(capath=verify)
         if os.path.isfile(verify):
@@ -706,13 +716,7 @@ class _BaseJobsClient:
         """The TLS settings of the HTTP calls, for ``wss://``: the same CA bundle, or no verification."""
         if self._base_url.scheme != "https":
             return None
-        if isinstance(self._verify, ssl.SSLContext):
-            return self._verify
-        context = ssl.create_default_context()
-        if not self._verify:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        return context
+        return self._verify
 
     def _tail_refused(self, call: _Call, exc: websockets.InvalidStatus, submission_id: str) -> Exception:
         """The HTTP answer that refused the websocket, as the error a plain call would raise."""

@@ -255,6 +255,18 @@ def test_zip_directory_is_deterministic(tmp_path):
         zip_directory(one / "__init__.py")
 
 
+def test_clients_share_one_tls_context_per_verify_setting():
+    """httpx loads the CA bundle for every client it builds (about 40 ms); a triggerer builds one per step."""
+    import ssl
+
+    first, second = RayJobsClient("https://127.0.0.1:8265"), AsyncRayJobsClient("https://127.0.0.1:8265")
+    assert isinstance(first._verify, ssl.SSLContext) and first._verify is second._verify
+    assert first._verify.verify_mode == ssl.CERT_REQUIRED and first._verify.check_hostname
+    insecure = RayJobsClient("https://127.0.0.1:8265", verify=False)
+    assert insecure._verify is not first._verify and insecure._verify.verify_mode == ssl.CERT_NONE
+    assert insecure._ws_ssl() is insecure._verify  # the log stream's TLS: the same settings
+
+
 def test_bad_inputs_fail_before_any_request():
     with pytest.raises(InvalidRequestError):
         RayJobsClient("ray://127.0.0.1:10001")
