@@ -263,6 +263,41 @@ def test_a_slice_with_a_busy_worker_is_passed_over_for_a_wholly_free_one(cluster
             assert set(run_step(spec)) == set(slices) - {busy}
         finally:
             ray_driver.kill(holder)
+    assert_all_released(ray_driver)  # heads groups made anew while waiting are gone too
+
+
+def test_a_slice_whose_busy_worker_frees_up_is_taken_while_the_other_stays_held(cluster, ray_driver):
+    """The trapped set is looked at again while the heads wait: once the worker frees, its slice is taken."""
+    from ray.util.placement_group import placement_group_table
+
+    from rayslice.cluster.reservation import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL
+
+    request = TpuSliceRequest(tpu="v6e-16")
+    held = reserve_slices(request, timeout=30, name=f"rayslice:test-other-{time.time_ns()}")
+    [other] = {host.slice_name for host in held.hosts}
+    [trapped] = {n["Labels"][SLICE_NAME_LABEL] for n in ray_driver.nodes() if n["Alive"]
+                 and n.get("Labels", {}).get(POD_TYPE_LABEL) == "v6e-16"} - {other}
+    holder = ray_driver.remote(num_cpus=0, resources={"TPU": 4}, label_selector={
+        SLICE_NAME_LABEL: trapped, WORKER_ID_LABEL: "1"})(type("Holder", (), {"ping": lambda self: 1})).remote()
+    got: dict = {}
+    try:
+        assert ray_driver.get(holder.ping.remote(), timeout=120) == 1
+        waiter = threading.Thread(target=lambda: got.setdefault("reservation", reserve_slices(
+            request, timeout=60, name=f"rayslice:test-freed-{time.time_ns()}")))
+        waiter.start()
+        assert wait_until(lambda: any(g["name"].endswith("/heads") and g["state"] == "PENDING"
+                                      for g in placement_group_table().values()), timeout=30)
+        assert "reservation" not in got  # neither slice is free as a whole
+        ray_driver.kill(holder)
+        waiter.join(timeout=60)
+        assert not waiter.is_alive() and "reservation" in got, "the freed slice was never taken"
+        assert {host.slice_name for host in got["reservation"].hosts} == {trapped}
+    finally:
+        ray_driver.kill(holder)
+        if "reservation" in got:
+            assert got["reservation"].release() == []
+        assert held.release() == []
+    assert_all_released(ray_driver)
 
 
 def test_a_retry_avoids_the_slice_of_a_node_just_lost_while_the_gcs_still_shows_it_alive(ray_driver):
