@@ -46,7 +46,7 @@ from rayslice.client.submission import LogFollower, running_earlier_tries, submi
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
-from rayslice.core.step import Owner, StepSpec, split_command, warn_entrypoint
+from rayslice.core.step import Owner, StepSpec, split_command, split_templated_command, warn_entrypoint
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -114,7 +114,8 @@ class RayStepOperator(BaseOperator):
     :param python_callable: a function, shipped by value with its DAG file's helpers (and the
         modules of its DAGs folder that the DAG file imports).
     :param callable: or ``"package.module:function"`` importable on the cluster (templated).
-    :param command: or a program: an argv list (a string is split like a shell would), run on every
+    :param command: or a program: an argv list (a string is split like a shell would, before its
+        ``{{ ... }}`` values are rendered, so a value stays one argument), run on every
         host from the runtime env's ``working_dir``; ``jax.distributed.initialize()`` finds its peers
         by itself. Its XCom item per host is the JSON it writes to ``$RAYSLICE_RESULT_FILE``, else None
         (templated).
@@ -212,11 +213,10 @@ class RayStepOperator(BaseOperator):
             raise InvalidRequestError(
                 f"callable {callable!r} of {self.task_id!r} must look like 'package.module:function'"
             )
-        if command is not None and not is_templated(command):
-            if not isinstance(command, str) and not any(is_templated(a) for a in command):
-                command = split_command(list(command))
-            elif isinstance(command, str):
-                split_command(command)  # refuse an empty or unbalanced one now; split after rendering
+        if isinstance(command, str):  # split now, render each argument: a value cannot add arguments
+            command = split_templated_command(command)
+        elif command is not None and not is_templated(command) and not any(is_templated(a) for a in command):
+            command = split_command(list(command))
         if command is not None and (is_templated(op_kwargs) or op_kwargs):
             raise InvalidRequestError(
                 f"op_kwargs of {self.task_id!r} cannot go with command=: a program takes no keyword arguments; "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shlex
 import sys
 import threading
@@ -269,6 +270,34 @@ def split_command(value: Any) -> Any:
         raise InvalidRequestError(f"command must be a non-empty argv list such as ['python', 'train.py'] "
                                   f"(or one string), got {value!r}")
     return None if value is None else [str(a) for a in value]
+
+
+#: A Jinja expression inside a command string: kept whole, and rendered as (part of) one argument.
+_JINJA_EXPRESSION = re.compile(r"\{\{.*?\}\}", re.DOTALL)
+
+
+def split_templated_command(value: str) -> list[str]:
+    """A templated command string as argv, split *before* rendering: each `{{ ... }}` stays inside its argument.
+
+    Splitting after rendering would let a rendered value (a run conf's `x --evil`) add arguments.
+    Jinja statements (`{% ... %}`) may span arguments, so they are refused: a list says where each goes.
+    """
+    if "{%" in value or "{#" in value:
+        raise InvalidRequestError(f"command {value!r} has a Jinja statement or comment ({{% ... %}}, {{# ... #}}); a "
+                                  "command string may hold only {{ ... }} values, each rendered inside one argument. "
+                                  "Give a list instead, e.g. ['python', 'train.py', '--name', '{{ params.name }}']")
+    expressions: list[str] = []
+
+    def hold(match: re.Match[str]) -> str:
+        expressions.append(match.group(0))
+        return f"\0{len(expressions) - 1}\0"
+
+    try:
+        parts = shlex.split(_JINJA_EXPRESSION.sub(hold, value))
+    except ValueError as exc:
+        raise InvalidRequestError(f"command {value!r} cannot be split like a shell would: {exc}") from None
+    argv = [re.sub(r"\0(\d+)\0", lambda m: expressions[int(m.group(1))], part) for part in parts]
+    return split_command(argv)
 
 
 def warn_entrypoint(where: str) -> None:
