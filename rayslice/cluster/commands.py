@@ -4,8 +4,19 @@ A host actor runs the argv in a child process from its working directory (the ru
 `working_dir`), with the environment the launcher planned (JAX's multi-controller variables, the
 step context as `RAYSLICE_*`), relays each of its lines as it comes (Ray prefixes them with the
 host), and returns the JSON the program left in `$RAYSLICE_RESULT_FILE`, or None. A non-zero exit
-raises `CommandExitError` with the last lines; the gang then fails at once, as for a function.
-The child is killed with its host actor (Linux parent-death signal), so cancelling the gang ends it.
+or a signal raises `CommandExitError` with the last lines and when the program ended; the gang
+then fails at once, naming the host whose program ended first.
+
+The program's exit ends its host's part of the step, whatever it leaves behind:
+- It runs in its own session (process group); once it ends, the whole group is killed, so a
+  background child (a log shipper, `tensorboard &`) neither holds the step nor outlives it.
+- Its output is relayed until the pipes close, or once it ended, for what is already buffered
+  and at most `DRAIN_S` more (a child that left the group may hold the pipes open).
+- Its exit status is known as soon as Python starts to exit (`jax_autodetect/rayslice_program.py`),
+  before JAX's shutdown at exit, which blocks while the peers sit in a collective.
+- A guard process (a bare Python reading a pipe only the host actor holds) kills the group when the host
+  actor dies, so cancelling the gang ends every process of the program on every host. A child
+  that starts a session of its own (a daemon) leaves the group and is not ended.
 """
 
 from __future__ import annotations
@@ -13,11 +24,12 @@ from __future__ import annotations
 import collections
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -25,17 +37,26 @@ from rayslice.core.context import RESULT_FILE_ENV
 
 #: How many of a failed command's last output lines its error carries.
 TAIL_LINES = 20
+#: Once the program ended: how long its relays may go on reading what its leftover processes write.
+DRAIN_S = 2.0
+#: The folder on the program's PYTHONPATH: its sitecustomize reports to the host (and joins a simulated slice).
+PROGRAM_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_autodetect")
+REPORT_ENV = "RAYSLICE_PROGRAM_REPORT"  # rayslice_program.REPORT_ENV
+HANG_INTERVAL_ENV = "RAYSLICE_HANG_INTERVAL"
+EXIT_FILE = "exit.json"
+IDLE_FILE = "idle.json"  # where the program says since when it is idle in JAX (cluster/hang_watch.py reads it)
 
 
 class CommandExitError(RuntimeError):
-    """The command ended with a non-zero exit code (or a signal) on this host."""
+    """The command ended with a non-zero exit code (or a signal) on this host, at `ended_at` (epoch seconds)."""
 
-    def __init__(self, message: str, exit_code: int = 1) -> None:
+    def __init__(self, message: str, exit_code: int = 1, ended_at: float | None = None) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.ended_at = ended_at
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (str(self), self.exit_code)
+        return type(self), (str(self), self.exit_code, self.ended_at)
 
 
 def _die_with_parent() -> None:
@@ -44,49 +65,132 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: killing the gang leaves the child to its own end
+    except (OSError, AttributeError):  # not Linux: the group guard still ends it
         pass
 
 
-def run(argv: list[str], env: Mapping[str, str]) -> Any:
+def program_env(env: Mapping[str, str], report_dir: str, hang_interval: float = 0.0) -> dict[str, str]:
+    """The program's variables: the host's Python first on PATH, the report hooks first on PYTHONPATH."""
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != PROGRAM_HOOKS]
+    values = {**env, "PATH": os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+              "PYTHONPATH": os.pathsep.join([PROGRAM_HOOKS, *path]), REPORT_ENV: report_dir,
+              RESULT_FILE_ENV: os.path.join(report_dir, "result.json")}
+    if hang_interval > 0:
+        values[HANG_INTERVAL_ENV] = str(hang_interval)
+    return values
+
+
+def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval: float = 0.0) -> Any:
     """Run `argv` to its end, relaying its output; its result file's JSON, None, or CommandExitError.
 
+    `report_dir` is an empty folder of this host's: the program's result file and its reports go there.
     `python` means the host's own Python (the runtime env's, with its packages): its folder goes first on PATH.
     """
-    bin_dir = os.path.dirname(sys.executable)
-    env = {**env, "PATH": bin_dir + os.pathsep + env.get("PATH", "")}
+    env = program_env(env, report_dir, hang_interval)
     if argv[0] in ("python", "python3"):
         argv = [sys.executable, *argv[1:]]
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    with tempfile.TemporaryDirectory(prefix="rayslice-result-") as folder:
-        result_file = os.path.join(folder, "result.json")
-        try:
-            child = subprocess.Popen(argv, env={**env, RESULT_FILE_ENV: result_file}, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        except OSError as exc:
-            raise CommandExitError(f"command {argv[0]!r} could not start in {os.getcwd()}: {exc.strerror or exc}",
-                                   127) from None
-        relays = [threading.Thread(target=_relay, args=(stream, out, tail), daemon=True)
-                  for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
+    try:
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL, start_new_session=True,
+                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    except OSError as exc:
+        raise CommandExitError(f"command {argv[0]!r} could not start in {os.getcwd()}: {exc.strerror or exc}",
+                               127, time.time()) from None
+    guard = _guard(child.pid)
+    relays = [_Relay(stream, out, tail) for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
+    try:
+        code, ended_at = _wait(child, os.path.join(report_dir, EXIT_FILE))
+    finally:  # also when this actor is interrupted: nothing of the program outlives its end
+        _kill_group(child)
+        if guard is not None:
+            guard.kill()
+            guard.wait()
         for relay in relays:
-            relay.start()
-        code = child.wait()
-        for relay in relays:
-            relay.join()
-        if code != 0:
-            how = f"exit code {code}" if code > 0 else f"signal {_signal_name(-code)}"
-            last = "\n".join(f"  | {line}" for line in tail) or "  (no output)"
-            raise CommandExitError(f"command {' '.join(argv)!r} ended with {how}; its last output lines:\n{last}",
-                                   code)
-        if not os.path.exists(result_file):
-            return None
-        with open(result_file) as f:
-            text = f.read()
+            relay.finish(DRAIN_S)
+    if code != 0:
+        how = f"exit code {code}" if code > 0 else f"signal {_signal_name(-code)}"
+        last = "\n".join(f"  | {line}" for line in tail) or "  (no output)"
+        raise CommandExitError(f"command {' '.join(argv)!r} ended with {how}; its last output lines:\n{last}",
+                               code, ended_at)
+    result_file = env[RESULT_FILE_ENV]
+    if not os.path.exists(result_file):
+        return None
+    with open(result_file) as f:
+        text = f.read()
     try:
         return json.loads(text) if text.strip() else None
     except ValueError as exc:
-        raise CommandExitError(f"the command's ${RESULT_FILE_ENV} holds no JSON ({exc}): {text[:200]!r}", 0) from None
+        raise CommandExitError(f"the command's ${RESULT_FILE_ENV} holds no JSON ({exc}): {text[:200]!r}", 0,
+                               ended_at) from None
+
+
+def _wait(child: subprocess.Popen, exit_file: str) -> tuple[int, float]:
+    """The program's exit status and when it ended: its process's end, or the failure it reported first.
+
+    A program process that joined a JAX group writes a non-zero status as Python starts to exit,
+    before JAX's shutdown (which blocks while its peers sit in a collective): that status decides.
+    The process's own end is waited for in a thread, so a signal's time is exact too.
+    """
+    ended: list[float] = []
+    done = threading.Event()
+
+    def wait() -> None:
+        child.wait()
+        ended.append(time.time())
+        done.set()
+
+    threading.Thread(target=wait, name="rayslice-program-wait", daemon=True).start()
+    while not done.wait(0.05):
+        reported = _read_json(exit_file)
+        if reported and reported.get("exit_code"):
+            return int(reported["exit_code"]), float(reported.get("time") or time.time())
+    assert child.returncode is not None
+    reported = _read_json(exit_file)  # killed by the host's own end: its reported status is the truer one
+    if child.returncode != 0 and reported and reported.get("exit_code"):
+        return int(reported["exit_code"]), float(reported.get("time") or ended[0])
+    return child.returncode, ended[0]
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _guard(pgid: int) -> subprocess.Popen | None:
+    """A tiny process that kills the program's group once the host actor is gone (its pipe reads EOF).
+
+    Only this actor holds the pipe's write end, so any death of the actor (`ray.kill`, SIGKILL)
+    closes it. Started after the program, so the program does not inherit that end.
+    """
+    try:
+        return subprocess.Popen([sys.executable, "-S", "-E", "-c", _GUARD, str(pgid)], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:  # the parent-death signal still ends the program itself
+        return None
+
+
+#: The guard's code: no site, no environment (starts in milliseconds, imports nothing of the program's).
+_GUARD = """
+import os, signal, sys
+sys.stdin.buffer.read()
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGKILL)
+except OSError:
+    pass
+"""
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """End every process of the program's group (its leftover children too), and reap the program."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is already empty
+        pass
+    child.wait()
 
 
 def _signal_name(number: int) -> str:
@@ -96,10 +200,47 @@ def _signal_name(number: int) -> str:
         return str(number)
 
 
-def _relay(stream: IO[bytes] | None, out: IO[str], tail: collections.deque[str]) -> None:
-    assert stream is not None
-    for raw in stream:
-        line = raw.decode(errors="replace").rstrip("\n")
-        tail.append(line)
-        print(line, file=out, flush=True)
-    stream.close()
+class _Relay(threading.Thread):
+    """Copies one of the program's pipes to this actor's stream line by line, keeping the last lines.
+
+    Reads until the pipe closes; once `finish` is called (the program ended), only until nothing
+    more is buffered, and for `within` seconds at most.
+    """
+
+    def __init__(self, stream: IO[bytes] | None, out: IO[str], tail: collections.deque[str]) -> None:
+        super().__init__(name="rayslice-relay", daemon=True)
+        assert stream is not None
+        self._stream, self._out, self._tail = stream, out, tail
+        self._until: float | None = None
+        self.start()
+
+    def finish(self, within: float) -> None:
+        self._until = time.monotonic() + within
+        self.join(within + 1.0)
+
+    def run(self) -> None:
+        fd, pending = self._stream.fileno(), b""
+        try:
+            while True:
+                readable, _, _ = select.select([fd], [], [], 0.1)
+                if not readable:
+                    if self._until is not None:
+                        break
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self._emit(line)
+                if self._until is not None and time.monotonic() > self._until:
+                    break
+            if pending:
+                self._emit(pending)
+        finally:
+            self._stream.close()
+
+    def _emit(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace")
+        self._tail.append(line)
+        print(line, file=self._out, flush=True)

@@ -119,13 +119,11 @@ class SimulatedTpuSlice(Environment):
 
     @classmethod
     def command_env(cls, request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
-        """JAX's detection finds a small plugin (`jax_autodetect/sitecustomize.py`) that reads the plan."""
-        plugin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_autodetect")
-        path = os.environ.get("PYTHONPATH")
+        """JAX's detection finds a small plugin (`jax_autodetect/sitecustomize.py`, on every command step's
+        PYTHONPATH: `commands.program_env`) that reads the plan."""
         return {
             **cls.env(request, plan),
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-            "PYTHONPATH": plugin + (os.pathsep + path if path else ""),
             "RAYSLICE_JAX_COORDINATOR": plan.coordinator,
             "RAYSLICE_JAX_NUM_PROCESSES": str(plan.num_processes),
             "RAYSLICE_JAX_PROCESS_ID": str(plan.process_id),

@@ -13,6 +13,7 @@ import importlib
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -45,6 +46,8 @@ HOST_START_TIMEOUT_S = 300.0
 PEER_DEATH_WINDOW_S = 2.0
 #: How long a lost host waits for its group's coordinator to be reported lost too (then the coordinator is named).
 COORDINATOR_DEATH_WINDOW_S = 1.0
+#: After a command step's program failed like a lost peer: how long the program that caused it may take to be reported.
+PROGRAM_END_WINDOW_S = 2.0
 #: How long hosts that all returned may take to leave their JAX groups before they are killed anyway.
 LEAVE_TIMEOUT_S = 10.0
 #: Failures that may be a peer's death: JAX/XLA runtime errors, and what a broken link says.
@@ -122,14 +125,18 @@ class HostProcess:
             num_processes=plan.num_processes, checkpoint_dir=attempt.checkpoint_dir,
         )
         self._times["step_started"] = time.time()
-        # A command step's JAX runs in its child process, which this watch cannot see.
-        watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice and spec.command is None
+        watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice
         try:
-            with (hang_watch.HostWatch(attempt.hang_watch + self._label, threading.get_ident(), attempt.hang_interval)
+            with (tempfile.TemporaryDirectory(prefix="rayslice-program-") if spec.command is not None
+                  else nullcontext()) as report_dir, \
+                 (hang_watch.HostWatch(attempt.hang_watch + self._label, threading.get_ident(), attempt.hang_interval,
+                                       # a command step's JAX runs in its program, which samples itself
+                                       program_state=report_dir and os.path.join(report_dir, commands.IDLE_FILE))
                   if watched else nullcontext()):
                 if spec.command is not None:
                     env = _over_user_env(spec, plan, environment.command_env(spec.request, plan))
-                    result = commands.run(spec.command, {**os.environ, **env, **context.to_env()})
+                    result = commands.run(spec.command, {**os.environ, **env, **context.to_env()}, report_dir,
+                                          attempt.hang_interval if watched else 0.0)
                 else:
                     set_step_context(context)
                     try:
@@ -266,6 +273,9 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
                 index, error = _coordinator_first(index, exc, pending, refs, plans)
                 raise error from None
             except StepFailedError as exc:
+                if getattr(exc, "program_ended_at", None) is not None:  # a command step's program failed
+                    index, error = _first_program_to_end(index, exc, pending, refs, plans)
+                    raise error from None
                 if not _may_be_a_peers_death(exc):
                     raise
                 # A peer killed mid-collective makes the survivors' collectives fail first: blame the dead host.
@@ -438,6 +448,43 @@ def _lost_peer(
     return None
 
 
+def _first_program_to_end(index: int, error: StepFailedError, pending: list[Any], refs: dict[Any, int],
+                          plans: list[HostPlan], within: float = PROGRAM_END_WINDOW_S) -> tuple[int, StepFailedError]:
+    """The host whose program failed first: the cause, not a peer whose collective it broke.
+
+    A program that ends breaks its peers' collectives, and their programs then fail too (exit 1,
+    "Connection reset by peer" in their last lines); on a loaded machine such a failure can reach
+    the driver first. A failure whose last lines read like a lost peer waits up to `within` for
+    the others: one that does not read so wins, then the program that ended first (each failure
+    carries when its program ended). A host lost in that window (its process or node died) is the
+    cause instead. A failure that reads like the program's own is named at once.
+    """
+    first = (index, error)
+    deadline = time.monotonic() + within
+    pending = list(pending)
+    while pending and _reads_like_a_lost_peer(first[1]):
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        other = refs[ready[0]]
+        try:
+            _get(ready[0], plans[other])
+        except HostLostError as lost:
+            return _coordinator_first(other, lost, pending, refs, plans)
+        except StepFailedError as failed:
+            if getattr(failed, "program_ended_at", None) is not None and _rank(failed) < _rank(first[1]):
+                first = (other, failed)
+    return first
+
+
+def _reads_like_a_lost_peer(error: StepFailedError) -> bool:
+    return any(sign in (error.cause or "") for sign in PEER_LOSS_SIGNS)
+
+
+def _rank(error: StepFailedError) -> tuple[bool, float]:
+    return _reads_like_a_lost_peer(error), error.program_ended_at
+
+
 def _coordinator_first(index: int, error: HostLostError, pending: list[Any], refs: dict[Any, int],
                        plans: list[HostPlan], within: float = COORDINATOR_DEATH_WINDOW_S) -> tuple[int, HostLostError]:
     """The lost host to name: its group's coordinator, if that died too, else `index`.
@@ -477,19 +524,23 @@ def _get(ref: Any, plan: HostPlan) -> Any:
     except RayTaskError as exc:
         raised = exc.cause if isinstance(exc.cause, BaseException) else exc
         cause = f"{type(raised).__name__}: {raised}"
-        exit_code = None
+        exit_code = ended_at = None
         if isinstance(raised, commands.CommandExitError):  # the program's own failure: its lines, not our stack
             error, message, exit_code = StepFailedError, f"step failed on {where}: {raised}", raised.exit_code
+            ended_at = raised.ended_at
         else:
             error, message = StepFailedError, f"step failed on {where}: {cause}\n{_remote_traceback(exc)}"
     except RayActorError as exc:
-        exit_code = None
+        exit_code = ended_at = None
         node_lost = node_was_lost(exc)
         cause = "its node was preempted or removed" if node_lost else "its process died"
         error = PreemptedError if node_lost else HostLostError
         message = f"host {where} was lost: {cause} ({_first_line(exc)})"
-    raise error(message, slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip, cause=cause,
-                exit_code=exit_code) from None
+    failure = error(message, slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip, cause=cause,
+                    exit_code=exit_code)
+    if ended_at is not None:
+        failure.program_ended_at = ended_at  # the driver names the program that ended first (driver-side only)
+    raise failure from None
 
 
 def node_was_lost(exc: BaseException) -> bool:

@@ -11,6 +11,10 @@ Each host publishes since when it has been idle in Ray's GCS key-value store (no
 second thread in the host actor's Ray task loop); the driver reads them between its `ray.wait`
 rounds and fails the step with `CollectiveHangError` once every still-running host has been idle
 for the step's `hang_timeout`. On real TPUs nothing is published and `step_timeout` covers hangs.
+
+A command step's JAX runs in its program, a child of the host process: the program samples itself the
+same way (`jax_autodetect/rayslice_program.py`, once it joined its JAX group) and writes its state to a
+file, which the host's watch publishes instead of its own.
 """
 
 from __future__ import annotations
@@ -51,8 +55,10 @@ def jax_frame(thread_id: int) -> str | None:
 class HostWatch:
     """Samples this process (CPU time, the step thread's stack) and publishes since when it is idle in JAX."""
 
-    def __init__(self, key: str, step_thread: int, interval: float) -> None:
+    def __init__(self, key: str, step_thread: int, interval: float, program_state: str | None = None) -> None:
+        """`program_state`: a command step's, whose JAX runs in its program: the file where that samples itself."""
         self._key = key.encode()
+        self._program_state = program_state
         self._step_thread = step_thread
         self._interval = interval
         self._stop = threading.Event()
@@ -70,6 +76,12 @@ class HostWatch:
     def _loop(self) -> None:
         cpu, idle_since, published = time.process_time(), None, None
         while not self._stop.wait(self._interval):
+            if self._program_state is not None:
+                state = _program_state(self._program_state)
+                if state != published:
+                    internal_kv._internal_kv_put(self._key, json.dumps(state), namespace=NAMESPACE)
+                    published = state
+                continue
             now_cpu = time.process_time()
             busy = now_cpu - cpu > IDLE_CPU_SHARE * self._interval
             cpu = now_cpu
@@ -82,6 +94,16 @@ class HostWatch:
             if state != published:
                 internal_kv._internal_kv_put(self._key, json.dumps(state), namespace=NAMESPACE)
                 published = state
+
+
+def _program_state(path: str) -> dict:
+    """What a command step's program last wrote (`jax_autodetect/rayslice_program.py`); not idle before it did."""
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return {"idle_since": None, "where": None}
+    return {"idle_since": state.get("idle_since"), "where": state.get("where")}
 
 
 @dataclass(frozen=True)

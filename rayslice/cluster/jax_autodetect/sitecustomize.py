@@ -1,11 +1,16 @@
-"""Makes `jax.distributed.initialize()` with no arguments join a simulated slice's JAX group.
+"""A command step's program, unmodified: it joins a simulated slice's JAX group and reports to its host.
 
 This folder is put first on `PYTHONPATH` of a command step's processes only (never of anything
-else), so Python imports this file at start-up. It imports nothing heavy: it waits for JAX to
-load its cluster environments and then adds one more, first in JAX's detection order, that
-reads the group the launcher planned from `RAYSLICE_JAX_*` variables. Real TPU slices do not use
-it (JAX's own Cloud TPU / GKE detection finds their peers). Another `sitecustomize` on the path
-(a distribution's, a venv's) still runs afterwards.
+else), so Python imports this file at start-up. It imports nothing heavy; it waits for JAX's modules:
+
+- `jax._src.clusters` (simulated slices, `RAYSLICE_JAX_*` set): one more cluster environment, first in
+  JAX's detection order, that reads the group the launcher planned, so `jax.distributed.initialize()`
+  with no arguments joins it. Real TPU slices do not need it (JAX's Cloud TPU / GKE detection finds
+  their peers).
+- `jax._src.distributed` (`RAYSLICE_PROGRAM_REPORT` set): once the process joined its group,
+  `rayslice_program` reports its exit status and idleness to the host actor.
+
+Another `sitecustomize` on the path (a distribution's, a venv's) still runs afterwards.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import sys
 
 _CLUSTERS = "jax._src.clusters"
+_DISTRIBUTED = "jax._src.distributed"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -51,11 +57,32 @@ def _add_cluster_env(clusters: object) -> None:
         types.insert(0, RaysliceSimulatedSlice)  # before GKE's, whose variables the local nodes also carry
 
 
-class _AfterClusters(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of `jax._src.clusters` to run `_add_cluster_env` after it."""
+def _report_once_joined(distributed: object) -> None:
+    """Wrap `State.initialize` (what `jax.distributed.initialize()` calls): report once it returned."""
+    state = getattr(distributed, "State", None)
+    initialize = getattr(state, "initialize", None)
+    if initialize is None:
+        return
+
+    def initialize_and_report(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        result = initialize(self, *args, **kwargs)
+        import rayslice_program  # this folder's, on the path with this file
+
+        rayslice_program.joined_group()
+        return result
+
+    state.initialize = initialize_and_report
+
+
+class _After(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of module `name` to run `then(module)` after it."""
+
+    def __init__(self, name: str, then) -> None:  # noqa: ANN001
+        self._name = name
+        self._then = then
 
     def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201
-        if name != _CLUSTERS:
+        if name != self._name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -65,7 +92,7 @@ class _AfterClusters(importlib.abc.MetaPathFinder):
 
         def exec_module(module: object) -> None:
             load(module)
-            _add_cluster_env(module)
+            self._then(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -80,9 +107,15 @@ def _chain_next_sitecustomize() -> None:
         spec.loader.exec_module(module)
 
 
-if "RAYSLICE_JAX_NUM_PROCESSES" in os.environ:
-    if _CLUSTERS in sys.modules:
-        _add_cluster_env(sys.modules[_CLUSTERS])
+def _after_import(name: str, then) -> None:  # noqa: ANN001
+    if name in sys.modules:
+        then(sys.modules[name])
     else:
-        sys.meta_path.insert(0, _AfterClusters())
+        sys.meta_path.insert(0, _After(name, then))
+
+
+if "RAYSLICE_JAX_NUM_PROCESSES" in os.environ:
+    _after_import(_CLUSTERS, _add_cluster_env)
+if os.environ.get("RAYSLICE_PROGRAM_REPORT"):
+    _after_import(_DISTRIBUTED, _report_once_joined)
 _chain_next_sitecustomize()

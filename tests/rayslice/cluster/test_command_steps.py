@@ -114,3 +114,116 @@ def test_a_fraction_runs_the_command_once_and_a_missing_result_file_is_none(ray_
                     owner=Owner(submission_id=f"test-cmd-gpu-{time.time_ns()}"))
     assert run_step(spec) is None
 
+
+
+#: An unmodified JAX program: every host joins the slice's group, then all run cross-host collectives
+#: in a loop; worker 2 fails as told (argv: how, folder), noting its pid and when it failed.
+FAILING = textwrap.dedent('''
+    import os, pathlib, signal, sys, time
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    how, folder = sys.argv[1], pathlib.Path(sys.argv[2])
+    jax.distributed.initialize()
+    worker = jax.process_index()
+    (folder / f"pid-{os.getpid()}").write_text(str(worker))
+
+    def fail():
+        print(f"host {worker} fails: {how}", flush=True)
+        (folder / "failed_at").write_text(repr(time.time()))
+        if how in ("exit-after-init", "exit-mid-loop"):
+            sys.exit(3)
+        if how == "os-exit":
+            os._exit(4)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if worker == 2 and how == "exit-after-init":
+        fail()
+    for step in range(10**6):
+        if worker == 2 and step == 3:
+            fail()
+        multihost_utils.process_allgather(jnp.array([step]))  # the peers wait here for worker 2
+        time.sleep(0.05)
+''')
+
+
+@pytest.mark.parametrize(("how", "ended"), [("exit-after-init", "exit code 3"), ("exit-mid-loop", "exit code 3"),
+                                            ("os-exit", "exit code 4"), ("sigkill", "signal SIGKILL")])
+def test_the_first_host_whose_program_fails_decides_the_step_at_once(ray_driver, tmp_path, how, ended):
+    """Worker 2's program ends (its JAX shutdown at exit would block: its peers sit in a collective)."""
+    from rayslice.cluster import run_step
+
+    script = tmp_path / "train.py"
+    script.write_text(FAILING)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=[sys.executable, str(script), how, str(folder)],
+                    step_timeout=60, owner=Owner(submission_id=f"test-cmd-first-{time.time_ns()}"))
+    with pytest.raises(StepFailedError) as info:
+        run_step(spec)
+    failed_after = time.time() - float((folder / "failed_at").read_text())
+    message = str(info.value)
+    assert (info.value.worker_id, type(info.value)) == (2, StepFailedError), message  # not a bystander
+    assert "host2 (slice 0, worker 2" in message and ended in message, message
+    assert f"host 2 fails: {how}" in message, message  # its last lines
+    assert failed_after < 10, f"the step failed {failed_after:.1f} s after worker 2's program ended"
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=10)
+    pids = [int(p.name.removeprefix("pid-")) for p in folder.glob("pid-*")]
+    assert len(pids) == 4
+    assert wait_until(lambda: not any(_alive(pid) for pid in pids), timeout=10), "a host's program outlived its gang"
+
+
+#: Every host starts a background child that holds the output pipes (a log shipper), then exits 0.
+LEAVES_A_CHILD = textwrap.dedent('''
+    import json, os, pathlib, subprocess, sys
+    folder = pathlib.Path(sys.argv[1])
+    ship = "import time\\nwhile True: print('shipping', flush=True); time.sleep(1)"
+    child = subprocess.Popen([sys.executable, "-c", ship])
+    (folder / f"child-{child.pid}").write_text("")
+    print("training done", flush=True)
+    with open(os.environ["RAYSLICE_RESULT_FILE"], "w") as f:
+        json.dump({"worker": os.environ["RAYSLICE_WORKER_ID"]}, f)
+''')
+
+
+def test_a_program_that_exits_0_leaving_a_background_child_succeeds_and_leaves_nothing(ray_driver, tmp_path):
+    from rayslice.cluster import run_step
+
+    script = tmp_path / "train.py"
+    script.write_text(LEAVES_A_CHILD)
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=[sys.executable, str(script), str(tmp_path)],
+                    step_timeout=60, owner=Owner(submission_id=f"test-cmd-child-{time.time_ns()}"))
+    assert run_step(spec) == [{"worker": str(i)} for i in range(4)]  # before: StepTimeoutError
+    children = [int(p.name.removeprefix("child-")) for p in tmp_path.glob("child-*")]
+    assert len(children) == 4
+    assert wait_until(lambda: not any(_alive(pid) for pid in children), timeout=10), "a background child was left"
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=10)
+
+
+#: Worker 1 skips the second all-gather its peers wait in, then ends: its exit waits in JAX's shutdown barrier.
+HANGS = textwrap.dedent('''
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    jax.distributed.initialize()
+    multihost_utils.process_allgather(jnp.ones(1))
+    if jax.process_index() != 1:
+        multihost_utils.process_allgather(jnp.ones(1))
+''')
+
+
+def test_a_command_step_whose_processes_all_block_in_a_collective_fails_as_a_hang(ray_driver, tmp_path):
+    from rayslice.cluster import run_step
+    from rayslice.core.exceptions import CollectiveHangError
+
+    script = tmp_path / "hang.py"
+    script.write_text(HANGS)
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=[sys.executable, str(script)], hang_timeout=10,
+                    step_timeout=90, owner=Owner(submission_id=f"test-cmd-hang-{time.time_ns()}"))
+    with pytest.raises(CollectiveHangError) as info:  # before: StepTimeoutError
+        run_step(spec)
+    message = str(info.value)
+    assert all(f"host{i} (slice 0, worker {i}" in message for i in range(4)), message
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=10)

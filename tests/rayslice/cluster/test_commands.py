@@ -1,0 +1,142 @@
+"""A command step's program on one host, without Ray: its end ends its host's part, whatever it leaves behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rayslice.cluster import commands
+from tests.conftest import wait_until
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def run_in_thread(argv, env, report_dir, within: float):
+    """commands.run, given `within` seconds: (returned, value or exception)."""
+    outcome: list = []
+
+    def target() -> None:
+        try:
+            outcome.append(commands.run(argv, env, str(report_dir)))
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(within)
+    return (not thread.is_alive()), (outcome[0] if outcome else None)
+
+
+LEAVES_A_CHILD = textwrap.dedent('''
+    import subprocess, sys
+    ship = "import time\\nwhile True: print('shipping', flush=True); time.sleep(0.2)"
+    child = subprocess.Popen([sys.executable, "-c", ship], start_new_session=sys.argv[2] == "own-session")
+    open(sys.argv[1], "w").write(str(child.pid))
+    print("done", flush=True)
+''')
+
+
+@pytest.mark.parametrize("session", ["same-session", "own-session"])
+def test_a_program_that_exits_0_leaving_a_child_that_holds_its_output_ends_at_once(tmp_path, session):
+    script, pid_file = tmp_path / "p.py", tmp_path / "child.pid"
+    script.write_text(LEAVES_A_CHILD)
+    report = tmp_path / "report"
+    report.mkdir()
+    started = time.monotonic()
+    done, value = run_in_thread([sys.executable, str(script), str(pid_file), session], dict(os.environ), report, 30)
+    assert done and value is None, value  # the relay stopped once its bound passed, though the pipe stays open
+    assert time.monotonic() - started < commands.DRAIN_S + 10
+    child = int(pid_file.read_text())
+    if session == "same-session":  # ended with the program's group
+        assert wait_until(lambda: not _alive(child), timeout=5)
+    else:  # a daemon that left the group is not ours to find (docs/limits.md)
+        os.kill(child, signal.SIGKILL)
+
+
+HOST = textwrap.dedent('''
+    import os, sys
+    from rayslice.cluster import commands
+    program = ("import subprocess, sys, time; subprocess.Popen(['sleep', '600']); print('up', flush=True); "
+               "time.sleep(600)")
+    os.makedirs(sys.argv[1], exist_ok=True)
+    commands.run([sys.executable, "-c", program], dict(os.environ), sys.argv[1])
+''')
+
+
+def test_a_killed_host_process_ends_its_programs_whole_group(tmp_path):
+    """The gang is cancelled by killing host processes: the program's children go too, not only the program."""
+    host = subprocess.Popen([sys.executable, "-c", HOST, str(tmp_path / "report")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "up"
+        program = next(int(p) for p in _children(host.pid) if "time.sleep(600)" in _cmdline(int(p)))
+        grandchild = next(int(p) for p in _children(program))
+        host.kill()
+        host.wait()
+        assert wait_until(lambda: not _alive(program) and not _alive(grandchild), timeout=10)
+    finally:
+        host.kill()
+
+
+def _children(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+
+#: Two processes of one JAX group on this machine: process 1 ends as told right after joining, while
+#: process 0 waits in a collective for it, so process 1's JAX shutdown at exit (a barrier) blocks.
+GROUP = textwrap.dedent('''
+    import sys
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    jax.distributed.initialize()
+    if jax.process_index() == 1:
+        print("bad config", flush=True)
+        exec(sys.argv[1])
+    multihost_utils.process_allgather(jnp.ones(1))
+''')
+
+
+@pytest.mark.parametrize(("ending", "code"), [("sys.exit(3)", 3), ("raise SystemExit(5)", 5),
+                                              ("raise ValueError('bad batch')", 1)])
+def test_a_failing_process_is_known_before_jaxs_shutdown_at_exit_returns(tmp_path, ending, code):
+    script = tmp_path / "group.py"
+    script.write_text(GROUP)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+           "RAYSLICE_JAX_COORDINATOR": coordinator, "RAYSLICE_JAX_NUM_PROCESSES": "2"}
+    (tmp_path / "peer").mkdir()
+    peer = subprocess.Popen([sys.executable, str(script), ""], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=commands.program_env({**env, "RAYSLICE_JAX_PROCESS_ID": "0"}, str(tmp_path / "peer")))
+    try:
+        (tmp_path / "me").mkdir()
+        done, error = run_in_thread([sys.executable, str(script), ending], {**env, "RAYSLICE_JAX_PROCESS_ID": "1"},
+                                    tmp_path / "me", 60)
+        assert done, "the failing process was waited for past JAX's shutdown"
+        assert isinstance(error, commands.CommandExitError), error
+        assert error.exit_code == code and f"exit code {code}" in str(error) and "bad config" in str(error)
+        assert error.ended_at is not None and time.time() - error.ended_at < 30
+    finally:
+        peer.kill()
+        peer.wait()
