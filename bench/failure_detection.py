@@ -6,7 +6,9 @@ others wait in a cross-host collective (`process_allgather`):
 - `raise`: the step raises on worker 2;
 - `sigkill`: worker 2's process is SIGKILLed (it kills itself);
 - `node`: worker 2's whole node dies (`local_cluster.kill_node`: every process of that Ray node
-  SIGKILLed at once, as a preempted VM vanishes); the benchmark restarts it after each run.
+  SIGKILLed at once, as a preempted VM vanishes); the benchmark restarts it after each run;
+- `command`: a command step (rayslice row only): an unmodified JAX program (`COMMAND_PROGRAM`)
+  whose worker 2 exits 3 right after `jax.distributed.initialize()`, its peers in the collective.
 
 The failure time is worker 2's `time.time()` just before it raises or kills itself, or the
 benchmark's just before it kills the node. "Chips free" is the first poll (every 20 ms, the
@@ -24,6 +26,7 @@ cap its tasks are force-cancelled.
     .venv/bin/python bench/failure_detection.py --kind sigkill
     .venv/bin/python bench/failure_detection.py --kind node
     .venv/bin/python bench/failure_detection.py --kind stop      # stop -> job ended, chips free
+    .venv/bin/python bench/failure_detection.py --kind command   # a command step's program exits 3
 
 For `stop` the "failure" time is the benchmark's just before it asks the Jobs API to stop the job;
 "step failed" is when the job's status first reads ended.
@@ -36,6 +39,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -71,7 +75,23 @@ KINDS = {
     "sigkill": "worker 2's process is SIGKILLed",
     "node": "worker 2's node dies (preemption)",
     "stop": "`ray job stop` of the step's running Ray job (rayslice row only)",
+    "command": "a command step's program exits 3 on worker 2 right after initialize() (rayslice row only)",
 }
+#: The `command` kind's program, run as `python program.py <mark_dir>`: it knows nothing of rayslice.
+COMMAND_PROGRAM = """
+import os, sys, time
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+
+jax.distributed.initialize()
+if jax.process_index() == 2:
+    print("bad config on host 2", flush=True)
+    with open(os.path.join(sys.argv[1], "failed"), "w") as f:
+        f.write(repr(time.time()))
+    sys.exit(3)
+multihost_utils.process_allgather(jnp.ones(1))  # peers block here
+"""
 
 
 def fail_here(mark_dir: str, kind: str) -> None:
@@ -197,7 +217,7 @@ class SliceWatcher:
 
 def main() -> None:
     args = parse_args(__doc__.split("\n")[0], default_reps=5, extra=_flags)
-    kinds = args.kind or [kind for kind in KINDS if kind != "stop"]
+    kinds = args.kind or [kind for kind in KINDS if kind not in ("stop", "command")]
     rows_wanted = args.row or ["rayslice", "a"]
     report = Report(NAME + ("" if len(kinds) == 3 else "_" + "_".join(kinds)), args)
     with cluster(SPEC, NAME) as record, driver(record) as ray:
@@ -217,17 +237,23 @@ def main() -> None:
                             if n.slice_name == slice_name and n.worker_id == VICTIM)
 
         def rayslice(mark_dir: str, kind: str, cap: float) -> tuple[float | None, str]:
-            spec = StepSpec.for_function(
-                rayslice_step,
-                request=REQUEST,
-                kwargs={"mark_dir": mark_dir, "kind": kind},
-                owner=Owner(submission_id=f"bench-fail-{time.time_ns()}"),
-            )
+            if kind == "command":
+                Path(mark_dir, "program.py").write_text(COMMAND_PROGRAM)
+                spec = StepSpec(request=REQUEST, command=[sys.executable, str(Path(mark_dir, "program.py")), mark_dir],
+                                owner=Owner(submission_id=f"bench-fail-{time.time_ns()}"))
+            else:
+                spec = StepSpec.for_function(
+                    rayslice_step,
+                    request=REQUEST,
+                    kwargs={"mark_dir": mark_dir, "kind": kind},
+                    owner=Owner(submission_id=f"bench-fail-{time.time_ns()}"),
+                )
             try:
                 with quiet():
                     run_step(spec)
             except StepFailedError as exc:
-                return time.time(), f"{type(exc).__name__} on worker {exc.worker_id}"
+                code = "" if exc.exit_code is None else f", exit code {exc.exit_code}"
+                return time.time(), f"{type(exc).__name__} on worker {exc.worker_id}{code}"
             return None, "succeeded?!"
 
         def stopped_job(mark_dir: str, kind: str, cap: float) -> tuple[float | None, str]:
@@ -319,12 +345,15 @@ def main() -> None:
             if kind == "stop":
                 rows.append((kind, Row("stop: rayslice job, `ray job stop`"), stopped_job, None))
                 continue
+            if kind == "command":
+                rows.append((kind, Row("command: rayslice run_step, program exits 3"), rayslice, None))
+                continue
             if "rayslice" in rows_wanted:
                 rows.append((kind, Row(f"{kind}: rayslice run_step"), rayslice, None))
             if "a" in rows_wanted:
                 rows.append((kind, Row(f"{kind}: (a) hand-written head-targeted tasks, JAX wired"), hand_written,
                              cleanup_hand))
-        if "rayslice" in rows_wanted and kinds != ["stop"]:  # warm-up, unrecorded
+        if "rayslice" in rows_wanted and set(kinds) - {"stop", "command"}:  # warm-up, unrecorded
             _measure(ray, record, victim_index, Row("warm-up"), "raise", rayslice, 60, None)
         started = time.monotonic()
         for rep in range(args.reps):
