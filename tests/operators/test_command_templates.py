@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from rayslice.operators.tpu_slice import TpuSliceOperator
 
@@ -16,9 +18,10 @@ def rendered(command, **context):
 
 
 def test_a_run_conf_value_cannot_add_arguments_to_a_templated_command_string():
-    argv = rendered("python train.py --name {{ params.name }} --tag 'a b' --run={{ run_id | upper }}",
-                    params={"name": "x --evil"}, run_id="r1")
-    assert argv == ["python", "train.py", "--name", "x --evil", "--tag", "a b", "--run=R1"]
+    argv = rendered("python train.py --name {{ dag_run.conf['name'] }} --param {{ params.name }} --tag 'a b' "
+                    "--run={{ run_id | upper }}",
+                    dag_run=SimpleNamespace(conf={"name": "x --evil"}), params={"name": "x --evil"}, run_id="r1")
+    assert argv == ["python", "train.py", "--name", "x --evil", "--param", "x --evil", "--tag", "a b", "--run=R1"]
 
 
 def test_a_templated_list_keeps_each_value_one_argument():
