@@ -8,15 +8,15 @@ or a signal raises `CommandExitError` with the last lines and when the program e
 then fails at once, naming the host whose program ended first.
 
 The program's exit ends its host's part of the step, whatever it leaves behind:
-- It runs in its own session (process group); once it ends, the whole group is killed, so a
-  background child (a log shipper, `tensorboard &`) neither holds the step nor outlives it.
+- It runs in its own session; once it ends, its process group is killed, and any process that left
+  the group but carries this run's marker in its environment (`program_group.py`), so a background
+  child (a log shipper, `tensorboard &`) neither holds the step nor outlives it.
 - Its output is relayed until the pipes close, or once it ended, for what is already buffered
-  and at most `DRAIN_S` more (a child that left the group may hold the pipes open).
+  and at most `DRAIN_S` more.
 - Its exit status is known as soon as Python starts to exit (`jax_autodetect/rayslice_program.py`),
   before JAX's shutdown at exit, which blocks while the peers sit in a collective.
-- A guard process (a bare Python reading a pipe only the host actor holds) kills the group when the host
-  actor dies, so cancelling the gang ends every process of the program on every host. A child
-  that starts a session of its own (a daemon) leaves the group and is not ended.
+- A guard process (`program_group.py` as a script, reading a pipe only the host actor holds) does
+  the same when the host actor dies, so cancelling the gang ends every process of the program.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
+from rayslice.cluster import program_group
 from rayslice.core.context import RESULT_FILE_ENV
 
 #: How many of a failed command's last output lines its error carries.
@@ -97,12 +98,14 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
     except OSError as exc:
         raise CommandExitError(f"command {argv[0]!r} could not start in {os.getcwd()}: {exc.strerror or exc}",
                                127, time.time()) from None
-    guard = _guard(child.pid)
+    marker = f"{REPORT_ENV}={report_dir}"
+    guard = _guard(child.pid, marker)
     relays = [_Relay(stream, out, tail) for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
     try:
         code, ended_at = _wait(child, os.path.join(report_dir, EXIT_FILE))
     finally:  # also when this actor is interrupted: nothing of the program outlives its end
-        _kill_group(child)
+        program_group.end(child.pid, os.fsencode(marker))
+        child.wait()
         if guard is not None:
             guard.kill()
             guard.wait()
@@ -160,37 +163,19 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def _guard(pgid: int) -> subprocess.Popen | None:
-    """A tiny process that kills the program's group once the host actor is gone (its pipe reads EOF).
+def _guard(pgid: int, marker: str) -> subprocess.Popen | None:
+    """A small process that ends the program once the host actor is gone (its stdin pipe reads EOF).
 
     Only this actor holds the pipe's write end, so any death of the actor (`ray.kill`, SIGKILL)
-    closes it. Started after the program, so the program does not inherit that end.
+    closes it. Started after the program, so the program does not inherit that end. No site, no
+    environment: it starts in milliseconds and imports nothing of the program's.
     """
     try:
-        return subprocess.Popen([sys.executable, "-S", "-E", "-c", _GUARD, str(pgid)], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen([sys.executable, "-S", "-E", program_group.__file__, str(pgid), marker],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
     except OSError:  # the parent-death signal still ends the program itself
         return None
-
-
-#: The guard's code: no site, no environment (starts in milliseconds, imports nothing of the program's).
-_GUARD = """
-import os, signal, sys
-sys.stdin.buffer.read()
-try:
-    os.killpg(int(sys.argv[1]), signal.SIGKILL)
-except OSError:
-    pass
-"""
-
-
-def _kill_group(child: subprocess.Popen) -> None:
-    """End every process of the program's group (its leftover children too), and reap the program."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is already empty
-        pass
-    child.wait()
 
 
 def _signal_name(number: int) -> str:
