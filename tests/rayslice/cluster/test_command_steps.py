@@ -99,11 +99,11 @@ def test_a_non_zero_exit_on_any_host_fails_the_gang_naming_it_and_frees_the_slic
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie is not: a process whose parent died waits there for whoever adopted it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
         return False
-    return True
 
 
 def test_a_fraction_runs_the_command_once_and_a_missing_result_file_is_none(ray_driver):
@@ -174,13 +174,16 @@ def test_the_first_host_whose_program_fails_decides_the_step_at_once(ray_driver,
     assert wait_until(lambda: not any(_alive(pid) for pid in pids), timeout=10), "a host's program outlived its gang"
 
 
-#: Every host starts a background child that holds the output pipes (a log shipper), then exits 0.
+#: Every host starts a background child that holds the output pipes (a log shipper) and one in a
+#: session of its own (a daemon), then exits 0.
 LEAVES_A_CHILD = textwrap.dedent('''
     import json, os, pathlib, subprocess, sys
     folder = pathlib.Path(sys.argv[1])
     ship = "import time\\nwhile True: print('shipping', flush=True); time.sleep(1)"
     child = subprocess.Popen([sys.executable, "-c", ship])
-    (folder / f"child-{child.pid}").write_text("")
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    for pid in (child.pid, daemon.pid):
+        (folder / f"child-{pid}").write_text("")
     print("training done", flush=True)
     with open(os.environ["RAYSLICE_RESULT_FILE"], "w") as f:
         json.dump({"worker": os.environ["RAYSLICE_WORKER_ID"]}, f)
@@ -196,7 +199,7 @@ def test_a_program_that_exits_0_leaving_a_background_child_succeeds_and_leaves_n
                     step_timeout=60, owner=Owner(submission_id=f"test-cmd-child-{time.time_ns()}"))
     assert run_step(spec) == [{"worker": str(i)} for i in range(4)]  # before: StepTimeoutError
     children = [int(p.name.removeprefix("child-")) for p in tmp_path.glob("child-*")]
-    assert len(children) == 4
+    assert len(children) == 8
     assert wait_until(lambda: not any(_alive(pid) for pid in children), timeout=10), "a background child was left"
     assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=10)
 
