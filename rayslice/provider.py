@@ -96,6 +96,19 @@ def get_provider_info() -> dict:
                                        "start faster",
                         "schema": {"type": ["string", "null"]},
                     },
+                    "runtime_env": {
+                        "label": "Default runtime_env (optional)",
+                        "description": 'JSON in Ray\'s runtime_env format, the default of every step on this '
+                                       'connection, under each task\'s own (env_vars merged), e.g. '
+                                       '{"env_vars": {"XLA_FLAGS": "..."}}',
+                        "schema": {"type": ["object", "null"]},
+                    },
+                    "queue": {
+                        "label": "Admission queue settings (optional)",
+                        "description": 'JSON {"policy": "best-effort" or "strict", "aging_s": 600, "quotas": '
+                                       '{...}}: the cluster\'s admission queue (docs/sharing.md)',
+                        "schema": {"type": ["object", "null"]},
+                    },
                     "deployment": {
                         "label": "Deployment name (optional)",
                         "description": "This Airflow's name on the cluster, e.g. prod: stamped on every job and first "

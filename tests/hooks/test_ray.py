@@ -176,3 +176,25 @@ def test_provider_info_validates_and_registers_the_connection_form():
     behaviour = manager.field_behaviours["ray"]
     assert behaviour["relabeling"] == {"host": "Ray dashboard URL", "password": "Ray auth token"}
     assert {"extra__ray__verify", "extra__ray__headers"} <= set(manager.connection_form_widgets)
+
+
+def test_an_unknown_extra_fails_naming_the_valid_ones():
+    """A misspelled extra would otherwise be ignored: the checkpoint folders would silently go elsewhere."""
+    from rayslice.hooks.ray import EXTRAS
+
+    conn = Connection(conn_id="r", conn_type="ray", host="http://h:1",
+                      extra=json.dumps({"checkpoint-root": "gs://b/c", "verfy": False}))
+    with pytest.raises(InvalidRequestError) as info:
+        settings_from_connection(conn)
+    message = str(info.value)
+    assert "'checkpoint-root' (did you mean 'checkpoint_root'?)" in message and "'verfy'" in message
+    assert all(name in message for name in EXTRAS)
+
+
+def test_the_connection_form_offers_every_extra():
+    from rayslice.hooks.ray import EXTRAS
+
+    from rayslice.provider import get_provider_info
+
+    (conn_type,) = get_provider_info()["connection-types"]
+    assert set(conn_type["conn-fields"]) == set(EXTRAS)
