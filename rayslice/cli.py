@@ -343,6 +343,35 @@ def reap(
         console.print("(no --airflow-url: running jobs were not checked against Airflow)")
 
 
+cloud_tpu = typer.Typer(help="Cloud TPU VMs (no KubeRay) whose hosts join a Ray cluster.", no_args_is_help=True)
+app.add_typer(cloud_tpu, name="cloud-tpu")
+
+
+@cloud_tpu.command("startup-script")
+def startup_script(
+    head_address: Annotated[str, typer.Option("--head-address", help="The Ray head's GCS address, host:6379.")],
+    token_secret: Annotated[str | None, typer.Option(
+        "--token-secret", help="The Secret Manager secret with the head's Ray auth token (read at boot).")] = None,
+    wheel: Annotated[str | None, typer.Option(
+        "--wheel", help="rayslice's wheel (gs:// or https:// URL) for a `launcher: installed` connection.")] = None,
+    install: Annotated[bool, typer.Option(
+        "--install/--no-install", help="Install Python, Ray and JAX at boot (default), or only `ray start`.")] = True,
+    ray_start_args: Annotated[str, typer.Option("--ray-start-args", help="More `ray start` arguments.")] = "",
+) -> None:
+    """Print the TPU VMs' startup script: Python 3.12, Ray and JAX at rayslice's versions, then join the head."""
+    from rayslice.cloud.cloud_tpu import startup_script as render
+
+    try:
+        typer.echo(render(head_address, install=install, wheel=wheel, token_secret=token_secret,
+                          ray_start_args=ray_start_args), nl=False)
+    except RaysliceError as exc:
+        message = str(exc)
+        for word, flag in (("head_address", "--head-address"), ("token_secret", "--token-secret"),
+                           ("wheel", "--wheel")):
+            message = message.replace(f"{word} ", f"{flag} ", 1) if message.startswith(word) else message
+        raise fail(message) from None
+
+
 @app.command()
 def demo(
     name: Annotated[str, typer.Option(help="Name of the demo's own local cluster.")] = "demo",
