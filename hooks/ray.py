@@ -50,7 +50,7 @@ from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 from rayslice.core.queue import QueueSettings
 from rayslice.core.step import DEPLOYMENT_VARIABLE, Launcher
 
-__all__ = ["DEPLOYMENT_VARIABLE", "EXTRAS", "RayConnectionSettings", "RayHook", "dashboard_url"]
+__all__ = ["DEPLOYMENT_VARIABLE", "EXTRAS", "RayConnectionSettings", "RayHook", "RaysliceHook", "dashboard_url"]
 
 _DEPLOYMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: Every extra the `ray` connection reads. Any other key is refused (a misspelled ``checkpoint-root`` would
@@ -59,6 +59,11 @@ EXTRAS = ("verify", "headers", "checkpoint_root", "launcher", "runtime_env", "de
           "cloud_tpu")
 #: Keys Airflow itself may leave in a connection's extra (a URI-style connection's raw extra).
 _AIRFLOW_EXTRAS = ("__extra__",)
+#: The fields astro-provider-ray's and Apache's `ray` connection forms save: their dashboard URL is the
+#: extra ``address`` (the host is hidden). rayslice reads such a connection's ``address``, ``headers`` and
+#: ``verify``; the other fields are theirs (cookies, Kubernetes settings) and rayslice has no use for them.
+FOREIGN_RAY_EXTRAS = ("address", "cookies", "metadata", "kube_config_path", "kube_config", "kubeconfig", "namespace",
+                      "cluster_context", "disable_verify_ssl", "disable_tcp_keepalive")
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,9 @@ def _resolve(conn: Any, timeout: float) -> tuple[str, str | None]:
     the extra names its Secret (``token_secret``) and the connection has no password.
     """
     kuberay = _kuberay_extra(conn)
+    extra = conn.extra_dejson if conn.extra else {}
+    if kuberay in (None, "", {}) and not (conn.host or "").strip() and _foreign(extra):
+        return dashboard_url(extra["address"], what="the `ray` connection's extra 'address'"), conn.password or None
     if kuberay in (None, "", {}):
         return dashboard_url(conn.host, conn.schema, conn.port), conn.password or None
     if (conn.host or "").strip():
@@ -144,11 +152,17 @@ def _resolve(conn: Any, timeout: float) -> tuple[str, str | None]:
     return url, conn.password or token
 
 
+def _foreign(extra: dict[str, Any]) -> bool:
+    """A `ray` connection saved by astro-provider-ray's or Apache's form: the dashboard URL in ``address``."""
+    return bool(extra.get("address")) and "kuberay" not in extra
+
+
 def check_extras(extra: Any) -> None:
     """Refuse extras the connection does not read, naming the valid ones (and the closest, for a typo)."""
     if not isinstance(extra, dict):
         raise InvalidRequestError(f"the `ray` connection's extra must be a JSON object, got {type(extra).__name__}")
-    unknown = sorted(str(key) for key in extra if key not in EXTRAS and key not in _AIRFLOW_EXTRAS)
+    allowed = (*EXTRAS, *_AIRFLOW_EXTRAS, *(FOREIGN_RAY_EXTRAS if _foreign(extra) else ()))
+    unknown = sorted(str(key) for key in extra if key not in allowed)
     if not unknown:
         return
     hints = []
@@ -334,3 +348,16 @@ class RayHook(BaseHook):
             return False, str(exc)
         return True, (f"Ray {info.get('ray_version', '?')} at {self.settings().dashboard_url} "
                       f"(Jobs API version {info.get('version', '?')})")
+
+
+class RaysliceHook(RayHook):
+    """``RayHook`` under rayslice's own connection type, ``rayslice``.
+
+    Why: astro-provider-ray (and Apache's unreleased Ray provider) register the connection type ``ray``
+    too, and Airflow gives a type to one provider only (the first by package name: astro's). Next to
+    them, make connections of type ``rayslice``; every rayslice operator reads a connection by its id,
+    whatever its type, so ``ray`` connections (theirs included: the dashboard URL in ``address``) work too.
+    """
+
+    conn_type = "rayslice"
+    hook_name = "Ray (rayslice)"
