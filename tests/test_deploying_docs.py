@@ -132,7 +132,7 @@ def test_the_tpu_vm_walkthrough_and_its_startup_script_on_a_booting_vm(workdir, 
     assert calls[0] == "gcloud secrets versions access latest --secret=ray-token"
     assert calls[1] == f"gcloud storage cp gs://my-bucket/wheels/rayslice-0.1.0-py3-none-any.whl {wheel}"
     install = next(c for c in calls if c.startswith("uv pip install"))
-    assert f"rayslice[cluster] @ file://{wheel}" in install and "ray[default]==2.60.0" in install
+    assert f"rayslice[cluster,gcs] @ file://{wheel}" in install and "ray[default]==2.60.0" in install
     assert calls[-1] == "venv-ray start --address=10.0.0.2:6379 auth=token token=the-token"
     assert "the-token" not in script  # the token never lands in the VM's metadata
 

@@ -136,6 +136,8 @@ VENV_DIR = "/opt/rayslice/venv"
 PYTHON_DIR = "/opt/rayslice/python"
 #: What the cluster side imports besides Ray and JAX (the `cluster` extra): enough for the shipped launcher.
 SHIPPED_LAUNCHER_NEEDS = ("pydantic>=2.10", "fsspec>=2024.1")
+#: fsspec's Cloud Storage driver (the `gcs` extra): gs:// checkpoint roots, the usual ones on Cloud TPU.
+GCS_NEEDS = ("gcsfs>=2024.1",)
 _WHEEL = re.compile(r"(gs://|https://|/)[A-Za-z0-9._/\-]+/rayslice-[A-Za-z0-9._+]+-py3-none-any\.whl")
 _SECRET = re.compile(r"(projects/[a-z0-9-]+/secrets/)?[A-Za-z0-9_-]{1,255}")
 _VERSION = re.compile(r"\d+(\.\d+)+((a|b|rc|\.dev|\.post)\d+)?")
@@ -158,7 +160,7 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
     rayslice is in no package registry, so it is installed only from ``wheel`` (a ``gs://`` or ``https://``
     URL, or a path on the VM, of the wheel ``uv build`` makes), for a ``launcher: installed`` connection.
     Without it the hosts get what the default shipped launcher needs (Ray, JAX, pydantic, fsspec): each
-    job carries rayslice's cluster side.
+    job carries rayslice's cluster side. Either way gcsfs comes too, for ``gs://`` checkpoint roots.
 
     ``token_secret`` (a Secret Manager secret, ``name`` or ``projects/<p>/secrets/<name>``) holds the Ray
     auth token of a token-auth head: the script reads it with ``gcloud`` (the VM's service account needs
@@ -199,7 +201,7 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
         return "\n".join([*lines, f"ray {start}"]) + "\n"
     if wheel:
         local = f"{venv}-wheels/{wheel.rsplit('/', 1)[-1]}"
-        rayslice = [f"rayslice[cluster] @ file://{local}"]
+        rayslice = [f"rayslice[cluster,gcs] @ file://{local}"]
         if wheel.startswith("gs://"):
             fetch = [f"mkdir -p {shlex.quote(venv)}-wheels",
                      f"gcloud storage cp {shlex.quote(wheel)} {shlex.quote(local)}"]
@@ -207,9 +209,9 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
             fetch = [f"mkdir -p {shlex.quote(venv)}-wheels",
                      f"curl -fsSL -o {shlex.quote(local)} {shlex.quote(wheel)}"]
         else:
-            fetch, rayslice = [], [f"rayslice[cluster] @ file://{wheel}"]
+            fetch, rayslice = [], [f"rayslice[cluster,gcs] @ file://{wheel}"]
     else:
-        fetch, rayslice = [], list(SHIPPED_LAUNCHER_NEEDS)
+        fetch, rayslice = [], [*SHIPPED_LAUNCHER_NEEDS, *GCS_NEEDS]
     packages = " ".join(shlex.quote(p) for p in (*rayslice, f"jax[tpu]=={jax_version}",
                                                   f"ray[default]=={ray_version}"))
     lines += [*fetch,
