@@ -11,15 +11,16 @@ makes against these rules.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import typer
 import yaml
 
-from rayslice.cloud.kuberay import _DNS1123_SUBDOMAIN
 from rayslice.cloud.kuberay_crds import CRD_NAMES
 from rayslice.core.exceptions import InvalidRequestError
 
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 #: (API group, resource) -> verbs, for resolving a connection: every component that reads it.
 LOOKUP = {("ray.io", "rayclusters"): ("get",), ("", "services"): ("get",), ("", "secrets"): ("get",)}
 #: What the create and delete operators add, in the RayClusters' namespace.

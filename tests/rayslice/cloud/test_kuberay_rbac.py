@@ -136,6 +136,15 @@ def test_the_bindings_name_every_service_account_and_every_object_passes_kuberne
         validate_object(obj)
 
 
+def test_the_module_imports_on_its_own():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "from rayslice.cloud.kuberay_rbac import render_rbac"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 def test_cli_prints_the_objects_and_refuses_bad_names():
     runner = CliRunner()
     result = runner.invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "airflow-worker",
