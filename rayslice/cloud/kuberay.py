@@ -507,7 +507,7 @@ def _toleration(value: str) -> dict[str, str]:
     return {"key": key, "operator": "Exists", "effect": effect}
 
 
-app = typer.Typer(help="KubeRay manifests: a GKE Ray cluster with whole-TPU-slice worker groups.",
+app = typer.Typer(help="KubeRay: a GKE Ray cluster with whole-TPU-slice worker groups, and the RBAC Airflow needs.",
                   no_args_is_help=True)
 
 
