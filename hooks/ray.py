@@ -34,25 +34,36 @@ and the jobs clients scrub it from every error they raise.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import re
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
-import httpx
 from airflow.sdk import BaseHook
 
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
+from rayslice.client.urls import dashboard_url
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 from rayslice.core.queue import QueueSettings
 from rayslice.core.step import DEPLOYMENT_VARIABLE, Launcher
 
-__all__ = ["DEPLOYMENT_VARIABLE", "RayConnectionSettings", "RayHook"]
+__all__ = ["DEPLOYMENT_VARIABLE", "EXTRAS", "RayConnectionSettings", "RayHook", "RaysliceHook", "dashboard_url"]
 
 _DEPLOYMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_HOST_HINT = "set the `ray` connection's host to the Ray dashboard URL, e.g. http://127.0.0.1:8265"
+#: Every extra the `ray` connection reads. Any other key is refused (a misspelled ``checkpoint-root`` would
+#: otherwise be ignored without a word); docs/connection.md and the provider's form list exactly these.
+EXTRAS = ("verify", "headers", "checkpoint_root", "launcher", "runtime_env", "deployment", "queue", "kuberay",
+          "cloud_tpu")
+#: Keys Airflow itself may leave in a connection's extra (a URI-style connection's raw extra).
+_AIRFLOW_EXTRAS = ("__extra__",)
+#: The fields astro-provider-ray's and Apache's `ray` connection forms save: their dashboard URL is the
+#: extra ``address`` (the host is hidden). rayslice reads such a connection's ``address``, ``headers`` and
+#: ``verify``; the other fields are theirs (cookies, Kubernetes settings) and rayslice has no use for them.
+FOREIGN_RAY_EXTRAS = ("address", "cookies", "metadata", "kube_config_path", "kube_config", "kubeconfig", "namespace",
+                      "cluster_context", "disable_verify_ssl", "disable_tcp_keepalive")
 
 
 @dataclass(frozen=True)
@@ -84,28 +95,6 @@ class RayConnectionSettings:
     def job_url(self, submission_id: str) -> str:
         """The job's page in the Ray dashboard."""
         return f"{self.dashboard_url}/#/jobs/{submission_id}"
-
-
-def dashboard_url(host: str | None, schema: str | None = None, port: int | None = None) -> str:
-    """The dashboard URL from a connection's host, schema and port, with or without a scheme in host."""
-    raw = (host or "").strip()
-    host = raw.rstrip("/")
-    if not host:
-        raise InvalidRequestError(f"the `ray` connection has no host: {_HOST_HINT}")
-    if "://" in raw and not raw.split("://", 1)[1].strip("/"):  # e.g. "http://": a scheme and no host name
-        raise InvalidRequestError(f"the `ray` connection's host {raw!r} has no host name: {_HOST_HINT}")
-    if "://" not in host:
-        scheme = (schema or "").strip().lower()
-        host = f"{scheme if scheme in ('http', 'https') else 'http'}://{host}"
-    try:
-        url = httpx.URL(host)
-    except httpx.InvalidURL as exc:
-        raise InvalidRequestError(f"the `ray` connection's host is not a URL ({exc}): {_HOST_HINT}") from None
-    if url.scheme not in ("http", "https") or not url.host:
-        raise InvalidRequestError(f"the `ray` connection's host must be http(s)://host:port: {_HOST_HINT}")
-    if port and url.port is None:
-        url = url.copy_with(port=int(port))
-    return str(url.copy_with(username=None, password=None, query=None, fragment=None)).rstrip("/")
 
 
 def _verify(value: Any) -> bool | str:
@@ -146,6 +135,9 @@ def _resolve(conn: Any, timeout: float) -> tuple[str, str | None]:
     the extra names its Secret (``token_secret``) and the connection has no password.
     """
     kuberay = _kuberay_extra(conn)
+    extra = conn.extra_dejson if conn.extra else {}
+    if kuberay in (None, "", {}) and not (conn.host or "").strip() and _foreign(extra):
+        return dashboard_url(extra["address"], what="the `ray` connection's extra 'address'"), conn.password or None
     if kuberay in (None, "", {}):
         return dashboard_url(conn.host, conn.schema, conn.port), conn.password or None
     if (conn.host or "").strip():
@@ -160,8 +152,30 @@ def _resolve(conn: Any, timeout: float) -> tuple[str, str | None]:
     return url, conn.password or token
 
 
+def _foreign(extra: dict[str, Any]) -> bool:
+    """A `ray` connection saved by astro-provider-ray's or Apache's form: the dashboard URL in ``address``."""
+    return bool(extra.get("address")) and "kuberay" not in extra
+
+
+def check_extras(extra: Any) -> None:
+    """Refuse extras the connection does not read, naming the valid ones (and the closest, for a typo)."""
+    if not isinstance(extra, dict):
+        raise InvalidRequestError(f"the `ray` connection's extra must be a JSON object, got {type(extra).__name__}")
+    allowed = (*EXTRAS, *_AIRFLOW_EXTRAS, *(FOREIGN_RAY_EXTRAS if _foreign(extra) else ()))
+    unknown = sorted(str(key) for key in extra if key not in allowed)
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key.replace("-", "_").lower(), EXTRAS, n=1, cutoff=0.6)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise InvalidRequestError(f"the `ray` connection has unknown extra {', '.join(hints)}: the valid extras are "
+                              f"{', '.join(EXTRAS)} (docs/connection.md)")
+
+
 def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int = 3) -> RayConnectionSettings:
     extra = conn.extra_dejson if conn.extra else {}
+    check_extras(extra)
     url, token = _resolve(conn, timeout)
     return RayConnectionSettings(
         dashboard_url=url,
@@ -334,3 +348,16 @@ class RayHook(BaseHook):
             return False, str(exc)
         return True, (f"Ray {info.get('ray_version', '?')} at {self.settings().dashboard_url} "
                       f"(Jobs API version {info.get('version', '?')})")
+
+
+class RaysliceHook(RayHook):
+    """``RayHook`` under rayslice's own connection type, ``rayslice``.
+
+    Why: astro-provider-ray (and Apache's unreleased Ray provider) register the connection type ``ray``
+    too, and Airflow gives a type to one provider only (the first by package name: astro's). Next to
+    them, make connections of type ``rayslice``; every rayslice operator reads a connection by its id,
+    whatever its type, so ``ray`` connections (theirs included: the dashboard URL in ``address``) work too.
+    """
+
+    conn_type = "rayslice"
+    hook_name = "Ray (rayslice)"

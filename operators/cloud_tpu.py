@@ -74,6 +74,9 @@ class CreateTpuSliceOperator(_QueuedOperator):
     :param ray_version: / jax_version / python_version: default the versions rayslice is tested with
         (``rayslice.cloud.pins``); Ray's must be the head's.
     :param ray_start_args: more ``ray start`` arguments.
+    :param wheel: rayslice's wheel (``gs://``/``https://`` URL or a path on the VM) to install on the hosts, for
+        a ``launcher: installed`` connection; without it they get only what the shipped launcher needs.
+    :param token_secret: the Secret Manager secret holding the head's Ray auth token (read at boot).
     :param check_zone: first check that the zone offers ``tpu`` (the list is cached per zone).
     :param active_timeout: seconds to wait for ACTIVE (a queued resource can wait long for capacity).
     :param deferrable: wait in the triggerer (default), holding no worker slot; a wait that fails or
@@ -84,14 +87,16 @@ class CreateTpuSliceOperator(_QueuedOperator):
 
     def __init__(self, *, head_address: str | None = None, ray_conn_id: str = RayHook.default_conn_name,
                  install: bool = True, ray_version: str = pins.RAY_VERSION, jax_version: str = pins.JAX_VERSION,
-                 python_version: str = pins.PYTHON_VERSION, ray_start_args: str = "", check_zone: bool = True,
+                 python_version: str = pins.PYTHON_VERSION, ray_start_args: str = "", wheel: str | None = None,
+                 token_secret: str | None = None, check_zone: bool = True,
                  active_timeout: float = 3600.0, deferrable: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.deferrable = deferrable
         self.head_address = head_address
         self.ray_conn_id = ray_conn_id
         self.script_kwargs = {"install": install, "ray_version": ray_version, "jax_version": jax_version,
-                              "python_version": python_version, "ray_start_args": ray_start_args}
+                              "python_version": python_version, "ray_start_args": ray_start_args,
+                              "wheel": wheel, "token_secret": token_secret}
         self.check_zone = check_zone
         if active_timeout <= 0:
             raise InvalidRequestError(f"active_timeout={active_timeout} of {self.task_id!r} is invalid: use > 0")

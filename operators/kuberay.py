@@ -77,6 +77,8 @@ class CreateRayClusterOperator(_ClusterOperator):
         ``<name>-ray-token``, key ``auth_token``): created with a random token before the cluster unless it
         exists, deleted by the teardown when this run made it. Give the `ray` connection's kuberay extra the
         same ``token_secret`` so the steps authenticate.
+    :param pods: ``rayslice.cloud.kuberay.PodSettings``: the pods' service account, labels, node selectors,
+        tolerations, priority class, pull Secrets, head size (as the CLI's pod flags).
     :param manifest: a complete RayCluster instead of the rendering arguments (its ``authOptions`` and
         head ``serviceType`` are honoured and checked the same way).
     :param ready_timeout: seconds to wait for the cluster's head to be ready.
@@ -89,7 +91,7 @@ class CreateRayClusterOperator(_ClusterOperator):
                  gpu_image: str = kuberay.DEFAULT_GPU_IMAGE, idle_timeout_seconds: int = 60,
                  head_service_type: str | None = None, auth: bool = True, token_secret: str | None = None,
                  manifest: dict[str, Any] | None = None, ready_timeout: float = 900.0, deferrable: bool = True,
-                 **kwargs: Any) -> None:
+                 pods: kuberay.PodSettings | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.deferrable = deferrable
         if manifest is not None and (tpus or gpu_nodes):
@@ -100,7 +102,7 @@ class CreateRayClusterOperator(_ClusterOperator):
                               "gpu_type": gpu_type, "image": image, "gpu_image": gpu_image,
                               "idle_timeout_seconds": idle_timeout_seconds,
                               "auth": auth, "token_secret": token_secret,
-                              "head_service_type": head_service_type or "ClusterIP"}
+                              "head_service_type": head_service_type or "ClusterIP", "pods": pods}
         self.head_service_type = head_service_type  # with `manifest`: replaces its head serviceType when given
         self.manifest = manifest
         self.ready_timeout = ready_timeout

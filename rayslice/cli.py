@@ -23,6 +23,28 @@ app.add_typer(airflow, name="airflow")
 console = Console()
 
 
+def _flags_without_placeholders() -> None:
+    """On/off flags take no value, so their help shows none.
+
+    Typer's help prints each option's type, ``<bool>`` for flags too (``--token <bool>``, even
+    ``--help <bool>``), which reads as if the flag wanted a value. Its help has no setting for this.
+    """
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "rayslice", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: object) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.rayslice = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_without_placeholders()
+
+
 def _kuberay() -> None:
     try:
         from rayslice.cloud.kuberay import app as kuberay_app
@@ -40,6 +62,22 @@ Token = Annotated[str | None, typer.Option(
     "--token", envvar="RAYSLICE_RAY_TOKEN", help="The Ray auth token of a cluster with RAY_AUTH_MODE=token.")]
 ConnId = Annotated[str | None, typer.Option(
     "--conn-id", help="Read the dashboard URL, token and headers from this Airflow `ray` connection.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"rayslice {version('rayslice')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_version,
+                                          help="Print rayslice's version and exit.")] = False,
+) -> None:
+    """Run accelerator steps of Airflow pipelines on Ray."""
 
 
 def fail(message: str) -> typer.Exit:
@@ -76,12 +114,14 @@ def target(address: str | None, token: str | None, conn_id: str | None, name: st
         return Target(settings.dashboard_url, token or settings.token, f"--conn-id {conn_id}",
                       dict(settings.headers), settings.verify, settings.deployment)
     if address:
-        from rayslice.hooks.ray import dashboard_url  # the same URL rules as the connection's host
+        # The connection's URL rules, from the client side: --address needs no Airflow.
+        from rayslice.client.urls import dashboard_url
 
         try:
-            return Target(dashboard_url(address), token, "--address")
+            return Target(dashboard_url(address, what="--address", hint="give the Ray dashboard URL, e.g. "
+                                        "--address http://127.0.0.1:8265"), token, "--address")
         except RaysliceError as exc:
-            raise fail(str(exc).replace("the `ray` connection's host", "--address")) from None
+            raise fail(str(exc)) from None
     try:
         record = local_cluster.ClusterRecord.load(name)
     except RaysliceError as exc:
@@ -90,8 +130,21 @@ def target(address: str | None, token: str | None, conn_id: str | None, name: st
     return Target(record.dashboard_url, token or record.token, f"--name {name} (the local cluster)")
 
 
+def in_flag_words(message: str, where: Target) -> str:
+    """A client error in the command's words: the clients speak of the `ray` connection's fields, which
+    only --conn-id used; with --address or --name the host and token came from flags."""
+    if where.flag.startswith("--conn-id"):
+        return message
+    return (message.replace("set the `ray` connection's password to the cluster's token",
+                            "give the cluster's token with --token (or RAYSLICE_RAY_TOKEN)")
+            .replace("the `ray` connection's host", where.flag.split(" (")[0]))
+
+
 def unreachable(where: Target, exc: Exception) -> typer.Exit:
-    return fail(f"{exc}\n(the cluster was named by {where.flag}: check that flag, and that the cluster is up)")
+    message = in_flag_words(str(exc), where)
+    if where.flag not in message:
+        message += f"\n(the cluster was named by {where.flag}: check that flag, and that the cluster is up)"
+    return fail(message)
 
 
 @local.command("up")
@@ -288,6 +341,35 @@ def reap(
     console.print(f"{verb}: {len(report.stopped)} job(s) stopped, {len(report.reaped)} leftover(s) removed")
     if not airflow_url:
         console.print("(no --airflow-url: running jobs were not checked against Airflow)")
+
+
+cloud_tpu = typer.Typer(help="Cloud TPU VMs (no KubeRay) whose hosts join a Ray cluster.", no_args_is_help=True)
+app.add_typer(cloud_tpu, name="cloud-tpu")
+
+
+@cloud_tpu.command("startup-script")
+def startup_script(
+    head_address: Annotated[str, typer.Option("--head-address", help="The Ray head's GCS address, host:6379.")],
+    token_secret: Annotated[str | None, typer.Option(
+        "--token-secret", help="The Secret Manager secret with the head's Ray auth token (read at boot).")] = None,
+    wheel: Annotated[str | None, typer.Option(
+        "--wheel", help="rayslice's wheel (gs:// or https:// URL) for a `launcher: installed` connection.")] = None,
+    install: Annotated[bool, typer.Option(
+        "--install/--no-install", help="Install Python, Ray and JAX at boot (default), or only `ray start`.")] = True,
+    ray_start_args: Annotated[str, typer.Option("--ray-start-args", help="More `ray start` arguments.")] = "",
+) -> None:
+    """Print the TPU VMs' startup script: Python 3.12, Ray and JAX at rayslice's versions, then join the head."""
+    from rayslice.cloud.cloud_tpu import startup_script as render
+
+    try:
+        typer.echo(render(head_address, install=install, wheel=wheel, token_secret=token_secret,
+                          ray_start_args=ray_start_args), nl=False)
+    except RaysliceError as exc:
+        message = str(exc)
+        for word, flag in (("head_address", "--head-address"), ("token_secret", "--token-secret"),
+                           ("wheel", "--wheel")):
+            message = message.replace(f"{word} ", f"{flag} ", 1) if message.startswith(word) else message
+        raise fail(message) from None
 
 
 @app.command()

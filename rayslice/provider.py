@@ -35,6 +35,81 @@ def _plugins() -> list[dict[str, str]]:
     return [{"name": "rayslice_slices", "plugin-class": f"{_PLUGIN_MODULE}.SlicesPlugin"}]
 
 
+def _connection_type(connection_type: str, hook_class: str, hook_name: str) -> dict:
+    """The connection form: the same fields under `ray` and under rayslice's own `rayslice`."""
+    return {
+        "connection-type": connection_type,
+        "hook-class-name": f"rayslice.hooks.ray.{hook_class}",
+        "hook-name": hook_name,
+        "conn-fields": {
+            "verify": {
+                "label": "Verify TLS",
+                "description": "true (default), false, or the path of a CA bundle on the workers",
+                "schema": {"type": ["string", "boolean", "null"]},
+            },
+            "headers": {
+                "label": "Extra HTTP headers",
+                "description": 'JSON object sent with every request, e.g. {"X-Proxy-Key": "..."}',
+                "schema": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+            },
+            "kuberay": {
+                "label": "KubeRay cluster (instead of a URL)",
+                "description": 'JSON naming a RayCluster whose dashboard is looked up, e.g. {"namespace": '
+                               '"ml", "name": "rayslice", "in_cluster": true} or "kubeconfig": "/path"; '
+                               '"token_secret": "rayslice-ray-token" reads the Ray token from that Secret',
+                "schema": {"type": ["object", "null"]},
+            },
+            "checkpoint_root": {
+                "label": "Checkpoint root (optional)",
+                "description": "URL under which every step gets its checkpoint folder, e.g. "
+                               "gs://bucket/checkpoints (else the cluster's RAYSLICE_CHECKPOINT_ROOT)",
+                "schema": {"type": ["string", "null"]},
+            },
+            "launcher": {
+                "label": "Launcher (optional)",
+                "description": "shipped (default): each job uploads rayslice's cluster side; installed: the "
+                               "cluster's image has this rayslice version, so jobs carry only the step and "
+                               "start faster",
+                "schema": {"type": ["string", "null"]},
+            },
+            "runtime_env": {
+                "label": "Default runtime_env (optional)",
+                "description": 'JSON in Ray\'s runtime_env format, the default of every step on this '
+                               'connection, under each task\'s own (env_vars merged), e.g. '
+                               '{"env_vars": {"XLA_FLAGS": "..."}}',
+                "schema": {"type": ["object", "null"]},
+            },
+            "queue": {
+                "label": "Admission queue settings (optional)",
+                "description": 'JSON {"policy": "best-effort" or "strict", "aging_s": 600, "quotas": '
+                               '{...}}: the cluster\'s admission queue (docs/sharing.md)',
+                "schema": {"type": ["object", "null"]},
+            },
+            "deployment": {
+                "label": "Deployment name (optional)",
+                "description": "This Airflow's name on the cluster, e.g. prod: stamped on every job and first "
+                               "in every checkpoint folder, so Airflows sharing a cluster keep to their own "
+                               "(else the Airflow Variable rayslice_deployment, created with a random id)",
+                "schema": {"type": ["string", "null"]},
+            },
+            "cloud_tpu": {
+                "label": "Cloud TPU zone check (optional)",
+                "description": 'JSON {"project": "...", "zone": "us-east5-b"}: TPU slice types are checked '
+                               "against the types the zone offers",
+                "schema": {"type": ["object", "null"]},
+            },
+        },
+        "ui-field-behaviour": {
+            "hidden-fields": ["schema", "login", "port"],
+            "relabeling": {"host": "Ray dashboard URL", "password": "Ray auth token"},
+            "placeholders": {
+                "host": "http://127.0.0.1:8265",
+                "password": "token of a cluster started with RAY_AUTH_MODE=token (optional)",
+            },
+        },
+    }
+
+
 def get_provider_info() -> dict:
     return {
         "package-name": "rayslice",
@@ -60,66 +135,9 @@ def get_provider_info() -> dict:
         ],
         "triggers": [{"integration-name": _INTEGRATION, "python-modules": [
             "rayslice.operators.triggers", "rayslice.operators.start_trigger", "rayslice.operators.setup_triggers"]}],
-        "connection-types": [
-            {
-                "connection-type": "ray",
-                "hook-class-name": "rayslice.hooks.ray.RayHook",
-                "hook-name": "Ray",
-                "conn-fields": {
-                    "verify": {
-                        "label": "Verify TLS",
-                        "description": "true (default), false, or the path of a CA bundle on the workers",
-                        "schema": {"type": ["string", "boolean", "null"]},
-                    },
-                    "headers": {
-                        "label": "Extra HTTP headers",
-                        "description": 'JSON object sent with every request, e.g. {"X-Proxy-Key": "..."}',
-                        "schema": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
-                    },
-                    "kuberay": {
-                        "label": "KubeRay cluster (instead of a URL)",
-                        "description": 'JSON naming a RayCluster whose dashboard is looked up, e.g. {"namespace": '
-                                       '"ml", "name": "rayslice", "in_cluster": true} or "kubeconfig": "/path"; '
-                                       '"token_secret": "rayslice-ray-token" reads the Ray token from that Secret',
-                        "schema": {"type": ["object", "null"]},
-                    },
-                    "checkpoint_root": {
-                        "label": "Checkpoint root (optional)",
-                        "description": "URL under which every step gets its checkpoint folder, e.g. "
-                                       "gs://bucket/checkpoints (else the cluster's RAYSLICE_CHECKPOINT_ROOT)",
-                        "schema": {"type": ["string", "null"]},
-                    },
-                    "launcher": {
-                        "label": "Launcher (optional)",
-                        "description": "shipped (default): each job uploads rayslice's cluster side; installed: the "
-                                       "cluster's image has this rayslice version, so jobs carry only the step and "
-                                       "start faster",
-                        "schema": {"type": ["string", "null"]},
-                    },
-                    "deployment": {
-                        "label": "Deployment name (optional)",
-                        "description": "This Airflow's name on the cluster, e.g. prod: stamped on every job and first "
-                                       "in every checkpoint folder, so Airflows sharing a cluster keep to their own "
-                                       "(else the Airflow Variable rayslice_deployment, created with a random id)",
-                        "schema": {"type": ["string", "null"]},
-                    },
-                    "cloud_tpu": {
-                        "label": "Cloud TPU zone check (optional)",
-                        "description": 'JSON {"project": "...", "zone": "us-east5-b"}: TPU slice types are checked '
-                                       "against the types the zone offers",
-                        "schema": {"type": ["object", "null"]},
-                    },
-                },
-                "ui-field-behaviour": {
-                    "hidden-fields": ["schema", "login", "port"],
-                    "relabeling": {"host": "Ray dashboard URL", "password": "Ray auth token"},
-                    "placeholders": {
-                        "host": "http://127.0.0.1:8265",
-                        "password": "token of a cluster started with RAY_AUTH_MODE=token (optional)",
-                    },
-                },
-            }
-        ],
+        # `ray`, and `rayslice` for an Airflow where another provider (astro-provider-ray) owns `ray`.
+        "connection-types": [_connection_type("ray", "RayHook", "Ray"),
+                             _connection_type("rayslice", "RaysliceHook", "Ray (rayslice)")],
         "task-decorators": [
             {"name": "tpu_slice", "class-name": "rayslice.operators.decorators.tpu_slice_task"},
             {"name": "ray_accelerator", "class-name": "rayslice.operators.decorators.ray_accelerator_task"},

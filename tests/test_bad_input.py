@@ -63,6 +63,14 @@ def _dashboard(host, schema=None, port=None):
     return dashboard_url(host, schema, port)
 
 
+def _settings(extra):
+    from airflow.sdk import Connection
+    from rayslice.hooks.ray import settings_from_connection
+
+    return settings_from_connection(Connection(conn_id="r", conn_type="ray", host="http://h:1",
+                                               extra=json.dumps(extra)))
+
+
 class _Malformed(BaseHTTPRequestHandler):
     """A real HTTP server in front of "Ray" that answers with what a broken proxy or version might."""
 
@@ -146,7 +154,11 @@ CASES = [
          lambda: AcceleratorRequest(resource="GPU", count=0.25, accelerator_type="H100$(reboot)"),
          InvalidRequestError, "accelerator_type 'H100$(reboot)' is not a Ray accelerator type"),
     Case("connection", "`ray` connection without a host", lambda: _dashboard(None), InvalidRequestError,
-         "the `ray` connection has no host: set the `ray` connection's host to the Ray dashboard URL"),
+         "the `ray` connection's host is empty: set the `ray` connection's host to the Ray dashboard URL"),
+    Case("connection", "extra `{'checkpoint-root': 'gs://b/c'}` (a misspelled name)",
+         lambda: _settings({"checkpoint-root": "gs://b/c"}), InvalidRequestError,
+         "the `ray` connection has unknown extra 'checkpoint-root' (did you mean 'checkpoint_root'?): the valid "
+         "extras are verify, headers, checkpoint_root, launcher, runtime_env, deployment, queue, kuberay, cloud_tpu"),
     Case("connection", "host `ftp://head:8265`", lambda: _dashboard("ftp://head:8265"), InvalidRequestError,
          "the `ray` connection's host must be http(s)://host:port"),
     Case("connection", "host `http://` (no host name)", lambda: _dashboard("http://"), InvalidRequestError,

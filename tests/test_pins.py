@@ -48,7 +48,7 @@ def test_dockerfiles_build_from_ray_at_the_locked_versions(kind):
     python_tag = "py" + pins.PYTHON_VERSION.replace(".", "")
     assert base == f"rayproject/ray:${{RAY_VERSION}}-{python_tag}" + ("-gpu" if kind == "gpu" else "")
     jax_extra = {"tpu": "tpu", "gpu": "cuda12"}[kind]
-    assert '"/tmp/rayslice[cluster]"' in text and '"ray[default]==${RAY_VERSION}"' in text
+    assert '"/tmp/rayslice[cluster,examples,gcs]"' in text and '"ray[default]==${RAY_VERSION}"' in text
     assert f'"jax[{jax_extra}]==${{JAX_VERSION}}"' in text
     assert "-c /tmp/rayslice/requirements.lock" in text  # every other dependency at its locked version
     # The tag the file's own build line gives is the name the KubeRay manifests default to.

@@ -134,12 +134,19 @@ def owner_label(owner: str) -> str:
 #: Where the startup script puts the hosts' Python environment (and the Python uv downloads for it).
 VENV_DIR = "/opt/rayslice/venv"
 PYTHON_DIR = "/opt/rayslice/python"
+#: What the cluster side imports besides Ray and JAX (the `cluster` extra): enough for the shipped launcher.
+SHIPPED_LAUNCHER_NEEDS = ("pydantic>=2.10", "fsspec>=2024.1")
+#: fsspec's Cloud Storage driver (the `gcs` extra): gs:// checkpoint roots, the usual ones on Cloud TPU.
+GCS_NEEDS = ("gcsfs>=2024.1",)
+_WHEEL = re.compile(r"(gs://|https://|/)[A-Za-z0-9._/\-]+/rayslice-[A-Za-z0-9._+]+-py3-none-any\.whl")
+_SECRET = re.compile(r"(projects/[a-z0-9-]+/secrets/)?[A-Za-z0-9_-]{1,255}")
 _VERSION = re.compile(r"\d+(\.\d+)+((a|b|rc|\.dev|\.post)\d+)?")
 
 
 def startup_script(head_address: str, *, install: bool = True, ray_version: str = RAY_VERSION,
                    jax_version: str = JAX_VERSION, rayslice_version: str = RAYSLICE_VERSION,
-                   python_version: str = PYTHON_VERSION, ray_start_args: str = "", venv: str = VENV_DIR) -> str:
+                   python_version: str = PYTHON_VERSION, ray_start_args: str = "", venv: str = VENV_DIR,
+                   wheel: str | None = None, token_secret: str | None = None) -> str:
     """The TPU VM startup script: join the Ray cluster at ``head_address`` (GCS ``host:port``).
 
     With ``install`` (the default) it makes a Python ``python_version`` environment with uv (installed
@@ -149,6 +156,16 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
     worker and step runs that Python. It runs at every boot: an existing environment is reused and
     the install is a no-op once done. ``install=False``: the VM image already has all of it; only
     ``ray start``. Ray detects the slice (TPU_NAME, worker id, pod type) from the TPU VM's metadata itself.
+
+    rayslice is in no package registry, so it is installed only from ``wheel`` (a ``gs://`` or ``https://``
+    URL, or a path on the VM, of the wheel ``uv build`` makes), for a ``launcher: installed`` connection.
+    Without it the hosts get what the default shipped launcher needs (Ray, JAX, pydantic, fsspec): each
+    job carries rayslice's cluster side. Either way gcsfs comes too, for ``gs://`` checkpoint roots.
+
+    ``token_secret`` (a Secret Manager secret, ``name`` or ``projects/<p>/secrets/<name>``) holds the Ray
+    auth token of a token-auth head: the script reads it with ``gcloud`` (the VM's service account needs
+    ``roles/secretmanager.secretAccessor`` on it) and starts Ray with ``RAY_AUTH_MODE=token``, so the token
+    is never written into the VM's metadata.
     """
     if not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:\d+", head_address or ""):
         raise InvalidRequestError(f"head_address {head_address!r} is invalid: give the Ray head's GCS address "
@@ -163,14 +180,41 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
     if not minor or int(minor[1]) < 12:
         raise InvalidRequestError(f"python_version {python_version!r} is invalid: rayslice needs Python 3.12 or "
                                   "newer, e.g. '3.12' (the Airflow side's minor version, for steps shipped by value)")
+    if wheel is not None and not _WHEEL.fullmatch(wheel or ""):
+        raise InvalidRequestError(f"wheel {wheel!r} is invalid: give the URL or absolute path of rayslice's wheel, "
+                                  "e.g. 'gs://my-bucket/wheels/rayslice-0.1.0-py3-none-any.whl'")
+    if wheel and f"/rayslice-{rayslice_version}-" not in f"/{wheel.rsplit('/', 1)[-1]}":
+        raise InvalidRequestError(f"wheel {wheel!r} is not rayslice {rayslice_version} (the Airflow side's "
+                                  "version): build the wheel from the same release")
+    if token_secret is not None and not _SECRET.fullmatch(token_secret or ""):
+        raise InvalidRequestError(f"token_secret {token_secret!r} is invalid: give a Secret Manager secret, e.g. "
+                                  "'ray-token' or 'projects/my-project/secrets/ray-token'")
     args = " ".join(shlex.quote(a) for a in shlex.split(ray_start_args))
     start = f"start --address={shlex.quote(head_address)}" + (f" {args}" if args else "")
     lines = ["#!/bin/bash", f"# rayslice: join the Ray cluster at {head_address}", "set -euo pipefail"]
+    if token_secret:
+        # Read at every boot, so a rotated token reaches the hosts when they restart.
+        lines += ["export RAY_AUTH_MODE=token",
+                  f"RAY_AUTH_TOKEN=\"$(gcloud secrets versions access latest --secret={shlex.quote(token_secret)})\"",
+                  "export RAY_AUTH_TOKEN"]
     if not install:
         return "\n".join([*lines, f"ray {start}"]) + "\n"
-    packages = " ".join(shlex.quote(p) for p in (f"rayslice[cluster]=={rayslice_version}",
-                                                  f"jax[tpu]=={jax_version}", f"ray[default]=={ray_version}"))
-    lines += [
+    if wheel:
+        local = f"{venv}-wheels/{wheel.rsplit('/', 1)[-1]}"
+        rayslice = [f"rayslice[cluster,gcs] @ file://{local}"]
+        if wheel.startswith("gs://"):
+            fetch = [f"mkdir -p {shlex.quote(venv)}-wheels",
+                     f"gcloud storage cp {shlex.quote(wheel)} {shlex.quote(local)}"]
+        elif wheel.startswith("https://"):
+            fetch = [f"mkdir -p {shlex.quote(venv)}-wheels",
+                     f"curl -fsSL -o {shlex.quote(local)} {shlex.quote(wheel)}"]
+        else:
+            fetch, rayslice = [], [f"rayslice[cluster,gcs] @ file://{wheel}"]
+    else:
+        fetch, rayslice = [], [*SHIPPED_LAUNCHER_NEEDS, *GCS_NEEDS]
+    packages = " ".join(shlex.quote(p) for p in (*rayslice, f"jax[tpu]=={jax_version}",
+                                                  f"ray[default]=={ray_version}"))
+    lines += [*fetch,
         f'export HOME="${{HOME:-/root}}" UV_PYTHON_INSTALL_DIR={PYTHON_DIR} UV_COMPILE_BYTECODE=1',
         f"venv={shlex.quote(venv)}",
         "if ! command -v uv >/dev/null 2>&1; then",

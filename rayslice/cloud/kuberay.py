@@ -11,9 +11,11 @@ rules that a schema cannot express, so a bad manifest fails here and not in the 
 from __future__ import annotations
 
 import copy
+import ipaddress
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -91,8 +93,8 @@ def exposure_warning(head_service_type: str, auth: bool) -> str | None:
     if external:
         return (f"warning: the head Service is {head_service_type}: the dashboard (Jobs API, port 8265) and the "
                 "GCS (6379) are reachable from outside the Kubernetes cluster, guarded by the Ray token only and "
-                "unencrypted; prefer ClusterIP with Airflow in the cluster, or restrict "
-                "loadBalancerSourceRanges")
+                "unencrypted; prefer ClusterIP with Airflow in the cluster, or an internal load balancer restricted to "
+                "Airflow's addresses (loadBalancerSourceRanges), behind TLS")
     if not auth:
         return ("warning: Ray token auth is off: any pod that reaches the head Service can submit jobs (run code) "
                 "on the cluster")
@@ -109,9 +111,9 @@ def _check_name(name: str, kind: str) -> None:
 
 
 def _at_least(least: int, **values: int) -> None:
-    for field, value in values.items():
+    for name, value in values.items():
         if value < least:
-            raise InvalidRequestError(f"{field}={value} is invalid: use {least} or more")
+            raise InvalidRequestError(f"{name}={value} is invalid: use {least} or more")
 
 
 def _metadata(name: str, namespace: str | None) -> dict[str, Any]:
@@ -154,6 +156,90 @@ def _tpu_group(request: TpuSliceRequest, max_slices: int, image: str) -> dict[st
                          rayStartParams={"resources": f"'{{\"TPU\": {chips}}}'"})
 
 
+#: GKE's labels and taint for Spot VMs and for a specific reservation (cloud.google.com/kubernetes-engine/docs).
+SPOT_SELECTOR = {"cloud.google.com/gke-spot": "true"}
+SPOT_TOLERATION = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+#: GKE's annotation for an internal (VPC-only) passthrough load balancer.
+INTERNAL_LB_ANNOTATION = {"networking.gke.io/load-balancer-type": "Internal"}
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+_QUANTITY = re.compile(r"^\d+(\.\d+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """What a cluster's own Kubernetes environment decides about the pods (all optional).
+
+    Node selectors and tolerations go on the worker pods (TPU and GPU), which is where spot or reserved
+    capacity is chosen; the rest on every pod.
+    """
+
+    head_cpu: str = "8"
+    head_memory: str = "40G"
+    labels: dict[str, str] = field(default_factory=dict)
+    service_account: str | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, str]] = field(default_factory=list)
+    priority_class: str | None = None
+    image_pull_secrets: list[str] = field(default_factory=list)
+    internal_load_balancer: bool = False
+    load_balancer_source_ranges: list[str] = field(default_factory=list)
+
+    def check(self, head_service_type: str) -> None:
+        for what, value in (("head_cpu", self.head_cpu), ("head_memory", self.head_memory)):
+            if not isinstance(value, str) or not _QUANTITY.match(value):
+                raise InvalidRequestError(f"{what} {value!r} is not a Kubernetes quantity, e.g. '8' CPUs or '40G'")
+        for what, pairs in (("label", self.labels), ("node_selector", self.node_selector)):
+            for key, value in pairs.items():
+                if not _LABEL_KEY.match(key) or len(key) > 317 or not _LABEL_VALUE.match(value):
+                    raise InvalidRequestError(f"{what} {key}={value} is not a Kubernetes label: keys like "
+                                              "'team' or 'example.com/team', values of letters, digits, '-', '_', '.'")
+        for toleration in self.tolerations:
+            if toleration.get("effect") not in _EFFECTS or not _LABEL_KEY.match(toleration.get("key", "")):
+                raise InvalidRequestError(f"toleration {toleration} is invalid: give KEY[=VALUE]:EFFECT with EFFECT "
+                                          f"one of {', '.join(_EFFECTS)}")
+        for what, value in (("service_account", self.service_account), ("priority_class", self.priority_class),
+                            *(("image_pull_secret", v) for v in self.image_pull_secrets)):
+            if value is not None and (not _DNS1123_SUBDOMAIN.match(value) or len(value) > 253):
+                raise InvalidRequestError(f"{what} {value!r} is not a Kubernetes object name (lowercase letters, "
+                                          "digits, '-' and '.')")
+        if (self.internal_load_balancer or self.load_balancer_source_ranges) and head_service_type != "LoadBalancer":
+            raise InvalidRequestError("internal_load_balancer and load_balancer_source_ranges apply to a "
+                                      "LoadBalancer head Service: set head_service_type to LoadBalancer")
+        for cidr in self.load_balancer_source_ranges:
+            try:
+                ipaddress.ip_network(cidr)
+            except ValueError:
+                raise InvalidRequestError(f"load_balancer_source_range {cidr!r} is not a CIDR, e.g. "
+                                          "'10.0.0.0/8'") from None
+
+    def apply(self, spec: dict[str, Any]) -> None:
+        """Put these settings into a RayCluster ``spec`` (its head and worker groups)."""
+        head = spec["headGroupSpec"]
+        workers = spec["workerGroupSpecs"]
+        for group in [head, *workers]:
+            template = group["template"]
+            pod = template["spec"]
+            if self.labels:
+                template.setdefault("metadata", {}).setdefault("labels", {}).update(self.labels)
+            if self.service_account:
+                pod["serviceAccountName"] = self.service_account
+            if self.priority_class:
+                pod["priorityClassName"] = self.priority_class
+            if self.image_pull_secrets:
+                pod["imagePullSecrets"] = [{"name": name} for name in self.image_pull_secrets]
+        for group in workers:
+            pod = group["template"]["spec"]
+            pod["nodeSelector"] = {**pod.get("nodeSelector", {}), **self.node_selector}
+            if self.tolerations:
+                pod["tolerations"] = [dict(t) for t in self.tolerations]
+        if self.internal_load_balancer:
+            spec["headServiceAnnotations"] = dict(INTERNAL_LB_ANNOTATION)
+        if self.load_balancer_source_ranges:
+            head["headService"] = {"spec": {"loadBalancerSourceRanges": list(self.load_balancer_source_ranges)}}
+
+
 def render_raycluster(
     name: str,
     *,
@@ -169,6 +255,7 @@ def render_raycluster(
     auth: bool = True,
     token_secret: str | None = None,
     head_service_type: str = "ClusterIP",
+    pods: PodSettings | None = None,
 ) -> dict[str, Any]:
     """A ``ray.io/v1`` RayCluster: a CPU-less head, autoscaler v2, and groups that start at zero.
 
@@ -187,7 +274,14 @@ def render_raycluster(
     exist before the pods start (``CreateRayClusterOperator`` makes it); the `ray` connection reads the
     same Secret. The head Service is ClusterIP unless ``head_service_type`` says otherwise, and an
     external one (NodePort, LoadBalancer) is refused without auth (``exposure_warning``).
+
+    ``pods`` adjusts what the cluster's own environment decides: the head's size, labels, the service
+    account (Workload Identity for ``gs://`` checkpoints), where workers may run (node selectors,
+    tolerations: spot or reserved capacity), priority class, image pull Secrets, the head Service's
+    internal load balancer and source ranges (``PodSettings``).
     """
+    pods = pods or PodSettings()
+    pods.check(head_service_type)
     if checkpoint_root is not None and "://" not in checkpoint_root:
         raise InvalidRequestError(f"checkpoint_root must be a URL every pod reaches, like 'gs://bucket/checkpoints', "
                                   f"got {checkpoint_root!r}")
@@ -223,6 +317,8 @@ def render_raycluster(
     head_ports = [(6379, "gcs"), (8265, "dashboard"), (10001, "client"), (8000, "serve"), (8888, "grpc")]
     head = _container("ray-head", image, {"cpu": "8", "memory": "40G"},
                       ports=[{"containerPort": port, "name": port_name} for port, port_name in head_ports])
+    head["resources"]["limits"] |= {"cpu": pods.head_cpu, "memory": pods.head_memory}
+    head["resources"]["requests"] |= {"cpu": pods.head_cpu, "memory": pods.head_memory}
     spec: dict[str, Any] = {}
     spec["rayVersion"] = version = image_ray_version(image)
     if auth and tuple(map(int, version.split("."))) < (2, 52, 0):
@@ -247,8 +343,11 @@ def render_raycluster(
         for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in groups)]:
             for container in template["spec"]["containers"]:
                 container.setdefault("env", []).append({"name": CHECKPOINT_ROOT_ENV, "value": checkpoint_root})
-    return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": _metadata(name, namespace),
-            "spec": spec}
+    pods.apply(spec)
+    metadata = _metadata(name, namespace)
+    if pods.labels:
+        metadata["labels"] = dict(pods.labels)
+    return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": metadata, "spec": spec}
 
 
 def render_rayjob(
@@ -363,13 +462,58 @@ def _validate_as_told(manifest: dict[str, Any], crd: list[Path], kubeconfig: str
         close()
 
 
-app = typer.Typer(help="KubeRay manifests: a GKE Ray cluster with whole-TPU-slice worker groups.",
+#: The command's flag for each rendering argument, so that its errors speak of what the user typed.
+_FLAGS = {"tpus": "--tpu", "max_slices": "--max-slices", "gpu_nodes": "--gpu-nodes", "checkpoint_root":
+          "--checkpoint-root", "token_secret": "--token-secret", "head_service_type": "--head-service-type",
+          "idle_timeout_seconds": "--idle-timeout", "head_cpu": "--head-cpu", "head_memory": "--head-memory",
+          "label": "--label", "node_selector": "--node-selector", "toleration": "--toleration",
+          "service_account": "--service-account", "priority_class": "--priority-class",
+          "image_pull_secret": "--image-pull-secret", "internal_load_balancer": "--internal-load-balancer",
+          "load_balancer_source_ranges": "--load-balancer-source-range",
+          "load_balancer_source_range": "--load-balancer-source-range"}
+
+
+def in_flag_words(message: str) -> str:
+    """A rendering error (worded for ``render_raycluster``'s arguments) in ``rayslice kuberay manifest``'s flags."""
+    message = re.sub(r"\btpus=\[([^\]]*)\]", lambda m: " ".join(
+        f"--tpu {t.strip(chr(39) + ' ')}" for t in m[1].split(",") if t.strip()) or "--tpu", message)
+    message = re.sub(r"\b(" + "|".join(_FLAGS) + r")=", lambda m: _FLAGS[m[1]] + " ", message)
+    message = re.sub(r"\bset head_service_type to LoadBalancer\b", "add --head-service-type LoadBalancer", message)
+    message = message.replace("it needs auth on", "it needs --auth (the default), not --no-auth")
+    message = re.sub(r"^(label|toleration) ", lambda m: _FLAGS[m[1]] + " ", message)
+    return re.sub(r"\b(" + "|".join(k for k in _FLAGS if "_" in k) + r")\b", lambda m: _FLAGS[m[1]], message)
+
+
+def _pairs(values: list[str], flag: str) -> dict[str, str]:
+    """``KEY=VALUE`` flags as a dict."""
+    out = {}
+    for value in values:
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            raise InvalidRequestError(f"{flag} {value!r} is invalid: give KEY=VALUE, e.g. {flag} team=research")
+        out[key] = val
+    return out
+
+
+def _toleration(value: str) -> dict[str, str]:
+    """``KEY[=VALUE]:EFFECT`` (kubectl taint's own form) as a toleration."""
+    taint, sep, effect = value.rpartition(":")
+    if not sep or not taint:
+        raise InvalidRequestError(f"--toleration {value!r} is invalid: give KEY[=VALUE]:EFFECT, e.g. "
+                                  "--toleration cloud.google.com/gke-spot=true:NoSchedule")
+    key, has_value, val = taint.partition("=")
+    if has_value:
+        return {"key": key, "operator": "Equal", "value": val, "effect": effect}
+    return {"key": key, "operator": "Exists", "effect": effect}
+
+
+app = typer.Typer(help="KubeRay: a GKE Ray cluster with whole-TPU-slice worker groups, and the RBAC Airflow needs.",
                   no_args_is_help=True)
 
 
 @app.callback()
 def _group() -> None:
-    """Keeps `manifest` a subcommand even while it is the only one."""
+    """KubeRay manifests and the RBAC Airflow needs for them."""
 
 
 @app.command()
@@ -407,6 +551,31 @@ def manifest(
     head_service_type: Annotated[str, typer.Option(
         "--head-service-type", help="ClusterIP (default), NodePort or LoadBalancer; the last two need --auth.")
     ] = "ClusterIP",
+    head_cpu: Annotated[str, typer.Option("--head-cpu", help="The head pod's CPUs (requests = limits).")] = "8",
+    head_memory: Annotated[str, typer.Option("--head-memory", help="The head pod's memory, e.g. 40G.")] = "40G",
+    label: Annotated[list[str], typer.Option(
+        "--label", help="KEY=VALUE on the RayCluster and every pod (cost allocation); repeat for more.")] = [],  # noqa: B006
+    service_account: Annotated[str | None, typer.Option(
+        "--service-account", help="The pods' Kubernetes service account (Workload Identity for gs:// "
+        "checkpoints).")] = None,
+    node_selector: Annotated[list[str], typer.Option(
+        "--node-selector", help="KEY=VALUE every worker pod's node must have; repeat for more.")] = [],  # noqa: B006
+    toleration: Annotated[list[str], typer.Option(
+        "--toleration", help="KEY[=VALUE]:EFFECT tolerated by the worker pods; repeat for more.")] = [],  # noqa: B006
+    spot: Annotated[bool, typer.Option(
+        "--spot", help="Workers on GKE Spot VMs: cloud.google.com/gke-spot=true, selected and tolerated.")] = False,
+    reservation: Annotated[str | None, typer.Option(
+        "--reservation", help="Workers on this GKE reservation (cloud.google.com/reservation-name).")] = None,
+    priority_class: Annotated[str | None, typer.Option(
+        "--priority-class", help="The pods' PriorityClass.")] = None,
+    image_pull_secret: Annotated[list[str], typer.Option(
+        "--image-pull-secret", help="A Secret to pull the images with; repeat for more.")] = [],  # noqa: B006
+    internal_load_balancer: Annotated[bool, typer.Option(
+        "--internal-load-balancer", help="A LoadBalancer head Service inside the VPC only (GKE's internal "
+        "load balancer).")] = False,
+    load_balancer_source_range: Annotated[list[str], typer.Option(
+        "--load-balancer-source-range", help="A CIDR allowed to reach a LoadBalancer head Service; repeat for "
+        "more.")] = [],  # noqa: B006
 ) -> None:
     """Print the RayCluster (or RayJob) YAML; stderr says whether, and against which CRD, it was validated.
 
@@ -418,18 +587,31 @@ def manifest(
     try:
         if rayjob and not entrypoint:
             raise InvalidRequestError("--rayjob needs --entrypoint, e.g. --entrypoint 'python train.py'")
+        selector = _pairs(node_selector, "--node-selector")
+        tolerations = [_toleration(t) for t in toleration]
+        if spot:
+            selector |= SPOT_SELECTOR
+            tolerations.append(dict(SPOT_TOLERATION))
+        if reservation:
+            selector |= {"cloud.google.com/reservation-name": reservation,
+                         "cloud.google.com/reservation-affinity": "specific"}
+        pods = PodSettings(head_cpu=head_cpu, head_memory=head_memory, labels=_pairs(label, "--label"),
+                           service_account=service_account, node_selector=selector, tolerations=tolerations,
+                           priority_class=priority_class, image_pull_secrets=image_pull_secret,
+                           internal_load_balancer=internal_load_balancer,
+                           load_balancer_source_ranges=load_balancer_source_range)
         result = render_raycluster(name, tpus=tpu, max_slices=max_slices, gpu_nodes=gpu_nodes,
                                    gpu_type=gpu_type, image=image, gpu_image=gpu_image,
                                    idle_timeout_seconds=idle_timeout,
                                    namespace=namespace, checkpoint_root=checkpoint_root, auth=auth,
-                                   token_secret=token_secret, head_service_type=head_service_type)
+                                   token_secret=token_secret, head_service_type=head_service_type, pods=pods)
         if rayjob:
             result = render_rayjob(name, entrypoint=entrypoint or "", cluster=result)
         check_rules(result)
         note = ("not validated against a KubeRay CRD (--no-validate)" if check is False
                 else _validate_as_told(result, crd, kubeconfig, context, require=bool(check)))
     except (InvalidRequestError, CrdUnavailableError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {in_flag_words(str(exc))}", err=True)
         raise typer.Exit(1) from None
     typer.echo(yaml.safe_dump(result, sort_keys=False), nl=False)
     typer.echo(note, err=True)
@@ -443,3 +625,12 @@ def manifest(
         typer.echo(warning, err=True)
     if note := default_image_note(image, gpu_image if gpu_nodes else None):
         typer.echo(note, err=True)
+
+
+def _rbac_command() -> None:
+    from rayslice.cloud.kuberay_rbac import rbac
+
+    app.command("rbac")(rbac)
+
+
+_rbac_command()

@@ -221,7 +221,7 @@ class KubeRayClient:
             except (TypeError, ValueError, AttributeError):
                 pass
             hint = {401: ": check the kubeconfig's credentials",
-                    403: ": the service account needs get/create/delete on rayclusters.ray.io and get on services",
+                    403: ": grant the service account what `rayslice kuberay rbac` prints",
                     }.get(exc.status, "")
             raise KubeRayError(f"{what} {self.ref}: Kubernetes API answered HTTP {exc.status} ({detail}){hint}",
                                status_code=exc.status) from None

@@ -176,3 +176,43 @@ def test_provider_info_validates_and_registers_the_connection_form():
     behaviour = manager.field_behaviours["ray"]
     assert behaviour["relabeling"] == {"host": "Ray dashboard URL", "password": "Ray auth token"}
     assert {"extra__ray__verify", "extra__ray__headers"} <= set(manager.connection_form_widgets)
+    assert ProvidersManagerTaskRuntime().hooks["rayslice"].hook_class_name == "rayslice.hooks.ray.RaysliceHook"
+    assert {"extra__rayslice__verify", "extra__rayslice__kuberay"} <= set(manager.connection_form_widgets)
+
+
+def test_a_ray_connection_saved_by_another_providers_form_is_read():
+    """astro-provider-ray's and Apache's `ray` forms hide the host and keep the dashboard URL in `address`."""
+    conn = Connection(conn_id="r", conn_type="ray", password=TOKEN, extra=json.dumps(
+        {"address": "https://ray.example.com:8443", "headers": '{"X-Key": "v"}', "verify": False,
+         "cookies": "", "kube_config_path": "", "namespace": "ml", "disable_tcp_keepalive": False}))
+    settings = settings_from_connection(conn)
+    assert settings.dashboard_url == "https://ray.example.com:8443" and settings.token == TOKEN
+    assert settings.headers == {"X-Key": "v"} and settings.verify is False
+    with pytest.raises(InvalidRequestError, match="unknown extra 'cookies'"):  # theirs only with their address
+        settings_from_connection(Connection(conn_id="r", conn_type="ray", host="http://h:1",
+                                            extra=json.dumps({"cookies": "x"})))
+
+
+def test_an_unknown_extra_fails_naming_the_valid_ones():
+    """A misspelled extra would otherwise be ignored: the checkpoint folders would silently go elsewhere."""
+    from rayslice.hooks.ray import EXTRAS
+
+    conn = Connection(conn_id="r", conn_type="ray", host="http://h:1",
+                      extra=json.dumps({"checkpoint-root": "gs://b/c", "verfy": False}))
+    with pytest.raises(InvalidRequestError) as info:
+        settings_from_connection(conn)
+    message = str(info.value)
+    assert "'checkpoint-root' (did you mean 'checkpoint_root'?)" in message and "'verfy'" in message
+    assert all(name in message for name in EXTRAS)
+
+
+def test_the_connection_form_offers_every_extra():
+    from rayslice.hooks.ray import EXTRAS
+
+    from rayslice.provider import get_provider_info
+
+    ray, rayslice = get_provider_info()["connection-types"]
+    assert set(ray["conn-fields"]) == set(EXTRAS)
+    assert (ray["connection-type"], rayslice["connection-type"]) == ("ray", "rayslice")
+    assert {k: v for k, v in rayslice.items() if k not in ("connection-type", "hook-class-name", "hook-name")} == \
+        {k: v for k, v in ray.items() if k not in ("connection-type", "hook-class-name", "hook-name")}

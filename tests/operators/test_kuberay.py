@@ -178,8 +178,8 @@ def test_host_and_kuberay_together_are_refused(monkeypatch):
 def test_the_connection_form_has_the_kuberay_field():
     from rayslice.provider import get_provider_info
 
-    [conn_type] = get_provider_info()["connection-types"]
-    assert "kuberay" in conn_type["conn-fields"]
+    for conn_type in get_provider_info()["connection-types"]:  # `ray`, and rayslice's own `rayslice`
+        assert "kuberay" in conn_type["conn-fields"]
     assert "rayslice.operators.kuberay" in get_provider_info()["operators"][0]["python-modules"]
 
 

@@ -61,7 +61,7 @@ def test_an_unreachable_address_names_the_flag_without_a_traceback(command, tmp_
     out = run(*command, "--address", f"http://127.0.0.1:{closed_port()}", home=tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
     text = out.stdout + out.stderr
-    assert "could not reach the Ray dashboard" in text and "named by --address" in text, text
+    assert "could not reach the Ray dashboard" in text and "check --address" in text, text
     assert "Traceback" not in text
 
 
@@ -110,3 +110,51 @@ def test_manifest_errors_name_the_flag(args, flag, tmp_path):
     out = run("kuberay", "manifest", "--tpu", "v6e-4", "--no-validate", *args, home=tmp_path)
     assert out.returncode != 0 and flag in out.stdout + out.stderr, out.stdout + out.stderr
     assert "idle_timeout_seconds" not in out.stdout + out.stderr and "Traceback" not in out.stdout + out.stderr
+
+
+def test_version_prints_the_installed_version(tmp_path):
+    from importlib.metadata import version
+
+    out = run("--version", home=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == f"rayslice {version('rayslice')}", out.stdout + out.stderr
+
+
+def test_on_off_flags_show_no_value_placeholder():
+    """`--token <bool>` reads as if the flag took a value; a flag's help shows no type."""
+    from typer.testing import CliRunner
+
+    root = typer.main.get_command(app)
+    for path, _ in [((), None), *commands(root)]:
+        result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "250"}, prog_name="rayslice")
+        assert result.exit_code == 0, result.output
+        assert "<bool>" not in result.output and "--help" in result.output, (path, result.output)
+
+
+def test_address_alone_needs_no_airflow(tmp_path):
+    """`capacity --address` checks the URL by the connection's rules without importing Airflow (which would
+    create ~/airflow and cost seconds), and says which flag to fix."""
+    script = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from rayslice.cli import app\n"
+        f"result = CliRunner().invoke(app, ['capacity', '--address', 'http://127.0.0.1:{closed_port()}'])\n"
+        "print(result.exit_code, sorted(m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | {"HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("1 []"), out.stdout + out.stderr
+    assert not (tmp_path / "airflow").exists()
+
+
+def test_a_refused_token_names_the_token_flag(tmp_path):
+    """A 401 seen through --address speaks of --token, not of a connection's password the user never set."""
+    from tests.http_fake import JsonHttpFake
+
+    class Refusing(JsonHttpFake):
+        def answer(self, request):
+            return 401, {"error": "Unauthorized: missing or invalid token"}
+
+    with Refusing() as fake:
+        out = run("capacity", "--address", fake.url, "--token", "wrong", home=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "--token" in text and "connection" not in text, text

@@ -115,8 +115,9 @@ def test_the_startup_script_installs_the_locked_versions_into_a_python_312_venv_
     assert lines[0] == "#!/bin/bash" and "set -euo pipefail" in lines
     assert 'uv venv --python 3.12 "$venv"' in script and "venv=/opt/rayslice/venv" in lines
     [install] = [line for line in lines if line.startswith("uv pip install")]
-    assert shlex.split(install)[3:] == ["--python", "$venv/bin/python", f"rayslice[cluster]=={rayslice.__version__}",
-                                        f"jax[tpu]=={_lock('jax')}", f"ray[default]=={_lock('ray')}"]
+    assert shlex.split(install)[3:] == ["--python", "$venv/bin/python", "pydantic>=2.10", "fsspec>=2024.1",
+                                        "gcsfs>=2024.1", f"jax[tpu]=={_lock('jax')}", f"ray[default]=={_lock('ray')}"]
+    assert "rayslice" not in install  # in no registry: only from a wheel
     assert shlex.split(lines[-1]) == ["$venv/bin/ray", "start", "--address=10.0.0.2:6379", "--num-cpus", "4;", "rm",
                                       "-rf", "/"]
     bare = cloud_tpu.startup_script("10.0.0.2:6379", install=False)
@@ -130,6 +131,9 @@ def test_the_startup_script_installs_the_locked_versions_into_a_python_312_venv_
     ({"python_version": "3.11"}, "rayslice needs Python 3.12 or newer"),
     ({"python_version": "3"}, "python_version '3' is invalid"),
     ({"venv": "relative/venv"}, "give an absolute path"),
+    ({"wheel": "rayslice.whl"}, "wheel 'rayslice.whl' is invalid"),
+    ({"wheel": "gs://b/rayslice-0.0.9-py3-none-any.whl"}, "is not rayslice " + rayslice.__version__),
+    ({"token_secret": "ray token; reboot"}, "token_secret 'ray token; reboot' is invalid"),
 ])
 def test_the_startup_script_refuses_bad_arguments(kwargs, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
@@ -162,8 +166,7 @@ def test_the_startup_script_runs_the_way_a_booting_vm_would(tmp_path):
         done = subprocess.run([shutil.which("bash"), "-c", script], env=env, text=True, capture_output=True)
         assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
-    packages = (f"rayslice[cluster]=={rayslice.__version__} jax[tpu]=={_lock('jax')} "
-                f"ray[default]=={_lock('ray')}")
+    packages = f"pydantic>=2.10 fsspec>=2024.1 gcsfs>=2024.1 jax[tpu]=={_lock('jax')} ray[default]=={_lock('ray')}"
     assert calls == [
         "curl -LsSf https://astral.sh/uv/install.sh",  # first boot: no uv yet
         f"uv venv --python 3.12 {venv}",
@@ -173,6 +176,34 @@ def test_the_startup_script_runs_the_way_a_booting_vm_would(tmp_path):
         f"uv pip install --python {venv}/bin/python {packages}",
         "venv-ray start --address=10.0.0.2:6379",
     ]
+
+
+def test_the_shipped_launchers_needs_are_the_cluster_extras():
+    from importlib.metadata import requires
+
+    def extra(name):
+        return [r.split(";")[0].strip() for r in requires("rayslice") if f'extra == "{name}"' in r]
+
+    assert sorted(cloud_tpu.SHIPPED_LAUNCHER_NEEDS) == sorted(
+        r for r in extra("cluster") if not r.startswith(("ray", "jax", "cloudpickle")))  # cloudpickle: with each job
+    assert list(cloud_tpu.GCS_NEEDS) == extra("gcs")
+
+
+def test_a_token_auth_head_and_a_wheel(tmp_path):
+    """The token comes from Secret Manager at boot (never in the VM's metadata); rayslice from the wheel."""
+    wheel = f"gs://my-bucket/wheels/rayslice-{rayslice.__version__}-py3-none-any.whl"
+    script = cloud_tpu.startup_script("10.0.0.2:6379", wheel=wheel, token_secret="ray-token")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    lines = script.splitlines()
+    assert lines[3:6] == ["export RAY_AUTH_MODE=token",
+                          'RAY_AUTH_TOKEN="$(gcloud secrets versions access latest --secret=ray-token)"',
+                          "export RAY_AUTH_TOKEN"]
+    local = f"/opt/rayslice/venv-wheels/rayslice-{rayslice.__version__}-py3-none-any.whl"
+    assert f"gcloud storage cp {wheel} {local}" in lines
+    [install] = [line for line in lines if line.startswith("uv pip install")]
+    assert f"rayslice[cluster,gcs] @ file://{local}" in shlex.split(install)
+    bare = cloud_tpu.startup_script("10.0.0.2:6379", install=False, token_secret="ray-token")
+    assert bare.splitlines()[3] == "export RAY_AUTH_MODE=token" and "uv" not in bare
 
 
 # --- queued resources

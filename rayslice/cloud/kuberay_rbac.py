@@ -1,0 +1,125 @@
+"""The Kubernetes RBAC that Airflow's components need for `ray` connections naming a RayCluster.
+
+Why: with a ``kuberay`` extra, every Airflow component that resolves the connection (workers,
+triggerer, api-server) reads the RayCluster, its head Service and, with ``token_secret``, the token's
+Secret through the Kubernetes API; ``CreateRayClusterOperator`` / ``DeleteRayClusterOperator`` also
+create and delete RayClusters and token Secrets, and read KubeRay's CRDs (cluster-scoped) to check a
+manifest before sending it. ``rayslice kuberay rbac`` prints exactly that, so an operator grants what
+rayslice uses and no more; tests/rayslice/cloud/test_kuberay_rbac.py replays every call the client
+makes against these rules.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from rayslice.cloud.kuberay_crds import CRD_NAMES
+from rayslice.core.exceptions import InvalidRequestError
+
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+#: (API group, resource) -> verbs, for resolving a connection: every component that reads it.
+LOOKUP = {("ray.io", "rayclusters"): ("get",), ("", "services"): ("get",), ("", "secrets"): ("get",)}
+#: What the create and delete operators add, in the RayClusters' namespace.
+MANAGE = {("ray.io", "rayclusters"): ("create", "delete"), ("", "secrets"): ("create", "delete")}
+#: Cluster-scoped: reading KubeRay's CRDs (only these two, by name) to check a manifest before creating it.
+CRDS = {("apiextensions.k8s.io", "customresourcedefinitions"): ("get",)}
+
+
+def _rules(grants: dict[tuple[str, str], tuple[str, ...]], names: list[str] | None = None) -> list[dict[str, Any]]:
+    rules = []
+    for (group, resource), verbs in grants.items():
+        rule: dict[str, Any] = {"apiGroups": [group], "resources": [resource], "verbs": list(verbs)}
+        if names:
+            rule["resourceNames"] = list(names)
+        rules.append(rule)
+    return rules
+
+
+def _merge(*grants: dict[tuple[str, str], tuple[str, ...]]) -> dict[tuple[str, str], tuple[str, ...]]:
+    merged: dict[tuple[str, str], tuple[str, ...]] = {}
+    for grant in grants:
+        for key, verbs in grant.items():
+            merged[key] = tuple(dict.fromkeys((*merged.get(key, ()), *verbs)))
+    return merged
+
+
+def _check_name(value: str, what: str) -> None:
+    if not isinstance(value, str) or not _DNS1123_SUBDOMAIN.match(value) or len(value) > 253:
+        raise InvalidRequestError(f"{what} {value!r} is not a Kubernetes name (lowercase letters, digits, '-' "
+                                  "and '.'), e.g. 'airflow-worker'")
+
+
+def render_rbac(*, namespace: str, service_accounts: list[str], service_account_namespace: str | None = None,
+                manage: bool = True, create_service_accounts: bool = False,
+                name: str = "rayslice-airflow") -> list[dict[str, Any]]:
+    """ServiceAccounts (optional), a Role and RoleBinding in ``namespace`` (where the RayClusters live) and,
+    with ``manage``, a ClusterRole and ClusterRoleBinding to read KubeRay's two CRDs.
+
+    ``service_accounts`` are Airflow's (in ``service_account_namespace``, default ``namespace``): the Helm
+    chart gives its workers, triggerer and api-server their own, so list each. ``manage=False`` grants only
+    the lookup (no cluster per DAG run).
+    """
+    if not service_accounts:
+        raise InvalidRequestError("give the Airflow service account(s) to grant, e.g. service_accounts="
+                                  "['airflow-worker', 'airflow-triggerer', 'airflow-api-server']")
+    sa_namespace = service_account_namespace or namespace
+    for value, what in [(namespace, "namespace"), (sa_namespace, "service_account_namespace"), (name, "name"),
+                        *((sa, "service_account") for sa in service_accounts)]:
+        _check_name(value, what)
+    subjects = [{"kind": "ServiceAccount", "name": sa, "namespace": sa_namespace} for sa in service_accounts]
+    labels = {"app.kubernetes.io/managed-by": "rayslice"}
+    objects: list[dict[str, Any]] = []
+    if create_service_accounts:
+        objects += [{"apiVersion": "v1", "kind": "ServiceAccount",
+                     "metadata": {"name": sa, "namespace": sa_namespace, "labels": labels}}
+                    for sa in service_accounts]
+    role_meta = {"name": name, "namespace": namespace, "labels": labels}
+    objects += [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": role_meta,
+         "rules": _rules(_merge(LOOKUP, MANAGE) if manage else LOOKUP)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": role_meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": subjects},
+    ]
+    if manage:
+        cluster_meta = {"name": f"{name}-{namespace}-crds", "labels": labels}
+        objects += [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": cluster_meta,
+             "rules": _rules(CRDS, sorted(CRD_NAMES.values()))},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": cluster_meta,
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                         "name": cluster_meta["name"]},
+             "subjects": subjects},
+        ]
+    return objects
+
+
+def rbac(
+    namespace: Annotated[str, typer.Option("--namespace", help="Where the RayClusters (and their token "
+                                           "Secrets) live.")],
+    service_account: Annotated[list[str], typer.Option(
+        "--service-account", help="An Airflow component's service account (workers, triggerer, api-server); "
+        "repeat for each.")],
+    service_account_namespace: Annotated[str | None, typer.Option(
+        "--service-account-namespace", help="Airflow's namespace (default: --namespace).")] = None,
+    manage: Annotated[bool, typer.Option(
+        "--manage/--lookup-only", help="--manage (default): also create and delete RayClusters and token Secrets "
+        "(CreateRayClusterOperator) and read KubeRay's CRDs; --lookup-only: only resolve connections.")] = True,
+    create_service_accounts: Annotated[bool, typer.Option(
+        "--create-service-accounts", help="Also print the ServiceAccounts (when Airflow's chart does not make "
+        "them).")] = False,
+    name: Annotated[str, typer.Option("--name", help="The Role's (and binding's) name.")] = "rayslice-airflow",
+) -> None:
+    """Print the RBAC (Role, RoleBinding, ClusterRole for KubeRay's CRDs) Airflow needs for `kuberay` connections."""
+    try:
+        objects = render_rbac(namespace=namespace, service_accounts=service_account,
+                              service_account_namespace=service_account_namespace, manage=manage,
+                              create_service_accounts=create_service_accounts, name=name)
+    except InvalidRequestError as exc:
+        typer.echo(f"error: {str(exc).replace('service_accounts=', '--service-account ')}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(yaml.safe_dump_all(objects, sort_keys=False), nl=False)

@@ -1,0 +1,146 @@
+"""docs/deploying-gke.md and docs/deploying-tpu-vms.md: every command a user types runs here, or is a cloud one.
+
+Each `bash` block of the two pages runs as written, in order, in a copy of the package's sources (the
+wheel is built from it) with the `rayslice` command on PATH and no Kubernetes cluster at hand; then
+what the blocks wrote is checked: the RayCluster against KubeRay's CRD and Kubernetes' Pod schema, the
+RBAC objects against Kubernetes' schemas, the wheel, and the TPU VMs' startup script, run the way a
+booting VM runs it with stand-ins for gcloud, curl, uv and ray. Every other block must start with
+`# cloud` (a command on the user's project) or be the connection's JSON, a Dockerfile or DAG text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayslice.cloud import kuberay
+from rayslice.cloud.kuberay_crds import KubeRayCrds
+from tests.airflow_env import REPO
+from tests.kubernetes_schemas import validate_manifest, validate_object
+
+PAGES = ["deploying-gke.md", "deploying-tpu-vms.md"]
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+BIN = Path(sys.executable).parent
+
+
+def blocks(page: str) -> list[tuple[str, str]]:
+    return BLOCK.findall((REPO / "docs" / page).read_text())
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_is_run_here_or_marked_as_a_cloud_command(page):
+    kinds = [lang for lang, _ in blocks(page)]
+    assert "bash" in kinds
+    for lang, body in blocks(page):
+        if lang in ("bash", "json", "text"):
+            continue
+        assert body.startswith("# cloud"), f"{page}: a ```{lang} block is neither run here nor marked:\n{body}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_the_connections_shown_use_only_real_extras(page):
+    from rayslice.hooks.ray import check_extras
+
+    shown = [json.loads(body) for lang, body in blocks(page) if lang == "json"]
+    assert shown
+    for conn in shown:
+        assert conn["conn_type"] == "ray"
+        check_extras(conn["extra"])
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A copy of what a checkout holds for the package build (setuptools writes next to its sources)."""
+    root = tmp_path_factory.mktemp("checkout")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    for name in {"pyproject.toml", "README.md", *project["tool"]["setuptools"]["package-dir"].values()}:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / name, root / name)
+    return root
+
+
+def run_blocks(page: str, cwd: Path) -> None:
+    uv = shutil.which("uv") or str(Path.home() / ".local" / "bin" / "uv")
+    path = f"{BIN}:{Path(uv).parent}:/usr/bin:/bin"
+    # This machine is offline: uv builds from its cache (the user's own uv downloads setuptools).
+    cache = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, check=True).stdout.strip()
+    env = {"PATH": path, "HOME": str(cwd), "KUBECONFIG": str(cwd / "no-kubeconfig"), "COLUMNS": "200",
+           "UV_OFFLINE": "1", "UV_CACHE_DIR": cache}
+    for lang, body in blocks(page):
+        if lang != "bash":
+            continue
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, f"{page}:\n{body}\n{done.stdout}\n{done.stderr}"
+
+
+def test_the_gke_walkthrough(workdir, reference_crds):
+    run_blocks("deploying-gke.md", workdir)
+    assert (workdir / "dist" / "rayslice-0.1.0-py3-none-any.whl").is_file()
+    cluster = yaml.safe_load((workdir / "raycluster.yaml").read_text())
+    kuberay.validate(cluster, KubeRayCrds.from_files(reference_crds))
+    assert validate_manifest(cluster) == 3  # the head, the v6e-16 group, the GPU group
+    tpu = cluster["spec"]["workerGroupSpecs"][0]
+    assert tpu["numOfHosts"] == 4 and tpu["maxReplicas"] == 2
+    assert tpu["template"]["spec"]["serviceAccountName"] == "ray-ksa"
+    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": "rayslice-ray-token"}
+    rbac = list(yaml.safe_load_all((workdir / "rbac.yaml").read_text()))
+    assert [o["kind"] for o in rbac] == ["Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"]
+    for obj in rbac:
+        validate_object(obj)
+
+
+def test_the_tpu_vm_walkthrough_and_its_startup_script_on_a_booting_vm(workdir, tmp_path):
+    run_blocks("deploying-tpu-vms.md", workdir)
+    script = (workdir / "startup.sh").read_text()
+    # Stand-ins that record their calls; gcloud hands out the token and the wheel, uv makes a venv whose
+    # `ray` records the environment it was started with.
+    log, stubs, venv = tmp_path / "calls", tmp_path / "bin", tmp_path / "venv"
+    stubs.mkdir()
+    record = f'echo "$(basename "$0") $*" >> {shlex.quote(str(log))}'
+
+    def stub(name: str, body: str) -> None:
+        (stubs / name).write_text(f"#!/bin/bash\n{record}\n{body}\n")
+        (stubs / name).chmod(0o755)
+
+    stub("gcloud", 'if [ "$1" = secrets ]; then echo the-token; else cp /dev/null "${@: -1}"; fi')
+    ray = (f'#!/bin/bash\\necho "venv-ray $* auth=$RAY_AUTH_MODE token=$RAY_AUTH_TOKEN" >> '
+           f'{shlex.quote(str(log))}\\n')
+    stub("uv", f'if [ "$1" = venv ]; then mkdir -p "$4/bin"; printf \'{ray}\' > "$4/bin/ray"; '
+               'chmod +x "$4/bin/ray"; touch "$4/bin/python"; chmod +x "$4/bin/python"; fi')
+    for tool in ("basename", "chmod", "cp", "mkdir", "touch", "printf"):
+        if found := shutil.which(tool):
+            (stubs / tool).symlink_to(found)
+    script = script.replace("/opt/rayslice/venv", str(venv))
+    done = subprocess.run([shutil.which("bash"), "-c", script], env={"PATH": str(stubs), "HOME": str(tmp_path)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    wheel = f"{venv}-wheels/rayslice-0.1.0-py3-none-any.whl"
+    assert calls[0] == "gcloud secrets versions access latest --secret=ray-token"
+    assert calls[1] == f"gcloud storage cp gs://my-bucket/wheels/rayslice-0.1.0-py3-none-any.whl {wheel}"
+    install = next(c for c in calls if c.startswith("uv pip install"))
+    assert f"rayslice[cluster,gcs] @ file://{wheel}" in install and "ray[default]==2.60.0" in install
+    assert calls[-1] == "venv-ray start --address=10.0.0.2:6379 auth=token token=the-token"
+    assert "the-token" not in script  # the token never lands in the VM's metadata
+
+
+def test_no_cloud_command_hides_in_a_bash_block():
+    """What a test runs here cannot reach a cloud: no gcloud, kubectl, helm or docker in the bash blocks."""
+    for page in PAGES:
+        for lang, body in blocks(page):
+            if lang == "bash":
+                assert not re.search(r"^\s*(gcloud|kubectl|helm|docker)\b", body, re.M), body
+    assert os.path.basename(sys.executable).startswith("python")
