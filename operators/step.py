@@ -30,7 +30,7 @@ from airflow.sdk import BaseOperator, XComArg
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import RayConnectionSettings, RayHook
-from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
+from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink, job_link
 from rayslice.operators.start_trigger import (
     START_ON_WORKER,
     STEP_ARGUMENTS,
@@ -490,7 +490,7 @@ class RayStepOperator(BaseOperator):
             if spec.owner.try_number > 1:
                 await self._stop_earlier_tries(client, spec.owner)
             sid = await submit_step(client, spec, emit=self.log.info)
-            self.log.info("[rayslice] Ray job %s in the dashboard: %s", sid, self._settings.job_url(sid))
+            self.log.info("[rayslice] Ray job %s: %s", sid, job_link(sid, self.ray_conn_id))
             if self.deferrable:
                 return None
             return await self._follow(client, sid)
