@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
-from rayslice.operators.triggers import shielded, task_state
+from rayslice.operators.triggers import UNKNOWN_STATE, shielded, task_state
 
 __all__ = ["QueuedSliceActiveTrigger", "RayClusterReadyTrigger"]
 
@@ -74,8 +74,13 @@ class _SetupTrigger(BaseTrigger):
         await shielded(self._kill())
 
     async def _kill(self) -> None:
-        if await task_state(self, self.call_timeout, about=self._what()) == "deferred":
+        state = await task_state(self, self.call_timeout, about=self._what())
+        if state == "deferred":
             self.log.info("[rayslice] the trigger waiting for %s moved to another triggerer: leaving it", self._what())
+            return
+        if state == UNKNOWN_STATE:
+            self.log.warning("[rayslice] Airflow did not say whether the setup was stopped or its trigger moved: "
+                             "leaving %s (delete it yourself if the task was stopped)", self._what())
             return
         outcome = await asyncio.wait_for(asyncio.to_thread(self._delete), self.call_timeout)
         self.log.warning("[rayslice] the setup was stopped while waiting: %s %s", self._what(), outcome)

@@ -395,3 +395,21 @@ def test_a_killed_deferred_setup_deletes_its_cluster_and_a_moved_one_does_not(fa
     assert fake.cluster("ml", "rs") is not None
     asyncio.run(_trigger(fake).on_kill())  # no Airflow to ask (as when the user's kill reaches it): delete
     assert fake.cluster("ml", "rs") is None
+
+
+def test_a_killed_setup_whose_state_airflow_does_not_give_keeps_its_cluster(fake, monkeypatch):
+    """Issue 36, item 7: an unreadable state is not a kill (a moved trigger's cluster is still wanted)."""
+    from types import SimpleNamespace
+
+    from airflow.sdk.execution_time import task_runner
+
+    from tests.operators.test_trigger_kill import Unanswered
+
+    fake.ready_after_gets = None
+    fake.gone_after_gets = 0
+    _created(fake)
+    monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", Unanswered(), raising=False)
+    trigger = _trigger(fake, call_timeout=3)
+    trigger._task_instance = SimpleNamespace(dag_id="d", run_id="r", task_id="t", map_index=-1)
+    asyncio.run(trigger.on_kill())
+    assert fake.cluster("ml", "rs") is not None
