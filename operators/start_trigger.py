@@ -102,9 +102,14 @@ def stand_in(shipped: Mapping[str, Any]) -> Any:
 
 def encode_refs(value: Any) -> Any:
     """Arguments as JSON for the trigger's kwargs: another (unmapped) task's output becomes a reference."""
+    from airflow.sdk.definitions._internal.expandinput import MappedArgument
     from airflow.sdk.definitions.mappedoperator import MappedOperator
     from airflow.sdk.definitions.xcom_arg import PlainXComArg, XComArg
 
+    if isinstance(value, MappedArgument):
+        # A step in a mapped task group: each group index resolves its share of the group's input, and its
+        # upstream XComs, as the Task SDK does on a worker (not rebuilt in the triggerer).
+        raise CannotStart("an argument is the input of a mapped task group")
     if isinstance(value, PlainXComArg):
         if isinstance(value.operator, MappedOperator):
             raise CannotStart(f"an argument is the output of the mapped task {value.operator.task_id!r}")

@@ -290,6 +290,10 @@ class RayStepOperator(BaseOperator):
             reason = "deferrable=False"
         elif self.shipped_callable and "cannot_start" in self.shipped_callable:
             reason = str(self.shipped_callable["cannot_start"])
+        elif self.get_closest_mapped_task_group() is not None:
+            # Each group index reads its share of the group's input and its upstreams' XComs by the Task
+            # SDK's map-index rules (`XComArg.resolve`); the triggerer does not rebuild those.
+            reason = "the step is in a mapped task group"
         else:
             names = [*STEP_ARGUMENTS, *self.request_fields, *(("op_args",) if hasattr(self, "op_args") else ())]
             try:

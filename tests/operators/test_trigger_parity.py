@@ -268,3 +268,22 @@ def test_the_link_and_the_log_name_the_plugin_route_not_the_dashboard(dags, comm
     link = _stored(comms, "lonely", RayJobLink().xcom_key)
     assert link.endswith(f"/rayslice/job/{trigger.submission_id}?conn_id=ray_default"), link
     assert DASHBOARD not in caplog.text and "10.1.2.3" not in caplog.text
+
+
+def test_a_step_in_a_mapped_task_group_is_submitted_from_a_worker():
+    """Each group index reads its share of the group's input and its upstreams' XComs by the Task SDK's
+    map-index rules; the trigger does not rebuild those, so the step is not started in the triggerer."""
+    from airflow.sdk import task_group
+
+    with DAG("parity_group", schedule=None, start_date=START) as dag:
+        @task_group
+        def group(x: int):
+            @task.ray_accelerator(accelerator="GPU", count=0.25)
+            def double(x: int) -> int:
+                return 2 * x
+
+            double(x)
+
+        group.expand(x=[1, 2])
+    step = dag.get_task("group.double")
+    assert step.start_from_trigger is False and step.start_blocker == "the step is in a mapped task group"
