@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
@@ -51,6 +52,8 @@ from rayslice.core.step import DEPLOYMENT_VARIABLE, Launcher
 
 __all__ = ["DEPLOYMENT_VARIABLE", "RayConnectionSettings", "RayHook"]
 
+#: How long the step that creates the `rayslice_deployment` Variable waits before reading back the winner.
+DEPLOYMENT_SETTLE_S = 2.0
 _DEPLOYMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HOST_HINT = "set the `ray` connection's host to the Ray dashboard URL, e.g. http://127.0.0.1:8265"
 
@@ -279,7 +282,11 @@ class RayHook(BaseHook):
         if value in (None, ""):
             Variable.set(DEPLOYMENT_VARIABLE, uuid.uuid4().hex[:12],
                          description="rayslice: this Airflow's name on shared Ray clusters (keep it stable)")
-            value = Variable.get(DEPLOYMENT_VARIABLE)  # a concurrent first step may have set its own: read the winner
+            # The first steps of a fresh Airflow, started at once, each set an id of their own (the Task SDK
+            # has no create-if-absent): each waits until every one of them has written, then all read the
+            # last write, so no job keeps a losing id.
+            time.sleep(DEPLOYMENT_SETTLE_S)
+            value = Variable.get(DEPLOYMENT_VARIABLE)
         return check_deployment(value, what) or ""
 
     def cluster_ref(self, **overrides: Any) -> Any:

@@ -148,6 +148,26 @@ def object_ids(value: Any, into: set[int]) -> set[int]:
     return into
 
 
+def local_folders_here(runtime_env: Mapping[str, Any] | None) -> None:
+    """Raise CannotStart for a local `working_dir` / `py_modules` path the triggerer cannot read as a worker would.
+
+    A worker zips those folders from its own disk, a relative path from its own working directory:
+    a relative path, or one missing on the triggerer's host, is left to a worker.
+    """
+    from pathlib import Path
+
+    env = runtime_env or {}
+    modules = env.get("py_modules") if isinstance(env.get("py_modules"), list) else []
+    for what, path in [("working_dir", env.get("working_dir")), *(("py_modules", m) for m in modules)]:
+        if not isinstance(path, str) or "://" in path:
+            continue
+        local = Path(path).expanduser()
+        if not local.is_absolute():
+            raise CannotStart(f"runtime_env {what} {path!r} is relative: a worker resolves it from its own folder")
+        if not local.exists():
+            raise CannotStart(f"runtime_env {what} {path!r} is not on the triggerer's host")
+
+
 class RayStepStartTrigger(RayStepTrigger):
     """Start a step in the triggerer, follow it, end the task (see the module's docstring)."""
 
@@ -203,11 +223,11 @@ class RayStepStartTrigger(RayStepTrigger):
         if note := getattr(request, "programs_note", None):
             self.log.info("[rayslice] %s", note)
         operator._check_checkpoint_root(operator.checkpoint_root)
+        local_folders_here(operator.runtime_env)
         if getattr(settings, "cloud_tpu", None) is not None:
-            import asyncio
-
             await asyncio.to_thread(operator._check_zone_offers, RayHook(operator.ray_conn_id), request)
-        owner = operator._owner(context, RayHook(operator.ray_conn_id).deployment())
+        # Off the event loop: a KubeRay connection asks Kubernetes, and a first step may wait for the Variable.
+        owner = operator._owner(context, await asyncio.to_thread(RayHook(operator.ray_conn_id).deployment))
         operator._submission_id = self.submission_id = owner.submission_id
         spec = operator._spec(request, owner, context)
         limit, reason = operator.deferral_limit()

@@ -287,3 +287,49 @@ def test_a_step_in_a_mapped_task_group_is_submitted_from_a_worker():
         group.expand(x=[1, 2])
     step = dag.get_task("group.double")
     assert step.start_from_trigger is False and step.start_blocker == "the step is in a mapped task group"
+
+
+def test_a_local_folder_the_triggerer_cannot_read_as_a_worker_would_starts_the_step_on_a_worker(comms, tmp_path):
+    """A worker zips `working_dir` from its own disk (a relative path: from its own folder)."""
+    from rayslice.operators.accelerator import AcceleratorOperator
+    from rayslice.operators.start_trigger import CannotStart
+
+    with DAG("parity_folders", schedule=None, start_date=START) as dag:
+        for name, folder in (("relative", "code/here"), ("missing", str(tmp_path / "nowhere")),
+                             ("present", str(tmp_path))):
+            AcceleratorOperator(task_id=name, accelerator="GPU", count=0.25, callable="m:f",
+                                runtime_env={"working_dir": folder})
+    serialized = DagSerialization.from_dict(DagSerialization.to_dict(dag))
+    for name, blocked in (("relative", True), ("missing", True), ("present", False)):
+        trigger = _trigger((dag, serialized), name)
+        trigger._task_instance.dag_id = "parity_folders"
+        if blocked:
+            with pytest.raises(CannotStart, match="working_dir"):
+                asyncio.run(trigger._build())
+        else:
+            asyncio.run(trigger._build())
+
+
+def test_folders_are_zipped_off_the_event_loop(tmp_path, monkeypatch):
+    """A triggerer runs every trigger on one event loop: seconds of zipping there stall them all."""
+    import threading
+
+    from rayslice.client import uploads
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    threads = []
+    zip_folder = uploads.package_of
+
+    def package_of(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return zip_folder(*args, **kwargs)
+
+    class Client:
+        address = "http://ray"
+
+        async def ensure_package(self, data):
+            return "gcs://_ray_pkg_x.zip"
+
+    monkeypatch.setattr(uploads, "package_of", package_of)
+    asyncio.run(uploads.upload_runtime_env(Client(), {"working_dir": str(tmp_path)}))
+    assert threads and threads[0] is not threading.main_thread()
