@@ -50,6 +50,8 @@ __all__ = ["START_ON_WORKER", "RayStepStartTrigger", "ship_function", "start_tri
 START_ON_WORKER = "start_on_worker"
 #: Another task's output in start arguments: ``{XCOM_REF: {"task_id": ..., "key": ...}}``.
 XCOM_REF = "__rayslice_xcom__"
+#: The XCom (of the task) holding the deadline the try's first trigger derived from the step's limits.
+DEADLINE_KEY = "rayslice_deadline"
 #: Seconds before Airflow's own deferral timeout (start + execution_timeout) that the trigger stops the job.
 DEADLINE_LEAD_S = 3.0
 #: The operator arguments the trigger rebuilds an unmapped operator from (plus its request fields).
@@ -210,28 +212,28 @@ class RayStepStartTrigger(RayStepTrigger):
         ti, context = self.task_instance, self._context
         if ti is None or context is None or self.task is None:
             raise CannotStart("the triggerer gave the trigger no task context")
-        await self._clear_earlier_try()
+        restarted = await self._clear_earlier_try()
         operator = await self._operator()
         if not operator.deferrable:
             raise CannotStart("deferrable=False: the step runs (and waits) on a worker")
         # The templated fields as a worker renders them: the values read from XCom stay as they are.
         operator._do_render_template_fields(operator, operator.template_fields, context, operator.get_template_env(),
                                             set(self._literals))
-        operator._settings = settings = await RayHook(operator.ray_conn_id).asettings()
+        operator._settings = await RayHook(operator.ray_conn_id).asettings()
         self.ray_conn_id, self.poll_interval = operator.ray_conn_id, float(operator.poll_interval)
         request = operator.build_request()
         if note := getattr(request, "programs_note", None):
             self.log.info("[rayslice] %s", note)
         operator._check_checkpoint_root(operator.checkpoint_root)
         local_folders_here(operator.runtime_env)
-        if getattr(settings, "cloud_tpu", None) is not None:
-            await asyncio.to_thread(operator._check_zone_offers, RayHook(operator.ray_conn_id), request)
+        # The zone check as on a worker (`execute`): the connection's `cloud_tpu` extra, read off the loop.
+        await asyncio.to_thread(operator._check_zone_offers, RayHook(operator.ray_conn_id), request)
         # Off the event loop: a KubeRay connection asks Kubernetes, and a first step may wait for the Variable.
         owner = operator._owner(context, await asyncio.to_thread(RayHook(operator.ray_conn_id).deployment))
         operator._submission_id = self.submission_id = owner.submission_id
         spec = operator._spec(request, owner, context)
         limit, reason = operator.deferral_limit()
-        self.deadline = None if limit is None else time.time() + limit
+        self.deadline = None if limit is None else await self._first_deadline(time.time() + limit, restarted)
         self.deadline_reason = reason or "execution_timeout"
         timeout_after = getattr(self, "timeout_after", None)  # Airflow's: the deferral's start + execution_timeout
         if reason == "execution_timeout" and timeout_after is not None:
@@ -331,14 +333,15 @@ class RayStepStartTrigger(RayStepTrigger):
         object_ids(value, self._literals)
         return value
 
-    async def _clear_earlier_try(self) -> None:
+    async def _clear_earlier_try(self) -> bool:
         """Delete the XComs an earlier try of this task left, as a worker does when a try starts.
 
         A worker deletes every XCom of its task instance at a try's start (the execution API's
         ``ti_run`` lists them, ``xcom_keys_to_clear``, and the Task SDK deletes each through the XCom
         backend); no worker starts this try. The trigger cannot list keys, so it deletes those a step
         pushes: its result (and ``multiple_outputs`` keys), submission id, link and log checkpoint. A
-        trigger of this same try (moved, restarted) finds its own submission id and deletes nothing.
+        trigger of this same try (moved, restarted) finds its own submission id, deletes nothing, and
+        returns True.
         """
         ti = self.task_instance
         map_index = ti.map_index if ti.map_index is not None else -1
@@ -348,14 +351,32 @@ class RayStepStartTrigger(RayStepTrigger):
         backend = xcom_backend()
         recorded = await asyncio.to_thread(backend.get_one, key=SUBMISSION_ID_KEY, **where)
         if recorded is None or recorded == own:
-            return
-        keys = ["return_value", SUBMISSION_ID_KEY, RayJobLink().xcom_key, LOG_CHECKPOINT_KEY]
+            return recorded == own
+        keys = ["return_value", SUBMISSION_ID_KEY, RayJobLink().xcom_key, LOG_CHECKPOINT_KEY, DEADLINE_KEY]
         if getattr(self.task, "multiple_outputs", False):
             earlier = await asyncio.to_thread(backend.get_one, key="return_value", **where)
             keys += [str(k) for k in earlier] if isinstance(earlier, Mapping) else []
         self.log.info("[rayslice] a new try: deleting the XComs of the earlier one (%s)", ", ".join(keys))
         for key in keys:
             await asyncio.to_thread(backend.delete, key=key, **where)
+        return False
+
+    async def _first_deadline(self, deadline: float, restarted: bool) -> float:
+        """The deadline this try's first trigger set (a moved or restarted one keeps it), else `deadline`, recorded.
+
+        Airflow keeps a trigger's kwargs as they were at the deferral, so the deadline a step started in
+        the triggerer derives from its limits is kept in an XCom of its task (`DEADLINE_KEY`).
+        """
+        from airflow.sdk import BaseXCom
+
+        ti = self.task_instance
+        where = {"dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id, "map_index": ti.map_index}
+        if restarted:
+            record = await asyncio.to_thread(BaseXCom.get_one, key=DEADLINE_KEY, **where)
+            if isinstance(record, Mapping) and record.get("submission_id") == self.submission_id:
+                return float(record["deadline"])
+        await self._push(DEADLINE_KEY, {"submission_id": self.submission_id, "deadline": deadline})
+        return deadline
 
     # ---- submitting and following
 

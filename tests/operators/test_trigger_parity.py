@@ -333,3 +333,35 @@ def test_folders_are_zipped_off_the_event_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(uploads, "package_of", package_of)
     asyncio.run(uploads.upload_runtime_env(Client(), {"working_dir": str(tmp_path)}))
     assert threads and threads[0] is not threading.main_thread()
+
+
+def test_a_moved_trigger_keeps_the_deadline_its_try_started_with(comms, monkeypatch):
+    """A deadline derived from the step's limits counts from the try's start, not from each move."""
+    from rayslice.operators.accelerator import AcceleratorOperator
+
+    with DAG("parity_deadline", schedule=None, start_date=START) as dag:
+        AcceleratorOperator(task_id="bounded", accelerator="GPU", count=0.25, callable="m:f", step_timeout=60)
+    dags = (dag, DagSerialization.from_dict(DagSerialization.to_dict(dag)))
+    first = _trigger(dags, "bounded")
+    first._task_instance.dag_id = "parity_deadline"
+    asyncio.run(_end(first, 1, monkeypatch))
+    now = start_trigger.time.time()
+    monkeypatch.setattr(start_trigger.time, "time", lambda: now + 500)  # the trigger moves 500 s later
+    moved = _trigger(dags, "bounded")
+    moved._task_instance.dag_id, moved._task_instance.id = "parity_deadline", first.task_instance.id
+    asyncio.run(moved._build())
+    assert moved.deadline == first.deadline
+
+
+def test_the_cloud_tpu_zone_is_checked_in_the_triggerer_too(comms, monkeypatch):
+    from rayslice.hooks.ray import RayHook
+    from rayslice.operators.tpu_slice import TpuSliceOperator
+
+    checked = []
+    monkeypatch.setattr(RayHook, "check_tpu_type", lambda self, request: checked.append(request.pod_type))
+    with DAG("parity_zone", schedule=None, start_date=START) as dag:
+        TpuSliceOperator(task_id="sliced", tpu="v6e-16", callable="m:f")
+    trigger = _trigger((dag, DagSerialization.from_dict(DagSerialization.to_dict(dag))), "sliced")
+    trigger._task_instance.dag_id = "parity_zone"
+    asyncio.run(trigger._build())
+    assert checked == ["v6e-16"]
