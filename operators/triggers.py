@@ -192,7 +192,9 @@ class RayStepTrigger(BaseTrigger):
                 and int(record.get("offset") or 0) > self.log_offset):
             self.log.info("[rayslice] resuming the log of Ray job %s at character %d, where it was relayed up to",
                           self.submission_id, record["offset"])
-            return {"offset": int(record["offset"]), "recent": [str(d) for d in record.get("recent") or []]}
+            markers = record.get("markers") if isinstance(record.get("markers"), dict) else {}
+            return {"offset": int(record["offset"]), "recent": [str(d) for d in record.get("recent") or []],
+                    "markers": {str(k): str(v) for k, v in markers.items()}}
         return start
 
     async def _record(self, lines: LogFollower) -> None:

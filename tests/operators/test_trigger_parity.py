@@ -365,3 +365,26 @@ def test_the_cloud_tpu_zone_is_checked_in_the_triggerer_too(comms, monkeypatch):
     trigger._task_instance.dag_id = "parity_zone"
     asyncio.run(trigger._build())
     assert checked == ["v6e-16"]
+
+
+def test_a_trigger_resumed_past_the_result_line_still_has_the_result(comms):
+    """Item 3: the log checkpoint keeps the marker lines already passed, so a trigger moved after the result
+    line and before its event ends the step with its result (not "printed no rayslice result", nor a rerun)."""
+    from rayslice.operators.triggers import RayStepTrigger
+
+    from rayslice.client.jobs_client import JobDetails
+    from rayslice.client.submission import LogFollower, outcome
+    from rayslice.core.step import format_result
+
+    before = RayStepTrigger(ray_conn_id="ray_default", submission_id="sid-1")
+    before._task_instance = SimpleNamespace(dag_id="parity", run_id="r", task_id="t", map_index=-1)
+    relayed: list[str] = []
+    lines = LogFollower(relayed.append)
+    lines.feed(f"(GPU pid=1) step line\n{format_result({'out': 7})}\n[rayslice] released\n")
+    asyncio.run(before._record(lines))  # what a trigger records as the triggerer stops or moves it
+    after = RayStepTrigger(ray_conn_id="ray_default", submission_id="sid-1")
+    after._task_instance = before.task_instance
+    resumed = LogFollower(relayed.append, **asyncio.run(after._checkpoint()))
+    assert resumed.offset == lines.offset
+    job = JobDetails(submission_id="sid-1", status="SUCCEEDED", entrypoint="x")
+    assert outcome(job, resumed.markers) == {"out": 7}
