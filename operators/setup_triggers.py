@@ -6,7 +6,8 @@ operator makes the resource on a worker (a few short calls), defers to one of th
 only to return the result or, when the wait failed, to delete what it made (a failed setup skips
 its teardown, so nothing else would).
 
-The Kubernetes and Cloud TPU clients block, so each look runs in a thread (`asyncio.to_thread`),
+A passing API failure (5xx, 429, a reset connection) is looked at again until the deadline, never
+a reason to delete. The Kubernetes and Cloud TPU clients block, so each look runs in a thread (`asyncio.to_thread`),
 one at a time and bounded by the client's own timeout; between looks the trigger sleeps on the
 event loop. It keeps the operator's deadline (`ready_timeout`, `active_timeout`) itself and
 reports it as an event, so the operator's cleanup runs; Airflow's deferral timeout, set a little
@@ -53,7 +54,15 @@ class _SetupTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         try:
             while True:
-                ready, why = await asyncio.to_thread(self._look)
+                try:
+                    ready, why = await asyncio.to_thread(self._look)
+                except Exception as exc:
+                    if not getattr(exc, "transient", False):
+                        raise
+                    # A 5xx during a control-plane upgrade, a reset connection: not a reason to delete what
+                    # was made (a queued resource would lose its place in the queue). Look again until the deadline.
+                    self.log.warning("[rayslice] %s: %s; looking again", self._what(), exc)
+                    ready, why = None, str(exc)
                 if ready is not None:
                     yield TriggerEvent({"status": "ready", **ready})
                     return

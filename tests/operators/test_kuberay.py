@@ -413,3 +413,16 @@ def test_a_killed_setup_whose_state_airflow_does_not_give_keeps_its_cluster(fake
     trigger._task_instance = SimpleNamespace(dag_id="d", run_id="r", task_id="t", map_index=-1)
     asyncio.run(trigger.on_kill())
     assert fake.cluster("ml", "rs") is not None
+
+
+def test_a_passing_api_failure_while_waiting_is_looked_at_again_not_a_delete(fake):
+    """Issue 36, item 9: a 5xx (a control-plane upgrade) or a reset connection ends no setup."""
+    fake.ready_after_gets = 3
+    _created(fake)
+    fake.fail_next("GET", r"/rayclusters/rs$", 503)
+    fake.fail_next("GET", r"/rayclusters/rs$", 500)
+    [event] = asyncio.run(_events(_trigger(fake)))
+    assert event["status"] == "ready", event
+    fake.fail_next("GET", r"/rayclusters/rs$", 403)  # not passing: the operator deletes and fails
+    [event] = asyncio.run(_events(_trigger(fake)))
+    assert event["status"] == "error" and "403" in event["message"], event
