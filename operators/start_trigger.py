@@ -264,7 +264,11 @@ class RayStepStartTrigger(RayStepTrigger):
         else:
             raise CannotStart("the task has no start arguments (serialized by an older rayslice)")
         kwargs = {k: await self._resolve(v) for k, v in kwargs.items()}
-        for name in ("task_id", "dag", "task_group", "start_date", "end_date"):
+        # What the serialized task holds that is no operator argument (MappedOperator.unmap pops these too;
+        # callbacks are Airflow's to run, not the step's).
+        for name in ("task_id", "dag", "task_group", "start_date", "end_date", "is_setup", "is_teardown",
+                     "on_failure_fail_dagrun", *(k for k in kwargs if k.startswith("has_on_") or
+                                                 (k.startswith("on_") and k.endswith("_callback")))):
             kwargs.pop(name, None)
         from airflow.sdk.bases.decorator import DecoratedOperator
 

@@ -116,7 +116,8 @@ def _dag() -> DAG:
             return value
 
         echo(text(), tag="{{ 6 * 7 }}")
-        echo.override(task_id="echo_mapped").partial(tag="{{ 6 * 7 }}").expand(value=texts())
+        echo.override(task_id="echo_mapped", on_success_callback=print, on_failure_callback=print).partial(
+            tag="{{ 6 * 7 }}").expand(value=texts())
         pair()
         lonely()
     return dag
