@@ -389,3 +389,24 @@ def test_a_trigger_resumed_past_the_result_line_still_has_the_result(comms):
     assert resumed.offset == lines.offset
     job = JobDetails(submission_id="sid-1", status="SUCCEEDED", entrypoint="x")
     assert outcome(job, resumed.markers) == {"out": 7}
+
+
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_a_worker_renders_a_decorated_steps_fields_once(deferrable):
+    """`op_kwargs` is a template field of both the decorator and the operator: rendered twice, the second
+    pass rendered the values the first pass read from XCom (a worker gave the step "42 and ")."""
+
+    class Upstream:  # an XComArg as the Templater sees it: `resolve()` gives the upstream's value
+        def resolve(self, context):
+            return UPSTREAM_TEXT
+
+    with DAG(f"parity_once_{deferrable}", schedule=None, start_date=START) as dag:
+        @task.ray_accelerator(accelerator="GPU", count=0.25, deferrable=deferrable)
+        def echo(value: str, tag: str = "") -> str:
+            return value
+
+        echo(value="x", tag="{{ 6 * 7 }}")
+    op = dag.get_task("echo")
+    op.op_kwargs = {"value": Upstream(), "tag": "{{ 6 * 7 }}"}
+    op.render_template_fields({"ds": "2026-01-01"})
+    assert op.op_kwargs == {"value": UPSTREAM_TEXT, "tag": "42"}
