@@ -131,7 +131,7 @@ def test_default_and_blocking_steps_end_the_same(airflow, api, cluster, tmp_path
     assert [trigger["xcoms"][("echo", i)] for i in (0, 1)] == [[text, "2"], [block, "2"]]
     assert [trigger["xcoms"][("group.plus", i)] for i in (0, 1)] == [3, 5]
     assert ("shards", -1, 3, None) in [tuple(r) for r in trigger["task_maps"]]
-    assert first["tp_trigger"] == first["tp_worker"]
+    assert first["tp_trigger"] == first["tp_worker"], _differences(first)
 
     # A succeeded step cleared, whose next tries fail: `all_done` reads no result of the old try.
     marker.touch()
@@ -147,4 +147,17 @@ def test_default_and_blocking_steps_end_the_same(airflow, api, cluster, tmp_path
     assert trigger["states"][("flip", -1)][0] == "failed", trigger["states"]
     assert trigger["xcoms"][("after_all_done", -1)] == [None]
     assert trigger["states"][("after_none_failed", -1)][0] == "upstream_failed"
-    assert second["tp_trigger"] == second["tp_worker"]
+    assert second["tp_trigger"] == second["tp_worker"], _differences(second)
+
+
+def _differences(outcomes: dict[str, dict]) -> dict:
+    """Where the two runs differ: {(what, key): (trigger's, worker's)}."""
+    trigger, worker = outcomes["tp_trigger"], outcomes["tp_worker"]
+    found = {}
+    for what in trigger:
+        a, b = trigger[what], worker[what]
+        if isinstance(a, dict):
+            found.update({(what, key): (a.get(key), b.get(key)) for key in {*a, *b} if a.get(key) != b.get(key)})
+        elif a != b:
+            found[(what, "")] = (a, b)
+    return found
