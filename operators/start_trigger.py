@@ -217,8 +217,11 @@ class RayStepStartTrigger(RayStepTrigger):
         if not operator.deferrable:
             raise CannotStart("deferrable=False: the step runs (and waits) on a worker")
         # The templated fields as a worker renders them: the values read from XCom stay as they are.
-        operator._do_render_template_fields(operator, operator.template_fields, context, operator.get_template_env(),
-                                            set(self._literals))
+        try:
+            operator._do_render_template_fields(operator, operator.template_fields, context,
+                                                operator.get_template_env(), set(self._literals))
+        except Exception as exc:  # a worker renders again as the task resumes, and fails with Airflow's own error
+            raise CannotStart(f"its templated fields do not render here ({type(exc).__name__}: {exc})") from None
         operator._settings = await RayHook(operator.ray_conn_id).asettings()
         self.ray_conn_id, self.poll_interval = operator.ray_conn_id, float(operator.poll_interval)
         request = operator.build_request()

@@ -410,3 +410,17 @@ def test_a_worker_renders_a_decorated_steps_fields_once(deferrable):
     op.op_kwargs = {"value": Upstream(), "tag": "{{ 6 * 7 }}"}
     op.render_template_fields({"ds": "2026-01-01"})
     assert op.op_kwargs == {"value": UPSTREAM_TEXT, "tag": "42"}
+
+
+def test_a_field_that_does_not_render_fails_on_a_worker_as_airflow_fails_it(dags, comms):
+    """A worker fails the task with Jinja's own error as it renders: the trigger leaves the task to one."""
+    from rayslice.operators.start_trigger import CannotStart
+
+    trigger = _trigger(dags, "echo")
+    trigger._context = {**trigger._context, "params": None}  # `{{ params.n }}`-style fields cannot render
+    trigger.step = {**trigger.step, "op_kwargs": {"tag": "{{ params.n.missing }}"}}
+    from airflow.sdk import BaseXCom
+
+    comms.xcoms[("parity", "r", "text", -1, "return_value")] = BaseXCom.serialize_value(UPSTREAM_TEXT)
+    with pytest.raises(CannotStart, match="do not render here"):
+        asyncio.run(trigger._build())
