@@ -409,6 +409,12 @@ class RayStepStartTrigger(RayStepTrigger):
                 yield event  # resumes on a worker, which raises the step's error (retries, callbacks)
                 return
             self.log.info("[rayslice] Ray job %s succeeded", sid)
+            if getattr(self.task, "has_on_success_callback", False):
+                # Airflow 3.3 runs no success callback for a task a trigger ends (`TaskSuccessEvent`'s callback
+                # request reaches the DAG processor, whose `_execute_task_callbacks` runs failure callbacks
+                # only): the task ends on a worker, which pushes the result and runs the callback.
+                yield event
+                return
             if not await self._push_result(operator, payload.get("result")):
                 yield event  # a worker pushes it, and fails as it does (see `_push_result`)
                 return

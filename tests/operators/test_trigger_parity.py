@@ -232,15 +232,15 @@ def test_the_configured_xcom_backend_reads_and_writes(dags, comms, monkeypatch):
     from airflow.sdk import BaseXCom
 
     monkeypatch.setenv("AIRFLOW__CORE__XCOM_BACKEND", "tests.operators.elsewhere_xcom.ElsewhereXCom")
-    ref = f"{elsewhere_xcom.PREFIX}parity/r/texts/-1/return_value"
-    elsewhere_xcom.STORE[ref] = [UPSTREAM_TEXT, UPSTREAM_BLOCK]
-    comms.xcoms[("parity", "r", "texts", -1, "return_value")] = BaseXCom.serialize_value(ref)
-    trigger = _trigger(dags, "echo_mapped", map_index=1)
+    ref = f"{elsewhere_xcom.PREFIX}parity/r/text/-1/return_value"
+    elsewhere_xcom.STORE[ref] = UPSTREAM_BLOCK
+    comms.xcoms[("parity", "r", "text", -1, "return_value")] = BaseXCom.serialize_value(ref)
+    trigger = _trigger(dags, "echo")
     events = asyncio.run(_end(trigger, {"out": 1}, monkeypatch))
     assert isinstance(events[-1], TaskSuccessEvent)
-    assert trigger.built.kwargs["value"] == UPSTREAM_BLOCK  # the upstream's list, read through the backend
-    stored = _stored(comms, "echo_mapped", "return_value", 1)
-    assert stored == f"{elsewhere_xcom.PREFIX}parity/r/echo_mapped/1/return_value"  # only a reference in the DB
+    assert trigger.built.kwargs["value"] == UPSTREAM_BLOCK  # the upstream's value, read through the backend
+    stored = _stored(comms, "echo", "return_value")
+    assert stored == f"{elsewhere_xcom.PREFIX}parity/r/echo/-1/return_value"  # only a reference in the DB
     assert elsewhere_xcom.STORE[stored] == {"out": 1}
 
 
@@ -424,3 +424,15 @@ def test_a_field_that_does_not_render_fails_on_a_worker_as_airflow_fails_it(dags
     comms.xcoms[("parity", "r", "text", -1, "return_value")] = BaseXCom.serialize_value(UPSTREAM_TEXT)
     with pytest.raises(CannotStart, match="do not render here"):
         asyncio.run(trigger._build())
+
+
+def test_a_step_with_a_success_callback_ends_on_a_worker_which_runs_it(dags, comms, monkeypatch):
+    """Airflow 3.3's DAG processor runs only failure callbacks for a task a trigger ended
+    (`airflow/dag_processing/processor.py`, `_execute_task_callbacks`): a worker ends such a step."""
+    from airflow.sdk import BaseXCom
+
+    comms.xcoms[("parity", "r", "texts", -1, "return_value")] = BaseXCom.serialize_value(["v"])
+    events = asyncio.run(_end(_trigger(dags, "echo_mapped", map_index=0), ["v", "42"], monkeypatch))
+    assert not isinstance(events[-1], TaskSuccessEvent)
+    assert events[-1].payload["status"] == "success" and events[-1].payload["result"] == ["v", "42"]
+    assert comms.sets("return_value") == []  # the worker pushes it

@@ -49,7 +49,7 @@ def parity(mode: str):
         @task.ray_accelerator(**step)
         def shards() -> list:
             print("@@ shards", flush=True)
-            return [1, 2, 3]
+            return [2, 3]
 
         @task
         def square(x: int) -> int:
@@ -97,20 +97,20 @@ def parity(mode: str):
         echo.override(task_id="echo_list")(value=upstream, tag="{{ params.n }}-{{ dag_run.conf.get('c') }}")
         echo.partial(tag="{{ params.n }}").expand(value=upstream)
 
-        @task_group
+        @task_group  # the step's own output is the group's: `total_doubles` reads it per group index
         def group(x: int):
             @task.ray_accelerator(**step)
             def double(x: int) -> int:
                 print(f"@@ double {x}", flush=True)
                 return 2 * x
 
-            @task
-            def plus(y: int) -> int:
-                return y + 1
+            return double(x)
 
-            return plus(double(x))
+        @task
+        def total_doubles(values: list) -> list:
+            return sorted(values)
 
-        group.expand(x=[1, 2])
+        total_doubles(group.expand(x=[1, 2]))
 
         @task.ray_accelerator(**step, retries=1, retry_delay=timedelta(0), on_retry_callback=on_retry)
         def flip(marker: str) -> str:
