@@ -40,8 +40,10 @@ def on_retry(context) -> None:
 
 
 def parity(mode: str):
-    step = {"accelerator": "GPU", "count": 0.25, "poll_interval": 0.5, "on_success_callback": on_success,
-            "on_failure_callback": on_failure, **({"deferrable": False} if mode == "worker" else {})}
+    step = {"accelerator": "GPU", "count": 0.25, "poll_interval": 0.5,
+            **({"deferrable": False} if mode == "worker" else {})}
+    # Callbacks on some steps only: a step with an on_success_callback ends on a worker (Airflow forces it).
+    callbacks = {"on_success_callback": on_success, "on_failure_callback": on_failure}
 
     @dag(dag_id=f"tp_{mode}", schedule=None, start_date=START, catchup=False, max_active_tasks=16,
          params={"n": 2})
@@ -88,7 +90,7 @@ def parity(mode: str):
         def texts() -> list:
             return [TEXT, BLOCK]
 
-        @task.ray_accelerator(**step)
+        @task.ray_accelerator(**step, **callbacks)
         def echo(value, tag: str) -> list:
             print(f"@@ echo {tag}", flush=True)
             return [value, tag]
@@ -112,7 +114,7 @@ def parity(mode: str):
 
         total_doubles(group.expand(x=[1, 2]))
 
-        @task.ray_accelerator(**step, retries=1, retry_delay=timedelta(0), on_retry_callback=on_retry)
+        @task.ray_accelerator(**step, **callbacks, retries=1, retry_delay=timedelta(0), on_retry_callback=on_retry)
         def flip(marker: str) -> str:
             import os
 
