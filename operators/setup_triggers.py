@@ -28,7 +28,24 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from rayslice.operators.triggers import UNKNOWN_STATE, shielded, task_state
 
-__all__ = ["QueuedSliceActiveTrigger", "RayClusterReadyTrigger"]
+__all__ = ["QueuedSliceActiveTrigger", "RayClusterReadyTrigger", "retry_passing"]
+
+#: Tries of a cleanup call (deleting what a failed setup made) through passing API failures.
+CLEANUP_TRIES = 4
+
+
+def retry_passing(call: Any, *, tries: int = CLEANUP_TRIES, pause: float = 2.0) -> Any:
+    """`call()`, again after a passing API failure (the error's `transient`), `tries` times in all.
+
+    A failed setup's delete that meets a 5xx would otherwise leave the resource behind for good.
+    """
+    for attempt in range(1, tries + 1):
+        try:
+            return call()
+        except Exception as exc:
+            if attempt == tries or not getattr(exc, "transient", False):
+                raise
+            time.sleep(pause * attempt)
 
 #: How much later than its own deadline Airflow's deferral timeout fires (the trigger reports first).
 DEFERRAL_GRACE_S = 120.0

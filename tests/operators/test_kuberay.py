@@ -426,3 +426,21 @@ def test_a_passing_api_failure_while_waiting_is_looked_at_again_not_a_delete(fak
     fake.fail_next("GET", r"/rayclusters/rs$", 403)  # not passing: the operator deletes and fails
     [event] = asyncio.run(_events(_trigger(fake)))
     assert event["status"] == "error" and "403" in event["message"], event
+
+
+def test_a_failed_setups_delete_goes_through_passing_api_failures(fake):
+    """Issue 36, item 9: the delete after a failed setup meets a 5xx: asked again, the cluster does not leak."""
+    from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient, KubeRayError
+    from rayslice.operators.setup_triggers import retry_passing
+
+    fake.gone_after_gets = 0
+    _created(fake)
+    fake.fail_next("DELETE", r"/rayclusters/rs$", 503)
+    fake.fail_next("DELETE", r"/rayclusters/rs$", 502)
+    with KubeRayClient(ClusterRef(name="rs", namespace="ml", kubeconfig=fake.kubeconfig)) as kube:
+        assert retry_passing(lambda: kube.delete(owner=OWNER), pause=0.01) == "deleted"
+        assert fake.cluster("ml", "rs") is None
+        _created(fake)
+        fake.fail_next("DELETE", r"/rayclusters/rs$", 403)  # a lasting failure is not asked again
+        with pytest.raises(KubeRayError, match="403"):
+            retry_passing(lambda: kube.delete(owner=OWNER), pause=0.01)
