@@ -430,8 +430,9 @@ def test_a_passing_api_failure_while_waiting_is_looked_at_again_not_a_delete(fak
 
 def test_a_failed_setups_delete_goes_through_passing_api_failures(fake):
     """Issue 36, item 9: the delete after a failed setup meets a 5xx: asked again, the cluster does not leak."""
-    from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient, KubeRayError
     from rayslice.operators.setup_triggers import retry_passing
+
+    from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient, KubeRayError
 
     fake.gone_after_gets = 0
     _created(fake)
