@@ -37,6 +37,7 @@ import asyncio
 import difflib
 import json
 import re
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
@@ -52,6 +53,8 @@ from rayslice.core.step import DEPLOYMENT_VARIABLE, Launcher
 
 __all__ = ["DEPLOYMENT_VARIABLE", "EXTRAS", "RayConnectionSettings", "RayHook", "RaysliceHook", "dashboard_url"]
 
+#: How long the step that creates the `rayslice_deployment` Variable waits before reading back the winner.
+DEPLOYMENT_SETTLE_S = 2.0
 _DEPLOYMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: Every extra the `ray` connection reads. Any other key is refused (a misspelled ``checkpoint-root`` would
 #: otherwise be ignored without a word); docs/connection.md and the provider's form list exactly these.
@@ -293,7 +296,11 @@ class RayHook(BaseHook):
         if value in (None, ""):
             Variable.set(DEPLOYMENT_VARIABLE, uuid.uuid4().hex[:12],
                          description="rayslice: this Airflow's name on shared Ray clusters (keep it stable)")
-            value = Variable.get(DEPLOYMENT_VARIABLE)  # a concurrent first step may have set its own: read the winner
+            # The first steps of a fresh Airflow, started at once, each set an id of their own (the Task SDK
+            # has no create-if-absent): each waits until every one of them has written, then all read the
+            # last write, so no job keeps a losing id.
+            time.sleep(DEPLOYMENT_SETTLE_S)
+            value = Variable.get(DEPLOYMENT_VARIABLE)
         return check_deployment(value, what) or ""
 
     def cluster_ref(self, **overrides: Any) -> Any:

@@ -154,9 +154,11 @@ class CreateTpuSliceOperator(_QueuedOperator):
         return {"name": queued.name, "tpu": self.tpu, "num_slices": str(self.num_slices)}
 
     def _delete_own(self, client: Any, owner: str) -> None:
+        from rayslice.operators.setup_triggers import retry_passing
+
         try:
             self.log.warning("[rayslice] after the failed setup, %s: %s", client.queued.name,
-                             client.delete(owner=owner, wait=False))
+                             retry_passing(lambda: client.delete(owner=owner, wait=False)))
         except Exception as exc:
             self.log.error("[rayslice] could not delete %s after the failure: %s", client.queued.name, exc)
 

@@ -73,8 +73,14 @@ def _from_context(task_id: str, name: str, value: Any) -> Any:
     )
 
 
+def _once(*names: str) -> tuple[str, ...]:
+    """Template fields without repeats: a field rendered twice renders the XCom values the first pass read
+    (`op_kwargs` is both the decorator's and the operator's)."""
+    return tuple(dict.fromkeys(names))
+
+
 class _TpuSliceDecoratedOperator(_RayStepDecoratedMixin, DecoratedOperator, TpuSliceOperator):
-    template_fields: Sequence[str] = (*DecoratedOperator.template_fields, *TpuSliceOperator.template_fields)
+    template_fields: Sequence[str] = _once(*DecoratedOperator.template_fields, *TpuSliceOperator.template_fields)
     template_fields_renderers = {**DecoratedOperator.template_fields_renderers,
                                  **TpuSliceOperator.template_fields_renderers}
     custom_operator_name = "@task.tpu_slice"
@@ -87,7 +93,7 @@ class _TpuSliceDecoratedOperator(_RayStepDecoratedMixin, DecoratedOperator, TpuS
 
 
 class _AcceleratorDecoratedOperator(_RayStepDecoratedMixin, DecoratedOperator, AcceleratorOperator):
-    template_fields: Sequence[str] = (*DecoratedOperator.template_fields, *AcceleratorOperator.template_fields)
+    template_fields: Sequence[str] = _once(*DecoratedOperator.template_fields, *AcceleratorOperator.template_fields)
     template_fields_renderers = {**DecoratedOperator.template_fields_renderers,
                                  **AcceleratorOperator.template_fields_renderers}
     custom_operator_name = "@task.ray_accelerator"

@@ -190,10 +190,12 @@ class CreateRayClusterOperator(_ClusterOperator):
         return {"namespace": namespace, "name": name, "dashboard_url": url}
 
     def _delete_own(self, kube: Any, owner: str) -> None:
+        from rayslice.operators.setup_triggers import retry_passing
+
         try:
-            outcome = kube.delete(owner=owner)
+            outcome = retry_passing(lambda: kube.delete(owner=owner))
             secret = self._token_secret(self._render(kube.ref.name))
-            secret_outcome = kube.delete_token_secret(secret, owner=owner) if secret else None
+            secret_outcome = retry_passing(lambda: kube.delete_token_secret(secret, owner=owner)) if secret else None
         except Exception as exc:  # report the original failure, and this one
             self.log.error("[rayslice] could not delete RayCluster %s after the failure: %s", kube.ref, exc)
             return

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from airflow.sdk import BaseOperator
     from airflow.sdk.types import TaskInstanceKey
 
-__all__ = ["SUBMISSION_ID_KEY", "RayJobLink"]
+__all__ = ["SUBMISSION_ID_KEY", "RayJobLink", "job_link"]
 
 SUBMISSION_ID_KEY = "ray_submission_id"
 
@@ -31,7 +31,6 @@ class RayJobLink(BaseOperatorLink):
     name = "Ray job"
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
-        from airflow.sdk import conf
         from airflow.sdk.execution_time.xcom import XCom  # the configured XCom backend
 
         sid = XCom.get_value(ti_key=ti_key, key=SUBMISSION_ID_KEY)
@@ -39,6 +38,13 @@ class RayJobLink(BaseOperatorLink):
             return ""
         from rayslice.hooks.ray import RayHook
 
-        conn_id = getattr(operator, "ray_conn_id", RayHook.default_conn_name)
-        base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
-        return f"{base}/rayslice/job/{quote(str(sid), safe='')}?{urlencode({'conn_id': conn_id})}"
+        return job_link(str(sid), getattr(operator, "ray_conn_id", RayHook.default_conn_name))
+
+
+def job_link(submission_id: str, conn_id: str) -> str:
+    """``<airflow>/rayslice/job/<id>?conn_id=<conn>``: what the link, the trigger and task logs show, never
+    the dashboard's own URL (the plugin's route checks that the reader may read the connection)."""
+    from airflow.sdk import conf
+
+    base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
+    return f"{base}/rayslice/job/{quote(submission_id, safe='')}?{urlencode({'conn_id': conn_id})}"

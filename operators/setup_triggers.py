@@ -6,7 +6,8 @@ operator makes the resource on a worker (a few short calls), defers to one of th
 only to return the result or, when the wait failed, to delete what it made (a failed setup skips
 its teardown, so nothing else would).
 
-The Kubernetes and Cloud TPU clients block, so each look runs in a thread (`asyncio.to_thread`),
+A passing API failure (5xx, 429, a reset connection) is looked at again until the deadline, never
+a reason to delete. The Kubernetes and Cloud TPU clients block, so each look runs in a thread (`asyncio.to_thread`),
 one at a time and bounded by the client's own timeout; between looks the trigger sleeps on the
 event loop. It keeps the operator's deadline (`ready_timeout`, `active_timeout`) itself and
 reports it as an event, so the operator's cleanup runs; Airflow's deferral timeout, set a little
@@ -25,9 +26,26 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
-from rayslice.operators.triggers import shielded, task_state
+from rayslice.operators.triggers import UNKNOWN_STATE, shielded, task_state
 
-__all__ = ["QueuedSliceActiveTrigger", "RayClusterReadyTrigger"]
+__all__ = ["QueuedSliceActiveTrigger", "RayClusterReadyTrigger", "retry_passing"]
+
+#: Tries of a cleanup call (deleting what a failed setup made) through passing API failures.
+CLEANUP_TRIES = 4
+
+
+def retry_passing(call: Any, *, tries: int = CLEANUP_TRIES, pause: float = 2.0) -> Any:
+    """`call()`, again after a passing API failure (the error's `transient`), `tries` times in all.
+
+    A failed setup's delete that meets a 5xx would otherwise leave the resource behind for good.
+    """
+    for attempt in range(1, tries + 1):
+        try:
+            return call()
+        except Exception as exc:
+            if attempt == tries or not getattr(exc, "transient", False):
+                raise
+            time.sleep(pause * attempt)
 
 #: How much later than its own deadline Airflow's deferral timeout fires (the trigger reports first).
 DEFERRAL_GRACE_S = 120.0
@@ -53,7 +71,15 @@ class _SetupTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         try:
             while True:
-                ready, why = await asyncio.to_thread(self._look)
+                try:
+                    ready, why = await asyncio.to_thread(self._look)
+                except Exception as exc:
+                    if not getattr(exc, "transient", False):
+                        raise
+                    # A 5xx during a control-plane upgrade, a reset connection: not a reason to delete what
+                    # was made (a queued resource would lose its place in the queue). Look again until the deadline.
+                    self.log.warning("[rayslice] %s: %s; looking again", self._what(), exc)
+                    ready, why = None, str(exc)
                 if ready is not None:
                     yield TriggerEvent({"status": "ready", **ready})
                     return
@@ -74,8 +100,13 @@ class _SetupTrigger(BaseTrigger):
         await shielded(self._kill())
 
     async def _kill(self) -> None:
-        if await task_state(self, self.call_timeout, about=self._what()) == "deferred":
+        state = await task_state(self, self.call_timeout, about=self._what())
+        if state == "deferred":
             self.log.info("[rayslice] the trigger waiting for %s moved to another triggerer: leaving it", self._what())
+            return
+        if state == UNKNOWN_STATE:
+            self.log.warning("[rayslice] Airflow did not say whether the setup was stopped or its trigger moved: "
+                             "leaving %s (delete it yourself if the task was stopped)", self._what())
             return
         outcome = await asyncio.wait_for(asyncio.to_thread(self._delete), self.call_timeout)
         self.log.warning("[rayslice] the setup was stopped while waiting: %s %s", self._what(), outcome)

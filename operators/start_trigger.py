@@ -28,21 +28,21 @@ What the trigger starts from:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC
 from typing import Any
 
-from airflow.sdk import BaseXCom
 from airflow.triggers.base import StartTriggerArgs, TaskSuccessEvent, TriggerEvent
 from rayslice.hooks.ray import RayHook
-from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
-from rayslice.operators.triggers import RayStepTrigger
+from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink, job_link
+from rayslice.operators.triggers import LOG_CHECKPOINT_KEY, RayStepTrigger
 
-from rayslice.client.submission import submit_step
+from rayslice.client.submission import submission_id, submit_step
 from rayslice.core.exceptions import RaysliceError
-from rayslice.core.step import pickle_function, undefined_names
+from rayslice.core.step import Owner, pickle_function, undefined_names
 
 __all__ = ["START_ON_WORKER", "RayStepStartTrigger", "ship_function", "start_trigger_args"]
 
@@ -50,6 +50,8 @@ __all__ = ["START_ON_WORKER", "RayStepStartTrigger", "ship_function", "start_tri
 START_ON_WORKER = "start_on_worker"
 #: Another task's output in start arguments: ``{XCOM_REF: {"task_id": ..., "key": ...}}``.
 XCOM_REF = "__rayslice_xcom__"
+#: The XCom (of the task) holding the deadline the try's first trigger derived from the step's limits.
+DEADLINE_KEY = "rayslice_deadline"
 #: Seconds before Airflow's own deferral timeout (start + execution_timeout) that the trigger stops the job.
 DEADLINE_LEAD_S = 3.0
 #: The operator arguments the trigger rebuilds an unmapped operator from (plus its request fields).
@@ -102,9 +104,14 @@ def stand_in(shipped: Mapping[str, Any]) -> Any:
 
 def encode_refs(value: Any) -> Any:
     """Arguments as JSON for the trigger's kwargs: another (unmapped) task's output becomes a reference."""
+    from airflow.sdk.definitions._internal.expandinput import MappedArgument
     from airflow.sdk.definitions.mappedoperator import MappedOperator
     from airflow.sdk.definitions.xcom_arg import PlainXComArg, XComArg
 
+    if isinstance(value, MappedArgument):
+        # A step in a mapped task group: each group index resolves its share of the group's input, and its
+        # upstream XComs, as the Task SDK does on a worker (not rebuilt in the triggerer).
+        raise CannotStart("an argument is the input of a mapped task group")
     if isinstance(value, PlainXComArg):
         if isinstance(value.operator, MappedOperator):
             raise CannotStart(f"an argument is the output of the mapped task {value.operator.task_id!r}")
@@ -119,6 +126,50 @@ def encode_refs(value: Any) -> Any:
     return value
 
 
+def xcom_backend() -> Any:
+    """The configured XCom backend (``[core] xcom_backend``), resolved as a worker's Task SDK resolves it."""
+    from airflow.sdk.execution_time.xcom import resolve_xcom_backend
+
+    return resolve_xcom_backend()
+
+
+def is_mapped(task: Any) -> bool:
+    """Whether a serialized task is a mapped one."""
+    return bool(getattr(task, "_is_mapped", False) or hasattr(task, "partial_kwargs"))
+
+
+def object_ids(value: Any, into: set[int]) -> set[int]:
+    """The ids of `value` and of every container and string inside it (what rendering must leave alone)."""
+    into.add(id(value))
+    if isinstance(value, Mapping):
+        for item in value.values():
+            object_ids(item, into)
+    elif isinstance(value, list | tuple | set):
+        for item in value:
+            object_ids(item, into)
+    return into
+
+
+def local_folders_here(runtime_env: Mapping[str, Any] | None) -> None:
+    """Raise CannotStart for a local `working_dir` / `py_modules` path the triggerer cannot read as a worker would.
+
+    A worker zips those folders from its own disk, a relative path from its own working directory:
+    a relative path, or one missing on the triggerer's host, is left to a worker.
+    """
+    from pathlib import Path
+
+    env = runtime_env or {}
+    modules = env.get("py_modules") if isinstance(env.get("py_modules"), list) else []
+    for what, path in [("working_dir", env.get("working_dir")), *(("py_modules", m) for m in modules)]:
+        if not isinstance(path, str) or "://" in path:
+            continue
+        local = Path(path).expanduser()
+        if not local.is_absolute():
+            raise CannotStart(f"runtime_env {what} {path!r} is relative: a worker resolves it from its own folder")
+        if not local.exists():
+            raise CannotStart(f"runtime_env {what} {path!r} is not on the triggerer's host")
+
+
 class RayStepStartTrigger(RayStepTrigger):
     """Start a step in the triggerer, follow it, end the task (see the module's docstring)."""
 
@@ -127,6 +178,10 @@ class RayStepStartTrigger(RayStepTrigger):
         super().__init__(ray_conn_id=RayHook.default_conn_name, submission_id="")
         self.step = dict(step or {})
         self._context: Any = None
+        # Other tasks' outputs read for this step: kept alive, and their ids left out of rendering (a worker
+        # never renders an XCom value as a template: `Templater.render_template` returns `resolve()` as it is).
+        self._xcom_values: list[Any] = []
+        self._literals: set[int] = set()
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{type(self).__module__}.{type(self).__qualname__}", {"step": self.step}
@@ -157,25 +212,31 @@ class RayStepStartTrigger(RayStepTrigger):
         ti, context = self.task_instance, self._context
         if ti is None or context is None or self.task is None:
             raise CannotStart("the triggerer gave the trigger no task context")
+        restarted = await self._clear_earlier_try()
         operator = await self._operator()
         if not operator.deferrable:
             raise CannotStart("deferrable=False: the step runs (and waits) on a worker")
-        operator.render_template_fields(context)
-        operator._settings = settings = await RayHook(operator.ray_conn_id).asettings()
+        # The templated fields as a worker renders them: the values read from XCom stay as they are.
+        try:
+            operator._do_render_template_fields(operator, operator.template_fields, context,
+                                                operator.get_template_env(), set(self._literals))
+        except Exception as exc:  # a worker renders again as the task resumes, and fails with Airflow's own error
+            raise CannotStart(f"its templated fields do not render here ({type(exc).__name__}: {exc})") from None
+        operator._settings = await RayHook(operator.ray_conn_id).asettings()
         self.ray_conn_id, self.poll_interval = operator.ray_conn_id, float(operator.poll_interval)
         request = operator.build_request()
         if note := getattr(request, "programs_note", None):
             self.log.info("[rayslice] %s", note)
         operator._check_checkpoint_root(operator.checkpoint_root)
-        if getattr(settings, "cloud_tpu", None) is not None:
-            import asyncio
-
-            await asyncio.to_thread(operator._check_zone_offers, RayHook(operator.ray_conn_id), request)
-        owner = operator._owner(context, RayHook(operator.ray_conn_id).deployment())
+        local_folders_here(operator.runtime_env)
+        # The zone check as on a worker (`execute`): the connection's `cloud_tpu` extra, read off the loop.
+        await asyncio.to_thread(operator._check_zone_offers, RayHook(operator.ray_conn_id), request)
+        # Off the event loop: a KubeRay connection asks Kubernetes, and a first step may wait for the Variable.
+        owner = operator._owner(context, await asyncio.to_thread(RayHook(operator.ray_conn_id).deployment))
         operator._submission_id = self.submission_id = owner.submission_id
         spec = operator._spec(request, owner, context)
         limit, reason = operator.deferral_limit()
-        self.deadline = None if limit is None else time.time() + limit
+        self.deadline = None if limit is None else await self._first_deadline(time.time() + limit, restarted)
         self.deadline_reason = reason or "execution_timeout"
         timeout_after = getattr(self, "timeout_after", None)  # Airflow's: the deferral's start + execution_timeout
         if reason == "execution_timeout" and timeout_after is not None:
@@ -194,7 +255,7 @@ class RayStepStartTrigger(RayStepTrigger):
         task = self.task
         module = getattr(task, "_task_module", None) or getattr(task, "task_module", None)
         cls = import_string(f"{module}.{task.task_type}")
-        if getattr(task, "_is_mapped", False) or hasattr(task, "partial_kwargs"):
+        if is_mapped(task):
             kwargs = dict(task.partial_kwargs)
             mapped = await self._expand(task)
             if getattr(task, "_expand_input_attr", "expand_input") == "op_kwargs_expand_input":
@@ -206,7 +267,11 @@ class RayStepStartTrigger(RayStepTrigger):
         else:
             raise CannotStart("the task has no start arguments (serialized by an older rayslice)")
         kwargs = {k: await self._resolve(v) for k, v in kwargs.items()}
-        for name in ("task_id", "dag", "task_group", "start_date", "end_date"):
+        # What the serialized task holds that is no operator argument (MappedOperator.unmap pops these too;
+        # callbacks are Airflow's to run, not the step's).
+        for name in ("task_id", "dag", "task_group", "start_date", "end_date", "is_setup", "is_teardown",
+                     "on_failure_fail_dagrun", *(k for k in kwargs if k.startswith("has_on_") or
+                                                 (k.startswith("on_") and k.endswith("_callback")))):
             kwargs.pop(name, None)
         from airflow.sdk.bases.decorator import DecoratedOperator
 
@@ -267,18 +332,68 @@ class RayStepStartTrigger(RayStepTrigger):
         if ref is None:
             return value
         ti = self.task_instance
-        return await BaseXCom.aget_one(key=ref["key"], dag_id=ti.dag_id, run_id=ti.run_id, task_id=ref["task_id"],
-                                       map_index=-1)
+        value = await asyncio.to_thread(xcom_backend().get_one, key=ref["key"], dag_id=ti.dag_id, run_id=ti.run_id,
+                                        task_id=ref["task_id"], map_index=-1)
+        if value is None and ref["key"] != "return_value":  # a worker raises XComNotFound (PlainXComArg.resolve)
+            raise CannotStart(f"the task {ref['task_id']!r} pushed no XCom {ref['key']!r}")
+        self._xcom_values.append(value)
+        object_ids(value, self._literals)
+        return value
+
+    async def _clear_earlier_try(self) -> bool:
+        """Delete the XComs an earlier try of this task left, as a worker does when a try starts.
+
+        A worker deletes every XCom of its task instance at a try's start (the execution API's
+        ``ti_run`` lists them, ``xcom_keys_to_clear``, and the Task SDK deletes each through the XCom
+        backend); no worker starts this try. The trigger cannot list keys, so it deletes those a step
+        pushes: its result (and ``multiple_outputs`` keys), submission id, link and log checkpoint. A
+        trigger of this same try (moved, restarted) finds its own submission id, deletes nothing, and
+        returns True.
+        """
+        ti = self.task_instance
+        map_index = ti.map_index if ti.map_index is not None else -1
+        where = {"dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id, "map_index": map_index}
+        own = submission_id(Owner(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, map_index=map_index,
+                                  try_number=ti.try_number, ti_id=str(ti.id)))
+        backend = xcom_backend()
+        recorded = await asyncio.to_thread(backend.get_one, key=SUBMISSION_ID_KEY, **where)
+        if recorded is None or recorded == own:
+            return recorded == own
+        keys = ["return_value", SUBMISSION_ID_KEY, RayJobLink().xcom_key, LOG_CHECKPOINT_KEY, DEADLINE_KEY]
+        if getattr(self.task, "multiple_outputs", False):
+            earlier = await asyncio.to_thread(backend.get_one, key="return_value", **where)
+            keys += [str(k) for k in earlier] if isinstance(earlier, Mapping) else []
+        self.log.info("[rayslice] a new try: deleting the XComs of the earlier one (%s)", ", ".join(keys))
+        for key in keys:
+            await asyncio.to_thread(backend.delete, key=key, **where)
+        return False
+
+    async def _first_deadline(self, deadline: float, restarted: bool) -> float:
+        """The deadline this try's first trigger set (a moved or restarted one keeps it), else `deadline`, recorded.
+
+        Airflow keeps a trigger's kwargs as they were at the deferral, so the deadline a step started in
+        the triggerer derives from its limits is kept in an XCom of its task (`DEADLINE_KEY`).
+        """
+        from airflow.sdk import BaseXCom
+
+        ti = self.task_instance
+        where = {"dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id, "map_index": ti.map_index}
+        if restarted:
+            record = await asyncio.to_thread(BaseXCom.get_one, key=DEADLINE_KEY, **where)
+            if isinstance(record, Mapping) and record.get("submission_id") == self.submission_id:
+                return float(record["deadline"])
+        await self._push(DEADLINE_KEY, {"submission_id": self.submission_id, "deadline": deadline})
+        return deadline
 
     # ---- submitting and following
 
     async def _submit_and_follow(self, operator: Any, spec: Any) -> AsyncIterator[TriggerEvent]:
         sid = self.submission_id
+        link = job_link(sid, operator.ray_conn_id)  # never the dashboard's URL: see `rayslice.operators.links`
         # The "Ray job" link works while the step runs: Airflow 3 reads a link from its XCom, which a
-        # worker pushes when its task ends; no worker runs here.
-        links = {SUBMISSION_ID_KEY: sid, RayJobLink().xcom_key: operator._settings.job_url(sid)}
-        for key, value in links.items():
-            await self._push(key, value)
+        # worker pushes (to the metadata DB, not the XCom backend) when its task ends; no worker runs here.
+        await self._push(SUBMISSION_ID_KEY, sid, backend=xcom_backend())
+        await self._push(RayJobLink().xcom_key, link)
         try:
             async with operator._settings.async_client() as client:
                 if spec.owner.try_number > 1:
@@ -287,31 +402,70 @@ class RayStepStartTrigger(RayStepTrigger):
         except RaysliceError as exc:
             yield self._event("error", 0, log_complete=True, error_type=type(exc).__name__, message=str(exc))
             return
-        self.log.info("[rayslice] Ray job %s in the dashboard: %s", sid, operator._settings.job_url(sid))
+        self.log.info("[rayslice] Ray job %s: %s", sid, link)
         async for event in self._follow():
             payload = event.payload
             if payload.get("status") != "success":
                 yield event  # resumes on a worker, which raises the step's error (retries, callbacks)
                 return
             self.log.info("[rayslice] Ray job %s succeeded", sid)
-            result = payload.get("result")
-            if operator.do_xcom_push:
-                xcoms = {"return_value": result}
-                if getattr(operator, "multiple_outputs", False) and isinstance(result, Mapping):
-                    xcoms.update({str(k): v for k, v in result.items()})
-                # Through the Task SDK, as a worker pushes them: `TaskSuccessEvent(xcoms=...)` stores each
-                # value JSON-encoded once more (Airflow 3.3.2), so a downstream task would read a string.
-                ti = self.task_instance
-                for key, value in xcoms.items():
-                    await BaseXCom.aset(key, value, dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
-                                        map_index=ti.map_index)
+            if getattr(self.task, "has_on_success_callback", False):
+                # Airflow 3.3 runs no success callback for a task a trigger ends (`TaskSuccessEvent`'s callback
+                # request reaches the DAG processor, whose `_execute_task_callbacks` runs failure callbacks
+                # only): the task ends on a worker, which pushes the result and runs the callback.
+                yield event
+                return
+            if not await self._push_result(operator, payload.get("result")):
+                yield event  # a worker pushes it, and fails as it does (see `_push_result`)
+                return
             yield TaskSuccessEvent()
             return
 
-    async def _push(self, key: str, value: Any) -> None:
+    async def _push_result(self, operator: Any, result: Any) -> bool:
+        """Push the result as the Task SDK's ``_push_xcom_if_needed`` does on a worker; False: a worker must.
+
+        Through the XCom backend; ``multiple_outputs`` keys first; the length of a list or dict that a
+        downstream task maps over goes with it (``mapped_length``: the execution API writes the
+        TaskMap row the scheduler expands that task from). What a worker refuses (nothing to map
+        over, an unmappable value, ``multiple_outputs`` of a non-dict) the trigger leaves to a worker
+        (the success event resumes the task there), which fails with Airflow's own error.
+        Not `TaskSuccessEvent(xcoms=...)`: Airflow 3.3.2 stores each such value JSON-encoded once more.
+        """
+        from airflow.sdk.definitions.mappedoperator import is_mappable_value
+
+        task = self.task
+        value = result if getattr(task, "do_xcom_push", operator.do_xcom_push) else None
+        maps_over_it = not is_mapped(task) and next(iter(task.iter_mapped_dependants()), None) is not None
+        if value is None:
+            return not maps_over_it
+        mapped_length = None
+        if maps_over_it:
+            if not is_mappable_value(value):
+                return False
+            mapped_length = len(value)
+        xcoms: list[tuple[str, Any, int | None]] = []
+        if getattr(task, "multiple_outputs", None) or getattr(operator, "multiple_outputs", False):
+            if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+                return False
+            xcoms += [(key, item, None) for key, item in value.items()]
+        xcoms.append(("return_value", value, mapped_length))
+        backend = xcom_backend()
+        for key, item, length in xcoms:
+            await self._push(key, item, backend=backend, mapped_length=length, required=True)
+        return True
+
+    async def _push(self, key: str, value: Any, *, backend: Any = None, mapped_length: int | None = None,
+                    required: bool = False) -> None:
+        """One XCom of this task; `backend` None: straight to the metadata DB (`BaseXCom`), as links are."""
+        from airflow.sdk import BaseXCom
+
         ti = self.task_instance
         try:
-            await BaseXCom.aset(key, value, dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
-                                map_index=ti.map_index)
-        except Exception as exc:  # the link only
-            self.log.warning("[rayslice] could not record the submission id %s: %s", value, exc)
+            await asyncio.to_thread((backend or BaseXCom).set, key, value, dag_id=ti.dag_id, run_id=ti.run_id,
+                                    task_id=ti.task_id, map_index=ti.map_index,
+                                    dag_result=bool(getattr(self.task, "returns_dag_result", False)),
+                                    _mapped_length=mapped_length)
+        except Exception as exc:
+            if required:
+                raise
+            self.log.warning("[rayslice] could not record the XCom %s: %s", key, exc)

@@ -30,7 +30,7 @@ from airflow.sdk import BaseOperator, XComArg
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import RayConnectionSettings, RayHook
-from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
+from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink, job_link
 from rayslice.operators.start_trigger import (
     START_ON_WORKER,
     STEP_ARGUMENTS,
@@ -290,6 +290,10 @@ class RayStepOperator(BaseOperator):
             reason = "deferrable=False"
         elif self.shipped_callable and "cannot_start" in self.shipped_callable:
             reason = str(self.shipped_callable["cannot_start"])
+        elif self.get_closest_mapped_task_group() is not None:
+            # Each group index reads its share of the group's input and its upstreams' XComs by the Task
+            # SDK's map-index rules (`XComArg.resolve`); the triggerer does not rebuild those.
+            reason = "the step is in a mapped task group"
         else:
             names = [*STEP_ARGUMENTS, *self.request_fields, *(("op_args",) if hasattr(self, "op_args") else ())]
             try:
@@ -490,7 +494,7 @@ class RayStepOperator(BaseOperator):
             if spec.owner.try_number > 1:
                 await self._stop_earlier_tries(client, spec.owner)
             sid = await submit_step(client, spec, emit=self.log.info)
-            self.log.info("[rayslice] Ray job %s in the dashboard: %s", sid, self._settings.job_url(sid))
+            self.log.info("[rayslice] Ray job %s: %s", sid, job_link(sid, self.ray_conn_id))
             if self.deferrable:
                 return None
             return await self._follow(client, sid)

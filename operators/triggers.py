@@ -23,8 +23,10 @@ Airflow (the triggerer's execution API, `GetTaskStates`) whether the task is sti
 the trigger only moved and the job is left to the triggerer that now follows it; anything else
 (failed, success, cleared) stops the job, whose end releases all its capacity. A user's action
 changes the task's state before Airflow deletes the trigger, so a cancelled trigger of a task
-that is still deferred is always a move. If Airflow cannot be asked (no triggerer around the
-trigger), the job is stopped, as a kill asks.
+that is still deferred is always a move. Outside a triggerer (no one to ask) the job is stopped,
+as a kill asks; inside one, a state that cannot be read leaves the job (a moved trigger's job is
+still followed; the task's next try, or `rayslice reap`, stops one whose task ended). A job not
+found yet is waited for a little (`SUBMIT_GRACE_S`): a kill during submission stops it too.
 
 `resume_not_before` works around a race in Airflow's scheduler (3.3.2 and earlier; apache/airflow
 #67287, #72716): the worker process that deferred exits, and the executor reports that exit as
@@ -67,6 +69,10 @@ DEFERRAL_TIMEOUT = "DeferralTimeout"
 LOG_CHECKPOINT_KEY = "rayslice_log_checkpoint"
 #: Seconds between two such records while lines are relayed.
 CHECKPOINT_S = 5.0
+#: `task_state`'s answer when Airflow was asked but did not answer (not even after retries).
+UNKNOWN_STATE = "unknown"
+#: How long a kill waits for a job it does not find yet (a kill during submission) before deciding none was made.
+SUBMIT_GRACE_S = 10.0
 
 
 class RayStepTrigger(BaseTrigger):
@@ -186,7 +192,9 @@ class RayStepTrigger(BaseTrigger):
                 and int(record.get("offset") or 0) > self.log_offset):
             self.log.info("[rayslice] resuming the log of Ray job %s at character %d, where it was relayed up to",
                           self.submission_id, record["offset"])
-            return {"offset": int(record["offset"]), "recent": [str(d) for d in record.get("recent") or []]}
+            markers = record.get("markers") if isinstance(record.get("markers"), dict) else {}
+            return {"offset": int(record["offset"]), "recent": [str(d) for d in record.get("recent") or []],
+                    "markers": {str(k): str(v) for k, v in markers.items()}}
         return start
 
     async def _record(self, lines: LogFollower) -> None:
@@ -247,9 +255,24 @@ class RayStepTrigger(BaseTrigger):
             self.log.info("[rayslice] the trigger of Ray job %s moved to another triggerer (the task is still "
                           "deferred): leaving the job to it", self.submission_id)
             return
+        if state == UNKNOWN_STATE:
+            self.log.warning("[rayslice] Airflow did not say whether the task of Ray job %s was stopped or its trigger "
+                             "moved: leaving the job (the task's next try stops it, as `rayslice reap` does once "
+                             "the task has ended)", self.submission_id)
+            return
         settings = await self._hook().asettings()
         async with settings.async_client() as client:
-            stopped = await asyncio.wait_for(client.stop(self.submission_id), self.call_timeout)
+            until = time.monotonic() + SUBMIT_GRACE_S
+            while True:
+                try:
+                    stopped = await asyncio.wait_for(client.stop(self.submission_id), self.call_timeout)
+                    break
+                except JobNotFoundError:
+                    # A kill during submission: the job Ray is creating may show up a moment later.
+                    if time.monotonic() >= until:
+                        self.log.info("Ray job %s: never submitted", self.submission_id)
+                        return
+                    await asyncio.sleep(0.5)
         self.log.info("Ray job %s: %s", self.submission_id,
                       "stop requested" if stopped else "was not running")
 
@@ -271,28 +294,36 @@ async def shielded(work: Any) -> Any:
 
 
 async def task_state(trigger: BaseTrigger, timeout: float, *, about: str) -> str | None:
-    """The trigger's task instance's state as Airflow has it now; None when it cannot be asked.
+    """The trigger's task instance's state as Airflow has it now; None without a triggerer to ask.
 
     Through the triggerer's channel to its supervisor (the Task SDK's `GetTaskStates`, answered
     by the execution API), the way a trigger's `RuntimeTaskInstance.get_task_states` asks. A
-    trigger cancelled while its task is still ``deferred`` only moved to another triggerer.
+    trigger cancelled while its task is still ``deferred`` only moved to another triggerer. When
+    asking fails (three tries within `timeout`), `UNKNOWN_STATE`: the caller must not take that
+    for a kill, since a moved trigger's job or cluster is still in use.
     """
     ti = getattr(trigger, "task_instance", None)
     try:
         from airflow.sdk.execution_time import task_runner
         from airflow.sdk.execution_time.comms import GetTaskStates, TaskStatesResult
-
-        comms = getattr(task_runner, "SUPERVISOR_COMMS", None)
-        if ti is None or comms is None:
-            return None
-        map_index = ti.map_index if ti.map_index is not None and ti.map_index >= 0 else -1
-        answer = await asyncio.wait_for(comms.asend(GetTaskStates(
-            dag_id=ti.dag_id, run_ids=[ti.run_id], task_ids=[ti.task_id], map_index=map_index)), timeout)
-    except Exception as exc:  # an unreachable Airflow must not keep a kill from cleaning up
-        trigger.log.warning("[rayslice] could not ask Airflow for the state of %s: %s", about, exc)
+    except ImportError:
         return None
-    if not isinstance(answer, TaskStatesResult):
-        trigger.log.warning("[rayslice] Airflow did not report the state of %s: %s", about, answer)
+    comms = getattr(task_runner, "SUPERVISOR_COMMS", None)
+    if ti is None or comms is None:
         return None
-    states = [state for tasks in answer.task_states.values() for state in tasks.values()]
-    return str(states[0]) if len(states) == 1 and states[0] is not None else None
+    map_index = ti.map_index if ti.map_index is not None and ti.map_index >= 0 else -1
+    ask = GetTaskStates(dag_id=ti.dag_id, run_ids=[ti.run_id], task_ids=[ti.task_id], map_index=map_index)
+    for attempt in range(3):
+        try:
+            answer = await asyncio.wait_for(comms.asend(ask), timeout / 3)
+        except Exception as exc:  # an unreachable Airflow must not keep a kill from deciding
+            trigger.log.warning("[rayslice] could not ask Airflow for the state of %s: %s", about, exc)
+            await asyncio.sleep(0.5 * (attempt + 1))
+            continue
+        if not isinstance(answer, TaskStatesResult):
+            trigger.log.warning("[rayslice] Airflow did not report the state of %s: %s", about, answer)
+            continue
+        states = [state for tasks in answer.task_states.values() for state in tasks.values()]
+        if len(states) == 1 and states[0] is not None:
+            return str(states[0])
+    return UNKNOWN_STATE

@@ -20,7 +20,7 @@ import time
 import uuid
 import zipfile
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -242,14 +242,16 @@ class LogFollower:
     RECENT_LINES = 32
 
     def __init__(self, emit: Callable[[str], None], offset: int = 0, recent: Iterable[str] = (),
-                 tag: str = "") -> None:
+                 tag: str = "", markers: Mapping[str, str] | None = None) -> None:
         self.emit = emit
         self.offset = int(offset)
         self._recent: deque[str] = deque(recent, maxlen=self.RECENT_LINES)
         self.tag = tag  # the job's marker tag (`marker_tag`): set from its metadata before its log is read
         self._partial = ""  # the current stream's text past `offset` that has no newline yet
         self._received = 0  # characters of the current stream seen so far
-        self._markers: dict[str, str] = {}  # the last line carrying each marker
+        # The last line carrying each marker; a restart gets them back with the offset (`state`): a follower
+        # resumed past the result line must still know the result.
+        self._markers: dict[str, str] = dict(markers or {})
         self.handled = 0  # whole lines handled by this follower
 
     @property
@@ -272,7 +274,7 @@ class LogFollower:
 
     def state(self) -> dict[str, Any]:
         """Where relaying stands: enough for a restarted follower to relay nothing twice (`LogFollower(**state)`)."""
-        return {"offset": self.offset, "recent": list(self._recent)}
+        return {"offset": self.offset, "recent": list(self._recent), "markers": dict(self._markers)}
 
     def restart(self) -> None:
         """A new stream begins, from the log's first character."""

@@ -59,7 +59,8 @@ def package_of(path: str, excludes: list[str], *, parent: bool, what: str = "wor
 
 
 async def _upload(client: AsyncRayJobsClient, path: str, excludes: list[str], what: str, *, parent: bool) -> str:
-    data = package_of(path, excludes, parent=parent, what=what)
+    # Zipping a folder takes seconds of CPU and disk: off the event loop (a triggerer runs every trigger on it).
+    data = await asyncio.to_thread(package_of, path, excludes, parent=parent, what=what)
     key = (id(asyncio.get_running_loop()), str(client.address), package_name_for(data))
     lock = _locks.setdefault(key, asyncio.Lock())
     async with lock:  # the second of two concurrent submissions finds the first's package

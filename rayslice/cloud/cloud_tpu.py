@@ -56,6 +56,9 @@ Deleted = Literal["deleted", "absent", "not-owned"]
 class CloudTpuError(RaysliceError):
     """A Cloud TPU API call failed, or a queued resource did not become ACTIVE."""
 
+    #: a passing API failure (set by `_api_error`): asking again may succeed
+    transient: bool = False
+
 
 def _check(project: str, zone: str) -> None:
     if not isinstance(project, str) or not _PROJECT.match(project):
@@ -87,7 +90,10 @@ def _api_error(what: str, exc: Exception) -> CloudTpuError:
     hint = {403: ": the credentials need roles/tpu.admin (or tpu.queuedResources.*) in the project",
             429: ": quota exhausted; retry later or ask for more TPU quota"}.get(code, "")
     message = getattr(exc, "message", None) or str(exc)
-    return CloudTpuError(f"{what}: Cloud TPU API answered {code or type(exc).__name__} ({message}){hint}")
+    error = CloudTpuError(f"{what}: Cloud TPU API answered {code or type(exc).__name__} ({message}){hint}")
+    # A passing failure (overload, a reset connection, a deadline): asking again may succeed.
+    error.transient = code in (429, 500, 502, 503, 504) or type(exc).__name__ in ("RetryError", "DeadlineExceeded")
+    return error
 
 
 def zone_accelerator_types(project: str, zone: str, *, client: Any = None, api_endpoint: str | None = None,

@@ -49,12 +49,18 @@ _EXTRA_HINT = ('e.g. {"namespace": "ml", "name": "rayslice", "in_cluster": true}
 Deleted = Literal["deleted", "absent", "not-owned"]
 
 
+#: HTTP answers that say "not now" (overload, a control-plane upgrade), not "never".
+TRANSIENT_HTTP = frozenset({429, 500, 502, 503, 504})
+
+
 class KubeRayError(RaysliceError):
     """A Kubernetes API call about a RayCluster failed, or the cluster is not what we need."""
 
-    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+    def __init__(self, message: str, *, status_code: int | None = None, transient: bool = False) -> None:
         super().__init__(message)
         self.status_code = status_code
+        #: a passing API failure (5xx, 429, an unreachable or reset connection): asking again may succeed
+        self.transient = transient
 
 
 class KubeRayNotReadyError(KubeRayError):
@@ -224,11 +230,11 @@ class KubeRayClient:
                     403: ": grant the service account what `rayslice kuberay rbac` prints",
                     }.get(exc.status, "")
             raise KubeRayError(f"{what} {self.ref}: Kubernetes API answered HTTP {exc.status} ({detail}){hint}",
-                               status_code=exc.status) from None
+                               status_code=exc.status, transient=exc.status in TRANSIENT_HTTP) from None
         except (HTTPError, OSError) as exc:
             host = getattr(self._api.configuration, "host", "?")
             raise KubeRayError(f"{what} {self.ref}: cannot reach the Kubernetes API at {host} "
-                               f"({type(exc).__name__}: {exc})") from None
+                               f"({type(exc).__name__}: {exc})", transient=True) from None
 
     def _custom(self) -> Any:
         from kubernetes import client

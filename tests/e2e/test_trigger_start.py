@@ -106,7 +106,7 @@ def test_16_mapped_steps_start_and_end_in_the_triggerer_without_a_task_process(a
         assert sid == ours[index].submission_id
         links = api.get(f"/dags/{MAPPED}/dagRuns/{run_id}/taskInstances/step/links",
                         params={"map_index": index}).json()["extra_links"]
-        assert (links.get("Ray job") or "").endswith(f"#/jobs/{sid}"), links
+        assert (links.get("Ray job") or "").endswith(f"/rayslice/job/{sid}?conn_id=ray_default"), links
         log = _log(api, MAPPED, run_id, "step", 1, index)
         assert all(f"item {index} line {n}" in log for n in range(3)), log[-3000:]  # the step's own lines
         assert "min_deferral" not in log  # nothing waited for the scheduler race

@@ -266,3 +266,17 @@ def test_a_killed_deferred_setup_deletes_its_request_and_a_moved_one_does_not(fa
     finally:
         fake.active_after_gets = 2
     assert NAME not in fake.queued
+
+
+def test_passing_cloud_tpu_failures_are_told_from_lasting_ones():
+    """Issue 36, item 9: the queued-resource trigger looks again after these instead of deleting its request
+    (which would lose its place in Cloud TPU's queue)."""
+    from google.api_core import exceptions as gexc
+
+    from rayslice.cloud.cloud_tpu import _api_error
+
+    for passing in (gexc.ServiceUnavailable("upgrade"), gexc.InternalServerError("oops"),
+                    gexc.TooManyRequests("slow down"), gexc.DeadlineExceeded("late")):
+        assert _api_error("get qr", passing).transient is True, passing
+    for lasting in (gexc.PermissionDenied("no"), gexc.BadRequest("bad")):
+        assert _api_error("get qr", lasting).transient is False, lasting

@@ -395,3 +395,53 @@ def test_a_killed_deferred_setup_deletes_its_cluster_and_a_moved_one_does_not(fa
     assert fake.cluster("ml", "rs") is not None
     asyncio.run(_trigger(fake).on_kill())  # no Airflow to ask (as when the user's kill reaches it): delete
     assert fake.cluster("ml", "rs") is None
+
+
+def test_a_killed_setup_whose_state_airflow_does_not_give_keeps_its_cluster(fake, monkeypatch):
+    """Issue 36, item 7: an unreadable state is not a kill (a moved trigger's cluster is still wanted)."""
+    from types import SimpleNamespace
+
+    from airflow.sdk.execution_time import task_runner
+
+    from tests.operators.test_trigger_kill import Unanswered
+
+    fake.ready_after_gets = None
+    fake.gone_after_gets = 0
+    _created(fake)
+    monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", Unanswered(), raising=False)
+    trigger = _trigger(fake, call_timeout=3)
+    trigger._task_instance = SimpleNamespace(dag_id="d", run_id="r", task_id="t", map_index=-1)
+    asyncio.run(trigger.on_kill())
+    assert fake.cluster("ml", "rs") is not None
+
+
+def test_a_passing_api_failure_while_waiting_is_looked_at_again_not_a_delete(fake):
+    """Issue 36, item 9: a 5xx (a control-plane upgrade) or a reset connection ends no setup."""
+    fake.ready_after_gets = 3
+    _created(fake)
+    fake.fail_next("GET", r"/rayclusters/rs$", 503)
+    fake.fail_next("GET", r"/rayclusters/rs$", 500)
+    [event] = asyncio.run(_events(_trigger(fake)))
+    assert event["status"] == "ready", event
+    fake.fail_next("GET", r"/rayclusters/rs$", 403)  # not passing: the operator deletes and fails
+    [event] = asyncio.run(_events(_trigger(fake)))
+    assert event["status"] == "error" and "403" in event["message"], event
+
+
+def test_a_failed_setups_delete_goes_through_passing_api_failures(fake):
+    """Issue 36, item 9: the delete after a failed setup meets a 5xx: asked again, the cluster does not leak."""
+    from rayslice.operators.setup_triggers import retry_passing
+
+    from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient, KubeRayError
+
+    fake.gone_after_gets = 0
+    _created(fake)
+    fake.fail_next("DELETE", r"/rayclusters/rs$", 503)
+    fake.fail_next("DELETE", r"/rayclusters/rs$", 502)
+    with KubeRayClient(ClusterRef(name="rs", namespace="ml", kubeconfig=fake.kubeconfig)) as kube:
+        assert retry_passing(lambda: kube.delete(owner=OWNER), pause=0.01) == "deleted"
+        assert fake.cluster("ml", "rs") is None
+        _created(fake)
+        fake.fail_next("DELETE", r"/rayclusters/rs$", 403)  # a lasting failure is not asked again
+        with pytest.raises(KubeRayError, match="403"):
+            retry_passing(lambda: kube.delete(owner=OWNER), pause=0.01)

@@ -93,14 +93,20 @@ def test_every_map_index_gets_its_own_arguments_as_the_task_sdk_expands_them():
                 assert (built.count, built.op_kwargs) == (expected["count"], expected["op_kwargs"])
 
 
-def test_a_mapped_step_the_triggerer_cannot_build_goes_to_a_worker_instead_of_hanging():
+def test_a_mapped_step_the_triggerer_cannot_build_goes_to_a_worker_instead_of_hanging(monkeypatch):
+    from airflow.sdk.execution_time import task_runner
+
+    from tests.operators.test_trigger_parity import Comms
+
+    monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", Comms(), raising=False)
     with DAG("start_fallback", schedule=None, start_date=START) as dag:
         AcceleratorOperator.partial(task_id="fn", accelerator="GPU", count=0.25, python_callable=score).expand(
             op_kwargs=[{"shard": 1}, {"shard": 2}])
     op = _serialized(dag).get_task("fn")
     assert op.start_from_trigger is True
     trigger = RayStepStartTrigger(**{"unexpected": 1})  # a trigger always inflates
-    trigger._task_instance = SimpleNamespace(task=op, task_id="fn", map_index=0, dag_id="d", run_id="r")
+    trigger._task_instance = SimpleNamespace(task=op, task_id="fn", map_index=0, dag_id="d", run_id="r", try_number=1,
+                                             id="ti-1")
     trigger._context = {"ti": trigger._task_instance}
 
     async def first_event():
