@@ -7,8 +7,8 @@ names a marker file, created now). Both runs must agree on every task instance's
 what each task pushed (so what downstream tasks read), the TaskMap rows the scheduler expanded
 mapped tasks from, the callbacks fired, and the `@@` lines each step printed in its task log.
 
-No difference is forced by Airflow here; docs/triggerer.md says where the two paths differ in how
-(not what): which process runs a callback, and which steps run on a worker anyway.
+No difference in what a task ends with is forced by Airflow; docs/concepts.md says where the two
+paths differ in how: which process runs a callback, and which steps run on a worker anyway.
 """
 
 from __future__ import annotations
