@@ -173,8 +173,8 @@ CASES = [
          InvalidRequestError, "callable 'pkg/train.py' of 'train' must look like 'package.module:function'"),
     Case("dag", "`command=[]`", lambda: _operator(tpu="v6e-4", command=[]), InvalidRequestError,
          "command must be a non-empty argv list such as ['python', 'train.py']"),
-    Case("dag", "`command='python train.py {% if params.x %}--x{% endif %}'`",
-         lambda: _operator(tpu="v6e-4", command="python train.py {% if params.x %}--x{% endif %}"),
+    Case("dag", "`command='python train.py {% if params.verbose %}-v{% endif %}'`",
+         lambda: _operator(tpu="v6e-4", command="python train.py {% if params.verbose %}-v{% endif %}"),
          InvalidRequestError,
          "has a Jinja statement or comment ({% ... %}, {# ... #}); a command string may hold only {{ ... }} values, "
          "each rendered inside one argument"),
