@@ -13,8 +13,10 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
   start without a runtime env, about 1.5 CPU-seconds faster each);
   ``runtime_env`` (Ray's runtime_env format): the default of every step on this connection, under
   each task's own ``runtime_env`` (a task's keys replace it, its ``env_vars`` are merged);
-  ``queue``: the cluster's admission queue, ``{"policy": "best-effort" | "strict", "aging_s": 600,
-  "quotas": {"<team>": {"<slice type>": <chips>, "GPU": <count>}}}`` (see docs/sharing.md);
+  ``team``: the team this connection's steps count against in the cluster's admission queue (its
+  quotas); a step may narrow it (``research`` -> ``research/vision``), never name another
+  (docs/security.md). The queue's policy and quotas are the cluster operator's, never a connection's:
+  a ``queue`` extra is refused;
   ``deployment``: this Airflow's name on the cluster (letters, digits, ``.``, ``_``, ``-``; e.g.
   ``"prod"``), stamped on every job and first in every checkpoint folder, so two Airflows sharing
   one Ray cluster never stop each other's jobs or share checkpoint folders. Unset, it is the Airflow
@@ -46,7 +48,7 @@ from airflow.sdk import BaseHook
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
-from rayslice.core.queue import QueueSettings
+from rayslice.core.queue import SETTINGS_ENV, TEAM_PATTERN
 from rayslice.core.step import DEPLOYMENT_VARIABLE, Launcher
 
 __all__ = ["DEPLOYMENT_VARIABLE", "RayConnectionSettings", "RayHook"]
@@ -68,7 +70,7 @@ class RayConnectionSettings:
     checkpoint_root: str | None = None  # extra ``checkpoint_root``: the steps' checkpoint folders live under it
     launcher: Launcher = "shipped"  # extra ``launcher``: "shipped" or "installed" (rayslice is in the cluster's image)
     runtime_env: dict[str, Any] | None = None  # extra ``runtime_env``: under each step's own
-    queue: QueueSettings | None = None  # extra ``queue``: the cluster's admission queue policy, aging, team quotas
+    team: str | None = None  # extra ``team``: whose quota this connection's steps count against (the platform's)
     deployment: str | None = None  # extra ``deployment``: this Airflow's name on the cluster (else the Variable's)
 
     def _kwargs(self) -> dict[str, Any]:
@@ -175,22 +177,28 @@ def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int =
         runtime_env=runtime_envs.validate(extra.get("runtime_env") or None,
                                           "the `ray` connection's extra 'runtime_env'"),
         deployment=check_deployment(extra.get("deployment"), "the `ray` connection's extra 'deployment'"),
-        queue=_queue(extra.get("queue")),
+        team=_team(extra.get("team")),
+        **_no_queue(extra.get("queue")),
     )
 
 
-def _queue(value: Any) -> QueueSettings | None:
-    if value in (None, "", {}):
-        return None
-    try:
-        if isinstance(value, str):
-            return QueueSettings.model_validate_json(value)
-        return QueueSettings.model_validate(value)
-    except ValueError:
+def _no_queue(value: Any) -> dict[str, Any]:
+    """A connection cannot set the cluster's queue policy: it is the operator's (every connection would race)."""
+    if value not in (None, "", {}):
         raise InvalidRequestError(
-            "the `ray` connection's extra 'queue' must be an object like {\"policy\": \"best-effort\" (or "
-            "\"strict\"), \"aging_s\": 600, \"quotas\": {\"research\": {\"v6e-16\": 32, \"GPU\": 2}}}; "
-            f"got {value!r}") from None
+            "the `ray` connection's extra 'queue' is no longer read: the admission queue's policy and quotas are the "
+            f"cluster operator's, set on the head ({SETTINGS_ENV}) or with `rayslice queue --set '<json>'`; move it "
+            "there and remove it from the connection (docs/security.md)")
+    return {}
+
+
+def _team(value: Any) -> str | None:
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str) or len(value) > 64 or not re.fullmatch(TEAM_PATTERN, value):
+        raise InvalidRequestError("the `ray` connection's extra 'team' must be a team name of up to 64 letters, "
+                                  f"digits, '.', '_', '-' (parts joined by '/'), e.g. 'research', got {value!r}")
+    return value
 
 
 def check_deployment(value: Any, what: str) -> str | None:

@@ -25,9 +25,18 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def place(name, settings, tpu="v6e-16", slices=1, priority=0, team=None, arrival=None):
+    """A launcher's place; `settings`: the operator's (set as `rayslice queue --set` does) before it joins."""
+    if settings is not None and queue.snapshot()["settings"] != settings.model_dump():
+        operator_sets(settings)
     entry = entry_for(TpuSliceRequest(tpu=tpu, num_slices=slices), id=f"test-{name}-{time.time_ns()}",
                       label=f"test.{name}", priority=priority, team=team, arrival=arrival)
-    return queue.Place(entry, settings, log=lambda message: None).join()
+    return queue.Place(entry, log=lambda message: None).join()
+
+
+def operator_sets(settings):
+    import ray
+
+    ray.get(queue.broker().set_settings.remote(settings.model_dump()), timeout=10)
 
 
 def admitted(*places):
@@ -47,6 +56,7 @@ def leave_all(*places):
 def empty_queue(ray_driver):
     assert wait_until(lambda: queue.snapshot()["entries"] == [], timeout=queue.EXPIRE_S + 3)
     yield
+    operator_sets(QueueSettings())  # the cluster's defaults again, for the rest of the session
     assert wait_until(lambda: queue.snapshot()["entries"] == [], timeout=queue.EXPIRE_S + 3)
 
 
@@ -108,15 +118,23 @@ def test_policies_priority_aging_and_team_quotas(empty_queue, cluster):
     leave_all(a1, a3, b1)
 
 
-def test_a_restarted_broker_keeps_every_place(empty_queue, ray_driver):
+@pytest.mark.parametrize("restart", [True, False], ids=["ray-restarts-it", "killed-and-made-anew"])
+def test_a_restarted_broker_keeps_every_place(empty_queue, ray_driver, restart):
+    """Killed for good (issue 38 (2)), the next launcher's `get_if_exists` used to make a broker without the
+    recovery hold: the first to beat was admitted alone, onto the v6e-4 the running step still held."""
     settings = QueueSettings()
     blocker = place("blocker", settings, tpu="v6e-4")
     assert wait_until(lambda: blocker.admitted.is_set(), timeout=5)
     waiting = [place(f"w{i}", settings, tpu="v6e-4") for i in range(5)]
     settle()
     before = queue.snapshot()
-    ray_driver.kill(queue.broker(), no_restart=False)
-    assert wait_until(lambda: queue.snapshot()["restarts"] > before["restarts"], timeout=30)
+    ray_driver.kill(queue.broker(), no_restart=not restart)
+    if restart:
+        assert wait_until(lambda: queue.snapshot()["restarts"] > before["restarts"], timeout=30)
+    else:  # the places' next beats (or this snapshot) make a new broker: every place comes back, none admitted
+        assert wait_until(lambda: len(queue.snapshot()["entries"]) == 6, timeout=30)
+        settle()
+        assert [r["label"] for r in queue.snapshot()["entries"] if r["admitted"]] == ["test.blocker"]
     order, running = [], blocker
     while len(order) < 5:
         running.leave()
@@ -130,6 +148,22 @@ def test_a_restarted_broker_keeps_every_place(empty_queue, ray_driver):
         assert sum(r["admitted"] for r in rows) == 1 and len(rows) == 5 - len(order) + 1
     running.leave()
     assert order == [f"w{i}" for i in range(5)]
+
+
+def test_what_a_launcher_sends_never_sets_the_policy_and_newer_fields_are_ignored(empty_queue, ray_driver):
+    """Issue 38 (3): the settings a step carried replaced the cluster's; (6) a newer launcher's fields broke beats."""
+    entry = entry_for(TpuSliceRequest(tpu="v6e-4"), id=f"test-hostile-{time.time_ns()}", label="test.hostile",
+                      team="greedy")
+    hostile = {"policy": "strict", "aging_s": 1, "quotas": {"greedy": {"v6e-4": 10**6}}}
+    operator = QueueSettings(quotas={"greedy": {"v6e-4": 0}})
+    operator_sets(operator)
+    b = queue.broker()
+    try:
+        state = ray_driver.get(b.heartbeat.remote(entry.to_json(), hostile, beat_s=0.5, from_the_future=1), timeout=10)
+        assert queue.snapshot()["settings"] == operator.model_dump()
+        assert "admitted" in state
+    finally:
+        ray_driver.get(b.leave.remote(entry.id), timeout=10)
 
 
 LAUNCHER = textwrap.dedent("""
