@@ -56,6 +56,7 @@ REPLAN_S = 1.0
 #: GCS keys (namespace NAMESPACE): the operator's settings, and whether the queue holds anyone.
 SETTINGS_KEY = "queue-settings"
 BUSY_KEY = "queue-busy"
+RESTARTS_KEY = "queue-restarts"
 POD_TYPE_LABEL = "ray.io/tpu-pod-type"
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
@@ -105,7 +106,9 @@ class Broker:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         held = _kv_get(BUSY_KEY) == b"1"  # a broker before this one (killed, or lost with its node) had places
         self.hold_until = time.monotonic() + RECOVERY_S if restarted or held else 0.0
-        self.restarts = int(restarted or held)
+        self.restarts = int(_kv_get(RESTARTS_KEY) or 0) + (restarted or held)  # over every broker's life
+        if restarted or held:
+            _kv_put(RESTARTS_KEY, str(self.restarts).encode())
         self._busy = held
         now = time.monotonic()
         self._totals: tuple[float, dict[str, float]] = (0.0, {})
