@@ -237,7 +237,7 @@ def queue_(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     set_: Annotated[str | None, typer.Option(
         "--set", help="The cluster operator's queue policy and quotas, as JSON, e.g. "
-                      "'{\"policy\": \"best-effort\", \"aging_s\": 600, \"quotas\": {\"research\": {\"v6e-16\": 32}}}'. "
+                      "'{\"policy\": \"strict\", \"quotas\": {\"research\": {\"v6e-16\": 32}}}'. "
                       "Needs the cluster's token; kept until set again (over RAYSLICE_QUEUE on the head).")] = None,
 ) -> None:
     """The cluster's admission queue in order: rank, state, priority, team, time waited, what each waits for."""

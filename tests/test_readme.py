@@ -21,7 +21,7 @@ from tests.airflow_env import REPO, TEST_DAGS, init_db
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 #: The pages whose Python blocks run, in this order (every page of docs/ is listed; a test checks that).
 PAGES = ["README.md", "docs/examples.md", "docs/concepts.md", "docs/connection.md", "docs/deploying.md",
-         "docs/ui.md", "docs/cli.md", "docs/errors.md", "docs/limits.md", "docs/sharing.md"]
+         "docs/ui.md", "docs/cli.md", "docs/errors.md", "docs/limits.md", "docs/sharing.md", "docs/security.md"]
 EXAMPLES = [block for page in PAGES for block in BLOCK.findall((REPO / page).read_text())]
 HOST_LINE = re.compile(r"^(\x1b\[\d+m)?\([\w.-]+/(host\d+|GPU) pid=\d+\)")
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))
