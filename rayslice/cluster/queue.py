@@ -25,6 +25,7 @@ and at least every `REPLAN_S`. Entries far back in their line beat every `SLOW_B
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from typing import Any
@@ -99,10 +100,11 @@ class Broker:
 
     def __init__(self) -> None:
         self.entries: dict[str, rules.Entry] = {}
+        self.lines: rules.Lines = {}  # kind -> its waiting entries in rank order (kept sorted as they come and go)
+        self.running: dict[str, rules.Entry] = {}  # the admitted entries
         self.expires: dict[str, float] = {}  # id -> monotonic time its place is lost unless heard from
         self.settings = operator_settings()
         self.reasons: dict[str, str] = {}
-        self.ranks: dict[str, tuple[int, rules.Entry | None]] = {}  # waiting id -> (rank in its line, the one ahead)
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         held = _kv_get(BUSY_KEY) == b"1"  # a broker before this one (killed, or lost with its node) had places
         self.hold_until = time.monotonic() + RECOVERY_S if restarted or held else 0.0
@@ -116,17 +118,22 @@ class Broker:
         self._planned = self._swept = 0.0
         self._dirty = True
         self.plan_ms: list[float] = []  # the last plans' durations (`stats`)
+        self.expired = 0  # places lost to silence (`stats`)
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
                   beat_s: float = HEARTBEAT_S, **newer: Any) -> dict[str, Any]:
         """Register or refresh a place (a re-registration keeps the arrival it carries); where it stands now.
 
-        `settings` (sent by launchers before 0.x) is ignored: the policy is the operator's. `beat_s`: how
-        often this launcher beats now. Arguments from newer launchers are ignored.
+        `settings` (sent by launchers before issue 38) is ignored: the policy is the operator's. `beat_s`:
+        how often this launcher beats now. Arguments from newer launchers are ignored.
         """
         mine = self.entries.get(entry["id"])
         if mine is None:  # a new place, or one a restart lost
             mine = self.entries[entry["id"]] = rules.Entry.from_json(entry)
+            if mine.admitted:
+                self.running[mine.id] = mine
+            else:
+                bisect.insort(self.lines.setdefault(mine.kind, []), (rules.rank_key(mine), mine))
             self._dirty = True
             if not self._busy:  # at once: a broker killed a moment from now must know places were held
                 self._busy = True
@@ -136,8 +143,7 @@ class Broker:
         return self._standing(mine)
 
     def leave(self, id: str) -> None:
-        if self.entries.pop(id, None) is not None:
-            self._dirty = True
+        self._drop(id)
         self.expires.pop(id, None)
         self._tick()
 
@@ -152,27 +158,44 @@ class Broker:
     def snapshot(self) -> dict[str, Any]:
         """Every entry, running ones first, then the waiting ones in order; and the settings."""
         self._tick(force=True)
-        entries = list(self.entries.values())
-        running = sorted((e for e in entries if e.admitted), key=lambda e: e.admitted_at or 0)
+        running = sorted(self.running.values(), key=lambda e: e.admitted_at or 0)
         return {"entries": [{**e.to_json(), "reason": self.reasons.get(e.id, "")}
-                            for e in [*running, *rules.order(entries)]],
+                            for e in [*running, *rules.order(list(self.entries.values()))]],
                 "settings": self.settings.model_dump(), "restarts": self.restarts}
 
     def stats(self) -> dict[str, Any]:
-        """For the benchmark: the queue's size and the last plans' durations (ms)."""
-        return {"entries": len(self.entries), "plan_ms": list(self.plan_ms)}
+        """For the benchmark: the queue's size, the last plans' durations (ms), places lost to silence."""
+        return {"entries": len(self.entries), "plan_ms": list(self.plan_ms), "expired": self.expired}
+
+    def _drop(self, id: str) -> None:
+        e = self.entries.pop(id, None)
+        if e is None:
+            return
+        self._dirty = True
+        if self.running.pop(id, None) is None:
+            self._unline(e)
+
+    def _unline(self, e: rules.Entry) -> None:
+        line = self.lines.get(e.kind, [])
+        i = bisect.bisect_left(line, (rules.rank_key(e),))
+        if i < len(line) and line[i][1] is e:
+            del line[i]
+        if not line:
+            self.lines.pop(e.kind, None)
 
     def _standing(self, mine: rules.Entry) -> dict[str, Any]:
-        """Where an entry stands after the last plan (O(1)), and how often its launcher should beat."""
+        """Where an entry stands in its line (O(log n)), and how often its launcher should beat."""
         if mine.admitted:
             return {"admitted": True, "beat_s": HEARTBEAT_S}
-        if mine.id not in self.ranks:  # arrived since the last plan, or the queue is being rebuilt
-            return {"admitted": False, "beat_s": HEARTBEAT_S}
-        rank, ahead = self.ranks[mine.id]
-        return {"admitted": False, "rank": rank, "what": mine.what, "reason": self.reasons.get(mine.id, ""),
+        line = self.lines[mine.kind]
+        i = bisect.bisect_left(line, (rules.rank_key(mine),))
+        ahead = line[i - 1][1] if i else None
+        return {"admitted": False, "rank": i + 1, "what": mine.what,
+                "reason": "the queue is being rebuilt after a restart" if time.monotonic() < self.hold_until
+                else self.reasons.get(mine.id, ""),
                 "ahead": None if ahead is None else {"label": rules.seen_by(ahead, mine), "priority": ahead.priority,
                                                      "waited": max(0.0, time.time() - ahead.arrival)},
-                "beat_s": HEARTBEAT_S if rank <= FRONT else SLOW_BEAT_S}
+                "beat_s": HEARTBEAT_S if i < FRONT else SLOW_BEAT_S}
 
     def _tick(self, force: bool = False) -> None:
         """Expire silent places (every HEARTBEAT_S), and plan when something changed (batched: PLAN_S)."""
@@ -180,9 +203,9 @@ class Broker:
         if now - self._swept >= HEARTBEAT_S:
             self._swept = now
             for id in [id for id, at in self.expires.items() if at < now]:
-                self.entries.pop(id, None)
+                self._drop(id)
                 self.expires.pop(id, None)
-                self._dirty = True
+                self.expired += 1
             if bool(self.entries) != self._busy:  # only on a change: empty <-> not
                 self._busy = bool(self.entries)
                 _kv_put(BUSY_KEY, b"1" if self._busy else b"0")
@@ -197,15 +220,16 @@ class Broker:
 
     def _plan(self) -> None:
         started = time.perf_counter()
-        kinds = {(e.family, e.kind) for e in self.entries.values()}
-        entries = list(self.entries.values())
-        decided = rules.plan(entries, self._capacity(kinds), self.settings)
+        kinds = {(line[0][1].family, kind) for kind, line in self.lines.items()}
+        kinds |= {(e.family, e.kind) for e in self.running.values()}
+        decided = rules.plan_lines(self.lines, list(self.running.values()), self._capacity(kinds), self.settings)
         admitted_at = time.time()
         for id in decided.admit:
-            self.entries[id].admitted = True
-            self.entries[id].admitted_at = admitted_at
+            e = self.entries[id]
+            self._unline(e)
+            e.admitted, e.admitted_at = True, admitted_at
+            self.running[id] = e
         self.reasons = decided.reasons
-        self.ranks = rules.ranks(entries)
         self._planned, self._dirty = time.monotonic(), False
         self.plan_ms = [*self.plan_ms[-999:], (time.perf_counter() - started) * 1000]
 

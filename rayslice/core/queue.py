@@ -173,9 +173,25 @@ def entry_for(request: StepRequest, *, id: str, label: str, priority: int = 0, t
                  arrival=arrival)
 
 
+def rank_key(e: Entry) -> tuple[int, float, str]:
+    """Where an entry stands: priority (higher first), then arrival, then id (unique: no ties)."""
+    return (-e.priority, e.arrival, e.id)
+
+
 def order(entries: list[Entry]) -> list[Entry]:
     """Waiting entries by rank: priority (higher first), then arrival."""
-    return sorted((e for e in entries if not e.admitted), key=lambda e: (-e.priority, e.arrival, e.id))
+    return sorted((e for e in entries if not e.admitted), key=rank_key)
+
+
+#: One line per kind: its waiting entries in rank order, each with its `rank_key`.
+Lines = dict[str, list[tuple[tuple[int, float, str], Entry]]]
+
+
+def lines_of(entries: list[Entry]) -> Lines:
+    lines: Lines = {}
+    for e in order(entries):
+        lines.setdefault(e.kind, []).append((rank_key(e), e))
+    return lines
 
 
 @dataclass
@@ -183,16 +199,29 @@ class Plan:
     """What `plan` decided: who is admitted now, and why each other entry waits."""
 
     admit: list[str]
-    reasons: dict[str, str]  # id -> why it still waits
+    reasons: dict[str, str]  # id -> why it still waits (absent: behind the line of its own kind)
 
 
 def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings, now: float | None = None) -> Plan:
-    """Who of the waiting entries may reserve now.
+    """Who of the waiting entries may reserve now (`plan_lines` over `entries`' lines)."""
+    return plan_lines(lines_of(entries), [e for e in entries if e.admitted], totals, settings, now)
+
+
+def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], settings: QueueSettings,
+               now: float | None = None) -> Plan:
+    """Who of the waiting entries may reserve now, walking the lines in rank order as one queue.
 
     `totals`: the cluster's capacity per kind (slices of a type, accelerators of a resource). A kind
     the cluster holds too little of (an autoscaler adds it on demand) counts as fitting. Slices held
     by chip steps count whole: their shares, rounded up (the launcher packs them onto as few as it can).
+
+    A line stops at its first entry that must wait (nobody of its kind passes it), so the walk costs
+    what is admitted and what is first in line, not the queue's length: the lines' heads are merged
+    in rank order (a heap), and a blocked line is dropped. Over-quota entries are set aside as they
+    are met and borrow afterwards only what no line within quota waits for.
     """
+    import heapq
+
     now = time.time() if now is None else now
     used: dict[str, float] = {}  # kind -> whole slices / accelerators
     shared: dict[str, float] = {}  # kind -> shares of slices that chip steps hold
@@ -207,9 +236,8 @@ def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings
         for team in teams_above(e.team) if e.team else ():
             team_used[(team, e.kind)] = team_used.get((team, e.kind), 0) + e.chips
 
-    for e in entries:
-        if e.admitted:
-            count(e)
+    for e in running:
+        count(e)
 
     def over_quota(e: Entry) -> str | None:
         """The team (of the step's, or above it) whose quota the entry would exceed, or None."""
@@ -226,34 +254,35 @@ def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings
                 <= total + 1e-9
         return total < e.amount or in_use(e.kind) + e.amount <= total + 1e-9
 
-    def take(e: Entry) -> None:
-        admit.append(e.id)
-        count(e)
-
     admit: list[str] = []
     reasons: dict[str, str] = {}
     blocked_kinds: dict[str, Entry] = {}  # kind -> the first entry that waits for it
     blocked_families: dict[str, Entry] = {}  # family -> the first entry served strictly that waits
     borrowers: list[tuple[Entry, str]] = []
-    for e in order(entries):
+    heads = [(line[0][0], kind, 0) for kind, line in lines.items() if line]
+    heapq.heapify(heads)
+    while heads:
+        _, kind, i = heapq.heappop(heads)
+        line = lines[kind]
+        e = line[i][1]
         team = over_quota(e)
-        if team is not None:
+        blocker = blocked_families.get(e.family)
+        if team is None and blocker is None and fits(e):
+            admit.append(e.id)
+            count(e)
+        elif team is not None:
             borrowers.append((e, team))
+        else:  # it waits, and so does its whole line behind it
+            if blocker is None:
+                reasons[e.id] = f"first in line; {in_use(e.kind):g} of {totals.get(e.kind, 0):g} {e.kind} in use"
+            else:
+                reasons[e.id] = f"held back by {seen_by(blocker, e)} (waiting for {blocker.what}, served strictly)"
+            blocked_kinds[kind] = e
+            if settings.policy == "strict" or (settings.aging_s is not None and now - e.arrival >= settings.aging_s):
+                blocked_families.setdefault(e.family, e)
             continue
-        strictly = settings.policy == "strict" or (settings.aging_s is not None and now - e.arrival >= settings.aging_s)
-        blocker = blocked_kinds.get(e.kind) or blocked_families.get(e.family)
-        if blocker is None and fits(e):
-            take(e)
-            continue
-        if blocker is None:
-            reasons[e.id] = f"first in line; {in_use(e.kind):g} of {totals.get(e.kind, 0):g} {e.kind} in use"
-        elif blocker.kind != e.kind:
-            reasons[e.id] = f"held back by {seen_by(blocker, e)} (waiting for {blocker.what}, served strictly)"
-        else:
-            reasons[e.id] = ""  # behind the line of its own kind
-        blocked_kinds.setdefault(e.kind, e)
-        if strictly:
-            blocked_families.setdefault(e.family, e)
+        if i + 1 < len(line):
+            heapq.heappush(heads, (line[i + 1][0], kind, i + 1))
     for e, team in borrowers:  # over quota: only on capacity that nobody within quota waits for
         quota = settings.quotas[team].get(e.kind, 0)
         why = f"team {team} over its quota ({team_used.get((team, e.kind), 0):g} of {quota:g} {e.kind} in use)"
@@ -261,13 +290,9 @@ def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings
             reasons[e.id] = why + ", borrowing only what nobody within quota waits for"
             blocked_kinds.setdefault(e.kind, e)
             continue
-        take(e)
+        admit.append(e.id)
+        count(e)
     return Plan(admit=admit, reasons=reasons)
-
-
-def ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 def seen_by(other: Entry, reader: Entry) -> str:
@@ -278,11 +303,9 @@ def seen_by(other: Entry, reader: Entry) -> str:
 def ranks(entries: list[Entry]) -> dict[str, tuple[int, Entry | None]]:
     """Every waiting entry's place in its line (the waiting entries of its kind): rank from 1, and the one ahead."""
     found: dict[str, tuple[int, Entry | None]] = {}
-    last: dict[str, tuple[int, Entry]] = {}  # kind -> the line's last rank and entry so far
-    for e in order(entries):
-        rank, ahead = last.get(e.kind, (0, None))
-        found[e.id] = (rank + 1, ahead)
-        last[e.kind] = (rank + 1, e)
+    for line in lines_of(entries).values():
+        for i, (_, e) in enumerate(line):
+            found[e.id] = (i + 1, line[i - 1][1] if i else None)
     return found
 
 
@@ -296,6 +319,11 @@ def standing(entries: list[Entry], id: str, reasons: dict[str, str], now: float 
     return {"admitted": False, "rank": rank, "what": mine.what, "reason": reasons.get(id, ""),
             "ahead": None if ahead is None else {"label": seen_by(ahead, mine), "priority": ahead.priority,
                                                  "waited": max(0.0, now - ahead.arrival)}}
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def describe(state: dict[str, Any]) -> str:
