@@ -19,8 +19,9 @@ step sends changes them.
 
 Cost: a heartbeat is O(1) (its entry refreshed, its standing read from the last plan). The plan runs
 at once after a change when the last one is `PLAN_S` old, else on a later call (arrivals batched),
-and at least every `REPLAN_S`. Entries far back in their line beat every `SLOW_BEAT_S` instead of
-`HEARTBEAT_S` (the broker says so in its answer), so 10,000 waiting launchers send ~2,000 beats a second.
+and at least every `REPLAN_S`. Entries far back in their line beat every `SLOW_BEAT_S` or more
+(`SLOW_BEATS_PER_S` in all) instead of `HEARTBEAT_S` (the broker says so in its answer), and a place
+expires after three missed beats plus the broker's own backlog (how old the beats it answers are).
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ BROKER_NAME = "rayslice-broker-v1"
 NAMESPACE = "rayslice"
 #: How often a launcher near the front of its line (or running) reports its entry.
 HEARTBEAT_S = 0.5
-#: How often a launcher further back reports it: it cannot be admitted before the `FRONT` ahead of it.
+#: How often a launcher further back reports it (it cannot be admitted before the `FRONT` ahead of it):
+#: at least this, longer in a long queue, so that slow beats come at most SLOW_BEATS_PER_S a second.
 SLOW_BEAT_S = 5.0
+SLOW_BEATS_PER_S = 400
+MAX_BEAT_S = 30.0
 #: Entries up to this rank in their line (and running ones) beat every HEARTBEAT_S.
 FRONT = 32
 #: A launcher not heard from for this long, or three of its beats, has lost its place.
@@ -119,13 +123,14 @@ class Broker:
         self._dirty = True
         self.plan_ms: list[float] = []  # the last plans' durations (`stats`)
         self.expired = 0  # places lost to silence (`stats`)
+        self.lag = 0.0  # how old the last beat was when it was answered (a busy broker's backlog)
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
-                  beat_s: float = HEARTBEAT_S, **newer: Any) -> dict[str, Any]:
+                  beat_s: float = HEARTBEAT_S, sent: float | None = None, **newer: Any) -> dict[str, Any]:
         """Register or refresh a place (a re-registration keeps the arrival it carries); where it stands now.
 
         `settings` (sent by launchers before issue 38) is ignored: the policy is the operator's. `beat_s`:
-        how often this launcher beats now. Arguments from newer launchers are ignored.
+        how often this launcher beats now; `sent`: when (its clock). Arguments from newer launchers are ignored.
         """
         mine = self.entries.get(entry["id"])
         if mine is None:  # a new place, or one a restart lost
@@ -138,7 +143,9 @@ class Broker:
             if not self._busy:  # at once: a broker killed a moment from now must know places were held
                 self._busy = True
                 _kv_put(BUSY_KEY, b"1")
-        self.expires[mine.id] = time.monotonic() + max(EXPIRE_S, 3 * min(float(beat_s), SLOW_BEAT_S))
+        self.expires[mine.id] = time.monotonic() + max(EXPIRE_S, 3 * min(float(beat_s), MAX_BEAT_S))
+        if sent is not None:  # how far behind this broker answers: nobody expires for the broker's own lag
+            self.lag = min(max(0.0, time.time() - float(sent)), 60.0)
         self._tick()
         return self._standing(mine)
 
@@ -195,14 +202,15 @@ class Broker:
                 else self.reasons.get(mine.id, ""),
                 "ahead": None if ahead is None else {"label": rules.seen_by(ahead, mine), "priority": ahead.priority,
                                                      "waited": max(0.0, time.time() - ahead.arrival)},
-                "beat_s": HEARTBEAT_S if i < FRONT else SLOW_BEAT_S}
+                "beat_s": HEARTBEAT_S if i < FRONT else
+                min(MAX_BEAT_S, max(SLOW_BEAT_S, len(self.entries) / SLOW_BEATS_PER_S))}
 
     def _tick(self, force: bool = False) -> None:
         """Expire silent places (every HEARTBEAT_S), and plan when something changed (batched: PLAN_S)."""
         now = time.monotonic()
         if now - self._swept >= HEARTBEAT_S:
             self._swept = now
-            for id in [id for id, at in self.expires.items() if at < now]:
+            for id in [id for id, at in self.expires.items() if at + self.lag < now]:
                 self._drop(id)
                 self.expires.pop(id, None)
                 self.expired += 1
@@ -219,10 +227,11 @@ class Broker:
             self._plan()
 
     def _plan(self) -> None:
-        started = time.perf_counter()
         kinds = {(line[0][1].family, kind) for kind, line in self.lines.items()}
         kinds |= {(e.family, e.kind) for e in self.running.values()}
-        decided = rules.plan_lines(self.lines, list(self.running.values()), self._capacity(kinds), self.settings)
+        totals = self._capacity(kinds)  # a GCS read every TOTALS_TTL_S, not part of the decision's time
+        started = time.perf_counter()
+        decided = rules.plan_lines(self.lines, list(self.running.values()), totals, self.settings)
         admitted_at = time.time()
         for id in decided.admit:
             e = self.entries[id]
@@ -310,7 +319,8 @@ class Place:
         try:
             if self._broker is None:
                 self._broker = broker()
-            state = ray.get(self._broker.heartbeat.remote(self.entry.to_json(), beat_s=self.beat_s), timeout=5)
+            beat = self._broker.heartbeat.remote(self.entry.to_json(), beat_s=self.beat_s, sent=time.time())
+            state = ray.get(beat, timeout=5 + self.beat_s)
         except Exception:  # the broker restarts: its handle stays good, the next beat re-registers
             self._broker = None
             self.beat_s = HEARTBEAT_S
@@ -318,7 +328,7 @@ class Place:
         if state.get("admitted") and not self.entry.admitted:
             self.entry.admitted, self.entry.admitted_at = True, time.time()
             self.admitted.set()
-        self.beat_s = min(max(float(state.get("beat_s", HEARTBEAT_S)), HEARTBEAT_S), SLOW_BEAT_S)
+        self.beat_s = min(max(float(state.get("beat_s", HEARTBEAT_S)), HEARTBEAT_S), MAX_BEAT_S)
         self.state = state
         self._changed.set()
 

@@ -5,8 +5,10 @@ one named Ray actor per cluster and applies `plan` to them; the CLI prints `form
 
 Order: priority (higher first), then arrival (earlier first). Policies (Kueue's names):
 
-- ``strict``: a request that cannot start holds back every later one of its family (TPU
-  slices of any type, or one accelerator resource): nobody passes it.
+- ``strict``: a request that cannot start holds back every later one that draws on the same
+  capacity: its own kind, and, where an autoscaler adds capacity, every kind of its family (one
+  TPU generation, or one accelerator resource), which share the cloud's quota. Slice types
+  already there are separate: nobody passes it on capacity it could use, and nothing else waits.
 - ``best-effort`` (default): a later request may start on capacity the waiting one cannot
   use (a ``v6e-4`` while a ``2 x v6e-16`` waits), never on capacity it could (a one-slice
   ``v6e-16`` waits behind the ``2 x v6e-16``). A request waiting longer than ``aging_s`` is
@@ -128,7 +130,7 @@ class Entry:
 
     id: str
     label: str  # dag.task (or the submission id outside Airflow)
-    family: str  # "TPU", or the accelerator resource ("GPU")
+    family: str  # "TPU-<generation>" ("TPU-v6e"), or the accelerator resource ("GPU")
     kind: str  # the slice type ("v6e-16"), or the accelerator resource
     amount: float  # slices, or accelerators
     chips: float  # what counts against a team's quota: chips, or accelerators
@@ -159,13 +161,14 @@ def entry_for(request: StepRequest, *, id: str, label: str, priority: int = 0, t
     arrival = time.time() if arrival is None else arrival
     if isinstance(request, TpuSliceRequest):
         chips = request.total_hosts * request.chips_per_host
-        return Entry(id=id, label=label, family="TPU", kind=request.pod_type, amount=request.num_slices,
-                     chips=chips, what=f"{request.num_slices} x {request.pod_type}", priority=priority, team=team,
-                     arrival=arrival)
+        return Entry(id=id, label=label, family=f"TPU-{request.version}", kind=request.pod_type,
+                     amount=request.num_slices, chips=chips, what=f"{request.num_slices} x {request.pod_type}",
+                     priority=priority, team=team, arrival=arrival)
     assert isinstance(request, AcceleratorRequest)
     if request.resource == "TPU" and chips_on is not None:
         pod_type, per_slice = chips_on
-        return Entry(id=id, label=label, family="TPU", kind=pod_type, amount=request.count / per_slice,
+        return Entry(id=id, label=label, family=f"TPU-{pod_type.split('-')[0]}", kind=pod_type,
+                     amount=request.count / per_slice,
                      chips=request.count, what=f"{request.count:g} TPU chips of a {pod_type}", priority=priority,
                      team=team, arrival=arrival, part=True)
     return Entry(id=id, label=label, family=request.resource, kind=request.resource, amount=request.count,
@@ -254,6 +257,17 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
                 <= total + 1e-9
         return total < e.amount or in_use(e.kind) + e.amount <= total + 1e-9
 
+    def held_back(e: Entry) -> Entry | None:
+        """The entry served strictly that `e` may not pass: one of its family, where both draw on one pool.
+
+        Kinds an autoscaler adds share a pool (the cloud's quota of a TPU generation, or of a
+        resource); slices already there do not: a v6e-4 never takes what a 2 x v6e-16 waits for.
+        """
+        blocker = blocked_families.get(e.family)
+        if blocker is None or blocker.kind == e.kind:
+            return blocker
+        return blocker if math.isinf(totals.get(e.kind, 0)) and math.isinf(totals.get(blocker.kind, 0)) else None
+
     admit: list[str] = []
     reasons: dict[str, str] = {}
     blocked_kinds: dict[str, Entry] = {}  # kind -> the first entry that waits for it
@@ -266,7 +280,7 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
         line = lines[kind]
         e = line[i][1]
         team = over_quota(e)
-        blocker = blocked_families.get(e.family)
+        blocker = held_back(e)
         if team is None and blocker is None and fits(e):
             admit.append(e.id)
             count(e)
@@ -286,7 +300,7 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     for e, team in borrowers:  # over quota: only on capacity that nobody within quota waits for
         quota = settings.quotas[team].get(e.kind, 0)
         why = f"team {team} over its quota ({team_used.get((team, e.kind), 0):g} of {quota:g} {e.kind} in use)"
-        if e.kind in blocked_kinds or e.family in blocked_families or not fits(e):
+        if e.kind in blocked_kinds or held_back(e) is not None or not fits(e):
             reasons[e.id] = why + ", borrowing only what nobody within quota waits for"
             blocked_kinds.setdefault(e.kind, e)
             continue

@@ -74,12 +74,14 @@ def test_policies_priority_aging_and_team_quotas(empty_queue, cluster):
     assert admitted(big, small) == []
     state = small.state
     assert (state["rank"], state["ahead"]["label"]) == (2, "test.big"), state
-    strict_tiny = place("strict-tiny", strict, tpu="v6e-4")  # strict from now on: nobody passes the big one
+    strict_tiny = place("strict-tiny", strict, tpu="v6e-4")  # strict: still no slice the big one could use
+    assert wait_until(lambda: admitted(strict_tiny) == ["strict-tiny"], timeout=5)
+    strict_small = place("strict-small", strict)
     settle()
-    assert admitted(strict_tiny) == []
+    assert admitted(big, small, strict_small) == []
     run[1].leave()
-    assert wait_until(lambda: admitted(big, small, strict_tiny) == ["big"], timeout=5)
-    leave_all(strict_tiny, small)
+    assert wait_until(lambda: admitted(big, small, strict_small) == ["big"], timeout=5)
+    leave_all(strict_tiny, small, strict_small)
 
     # Priority before arrival; the aging bound turns best-effort strict for an old request.
     low = place("low", best_effort, slices=2)
@@ -89,8 +91,8 @@ def test_policies_priority_aging_and_team_quotas(empty_queue, cluster):
     aging = QueueSettings(aging_s=30)
     old = place("old", aging, slices=2, arrival=time.time() - 60)  # ahead of `low` by arrival, and aged
     young_tiny = place("young-tiny", aging, tpu="v6e-4")
-    settle()
-    assert admitted(old, low, young_tiny) == []  # the aged request holds back even the v6e-4
+    assert wait_until(lambda: admitted(young_tiny) == ["young-tiny"], timeout=5)  # aged: not on a slice it can't use
+    assert admitted(old, low) == []
     leave_all(young_tiny, old, low, high)
 
     # Teams: over its quota, a team waits while another runs within its own; alone, it borrows.
