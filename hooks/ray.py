@@ -277,7 +277,12 @@ class RayHook(BaseHook):
         Airflow reads the same name and another Airflow (its own DB) another one. It is created
         with a random id the first time a step runs without one. Runs in a task (Task SDK).
         """
-        configured = self.settings().deployment
+        try:  # not `settings()`: a RayCluster being made has no URL yet
+            conn = self.get_connection(self.ray_conn_id)
+        except Exception:  # no such connection (a Cloud TPU DAG given a head address): the Variable names it
+            conn = None
+        extra = conn.extra_dejson if conn is not None and conn.extra else {}
+        configured = check_deployment(extra.get("deployment"), "the `ray` connection's extra 'deployment'")
         if configured:
             return configured
         from airflow.sdk import Variable

@@ -45,10 +45,10 @@ HEARTBEAT_S = 0.5
 #: How often a launcher further back reports it (it cannot be admitted before the `FRONT` ahead of it):
 #: at least this, longer in a long queue, so that slow beats come at most SLOW_BEATS_PER_S a second.
 SLOW_BEAT_S = 5.0
-SLOW_BEATS_PER_S = 400
-MAX_BEAT_S = 30.0
+SLOW_BEATS_PER_S = 200
+MAX_BEAT_S = 60.0
 #: Entries up to this rank in their line (and running ones) beat every HEARTBEAT_S.
-FRONT = 32
+FRONT = 16
 #: A launcher not heard from for this long, or three of its beats, has lost its place.
 EXPIRE_S = 3.0
 #: After a fresh start while launchers held places, the broker admits nothing this long (they re-register).
@@ -143,11 +143,18 @@ class Broker:
             if not self._busy:  # at once: a broker killed a moment from now must know places were held
                 self._busy = True
                 _kv_put(BUSY_KEY, b"1")
-        self.expires[mine.id] = time.monotonic() + max(EXPIRE_S, 3 * min(float(beat_s), MAX_BEAT_S))
         if sent is not None:  # how far behind this broker answers: nobody expires for the broker's own lag
             self.lag = min(max(0.0, time.time() - float(sent)), 60.0)
+        self._expire_after(mine.id, float(beat_s))
         self._tick()
-        return self._standing(mine)
+        state = self._standing(mine)
+        self._expire_after(mine.id, max(float(beat_s), state["beat_s"]))
+        return state
+
+    def _expire_after(self, id: str, beat_s: float) -> None:
+        """Three beats (at the slower of what the launcher said and what it is told), plus two backlogs:
+        this answer's way back, and its next beat's wait in this broker's mailbox."""
+        self.expires[id] = time.monotonic() + max(EXPIRE_S, 3 * min(beat_s, MAX_BEAT_S)) + 2 * self.lag
 
     def leave(self, id: str) -> None:
         self._drop(id)
@@ -210,7 +217,7 @@ class Broker:
         now = time.monotonic()
         if now - self._swept >= HEARTBEAT_S:
             self._swept = now
-            for id in [id for id, at in self.expires.items() if at + self.lag < now]:
+            for id in [id for id, at in self.expires.items() if at < now]:
                 self._drop(id)
                 self.expires.pop(id, None)
                 self.expired += 1
