@@ -127,7 +127,7 @@ def run(size: int, procs: int, gcs: str, seconds: float, hold_s: float) -> dict[
     for _ in workers:
         ready.get(timeout=fill_s + 300)
     sizes = []
-    while out.qsize() < len(workers):  # while they measure: how many places the broker holds
+    while out.qsize() == 0:  # while every process measures: how many places the broker holds
         sizes.append(ray.get(queue.broker().stats.remote(), timeout=30)["entries"])
         time.sleep(2)
     results = [out.get(timeout=seconds + fill_s + 300) for _ in workers]
