@@ -17,6 +17,7 @@ admissions per second, and places the broker expired while their launcher lived 
 
 from __future__ import annotations
 
+import heapq
 import json
 import multiprocessing
 import os
@@ -65,47 +66,49 @@ def simulate(index: int, count: int, gcs: str, seconds: float, fill_s: float, ho
         return {"entry": entry, "next": at, "beat_s": queue.HEARTBEAT_S, "done_at": None}
 
     start = time.monotonic()
-    # Join over `fill_s`, in arrival order, as launchers would.
-    launchers = [new(start + fill_s * i / count) for i in range(count)]
-    pending: dict[Any, tuple[dict[str, Any], float]] = {}
+    # Join over `fill_s`, in arrival order, as launchers would; a heap of (next beat, n) says who is due.
+    launchers = {n: new(start + fill_s * n / count) for n in range(count)}
+    due = [(launcher["next"], n) for n, launcher in launchers.items()]
+    heapq.heapify(due)
+    pending: dict[Any, tuple[int, float]] = {}
     rtts: list[float] = []
     admitted = beats = 0
     measure_from = start + fill_s + 5
     end = measure_from + seconds
     said = False
     while time.monotonic() < end:
-        if not said and time.monotonic() >= measure_from:
+        now = time.monotonic()
+        if not said and now >= measure_from:
             ready.put(index)
             said = True
-        now = time.monotonic()
-        for i, launcher in enumerate(launchers):
-            if launcher["done_at"] is not None and now >= launcher["done_at"]:  # ran its hold: leave, replaced
+        while due and due[0][0] <= now:
+            _, n = heapq.heappop(due)
+            launcher = launchers[n]
+            if launcher["done_at"] is not None:  # ran its hold: leave, and a new launcher takes its slot
                 broker.leave.remote(launcher["entry"].id)
-                launchers[i] = launcher = new(now)
-            if now >= launcher["next"] and not launcher.get("inflight"):
-                launcher["inflight"] = True
-                launcher["next"] = now + launcher["beat_s"]
-                ref = broker.heartbeat.remote(launcher["entry"].to_json(), beat_s=launcher["beat_s"], sent=time.time())
-                pending[ref] = (launcher, now)
-        if pending:
-            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.02)
-            for ref in done:
-                launcher, sent = pending.pop(ref)
-                launcher["inflight"] = False
-                state = ray.get(ref)
-                at = time.monotonic()
-                if sent >= measure_from:
-                    rtts.append((at - sent) * 1000)
-                    beats += 1
-                launcher["beat_s"] = float(state.get("beat_s", queue.HEARTBEAT_S))
-                if state.get("admitted") and not launcher["entry"].admitted:
-                    launcher["entry"].admitted = True
-                    launcher["done_at"] = at + hold_s
-                    if at >= measure_from:
-                        admitted += 1
-        else:
+                launchers[n] = launcher = new(now)
+            ref = broker.heartbeat.remote(launcher["entry"].to_json(), beat_s=launcher["beat_s"], sent=time.time())
+            pending[ref] = (n, now)
+        if not pending:
             time.sleep(0.01)
-    for launcher in launchers:
+            continue
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.02)
+        at = time.monotonic()
+        for ref, state in zip(done, ray.get(done), strict=True):
+            n, sent = pending.pop(ref)
+            launcher = launchers[n]
+            if sent >= measure_from:
+                rtts.append((at - sent) * 1000)
+                beats += 1
+            launcher["beat_s"] = float(state.get("beat_s", queue.HEARTBEAT_S))
+            if state.get("admitted") and not launcher["entry"].admitted:
+                launcher["entry"].admitted = True
+                launcher["done_at"] = at + hold_s
+                if at >= measure_from:
+                    admitted += 1
+            next_at = launcher["done_at"] if launcher["done_at"] is not None else sent + launcher["beat_s"]
+            heapq.heappush(due, (max(next_at, at), n))
+    for launcher in launchers.values():
         broker.leave.remote(launcher["entry"].id)
     out.put({"rtts": rtts, "beats": beats, "admitted": admitted})
     ray.shutdown()
