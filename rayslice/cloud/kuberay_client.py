@@ -374,7 +374,8 @@ class KubeRayClient:
         and the API server's own check is the only one.
         """
         if not owner:
-            raise InvalidRequestError("create needs an owner (e.g. '<deployment>/<dag_id>/<run_id>') to mark the cluster with")
+            raise InvalidRequestError("create needs an owner (e.g. '<deployment>/<dag_id>/<run_id>') to mark the "
+                                      "cluster with")
         body = json.loads(json.dumps(manifest))  # a deep copy that is plain JSON
         meta = body.setdefault("metadata", {})
         meta["name"], meta["namespace"] = self.ref.name, self.ref.namespace
