@@ -139,6 +139,7 @@ def run(size: int, procs: int, gcs: str, seconds: float, hold_s: float) -> dict[
     after = ray.get(queue.broker().stats.remote(), timeout=30)
     plans = after["plan_ms"][-200:]
     rtts = [r for result in results for r in result["rtts"]]
+    log(f"places the broker held while measuring (every 2 s): {sizes}")
     return {"size": size, "queued": min(sizes or [0]), "plan_p50": percentile(plans, 50),
             "plan_p99": percentile(plans, 99), "rtt_p50": percentile(rtts, 50), "rtt_p99": percentile(rtts, 99),
             "beats_s": sum(r["beats"] for r in results) / seconds,

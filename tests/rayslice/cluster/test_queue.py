@@ -236,3 +236,24 @@ def test_a_stopped_waiting_step_leaves_the_queue_at_once(empty_queue, cluster):
         assert time.monotonic() - stopped < 2, "the stopped step's place outlived its launcher"
     finally:
         blocker.leave()
+
+
+def node_of_this_process():
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def test_tpu_chips_run_on_the_slice_type_the_queue_counted_them_against(empty_queue, ray_driver):
+    """Issue 38 (1): TPU chips had no node selector, so Ray put them on whatever slice was free."""
+    from rayslice.cluster import run_step
+    from rayslice.core.accelerators import AcceleratorRequest
+    from rayslice.core.step import Owner, StepSpec
+
+    spec = StepSpec.for_function(node_of_this_process, request=AcceleratorRequest(resource="TPU", count=4),
+                                 capacity_timeout=120, owner=Owner(submission_id=f"test-chips-{time.time_ns()}"))
+    place = queue.place_for(spec)
+    assert (place.entry.kind, place.entry.what) == ("v6e-4", "4 TPU chips of a v6e-4")  # the smallest that holds 4
+    node = run_step(spec)
+    labels = next(n["Labels"] for n in ray_driver.nodes() if n["NodeID"] == node)
+    assert labels["ray.io/tpu-pod-type"] == "v6e-4", labels
