@@ -135,6 +135,7 @@ class Broker:
         mine = self.entries.get(entry["id"])
         if mine is None:  # a new place, or one a restart lost
             mine = self.entries[entry["id"]] = rules.Entry.from_json(entry)
+            mine.priority = self.settings.priority_of(mine.priority, mine.team)  # the operator's cap, if any
             if mine.admitted:
                 self.running[mine.id] = mine
             else:

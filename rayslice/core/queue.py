@@ -60,6 +60,17 @@ class QueueSettings(BaseModel):
         description="team -> {slice type (chips) or accelerator resource (count): quota}, e.g. "
                     "{'research': {'v6e-16': 32, 'GPU': 2}}")
 
+    max_priority: dict[str, int] = Field(
+        default_factory=dict,
+        description="team (or '*': every step) -> the highest priority its steps get; a step asking more is "
+                    "queued at that, e.g. {'*': 10, 'oncall': 100}")
+
+    def priority_of(self, priority: int, team: str | None) -> int:
+        """A step's priority as queued: capped by its team's (or a team above it's) `max_priority`, else '*'."""
+        caps = [self.max_priority[t] for t in (teams_above(team) if team else []) if t in self.max_priority]
+        cap = min(caps) if caps else self.max_priority.get("*")
+        return priority if cap is None else min(priority, cap)
+
     @classmethod
     def checked(cls, data: str | dict[str, Any], where: str) -> QueueSettings:
         """Settings a person wrote (`RAYSLICE_QUEUE`, `rayslice queue --set`): unknown keys are a clear error."""

@@ -137,3 +137,12 @@ def test_a_log_line_names_only_steps_of_its_own_dag():
     entries = [tpu("run", admitted=True), other, same, mine]
     assert standing(entries, "mine", {}, now=5)["ahead"]["label"] == "dag.same"
     assert standing(entries, "same", {}, now=5)["ahead"]["label"] == "a step of another DAG"
+
+
+def test_the_operator_caps_what_priority_a_step_may_ask():
+    """A step asking priority=10**9 to jump the line is queued at its team's cap (the operator's `max_priority`)."""
+    settings = QueueSettings(max_priority={"*": 10, "oncall": 100, "research/vision": 5})
+    assert settings.priority_of(10**9, None) == 10 and settings.priority_of(3, None) == 3
+    assert settings.priority_of(10**9, "oncall") == 100
+    assert settings.priority_of(10**9, "research/vision/x") == 5  # a team above it caps it too
+    assert QueueSettings().priority_of(10**9, "any") == 10**9  # no cap set: as asked
