@@ -92,9 +92,9 @@ def test_a_broker_made_anew_while_places_were_held_holds_admissions_until_they_a
 
 
 def test_a_step_asking_a_huge_priority_is_queued_at_the_operators_cap(broker):
-    broker.settings = rules.QueueSettings(max_priority={"*": 1})
+    broker.settings = rules.QueueSettings(max_priority={"*": 0})
     broker.heartbeat(entry(0, tpu="v6e-4"))  # holds the v6e-4
     broker.heartbeat(entry(1, tpu="v6e-4"))
     jumper = rules.entry_for(TpuSliceRequest(tpu="v6e-4"), id="jumper", label="d.jumper", priority=10**9, arrival=9)
     state = broker.heartbeat(jumper.to_json())
-    assert broker.entries["jumper"].priority == 1 and state["rank"] == 2  # behind e1, not ahead of it
+    assert broker.entries["jumper"].priority == 0 and state["rank"] == 2  # behind e1, not ahead of it
