@@ -58,8 +58,16 @@ class Hold:
 def _place(request: Any, policy: str, name: str) -> queue.Place:
     if policy == "ray":
         return queue.Place.unqueued()
+    if _policy_set.get("policy") != policy:  # the operator's setting (`rayslice queue --set`), once per run
+        import ray  # noqa: TID253
+
+        ray.get(queue.broker().set_settings.remote(rules.QueueSettings(policy=policy).model_dump()), timeout=30)
+        _policy_set["policy"] = policy
     entry = rules.entry_for(request, id=f"{name}/{time.time_ns()}", label=name)
-    return queue.Place(entry, rules.QueueSettings(policy=policy), log=lambda message: None)
+    return queue.Place(entry, log=lambda message: None)
+
+
+_policy_set: dict[str, str] = {}
 
 
 def _hold_slices(request: TpuSliceRequest, seconds: float, policy: str, name: str, out: list[Hold]) -> None:

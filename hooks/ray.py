@@ -13,8 +13,10 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
   start without a runtime env, about 1.5 CPU-seconds faster each);
   ``runtime_env`` (Ray's runtime_env format): the default of every step on this connection, under
   each task's own ``runtime_env`` (a task's keys replace it, its ``env_vars`` are merged);
-  ``queue``: the cluster's admission queue, ``{"policy": "best-effort" | "strict", "aging_s": 600,
-  "quotas": {"<team>": {"<slice type>": <chips>, "GPU": <count>}}}`` (see docs/sharing.md);
+  ``team``: the team this connection's steps count against in the cluster's admission queue (its
+  quotas); a step may narrow it (``research`` -> ``research/vision``), never name another
+  (docs/security.md). The queue's policy and quotas are the cluster operator's, never a connection's:
+  a ``queue`` extra is refused;
   ``deployment``: this Airflow's name on the cluster (letters, digits, ``.``, ``_``, ``-``; e.g.
   ``"prod"``), stamped on every job and first in every checkpoint folder, so two Airflows sharing
   one Ray cluster never stop each other's jobs or share checkpoint folders. Unset, it is the Airflow
@@ -48,7 +50,7 @@ from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.client.urls import dashboard_url
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
-from rayslice.core.queue import QueueSettings
+from rayslice.core.queue import SETTINGS_ENV, TEAM_PATTERN
 from rayslice.core.step import DEPLOYMENT_VARIABLE, Launcher
 
 __all__ = ["DEPLOYMENT_VARIABLE", "EXTRAS", "RayConnectionSettings", "RayHook", "RaysliceHook", "dashboard_url"]
@@ -58,8 +60,10 @@ DEPLOYMENT_SETTLE_S = 2.0
 _DEPLOYMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: Every extra the `ray` connection reads. Any other key is refused (a misspelled ``checkpoint-root`` would
 #: otherwise be ignored without a word); docs/connection.md and the provider's form list exactly these.
-EXTRAS = ("verify", "headers", "checkpoint_root", "launcher", "runtime_env", "deployment", "queue", "kuberay",
+EXTRAS = ("verify", "headers", "checkpoint_root", "launcher", "runtime_env", "deployment", "team", "kuberay",
           "cloud_tpu")
+#: Extras the connection once read and now refuses with a message of their own (`queue`: the operator's now).
+_RETIRED_EXTRAS = ("queue",)
 #: Keys Airflow itself may leave in a connection's extra (a URI-style connection's raw extra).
 _AIRFLOW_EXTRAS = ("__extra__",)
 #: The fields astro-provider-ray's and Apache's `ray` connection forms save: their dashboard URL is the
@@ -82,7 +86,7 @@ class RayConnectionSettings:
     checkpoint_root: str | None = None  # extra ``checkpoint_root``: the steps' checkpoint folders live under it
     launcher: Launcher = "shipped"  # extra ``launcher``: "shipped" or "installed" (rayslice is in the cluster's image)
     runtime_env: dict[str, Any] | None = None  # extra ``runtime_env``: under each step's own
-    queue: QueueSettings | None = None  # extra ``queue``: the cluster's admission queue policy, aging, team quotas
+    team: str | None = None  # extra ``team``: whose quota this connection's steps count against (the platform's)
     deployment: str | None = None  # extra ``deployment``: this Airflow's name on the cluster (else the Variable's)
 
     def _kwargs(self) -> dict[str, Any]:
@@ -164,7 +168,7 @@ def check_extras(extra: Any) -> None:
     """Refuse extras the connection does not read, naming the valid ones (and the closest, for a typo)."""
     if not isinstance(extra, dict):
         raise InvalidRequestError(f"the `ray` connection's extra must be a JSON object, got {type(extra).__name__}")
-    allowed = (*EXTRAS, *_AIRFLOW_EXTRAS, *(FOREIGN_RAY_EXTRAS if _foreign(extra) else ()))
+    allowed = (*EXTRAS, *_RETIRED_EXTRAS, *_AIRFLOW_EXTRAS, *(FOREIGN_RAY_EXTRAS if _foreign(extra) else ()))
     unknown = sorted(str(key) for key in extra if key not in allowed)
     if not unknown:
         return
@@ -192,22 +196,28 @@ def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int =
         runtime_env=runtime_envs.validate(extra.get("runtime_env") or None,
                                           "the `ray` connection's extra 'runtime_env'"),
         deployment=check_deployment(extra.get("deployment"), "the `ray` connection's extra 'deployment'"),
-        queue=_queue(extra.get("queue")),
+        team=_team(extra.get("team")),
+        **_no_queue(extra.get("queue")),
     )
 
 
-def _queue(value: Any) -> QueueSettings | None:
-    if value in (None, "", {}):
-        return None
-    try:
-        if isinstance(value, str):
-            return QueueSettings.model_validate_json(value)
-        return QueueSettings.model_validate(value)
-    except ValueError:
+def _no_queue(value: Any) -> dict[str, Any]:
+    """A connection cannot set the cluster's queue policy: it is the operator's (every connection would race)."""
+    if value not in (None, "", {}):
         raise InvalidRequestError(
-            "the `ray` connection's extra 'queue' must be an object like {\"policy\": \"best-effort\" (or "
-            "\"strict\"), \"aging_s\": 600, \"quotas\": {\"research\": {\"v6e-16\": 32, \"GPU\": 2}}}; "
-            f"got {value!r}") from None
+            "the `ray` connection's extra 'queue' is no longer read: the admission queue's policy and quotas are the "
+            f"cluster operator's, set on the head ({SETTINGS_ENV}) or with `rayslice queue --set '<json>'`; move it "
+            "there and remove it from the connection (docs/security.md)")
+    return {}
+
+
+def _team(value: Any) -> str | None:
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str) or len(value) > 64 or not re.fullmatch(TEAM_PATTERN, value):
+        raise InvalidRequestError("the `ray` connection's extra 'team' must be a team name of up to 64 letters, "
+                                  f"digits, '.', '_', '-' (parts joined by '/'), e.g. 'research', got {value!r}")
+    return value
 
 
 def check_deployment(value: Any, what: str) -> str | None:
@@ -286,7 +296,12 @@ class RayHook(BaseHook):
         Airflow reads the same name and another Airflow (its own DB) another one. It is created
         with a random id the first time a step runs without one. Runs in a task (Task SDK).
         """
-        configured = self.settings().deployment
+        try:  # not `settings()`: a RayCluster being made has no URL yet
+            conn = self.get_connection(self.ray_conn_id)
+        except Exception:  # no such connection (a Cloud TPU DAG given a head address): the Variable names it
+            conn = None
+        extra = conn.extra_dejson if conn is not None and conn.extra else {}
+        configured = check_deployment(extra.get("deployment"), "the `ray` connection's extra 'deployment'")
         if configured:
             return configured
         from airflow.sdk import Variable

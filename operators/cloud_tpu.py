@@ -30,8 +30,9 @@ __all__ = ["CreateTpuSliceOperator", "DeleteTpuSliceOperator"]
 _TEMPLATED = ("project", "zone", "queued_resource_id")
 
 
-def _owner(context: Context) -> str:
-    return f"{context['dag_run'].dag_id}/{context['dag_run'].run_id}"
+def _owner(context: Context, deployment: str) -> str:
+    """`<deployment>/<dag>/<run>`: another Airflow with the same DAGs and run ids is another owner."""
+    return f"{deployment}/{context['dag_run'].dag_id}/{context['dag_run'].run_id}"
 
 
 class _QueuedOperator(BaseOperator):
@@ -40,8 +41,10 @@ class _QueuedOperator(BaseOperator):
 
     def __init__(self, *, project: str, zone: str, queued_resource_id: str, tpu: str = "v6e-16",
                  num_slices: int = 1, runtime_version: str | None = None, spot: bool = False,
-                 api_endpoint: str | None = None, poll_interval: float = 30.0, **kwargs: Any) -> None:
+                 api_endpoint: str | None = None, poll_interval: float = 30.0,
+                 ray_conn_id: str = RayHook.default_conn_name, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.ray_conn_id = ray_conn_id  # its `deployment` (else the Airflow Variable) is in the owner mark
         self.project, self.zone, self.queued_resource_id = project, zone, queued_resource_id
         self.tpu, self.num_slices, self.runtime_version, self.spot = tpu, num_slices, runtime_version, spot
         self.api_endpoint = api_endpoint
@@ -120,7 +123,7 @@ class CreateTpuSliceOperator(_QueuedOperator):
         script = startup_script(self._head_address(), **self.script_kwargs)
         if self.check_zone:
             check_accelerator_type(self.tpu, queued.project, queued.zone, api_endpoint=self.api_endpoint)
-        owner = _owner(context)
+        owner = _owner(context, RayHook(self.ray_conn_id).deployment())
         client = self._client()
         try:
             client.create(owner=owner, script=script)
@@ -144,7 +147,7 @@ class CreateTpuSliceOperator(_QueuedOperator):
         """Back from the triggerer: the ACTIVE slices, or their deletion and the reason the wait failed."""
         if event.get("status") == "ready":
             return self._active(self._queued())
-        self._delete_own(self._client(), _owner(context))
+        self._delete_own(self._client(), _owner(context, RayHook(self.ray_conn_id).deployment()))
         from rayslice.cloud.cloud_tpu import CloudTpuError
 
         raise CloudTpuError(event.get("message", event))
@@ -173,7 +176,7 @@ class DeleteTpuSliceOperator(_QueuedOperator):
 
     def execute(self, context: Context) -> str:
         client = self._client()
-        owner = _owner(context)
+        owner = _owner(context, RayHook(self.ray_conn_id).deployment())
         outcome = client.delete(owner=owner, wait=self.wait)
         if outcome == "not-owned":
             self.log.warning("[rayslice] %s was not made by %s: left alone", client.queued.name, owner)

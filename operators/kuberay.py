@@ -32,10 +32,10 @@ __all__ = ["CreateRayClusterOperator", "DeleteRayClusterOperator"]
 TOKEN_SECRET_ANNOTATION = "rayslice.io/token-secret"
 
 
-def _owner(context: Context) -> str:
+def _owner(context: Context, deployment: str) -> str:
     from rayslice.cloud.kuberay_client import owner_for_run
 
-    return owner_for_run(context["dag_run"].dag_id, context["dag_run"].run_id)
+    return owner_for_run(context["dag_run"].dag_id, context["dag_run"].run_id, deployment)
 
 
 class _ClusterOperator(BaseOperator):
@@ -134,7 +134,7 @@ class CreateRayClusterOperator(_ClusterOperator):
         return options.get("secretName") if options.get("mode") == "token" else None
 
     def execute(self, context: Context) -> dict[str, str]:
-        owner = self._owner = _owner(context)
+        owner = self._owner = _owner(context, RayHook(self.ray_conn_id).deployment())
         with self._client() as kube:
             self._kube = kube
             manifest = self._render(kube.ref.name)
@@ -179,7 +179,7 @@ class CreateRayClusterOperator(_ClusterOperator):
         if event.get("status") == "ready":
             return self._ready(event["namespace"], event["name"], event["dashboard_url"])
         with self._client() as kube:
-            self._delete_own(kube, _owner(context))
+            self._delete_own(kube, _owner(context, RayHook(self.ray_conn_id).deployment()))
         from rayslice.cloud.kuberay_client import KubeRayError, KubeRayNotReadyError
 
         error = KubeRayNotReadyError if event.get("status") == "timeout" else KubeRayError
@@ -224,7 +224,7 @@ class DeleteRayClusterOperator(_ClusterOperator):
         self.token_secret = token_secret
 
     def execute(self, context: Context) -> str:
-        owner = _owner(context)
+        owner = _owner(context, RayHook(self.ray_conn_id).deployment())
         with self._client() as kube:
             existing = kube.get() or {}
             named = ((existing.get("metadata") or {}).get("annotations") or {}).get(TOKEN_SECRET_ANNOTATION)

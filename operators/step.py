@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import pickle
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ from rayslice.client.submission import LogFollower, running_earlier_tries, submi
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
+from rayslice.core.queue import TEAM_PATTERN, team_for
 from rayslice.core.step import Owner, StepSpec, split_command, split_templated_command, warn_entrypoint
 
 if TYPE_CHECKING:
@@ -131,8 +133,9 @@ class RayStepOperator(BaseOperator):
         step takes its place in the cluster's admission queue.
     :param priority: the step's rank in the cluster's admission queue (higher first); by default the task's
         Airflow ``priority_weight``.
-    :param team: the team whose quota the step counts against (the connection's ``queue`` extra,
-        ``quotas``); None: no quota.
+    :param team: narrows the team the step counts against (the cluster's quotas) below its connection's
+        ``team`` extra, e.g. ``research/vision`` on a ``research`` connection; never another team. None:
+        the connection's team (docs/security.md).
     :param step_timeout: seconds the step may run once started (None: no limit). On real TPUs this is what
         ends a hung step (a collective that a host never joins).
     :param hang_timeout: simulated cluster only: fail the step (``CollectiveHangError``) once every host
@@ -239,8 +242,10 @@ class RayStepOperator(BaseOperator):
             )
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise InvalidRequestError(f"priority of {self.task_id!r} must be a whole number, got {priority!r}")
-        if team is not None and (not isinstance(team, str) or not 0 < len(team) <= 64):
-            raise InvalidRequestError(f"team of {self.task_id!r} must be a name of 1 to 64 characters, got {team!r}")
+        if team is not None and (not isinstance(team, str) or not 0 < len(team) <= 64
+                                 or not re.fullmatch(TEAM_PATTERN, team)):
+            raise InvalidRequestError(f"team of {self.task_id!r} must be a name of 1 to 64 letters, digits, '.', '_', "
+                                      f"'-' (parts joined by '/'), got {team!r}")
         self.priority = priority
         self.team = team
         self.callable = callable
@@ -465,8 +470,8 @@ class RayStepOperator(BaseOperator):
             fields = {"request": request, "kwargs": self.step_kwargs(context), "owner": owner,
                       "capacity_timeout": float(self.capacity_timeout),
                       "priority": self.priority if self.priority is not None else self._priority_weight(context),
-                      "team": self.team,
-                      "queue": self._settings.queue if self._settings else None,
+                      "team": team_for(self._settings.team if self._settings else None, self.team,
+                                       f"task {self.task_id!r}"),
                       "step_timeout": None if self.step_timeout is None else float(self.step_timeout),
                       "hang_timeout": None if self.hang_timeout is None else float(self.hang_timeout),
                       "preemption_retries": self.preemption_retries,

@@ -288,16 +288,21 @@ def queue_(
     installed: Annotated[bool, typer.Option("--installed", help="The cluster's image has this rayslice: "
                                             "upload nothing (the connection's `launcher: installed`).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    set_: Annotated[str | None, typer.Option(
+        "--set", help="The cluster operator's queue policy and quotas, as JSON, e.g. "
+                      "'{\"policy\": \"strict\", \"quotas\": {\"research\": {\"v6e-16\": 32}}}'. "
+                      "Needs the cluster's token; kept until set again (over RAYSLICE_QUEUE on the head).")] = None,
 ) -> None:
     """The cluster's admission queue in order: rank, state, priority, team, time waited, what each waits for."""
     from rayslice.client.jobs_client import RayJobsClient
     from rayslice.client.queue import read_queue
-    from rayslice.core.queue import format_queue
+    from rayslice.core.queue import QueueSettings, format_queue
 
+    settings = None if set_ is None else QueueSettings.checked(set_, "--set")
     where = target(address, token, conn_id, name)
     try:
         with RayJobsClient(where.url, token=where.token, headers=where.headers, verify=where.verify) as client:
-            found = read_queue(client, installed=installed)
+            found = read_queue(client, installed=installed, set_settings=settings)
     except RaysliceError as exc:
         raise unreachable(where, exc) from None
     if as_json:

@@ -79,11 +79,12 @@ def _connection_type(connection_type: str, hook_class: str, hook_name: str) -> d
                                '{"env_vars": {"XLA_FLAGS": "..."}}',
                 "schema": {"type": ["object", "null"]},
             },
-            "queue": {
-                "label": "Admission queue settings (optional)",
-                "description": 'JSON {"policy": "best-effort" or "strict", "aging_s": 600, "quotas": '
-                               '{...}}: the cluster\'s admission queue (docs/sharing.md)',
-                "schema": {"type": ["object", "null"]},
+            "team": {
+                "label": "Team (optional)",
+                "description": "The team this connection's steps count against in the admission queue's quotas "
+                               "(set by the platform); a step may narrow it (research/vision), never name "
+                               "another (docs/security.md)",
+                "schema": {"type": ["string", "null"]},
             },
             "deployment": {
                 "label": "Deployment name (optional)",

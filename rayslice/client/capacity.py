@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections import Counter
 from datetime import UTC, datetime
@@ -136,7 +135,8 @@ class Pending(BaseModel):
     # In the admission queue (kind "queue"): its rank (priority, then arrival), as the broker orders it.
     priority: int | None = None
     team: str | None = None
-    place: int | None = None  # 1 = first in line for its kind of capacity (TPU, or an accelerator resource)
+    place: int | None = None  # 1 = first in line for its kind (a slice type, TPU chips, an accelerator resource)
+    arrival: datetime | None = None  # when its launcher took its place (the job's start)
 
 
 class Snapshot(BaseModel):
@@ -394,6 +394,7 @@ def _pending(groups: list[dict[str, Any]], actors: list[dict[str, Any]], pg_hold
             demand = _demand("queue", {}, pg_holder[pg["placement_group_id"]], created_ns / 1e9 or started, now)
             meta = job.get("metadata") or {}
             demand.priority, demand.team = _int(meta.get("priority"), 0), meta.get("team") or None
+            demand.arrival = datetime.fromtimestamp(started, UTC) if started else None
             out.append(demand)
             continue
         if pg.get("state") not in ("PENDING", "RESCHEDULING"):
@@ -421,22 +422,27 @@ def _pending(groups: list[dict[str, Any]], actors: list[dict[str, Any]], pg_hold
 
 
 def _rank_queue(pending: list[Pending]) -> list[Pending]:
-    """Number the queued steps in line per kind of capacity, by the queue's own rule: priority, then arrival."""
+    """Number the queued steps in line per kind, by the queue's own rule: priority, then arrival.
+
+    A kind is what the broker lines up (`rayslice.core.queue`): a slice type ("v6e-16"), TPU chips,
+    or an accelerator resource. Arrival is the job's start (its launcher takes its place then, and
+    keeps that arrival through retries), not when its marker group was made.
+    """
     lines: dict[str, list[Pending]] = {}
     for p in pending:
         if p.kind == "queue":
-            lines.setdefault(_family(p.request), []).append(p)
+            lines.setdefault(_kind(p.request), []).append(p)
     for line in lines.values():
-        line.sort(key=lambda p: (-(p.priority or 0), p.since or datetime.max.replace(tzinfo=UTC)))
+        line.sort(key=lambda p: (-(p.priority or 0), p.arrival or p.since or datetime.max.replace(tzinfo=UTC),
+                                 p.since or datetime.max.replace(tzinfo=UTC)))
         for place, p in enumerate(line, 1):
             p.place = place
     return pending
 
 
-def _family(request: str) -> str:
-    """TPU for a slice ("v6e-16 x2") or a whole-TPU request; else the accelerator resource ("GPU x0.25")."""
-    first = request.split(" ", 1)[0]
-    return "TPU" if re.match(r"v\d", first) else first
+def _kind(request: str) -> str:
+    """The slice type of a slice request ("v6e-16 x2" -> "v6e-16"); else the resource ("GPU x0.25" -> "GPU")."""
+    return request.split(" ", 1)[0]
 
 
 def _demand(kind: str, resources: dict[str, float], holder: Holder, since: float | None, now: float) -> Pending:

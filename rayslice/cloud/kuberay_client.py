@@ -380,7 +380,8 @@ class KubeRayClient:
         and the API server's own check is the only one.
         """
         if not owner:
-            raise InvalidRequestError("create needs an owner (e.g. '<dag_id>/<run_id>') to mark the cluster with")
+            raise InvalidRequestError("create needs an owner (e.g. '<deployment>/<dag_id>/<run_id>') to mark the "
+                                      "cluster with")
         body = json.loads(json.dumps(manifest))  # a deep copy that is plain JSON
         meta = body.setdefault("metadata", {})
         meta["name"], meta["namespace"] = self.ref.name, self.ref.namespace
@@ -490,6 +491,10 @@ def resolve(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None) -
         return url, kube.read_token(ref.token_secret) if ref.token_secret else None
 
 
-def owner_for_run(dag_id: str, run_id: str) -> str:
-    """The owner mark of clusters made by one DAG run (an annotation, so any length/characters)."""
-    return f"{dag_id}/{run_id}"
+def owner_for_run(dag_id: str, run_id: str, deployment: str) -> str:
+    """The owner mark of clusters made by one DAG run of one Airflow (an annotation, so any length/characters).
+
+    The deployment comes first: a staging Airflow with prod's DAGs and run ids must not adopt, nor
+    delete, prod's cluster and its token Secret.
+    """
+    return f"{deployment}/{dag_id}/{run_id}"

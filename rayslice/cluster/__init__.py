@@ -296,9 +296,15 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
         coordinator="",
         megascale_coordinator="",
     )
+    options = request.ray_options()
+    if place.entry.part:  # TPU chips: on the slice type the queue counted them against, packed onto one slice
+        from ray._private.state import available_resources_per_node
+
+        options["label_selector"] = admission.chip_label_selector(place.entry.kind, request.count, ray.nodes(),
+                                                                  available_resources_per_node())
     actor = gang.HostProcess.options(
         name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, runtime_env=_hosts_runtime_env(spec),
-        **request.ray_options()
+        **options
     ).remote(str(request), spec.model_dump_json(), plan)
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     try:

@@ -8,13 +8,25 @@ queue (after its release), so the broker never admits a later request onto capac
 the line was admitted to.
 
 Nothing is stored beside Ray: every launcher heartbeats its whole entry (arrival time included)
-every `HEARTBEAT_S` from a thread. The broker forgets a launcher not heard from for `EXPIRE_S`
-(a launcher SIGKILLed while it waits); a restarted broker (Ray restarts it) starts empty,
-admits nothing for `RECOVERY_S`, and is rebuilt by the heartbeats, with every place kept.
+from a thread. The broker forgets a launcher not heard from for a few beats (a launcher SIGKILLed
+while it waits). A broker created afresh (Ray restarted it, or it was killed and the next launcher
+made a new one) while launchers held places admits nothing for `RECOVERY_S` and is rebuilt by the
+heartbeats, with every place kept: a GCS key (`BUSY_KEY`) says whether the queue held anyone.
+
+The policy and quotas are the cluster operator's (docs/security.md): `RAYSLICE_QUEUE` in the head
+node's environment, or the GCS key `SETTINGS_KEY` that `rayslice queue --set` writes; nothing a
+step sends changes them.
+
+Cost: a heartbeat is O(1) (its entry refreshed, its standing read from the last plan). The plan runs
+at once after a change when the last one is `PLAN_S` old, else on a later call (arrivals batched),
+and at least every `REPLAN_S`. Entries far back in their line beat every `SLOW_BEAT_S` or more
+(`SLOW_BEATS_PER_S` in all) instead of `HEARTBEAT_S` (the broker says so in its answer), and a place
+expires after three missed beats plus the broker's own backlog (how old the beats it answers are).
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from typing import Any
@@ -22,78 +34,221 @@ from typing import Any
 import ray
 
 from rayslice.core import queue as rules
-from rayslice.core.accelerators import VISIBLE_DEVICES_ENV
+from rayslice.core.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest
 from rayslice.core.exceptions import CapacityTimeoutError
 from rayslice.core.step import StepSpec
 
 BROKER_NAME = "rayslice-broker-v1"
 NAMESPACE = "rayslice"
-#: How often a launcher reports its entry (waiting or running).
+#: How often a launcher near the front of its line (or running) reports its entry.
 HEARTBEAT_S = 0.5
-#: A launcher not heard from this long has lost its place.
+#: How often a launcher further back reports it (it cannot be admitted before the `FRONT` ahead of it):
+#: at least this, longer in a long queue, so that slow beats come at most SLOW_BEATS_PER_S a second.
+SLOW_BEAT_S = 5.0
+SLOW_BEATS_PER_S = 200
+MAX_BEAT_S = 60.0
+#: Entries up to this rank in their line (and running ones) beat every HEARTBEAT_S.
+FRONT = 16
+#: A launcher not heard from for this long, or three of its beats, has lost its place.
 EXPIRE_S = 3.0
-#: After a restart, the broker admits nothing this long: every live launcher re-registers first.
+#: After a fresh start while launchers held places, the broker admits nothing this long (they re-register).
 RECOVERY_S = 3.0
-#: How long the broker reuses its reading of the cluster's capacity.
+#: How long the broker reuses its reading of the cluster's capacity, and of its settings.
 TOTALS_TTL_S = 2.0
+#: Plans at most this often (changes in between are planned together), and at least every REPLAN_S (aging).
+PLAN_S = 0.05
+REPLAN_S = 1.0
+#: GCS keys (namespace NAMESPACE): the operator's settings, and whether the queue holds anyone.
+SETTINGS_KEY = "queue-settings"
+BUSY_KEY = "queue-busy"
+RESTARTS_KEY = "queue-restarts"
 POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+
+
+def _kv_get(key: str) -> bytes | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key, namespace=NAMESPACE)
+
+
+def _kv_put(key: str, value: bytes) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, value, overwrite=True, namespace=NAMESPACE)
+
+
+def operator_settings() -> rules.QueueSettings:
+    """The cluster operator's settings: `rayslice queue --set` (GCS), else `RAYSLICE_QUEUE` here, else defaults.
+
+    Read leniently (unknown fields ignored): a newer CLI's settings must not stop an older broker.
+    A value that cannot be read at all counts as unset, and says so once in the broker's log.
+    """
+    import os
+
+    for source, read in (("rayslice queue --set", lambda: _kv_get(SETTINGS_KEY)),
+                         (rules.SETTINGS_ENV, lambda: os.environ.get(rules.SETTINGS_ENV))):
+        try:
+            raw = read()
+            if raw:
+                return rules.QueueSettings.model_validate_json(raw)
+        except Exception as exc:
+            print(f"[rayslice] queue settings from {source} ignored: {exc}", flush=True)
+    return rules.QueueSettings()
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Broker:
-    """The queue: entries by id, each with when its launcher was last heard from. Calls run one at a time."""
+    """The queue: entries by id, each with when its launcher's place expires. Calls run one at a time."""
 
     def __init__(self) -> None:
         self.entries: dict[str, rules.Entry] = {}
-        self.seen: dict[str, float] = {}
-        self.settings = rules.QueueSettings()
+        self.lines: rules.Lines = {}  # kind -> its waiting entries in rank order (kept sorted as they come and go)
+        self.running: dict[str, rules.Entry] = {}  # the admitted entries
+        self.expires: dict[str, float] = {}  # id -> monotonic time its place is lost unless heard from
+        self.settings = operator_settings()
         self.reasons: dict[str, str] = {}
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.hold_until = time.monotonic() + RECOVERY_S if restarted else 0.0
-        self.restarts = int(restarted)
+        held = _kv_get(BUSY_KEY) == b"1"  # a broker before this one (killed, or lost with its node) had places
+        self.hold_until = time.monotonic() + RECOVERY_S if restarted or held else 0.0
+        self.restarts = int(_kv_get(RESTARTS_KEY) or 0) + (restarted or held)  # over every broker's life
+        if restarted or held:
+            _kv_put(RESTARTS_KEY, str(self.restarts).encode())
+        self._busy = held
+        now = time.monotonic()
         self._totals: tuple[float, dict[str, float]] = (0.0, {})
+        self._settings_read = now
+        self._planned = self._swept = 0.0
+        self._dirty = True
+        self.plan_ms: list[float] = []  # the last plans' durations (`stats`)
+        self.expired = 0  # places lost to silence (`stats`)
+        self.lag = 0.0  # how old the last beat was when it was answered (a busy broker's backlog)
 
-    def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Register or refresh a place (a re-registration keeps the arrival it carries); where it stands now."""
+    def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
+                  beat_s: float = HEARTBEAT_S, sent: float | None = None, **newer: Any) -> dict[str, Any]:
+        """Register or refresh a place (a re-registration keeps the arrival it carries); where it stands now.
+
+        `settings` (sent by launchers before issue 38) is ignored: the policy is the operator's. `beat_s`:
+        how often this launcher beats now; `sent`: when (its clock). Arguments from newer launchers are ignored.
+        """
         mine = self.entries.get(entry["id"])
-        if mine is None:  # a new place, or one a restart lost: the settings of the latest to register win
+        if mine is None:  # a new place, or one a restart lost
             mine = self.entries[entry["id"]] = rules.Entry.from_json(entry)
-            if settings is not None:
-                self.settings = rules.QueueSettings.model_validate(settings)
-        self.seen[mine.id] = time.monotonic()
-        self._step()
-        return rules.standing(list(self.entries.values()), mine.id, self.reasons)
+            mine.priority = self.settings.priority_of(mine.priority, mine.team)  # the operator's cap, if any
+            if mine.admitted:
+                self.running[mine.id] = mine
+            else:
+                bisect.insort(self.lines.setdefault(mine.kind, []), (rules.rank_key(mine), mine))
+            self._dirty = True
+            if not self._busy:  # at once: a broker killed a moment from now must know places were held
+                self._busy = True
+                _kv_put(BUSY_KEY, b"1")
+        if sent is not None:  # how far behind this broker answers: nobody expires for the broker's own lag
+            self.lag = min(max(0.0, time.time() - float(sent)), 60.0)
+        self._expire_after(mine.id, float(beat_s))
+        self._tick()
+        state = self._standing(mine)
+        self._expire_after(mine.id, max(float(beat_s), state["beat_s"]))
+        return state
+
+    def _expire_after(self, id: str, beat_s: float) -> None:
+        """Three beats (at the slower of what the launcher said and what it is told), plus two backlogs:
+        this answer's way back, and its next beat's wait in this broker's mailbox."""
+        self.expires[id] = time.monotonic() + max(EXPIRE_S, 3 * min(beat_s, MAX_BEAT_S)) + 2 * self.lag
 
     def leave(self, id: str) -> None:
-        self.entries.pop(id, None)
-        self.seen.pop(id, None)
-        self._step()
+        self._drop(id)
+        self.expires.pop(id, None)
+        self._tick()
+
+    def set_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """The operator's new settings (`rayslice queue --set`): kept in the GCS, so a new broker reads them too."""
+        checked = rules.QueueSettings.checked(settings, "the queue settings")
+        _kv_put(SETTINGS_KEY, checked.model_dump_json().encode())
+        self.settings, self._settings_read, self._dirty = checked, time.monotonic(), True
+        self._tick()
+        return self.settings.model_dump()
 
     def snapshot(self) -> dict[str, Any]:
         """Every entry, running ones first, then the waiting ones in order; and the settings."""
-        self._step()
-        entries = list(self.entries.values())
-        running = sorted((e for e in entries if e.admitted), key=lambda e: e.admitted_at or 0)
+        self._tick(force=True)
+        running = sorted(self.running.values(), key=lambda e: e.admitted_at or 0)
         return {"entries": [{**e.to_json(), "reason": self.reasons.get(e.id, "")}
-                            for e in [*running, *rules.order(entries)]],
+                            for e in [*running, *rules.order(list(self.entries.values()))]],
                 "settings": self.settings.model_dump(), "restarts": self.restarts}
 
-    def _step(self) -> None:
-        now = time.monotonic()
-        for id, seen in list(self.seen.items()):
-            if now - seen > EXPIRE_S:
-                self.entries.pop(id, None)
-                self.seen.pop(id, None)
-        if now < self.hold_until:
-            self.reasons = {e.id: "the queue is being rebuilt after a restart" for e in self.entries.values()}
+    def stats(self) -> dict[str, Any]:
+        """For the benchmark: the queue's size, the last plans' durations (ms), places lost to silence."""
+        return {"entries": len(self.entries), "plan_ms": list(self.plan_ms), "expired": self.expired}
+
+    def _drop(self, id: str) -> None:
+        e = self.entries.pop(id, None)
+        if e is None:
             return
-        kinds = {(e.family, e.kind) for e in self.entries.values()}
-        decided = rules.plan(list(self.entries.values()), self._capacity(kinds), self.settings)
+        self._dirty = True
+        if self.running.pop(id, None) is None:
+            self._unline(e)
+
+    def _unline(self, e: rules.Entry) -> None:
+        line = self.lines.get(e.kind, [])
+        i = bisect.bisect_left(line, (rules.rank_key(e),))
+        if i < len(line) and line[i][1] is e:
+            del line[i]
+        if not line:
+            self.lines.pop(e.kind, None)
+
+    def _standing(self, mine: rules.Entry) -> dict[str, Any]:
+        """Where an entry stands in its line (O(log n)), and how often its launcher should beat."""
+        if mine.admitted:
+            return {"admitted": True, "beat_s": HEARTBEAT_S}
+        line = self.lines[mine.kind]
+        i = bisect.bisect_left(line, (rules.rank_key(mine),))
+        ahead = line[i - 1][1] if i else None
+        return {"admitted": False, "rank": i + 1, "what": mine.what,
+                "reason": "the queue is being rebuilt after a restart" if time.monotonic() < self.hold_until
+                else self.reasons.get(mine.id, ""),
+                "ahead": None if ahead is None else {"label": rules.seen_by(ahead, mine), "priority": ahead.priority,
+                                                     "waited": max(0.0, time.time() - ahead.arrival)},
+                "beat_s": HEARTBEAT_S if i < FRONT else
+                min(MAX_BEAT_S, max(SLOW_BEAT_S, len(self.entries) / SLOW_BEATS_PER_S))}
+
+    def _tick(self, force: bool = False) -> None:
+        """Expire silent places (every HEARTBEAT_S), and plan when something changed (batched: PLAN_S)."""
+        now = time.monotonic()
+        if now - self._swept >= HEARTBEAT_S:
+            self._swept = now
+            for id in [id for id, at in self.expires.items() if at < now]:
+                self._drop(id)
+                self.expires.pop(id, None)
+                self.expired += 1
+            if bool(self.entries) != self._busy:  # only on a change: empty <-> not
+                self._busy = bool(self.entries)
+                _kv_put(BUSY_KEY, b"1" if self._busy else b"0")
+            if now - self._settings_read >= TOTALS_TTL_S:
+                self._settings_read = now
+                self.settings = operator_settings()
+        if now < self.hold_until:
+            return
+        since = now - self._planned
+        if force or since >= REPLAN_S or (self._dirty and since >= PLAN_S):
+            self._plan()
+
+    def _plan(self) -> None:
+        kinds = {(line[0][1].family, kind) for kind, line in self.lines.items()}
+        kinds |= {(e.family, e.kind) for e in self.running.values()}
+        totals = self._capacity(kinds)  # a GCS read every TOTALS_TTL_S, not part of the decision's time
+        started = time.perf_counter()
+        decided = rules.plan_lines(self.lines, list(self.running.values()), totals, self.settings)
+        admitted_at = time.time()
         for id in decided.admit:
-            self.entries[id].admitted = True
-            self.entries[id].admitted_at = time.time()
+            e = self.entries[id]
+            self._unline(e)
+            e.admitted, e.admitted_at = True, admitted_at
+            self.running[id] = e
         self.reasons = decided.reasons
+        self._planned, self._dirty = time.monotonic(), False
+        self.plan_ms = [*self.plan_ms[-999:], (time.perf_counter() - started) * 1000]
 
     def _capacity(self, kinds: set[tuple[str, str]]) -> dict[str, float]:
         """Slices per TPU slice type (their worker-0 hosts), and each accelerator resource's total.
@@ -152,16 +307,16 @@ def snapshot(timeout: float = 10.0) -> dict[str, Any]:
 class Place:
     """A launcher's place in the queue, from `wait` until `leave` (both ends of a step's capacity).
 
-    A thread heartbeats the whole entry every `HEARTBEAT_S`, re-registering it (same arrival)
-    with a broker that lost it; `wait` logs where the step stands whenever that changes.
+    A thread heartbeats the whole entry as often as the broker asks (`HEARTBEAT_S`, or `SLOW_BEAT_S`
+    far back in the line), re-registering it (same arrival) with a broker that lost it; `wait` logs
+    where the step stands whenever that changes.
     """
 
-    def __init__(self, entry: rules.Entry, settings: rules.QueueSettings | None = None,
-                 log: Any = None) -> None:
+    def __init__(self, entry: rules.Entry, log: Any = None) -> None:
         self.entry = entry
-        self.settings = None if settings is None else settings.model_dump()
         self.log = log or (lambda message: print(f"[rayslice] {message}", flush=True))
         self.state: dict[str, Any] = {}
+        self.beat_s = HEARTBEAT_S
         self.admitted = threading.Event()
         self._changed = threading.Event()
         self._stop = threading.Event()
@@ -172,18 +327,21 @@ class Place:
         try:
             if self._broker is None:
                 self._broker = broker()
-            state = ray.get(self._broker.heartbeat.remote(self.entry.to_json(), self.settings), timeout=5)
+            beat = self._broker.heartbeat.remote(self.entry.to_json(), beat_s=self.beat_s, sent=time.time())
+            state = ray.get(beat, timeout=5 + self.beat_s)
         except Exception:  # the broker restarts: its handle stays good, the next beat re-registers
             self._broker = None
+            self.beat_s = HEARTBEAT_S
             return
         if state.get("admitted") and not self.entry.admitted:
             self.entry.admitted, self.entry.admitted_at = True, time.time()
             self.admitted.set()
+        self.beat_s = min(max(float(state.get("beat_s", HEARTBEAT_S)), HEARTBEAT_S), MAX_BEAT_S)
         self.state = state
         self._changed.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(self.beat_s):
             self._beat()
 
     @classmethod
@@ -237,32 +395,79 @@ class Place:
             pass  # the broker forgets a silent launcher within EXPIRE_S anyway
 
 
-def place_for(spec: StepSpec, arrival: float | None = None) -> Place:
-    """The queue place of a step: its request, priority, team, label (dag.task), and the queue's settings."""
+def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | None = None) -> Place:
+    """The queue place of a step: its request (TPU chips: on which slice type), priority, team, label (dag.task)."""
     owner = spec.owner
     label = f"{owner.dag_id}.{owner.task_id}" if owner.dag_id else (owner.submission_id or "adhoc")
     if owner.map_index >= 0:
         label += f"[{owner.map_index}]"
-    entry = rules.entry_for(spec.request, id=f"{owner.submission_id or 'adhoc'}/{time.time_ns()}", label=label,
-                            priority=spec.priority or 0, team=spec.team, arrival=arrival)
-    return Place(entry, settings_for(spec))
+    request = spec.request
+    chips_on = None
+    if isinstance(request, AcceleratorRequest) and request.resource == "TPU":
+        chips_on = chip_slice(request, ray.nodes() if nodes is None else nodes)
+    entry = rules.entry_for(request, id=f"{owner.submission_id or 'adhoc'}/{time.time_ns()}", label=label,
+                            priority=spec.priority or 0, team=spec.team, arrival=arrival, chips_on=chips_on)
+    entry.dag = f"{owner.deployment}/{owner.dag_id}"
+    return Place(entry)
 
 
-def settings_for(spec: StepSpec) -> rules.QueueSettings | None:
-    """The step's queue settings (its connection's `queue` extra), else the cluster's `RAYSLICE_QUEUE`, else None."""
-    import os
+def slice_types(nodes: list[dict]) -> dict[str, tuple[int, int]]:
+    """pod type -> (chips per host, chips per slice) of the cluster's live slices."""
+    per_slice: dict[tuple[str, str], list[float]] = {}
+    for node in nodes:
+        labels = node.get("Labels", {})
+        if node["Alive"] and labels.get(POD_TYPE_LABEL) and labels.get(SLICE_NAME_LABEL):
+            chips = node["Resources"].get("TPU", 0)
+            per_slice.setdefault((labels[POD_TYPE_LABEL], labels[SLICE_NAME_LABEL]), []).append(chips)
+    found: dict[str, tuple[int, int]] = {}
+    for (pod_type, _), hosts in per_slice.items():
+        found[pod_type] = max(found.get(pod_type, (0, 0)), (int(max(hosts)), int(sum(hosts))))
+    return found
 
-    if spec.queue is not None:
-        return spec.queue
-    raw = os.environ.get(rules.SETTINGS_ENV)
-    return rules.QueueSettings.model_validate_json(raw) if raw else None
+
+def chip_slice(request: AcceleratorRequest, nodes: list[dict]) -> tuple[str, int] | None:
+    """The slice type TPU chips run on here, and its chips per slice (None: no labelled slice fits them)."""
+    types = slice_types(nodes)
+    pod_type = rules.chip_slice_type(request.count, request.accelerator_type, types)
+    return None if pod_type is None else (pod_type, types[pod_type][1])
 
 
-def main() -> None:
-    """`python -m rayslice.cluster.queue`: print the queue as one marked JSON line (read by `rayslice queue`)."""
+def chip_label_selector(pod_type: str, chips: float, nodes: list[dict],
+                        available: dict[str, dict[str, float]]) -> dict[str, str]:
+    """Where TPU chips of an admitted step go: one slice of its type, the one chip steps already use most.
+
+    The queue counted the step as a share of one slice; packing chip steps onto the slices they
+    already use keeps the rest whole for slice steps (Ray alone would spread them over every slice).
+    """
+    free: dict[str, float] = {}  # slice -> chips free on it
+    fits: set[str] = set()  # slices with a host that has `chips` free
+    for node in nodes:
+        labels = node.get("Labels", {})
+        if not node["Alive"] or labels.get(POD_TYPE_LABEL) != pod_type or not labels.get(SLICE_NAME_LABEL):
+            continue
+        name, here = labels[SLICE_NAME_LABEL], available.get(node["NodeID"], {}).get("TPU", 0)
+        free[name] = free.get(name, 0) + here
+        if here >= chips:
+            fits.add(name)
+    selector = {POD_TYPE_LABEL: pod_type}
+    if fits:
+        selector[SLICE_NAME_LABEL] = min(fits, key=lambda name: (free[name], name))
+    return selector
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m rayslice.cluster.queue [--set JSON]`: print the queue as one marked JSON line (`rayslice queue`).
+
+    `--set`: the operator's new settings first (`rayslice queue --set`, which needs the cluster's token).
+    """
     import json
+    import sys
 
+    argv = sys.argv[1:] if argv is None else argv
     ray.init(address="auto", logging_level="ERROR")
+    if argv[:1] == ["--set"]:
+        settings = rules.QueueSettings.checked(argv[1], "rayslice queue --set")  # a clear error before the broker
+        ray.get(broker().set_settings.remote(settings.model_dump()), timeout=30)
     print("::rayslice-queue::" + json.dumps(snapshot()), flush=True)
 
 

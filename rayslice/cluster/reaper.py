@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group_table
+from ray.util.placement_group import PlacementGroup
 
 PREFIX = "rayslice:"
 
@@ -32,6 +33,8 @@ class Orphan:
     name: str
     submission_id: str
     job_status: str
+    id: str = ""  # the group's or actor's id (hex): what is removed, never the name (names repeat)
+    namespace: str = ""  # an actor's
 
 
 def submission_id_of(name: str) -> str | None:
@@ -66,33 +69,34 @@ def find_orphans(exclude: str | None = None) -> list[Orphan]:
 
     gcs = ray._private.state.state
     ended = {job["JobID"] for job in gcs.job_table() if job["IsDead"]}
-    found: list[tuple[str, str]] = []
+    found: list[tuple[str, str, str, str]] = []  # (name, kind, id, namespace)
     for raw in gcs._connect_and_get_accessor().get_placement_group_table():
         group = gcs_pb2.PlacementGroupTableData.FromString(raw)
         removed = group.state == gcs_pb2.PlacementGroupTableData.REMOVED
         if group.name.startswith(PREFIX) and not removed and (
                 group.creator_job_dead or group.creator_job_id.hex() in ended):
-            found.append((group.name, "placement_group"))
+            found.append((group.name, "placement_group", group.placement_group_id.hex(), ""))
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["name"].startswith(PREFIX) and _creator_job(actor) in ended:
-            found.append((actor["name"], "actor"))
+        if actor["name"].startswith(PREFIX):
+            handle = _handle(actor["name"], actor["namespace"])
+            if handle is not None and handle._actor_id.job_id.hex() in ended:
+                found.append((actor["name"], "actor", handle._actor_id.hex(), actor["namespace"]))
     statuses: dict[str, str | None] = {}
     orphans = []
-    for name, kind in found:
+    for name, kind, id, namespace in found:
         sid = submission_id_of(name) or ""
         if exclude and sid == exclude:
             continue
         if sid not in statuses:
             statuses[sid] = job_status(sid) if sid else None
         orphans.append(Orphan(kind=kind, name=name, submission_id=sid,
-                              job_status=statuses[sid] or "ended (its driver exited)"))
+                              job_status=statuses[sid] or "ended (its driver exited)", id=id, namespace=namespace))
     return orphans
 
 
-def _creator_job(actor: dict) -> str | None:
-    """The Ray job id (hex) of the driver that created a named actor: part of the actor's id."""
+def _handle(name: str, namespace: str) -> Any:
     try:
-        return ray.get_actor(actor["name"], namespace=actor["namespace"])._actor_id.job_id.hex()
+        return ray.get_actor(name, namespace=namespace)
     except ValueError:  # gone since it was listed
         return None
 
@@ -105,16 +109,14 @@ def reap(*, dry_run: bool = False, exclude: str | None = None) -> list[Orphan]:
     orphans = find_orphans(exclude)
     if dry_run:
         return orphans
-    by_name = {pg["name"]: pg["placement_group_id"] for pg in placement_group_table().values()
-               if pg["state"] != "REMOVED"}
-    namespaces = {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
     for orphan in orphans:
         try:
-            if orphan.kind == "actor":
-                ray.kill(ray.get_actor(orphan.name, namespace=namespaces.get(orphan.name)), no_restart=True)
-            elif orphan.name in by_name:
-                group_id = ray.PlacementGroupID(bytes.fromhex(by_name[orphan.name]))
-                ray.util.remove_placement_group(PlacementGroup(group_id))
+            if orphan.kind == "actor":  # by id: the name may since be a live actor's, made anew
+                handle = _handle(orphan.name, orphan.namespace)
+                if handle is not None and handle._actor_id.hex() == orphan.id:
+                    ray.kill(handle, no_restart=True)
+            else:
+                ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(orphan.id))))
         except ValueError:  # gone between listing and reaping
             pass
     return orphans

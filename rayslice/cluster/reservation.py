@@ -115,7 +115,7 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
         place.leave()
         raise
     try:
-        heads = _hold_heads(request, nodes, broken, deadline, name)
+        heads = _hold_heads(request, nodes, broken, deadline, name, lost_nodes)
     except BaseException:
         place.leave()
         raise
@@ -146,7 +146,7 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
 
 
 def _hold_heads(request: TpuSliceRequest, nodes: list[dict], broken: set[str], deadline: float,
-                name: str) -> PlacementGroup | None:
+                name: str, lost: frozenset[str] = frozenset()) -> PlacementGroup | None:
     """One head per slice, never on a slice that lost a host or whose head is free while a worker is busy.
 
     A trapped slice (a plain Ray task asking for `TPU` sits on a worker) would be held for hosts that
@@ -155,9 +155,13 @@ def _hold_heads(request: TpuSliceRequest, nodes: list[dict], broken: set[str], d
     the group is made anew only when that set changes (a trap cleared, or a freshly released
     slice whose workers' chips Ray reports free a moment after its head). None: nothing by `deadline`.
     """
-    heads, avoided = None, None
+    heads, avoided, first = None, None, True
     try:
         while True:
+            if not first:  # a lost host may be back (a new node), or another lost: look again
+                nodes = ray.nodes()
+                broken = _slices(request, nodes, lost)[0]
+            first = False
             avoid = broken | trapped_slices(request, nodes, broken)
             if avoid != avoided:
                 if heads is not None:
@@ -218,26 +222,40 @@ def check_satisfiable(request: TpuSliceRequest, nodes: list[dict] | None = None,
                       lost: frozenset[str] = frozenset()) -> set[str]:
     """Fail at once, instead of after capacity_timeout, when no slice could ever appear.
 
-    Enough intact slices of the pod type exist (busy or not), or an autoscaler may add them:
-    then waiting makes sense. Returns the names of broken slices (alive, but missing hosts),
+    Enough intact slices of the pod type exist (busy or not), or did (a slice that lost a host: a
+    preempted or restarting host comes back, so the step waits for it within capacity_timeout, and
+    `preemption_retries` can work on a cluster of exactly `num_slices` slices), or an autoscaler may
+    add them: then waiting makes sense. Returns the names of broken slices (alive, but missing hosts),
     which the reservation avoids. `nodes`: a `ray.nodes()` snapshot to use; `lost`: nodes to count as gone.
     """
-    alive = [node for node in (ray.nodes() if nodes is None else nodes) if node["Alive"] and node["NodeID"] not in lost]
-    hosts: dict[str, int] = {}
-    for node in alive:
-        labels = node.get("Labels", {})
-        if labels.get(POD_TYPE_LABEL) == request.pod_type and labels.get(SLICE_NAME_LABEL):
-            hosts[labels[SLICE_NAME_LABEL]] = hosts.get(labels[SLICE_NAME_LABEL], 0) + 1
-    broken = {name for name, count in hosts.items() if count < request.hosts_per_slice}
-    intact = len(hosts) - len(broken)
-    if intact >= request.num_slices or _autoscaler_may_add(request.head_resource):
+    nodes = ray.nodes() if nodes is None else nodes
+    broken, intact = _slices(request, nodes, lost)
+    if intact >= request.num_slices:
         return broken
+    known = {node["Labels"][SLICE_NAME_LABEL] for node in nodes
+             if node.get("Labels", {}).get(POD_TYPE_LABEL) == request.pod_type
+             and node.get("Labels", {}).get(SLICE_NAME_LABEL)}  # alive or not: a slice this cluster has had
+    if len(known) >= request.num_slices or _autoscaler_may_add(request.head_resource):
+        return broken
+    alive = [node for node in nodes if node["Alive"] and node["NodeID"] not in lost]
     have = sorted({node["Labels"][POD_TYPE_LABEL] for node in alive if node.get("Labels", {}).get(POD_TYPE_LABEL)})
     raise UnsatisfiableRequestError(
         f"{request} can never be scheduled on this cluster: it has {intact} intact {request.pod_type} slice(s)"
         f"{f' ({len(broken)} more missing hosts)' if broken else ''} and no autoscaler that could add "
         f"{request.head_resource}. Slice types here: {', '.join(have) or 'none'}."
     )
+
+
+def _slices(request: TpuSliceRequest, nodes: list[dict], lost: frozenset[str]) -> tuple[set[str], int]:
+    """The broken slices of the request's type (alive, missing hosts) and how many are intact."""
+    hosts: dict[str, int] = {}
+    for node in nodes:
+        labels = node.get("Labels", {})
+        if node["Alive"] and node["NodeID"] not in lost and labels.get(POD_TYPE_LABEL) == request.pod_type \
+                and labels.get(SLICE_NAME_LABEL):
+            hosts[labels[SLICE_NAME_LABEL]] = hosts.get(labels[SLICE_NAME_LABEL], 0) + 1
+    broken = {name for name, count in hosts.items() if count < request.hosts_per_slice}
+    return broken, len(hosts) - len(broken)
 
 
 def check_accelerator_satisfiable(request: AcceleratorRequest) -> None:

@@ -5,8 +5,10 @@ one named Ray actor per cluster and applies `plan` to them; the CLI prints `form
 
 Order: priority (higher first), then arrival (earlier first). Policies (Kueue's names):
 
-- ``strict``: a request that cannot start holds back every later one of its family (TPU
-  slices of any type, or one accelerator resource): nobody passes it.
+- ``strict``: a request that cannot start holds back every later one that draws on the same
+  capacity: its own kind, and, where an autoscaler adds capacity, every kind of its family (one
+  TPU generation, or one accelerator resource), which share the cloud's quota. Slice types
+  already there are separate: nobody passes it on capacity it could use, and nothing else waits.
 - ``best-effort`` (default): a later request may start on capacity the waiting one cannot
   use (a ``v6e-4`` while a ``2 x v6e-16`` waits), never on capacity it could (a one-slice
   ``v6e-16`` waits behind the ``2 x v6e-16``). A request waiting longer than ``aging_s`` is
@@ -14,11 +16,19 @@ Order: priority (higher first), then arrival (earlier first). Policies (Kueue's 
 
 Teams: a request of a team with a quota (chips per slice type, or accelerators such as GPUs)
 that would exceed it borrows: it starts only when no request within its quota waits for the
-same capacity. Nothing is ever preempted.
+same capacity. Nothing is ever preempted. A team is a path (``research/vision``): a step counts
+against the quota of its team and of every team above it. Who sets what (docs/security.md):
+the settings are the cluster operator's, never a step's; a step's team is its connection's
+``team`` extra, which the step may only narrow (`team_for`).
+
+TPU chips (``AcceleratorRequest(resource="TPU")``) are planned against slices: the launcher
+picks the slice type they run on (`chip_slice_type`), they count as that share of one such slice
+(a slice holding any chip step is a slice in use), and they wait in that type's line.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -26,6 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayslice.core.accelerators import AcceleratorRequest, StepRequest, TpuSliceRequest
+from rayslice.core.exceptions import InvalidRequestError
 
 Policy = Literal["best-effort", "strict"]
 #: Environment variable on the cluster with the queue's settings as JSON, for steps whose connection sets none.
@@ -33,9 +44,13 @@ SETTINGS_ENV = "RAYSLICE_QUEUE"
 
 
 class QueueSettings(BaseModel):
-    """A cluster's queue policy: the `ray` connection's ``queue`` extra, or ``RAYSLICE_QUEUE`` on the cluster."""
+    """A cluster's queue policy, set by its operator only: ``RAYSLICE_QUEUE`` on the head, or `rayslice queue --set`.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    Unknown fields are ignored, so a broker older than the settings' writer keeps working (`checked`
+    is what refuses a typo where a person writes them).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     policy: Policy = "best-effort"
     aging_s: float | None = Field(600.0, gt=0, description="best-effort: after this long a waiting request is "
@@ -45,6 +60,80 @@ class QueueSettings(BaseModel):
         description="team -> {slice type (chips) or accelerator resource (count): quota}, e.g. "
                     "{'research': {'v6e-16': 32, 'GPU': 2}}")
 
+    max_priority: dict[str, int] = Field(
+        default_factory=dict,
+        description="team (or '*': every step) -> the highest priority its steps get; a step asking more is "
+                    "queued at that, e.g. {'*': 10, 'oncall': 100}")
+
+    def priority_of(self, priority: int, team: str | None) -> int:
+        """A step's priority as queued: capped by its team's (or a team above it's) `max_priority`, else '*'."""
+        caps = [self.max_priority[t] for t in (teams_above(team) if team else []) if t in self.max_priority]
+        cap = min(caps) if caps else self.max_priority.get("*")
+        return priority if cap is None else min(priority, cap)
+
+    @classmethod
+    def checked(cls, data: str | dict[str, Any], where: str) -> QueueSettings:
+        """Settings a person wrote (`RAYSLICE_QUEUE`, `rayslice queue --set`): unknown keys are a clear error."""
+        import json
+
+        try:
+            raw = json.loads(data) if isinstance(data, str) else data
+            if not isinstance(raw, dict):
+                raise ValueError("not an object")
+            unknown = sorted(set(raw) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(f"unknown key(s) {', '.join(unknown)}")
+            return cls.model_validate(raw)
+        except ValueError as exc:
+            raise InvalidRequestError(
+                f"{where} must be a JSON object like {{\"policy\": \"best-effort\" (or \"strict\"), \"aging_s\": 600, "
+                f"\"quotas\": {{\"research\": {{\"v6e-16\": 32, \"GPU\": 2}}}}}}: {exc}") from None
+
+
+#: What a team name may be: path parts of letters, digits, '.', '_', '-', joined by '/'.
+TEAM_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$"
+
+
+def team_for(platform: str | None, asked: str | None, task: str = "the step") -> str | None:
+    """The team a step counts against: its connection's ``team`` extra (the platform's), narrowed by the step.
+
+    A step may name its connection's team or a team under it (``research/vision`` under ``research``),
+    never another one; on a connection without a team it may name none, since a name it chose itself
+    would let it pick whose quota it uses.
+    """
+    if asked is None or asked == platform:
+        return platform
+    if platform is None:
+        raise InvalidRequestError(
+            f"team={asked!r} of {task}: teams are set by the platform, not by a step; this `ray` connection names "
+            "no team (its `team` extra), so its steps count against none. Ask the cluster's operator for a "
+            "connection with your team.")
+    if not asked.startswith(platform + "/"):
+        raise InvalidRequestError(
+            f"team={asked!r} of {task}: its connection belongs to team {platform!r}; a step may only narrow that "
+            f"(e.g. team={platform + '/vision'!r}), never name another team.")
+    return asked
+
+
+def teams_above(team: str) -> list[str]:
+    """'a/b/c' -> ['a', 'a/b', 'a/b/c']: every team whose quota a step of `team` counts against."""
+    parts = team.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def chip_slice_type(count: float, accelerator_type: str | None,
+                    slice_types: dict[str, tuple[int, int]]) -> str | None:
+    """The slice type a TPU-chip step runs on: the smallest whose hosts hold `count` chips.
+
+    `slice_types`: pod type -> (chips per host, chips per slice), of the cluster's slices.
+    `accelerator_type` ("TPU-V6E") narrows them to one generation. The smallest slice, so a chip
+    step sits on a single-host slice before it takes a host of a multi-host one. None: none fits.
+    """
+    fitting = [(per_slice, pod_type) for pod_type, (per_host, per_slice) in slice_types.items()
+               if per_host >= count and (accelerator_type is None
+                                         or f"TPU-{pod_type.split('-')[0].upper()}" == accelerator_type.upper())]
+    return min(fitting)[1] if fitting else None
+
 
 @dataclass
 class Entry:
@@ -52,7 +141,7 @@ class Entry:
 
     id: str
     label: str  # dag.task (or the submission id outside Airflow)
-    family: str  # "TPU", or the accelerator resource ("GPU")
+    family: str  # "TPU-<generation>" ("TPU-v6e"), or the accelerator resource ("GPU")
     kind: str  # the slice type ("v6e-16"), or the accelerator resource
     amount: float  # slices, or accelerators
     chips: float  # what counts against a team's quota: chips, or accelerators
@@ -62,6 +151,8 @@ class Entry:
     arrival: float = field(default_factory=time.time)
     admitted: bool = False
     admitted_at: float | None = None
+    part: bool = False  # TPU chips on one host of a slice: `amount` is the share of the slice
+    dag: str = ""  # deployment/dag: whose log may name this step (others read "a step of another DAG")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,22 +163,49 @@ class Entry:
 
 
 def entry_for(request: StepRequest, *, id: str, label: str, priority: int = 0, team: str | None = None,
-              arrival: float | None = None) -> Entry:
-    """The queue entry of a step's request."""
+              arrival: float | None = None, chips_on: tuple[str, int] | None = None) -> Entry:
+    """The queue entry of a step's request.
+
+    `chips_on`: for TPU chips, the slice type they will run on and its chips per slice
+    (`chip_slice_type`): the entry then waits in that type's line, as that share of one slice.
+    """
+    arrival = time.time() if arrival is None else arrival
     if isinstance(request, TpuSliceRequest):
         chips = request.total_hosts * request.chips_per_host
-        return Entry(id=id, label=label, family="TPU", kind=request.pod_type, amount=request.num_slices,
-                     chips=chips, what=f"{request.num_slices} x {request.pod_type}", priority=priority, team=team,
-                     arrival=time.time() if arrival is None else arrival)
+        return Entry(id=id, label=label, family=f"TPU-{request.version}", kind=request.pod_type,
+                     amount=request.num_slices, chips=chips, what=f"{request.num_slices} x {request.pod_type}",
+                     priority=priority, team=team, arrival=arrival)
     assert isinstance(request, AcceleratorRequest)
+    if request.resource == "TPU" and chips_on is not None:
+        pod_type, per_slice = chips_on
+        return Entry(id=id, label=label, family=f"TPU-{pod_type.split('-')[0]}", kind=pod_type,
+                     amount=request.count / per_slice,
+                     chips=request.count, what=f"{request.count:g} TPU chips of a {pod_type}", priority=priority,
+                     team=team, arrival=arrival, part=True)
     return Entry(id=id, label=label, family=request.resource, kind=request.resource, amount=request.count,
                  chips=request.count, what=f"{request.count:g} {request.resource}", priority=priority, team=team,
-                 arrival=time.time() if arrival is None else arrival)
+                 arrival=arrival)
+
+
+def rank_key(e: Entry) -> tuple[int, float, str]:
+    """Where an entry stands: priority (higher first), then arrival, then id (unique: no ties)."""
+    return (-e.priority, e.arrival, e.id)
 
 
 def order(entries: list[Entry]) -> list[Entry]:
     """Waiting entries by rank: priority (higher first), then arrival."""
-    return sorted((e for e in entries if not e.admitted), key=lambda e: (-e.priority, e.arrival, e.id))
+    return sorted((e for e in entries if not e.admitted), key=rank_key)
+
+
+#: One line per kind: its waiting entries in rank order, each with its `rank_key`.
+Lines = dict[str, list[tuple[tuple[int, float, str], Entry]]]
+
+
+def lines_of(entries: list[Entry]) -> Lines:
+    lines: Lines = {}
+    for e in order(entries):
+        lines.setdefault(e.kind, []).append((rank_key(e), e))
+    return lines
 
 
 @dataclass
@@ -95,78 +213,125 @@ class Plan:
     """What `plan` decided: who is admitted now, and why each other entry waits."""
 
     admit: list[str]
-    reasons: dict[str, str]  # id -> why it still waits
+    reasons: dict[str, str]  # id -> why it still waits (absent: behind the line of its own kind)
 
 
 def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings, now: float | None = None) -> Plan:
-    """Who of the waiting entries may reserve now.
+    """Who of the waiting entries may reserve now (`plan_lines` over `entries`' lines)."""
+    return plan_lines(lines_of(entries), [e for e in entries if e.admitted], totals, settings, now)
+
+
+def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], settings: QueueSettings,
+               now: float | None = None) -> Plan:
+    """Who of the waiting entries may reserve now, walking the lines in rank order as one queue.
 
     `totals`: the cluster's capacity per kind (slices of a type, accelerators of a resource). A kind
-    the cluster holds too little of (an autoscaler adds it on demand) counts as fitting.
-    """
-    now = time.time() if now is None else now
-    used: dict[str, float] = {}
-    team_used: dict[tuple[str, str], float] = {}
-    for e in entries:
-        if e.admitted:
-            used[e.kind] = used.get(e.kind, 0) + e.amount
-            if e.team:
-                team_used[(e.team, e.kind)] = team_used.get((e.team, e.kind), 0) + e.chips
+    the cluster holds too little of (an autoscaler adds it on demand) counts as fitting. Slices held
+    by chip steps count whole: their shares, rounded up (the launcher packs them onto as few as it can).
 
-    def quota_left(e: Entry) -> float | None:
-        quota = settings.quotas.get(e.team) if e.team else None
-        if quota is None:
-            return None
-        return quota.get(e.kind, 0) - team_used.get((e.team, e.kind), 0)
+    A line stops at its first entry that must wait (nobody of its kind passes it), so the walk costs
+    what is admitted and what is first in line, not the queue's length: the lines' heads are merged
+    in rank order (a heap), and a blocked line is dropped. Over-quota entries are set aside as they
+    are met and borrow afterwards only what no line within quota waits for.
+    """
+    import heapq
+
+    now = time.time() if now is None else now
+    used: dict[str, float] = {}  # kind -> whole slices / accelerators
+    shared: dict[str, float] = {}  # kind -> shares of slices that chip steps hold
+    team_used: dict[tuple[str, str], float] = {}  # (team, or a team above it; kind) -> chips
+
+    def in_use(kind: str) -> float:
+        return used.get(kind, 0) + math.ceil(shared.get(kind, 0) - 1e-9)
+
+    def count(e: Entry) -> None:
+        pool = shared if e.part else used
+        pool[e.kind] = pool.get(e.kind, 0) + e.amount
+        for team in teams_above(e.team) if e.team else ():
+            team_used[(team, e.kind)] = team_used.get((team, e.kind), 0) + e.chips
+
+    for e in running:
+        count(e)
+
+    def over_quota(e: Entry) -> str | None:
+        """The team (of the step's, or above it) whose quota the entry would exceed, or None."""
+        for team in teams_above(e.team) if e.team else ():
+            quota = settings.quotas.get(team)
+            if quota is not None and team_used.get((team, e.kind), 0) + e.chips > quota.get(e.kind, 0) + 1e-9:
+                return team
+        return None
 
     def fits(e: Entry) -> bool:
         total = totals.get(e.kind, 0)
-        return total < e.amount or used.get(e.kind, 0) + e.amount <= total + 1e-9
+        if e.part:
+            return total == math.inf or used.get(e.kind, 0) + math.ceil(shared.get(e.kind, 0) + e.amount - 1e-9) \
+                <= total + 1e-9
+        return total < e.amount or in_use(e.kind) + e.amount <= total + 1e-9
 
-    def take(e: Entry) -> None:
-        admit.append(e.id)
-        used[e.kind] = used.get(e.kind, 0) + e.amount
-        if e.team:
-            team_used[(e.team, e.kind)] = team_used.get((e.team, e.kind), 0) + e.chips
+    def held_back(e: Entry) -> Entry | None:
+        """The entry served strictly that `e` may not pass: one of its family, where both draw on one pool.
+
+        Kinds an autoscaler adds share a pool (the cloud's quota of a TPU generation, or of a
+        resource); slices already there do not: a v6e-4 never takes what a 2 x v6e-16 waits for.
+        """
+        blocker = blocked_families.get(e.family)
+        if blocker is None or blocker.kind == e.kind:
+            return blocker
+        return blocker if math.isinf(totals.get(e.kind, 0)) and math.isinf(totals.get(blocker.kind, 0)) else None
 
     admit: list[str] = []
     reasons: dict[str, str] = {}
     blocked_kinds: dict[str, Entry] = {}  # kind -> the first entry that waits for it
     blocked_families: dict[str, Entry] = {}  # family -> the first entry served strictly that waits
-    borrowers: list[Entry] = []
-    for e in order(entries):
-        left = quota_left(e)
-        if left is not None and e.chips > left + 1e-9:
-            borrowers.append(e)
+    borrowers: list[tuple[Entry, str]] = []
+    heads = [(line[0][0], kind, 0) for kind, line in lines.items() if line]
+    heapq.heapify(heads)
+    while heads:
+        _, kind, i = heapq.heappop(heads)
+        line = lines[kind]
+        e = line[i][1]
+        team = over_quota(e)
+        blocker = held_back(e)
+        if team is None and blocker is None and fits(e):
+            admit.append(e.id)
+            count(e)
+        elif team is not None:
+            borrowers.append((e, team))
+        else:  # it waits, and so does its whole line behind it
+            if blocker is None:
+                reasons[e.id] = f"first in line; {in_use(e.kind):g} of {totals.get(e.kind, 0):g} {e.kind} in use"
+            else:
+                reasons[e.id] = f"held back by {seen_by(blocker, e)} (waiting for {blocker.what}, served strictly)"
+            blocked_kinds[kind] = e
+            if settings.policy == "strict" or (settings.aging_s is not None and now - e.arrival >= settings.aging_s):
+                blocked_families.setdefault(e.family, e)
             continue
-        strictly = settings.policy == "strict" or (settings.aging_s is not None and now - e.arrival >= settings.aging_s)
-        blocker = blocked_kinds.get(e.kind) or blocked_families.get(e.family)
-        if blocker is None and fits(e):
-            take(e)
-            continue
-        if blocker is None:
-            reasons[e.id] = f"first in line; {used.get(e.kind, 0):g} of {totals.get(e.kind, 0):g} {e.kind} in use"
-        elif blocker.kind != e.kind:
-            reasons[e.id] = f"held back by {blocker.label} (waiting for {blocker.what}, served strictly)"
-        else:
-            reasons[e.id] = ""  # behind the line of its own kind
-        blocked_kinds.setdefault(e.kind, e)
-        if strictly:
-            blocked_families.setdefault(e.family, e)
-    for e in borrowers:  # over quota: only on capacity that nobody within quota waits for
-        quota = settings.quotas[e.team].get(e.kind, 0)  # type: ignore[index]
-        why = f"team {e.team} over its quota ({team_used.get((e.team, e.kind), 0):g} of {quota:g} {e.kind} in use)"
-        if e.kind in blocked_kinds or e.family in blocked_families or not fits(e):
+        if i + 1 < len(line):
+            heapq.heappush(heads, (line[i + 1][0], kind, i + 1))
+    for e, team in borrowers:  # over quota: only on capacity that nobody within quota waits for
+        quota = settings.quotas[team].get(e.kind, 0)
+        why = f"team {team} over its quota ({team_used.get((team, e.kind), 0):g} of {quota:g} {e.kind} in use)"
+        if e.kind in blocked_kinds or held_back(e) is not None or not fits(e):
             reasons[e.id] = why + ", borrowing only what nobody within quota waits for"
             blocked_kinds.setdefault(e.kind, e)
             continue
-        take(e)
+        admit.append(e.id)
+        count(e)
     return Plan(admit=admit, reasons=reasons)
 
 
-def ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
+def seen_by(other: Entry, reader: Entry) -> str:
+    """`other`'s label as `reader`'s task log may show it: only within one DAG (a log's readers may not read others)."""
+    return other.label if other.dag == reader.dag else "a step of another DAG"
+
+
+def ranks(entries: list[Entry]) -> dict[str, tuple[int, Entry | None]]:
+    """Every waiting entry's place in its line (the waiting entries of its kind): rank from 1, and the one ahead."""
+    found: dict[str, tuple[int, Entry | None]] = {}
+    for line in lines_of(entries).values():
+        for i, (_, e) in enumerate(line):
+            found[e.id] = (i + 1, line[i - 1][1] if i else None)
+    return found
 
 
 def standing(entries: list[Entry], id: str, reasons: dict[str, str], now: float | None = None) -> dict[str, Any]:
@@ -175,12 +340,15 @@ def standing(entries: list[Entry], id: str, reasons: dict[str, str], now: float 
     mine = next((e for e in entries if e.id == id), None)
     if mine is None or mine.admitted:
         return {"admitted": mine is not None}
-    line = [e for e in order(entries) if e.kind == mine.kind]
-    rank = next(i for i, e in enumerate(line) if e.id == id)
-    ahead = line[rank - 1] if rank else None
-    return {"admitted": False, "rank": rank + 1, "what": mine.what, "reason": reasons.get(id, ""),
-            "ahead": None if ahead is None else {"label": ahead.label, "priority": ahead.priority,
+    rank, ahead = ranks(entries)[id]
+    return {"admitted": False, "rank": rank, "what": mine.what, "reason": reasons.get(id, ""),
+            "ahead": None if ahead is None else {"label": seen_by(ahead, mine), "priority": ahead.priority,
                                                  "waited": max(0.0, now - ahead.arrival)}}
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def describe(state: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import StepRequest
 from rayslice.core.exceptions import FAILURE_FIELDS, InvalidRequestError, StepFailedError
-from rayslice.core.queue import QueueSettings
+from rayslice.core.queue import SETTINGS_ENV, TEAM_PATTERN
 
 RESULT_MARKER = "::rayslice-result::"
 ERROR_MARKER = "::rayslice-error::"
@@ -118,10 +118,9 @@ class StepSpec(BaseModel):
     owner: Owner = Field(default_factory=Owner)
     priority: int | None = Field(None, description="rank in the cluster's admission queue (higher first); "
                                                    "Airflow's priority_weight by default")
-    team: str | None = Field(None, min_length=1, max_length=64,
-                             description="the team whose quota the step counts against (the queue's `quotas`)")
-    queue: QueueSettings | None = Field(None, description="the cluster queue's policy, aging and quotas "
-                                                          "(the connection's `queue` extra)")
+    team: str | None = Field(None, min_length=1, max_length=64, pattern=TEAM_PATTERN,
+                             description="the team whose quota the step counts against: its connection's `team` "
+                                         "extra, or a team under it (`rayslice.core.queue.team_for`)")
     launcher: Launcher = Field(
         "shipped", description="ship rayslice's cluster side with the job, or use the copy installed on the cluster"
     )
@@ -134,6 +133,13 @@ class StepSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "queue" in data:
+            data = dict(data)
+            if data.pop("queue") is not None:
+                raise InvalidRequestError(
+                    "a step cannot set the cluster's queue policy or quotas (`queue=`): they are the cluster "
+                    f"operator's, set on the head ({SETTINGS_ENV}) or with `rayslice queue --set`; drop the argument "
+                    "(docs/security.md)")
         if isinstance(data, dict) and "entrypoint" in data:
             data = dict(data)
             value = data.pop("entrypoint")

@@ -98,6 +98,20 @@ def test_the_deployment_extra_names_a_folder_or_nothing():
             settings({"deployment": bad})
 
 
+def test_the_team_extra_is_the_platforms_and_a_queue_extra_is_refused():
+    """Issue 38 (3): a connection's `queue` extra used to set the whole cluster's policy and quotas."""
+    def settings(extra):
+        return settings_from_connection(Connection(conn_id="r", conn_type="ray", host="http://h:1",
+                                                   extra=json.dumps(extra)))
+
+    assert settings({"team": "research/vision"}).team == "research/vision" and settings({}).team is None
+    with pytest.raises(InvalidRequestError, match="extra 'team' must be a team name"):
+        settings({"team": "a b"})
+    with pytest.raises(InvalidRequestError, match="extra 'queue' is no longer read: .* cluster operator's, set on "
+                                                  "the head \\(RAYSLICE_QUEUE\\) or with `rayslice queue --set"):
+        settings({"queue": {"quotas": {}, "policy": "strict"}})
+
+
 def test_missing_host_names_the_fix():
     with pytest.raises(InvalidRequestError, match="host to the Ray dashboard URL"):
         dashboard_url("")

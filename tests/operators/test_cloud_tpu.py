@@ -100,7 +100,10 @@ def test_the_slices_are_deleted_when_the_step_between_fails(fake, dags, dag_id, 
     assert NAME not in fake.queued
     [(_, _, _, body)] = [r for r in fake.requests if r[0] == "POST"]
     node = body["tpu"]["nodeSpec"][0]["node"]
-    assert node["labels"]["rayslice-owner"] == cloud_tpu.owner_label(f"{dag_id}/{dr.run_id}")
+    from airflow.models import Variable
+
+    deployment = Variable.get("rayslice_deployment")  # issue 38 (9): another Airflow's same run is another owner
+    assert node["labels"]["rayslice-owner"] == cloud_tpu.owner_label(f"{deployment}/{dag_id}/{dr.run_id}")
     assert "/bin/ray\" start --address=10.0.0.2:6379" in node["metadata"]["startup-script"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from rayslice.hooks.ray import RayConnectionSettings
 from rayslice.operators.tpu_slice import TpuSliceOperator
 
 from rayslice.core.accelerators import TpuSliceRequest
@@ -82,6 +83,7 @@ def test_queue_priority_defaults_to_the_priority_weight_and_team_reaches_the_ste
     from rayslice.core.step import Owner
 
     op = TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", priority_weight=7, team="research")
+    op._settings = RayConnectionSettings(dashboard_url="http://h:1", team="research")
     spec = op._spec(op.build_request(), Owner(), context={})
     assert (spec.priority, spec.team) == (7, "research")
     assert op._spec(op.build_request(), Owner(), context={"ti": SimpleNamespace(priority_weight=12)}).priority == 12
@@ -89,3 +91,33 @@ def test_queue_priority_defaults_to_the_priority_weight_and_team_reaches_the_ste
     assert op._spec(op.build_request(), Owner(), context={"ti": SimpleNamespace(priority_weight=12)}).priority == 3
     with pytest.raises(InvalidRequestError, match="priority of 't' must be a whole number"):
         TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", priority="high")
+
+
+@pytest.mark.parametrize(("platform", "asked", "team"), [
+    ("research", None, "research"),  # a step that omits team= still counts against its connection's team
+    ("research", "research/vision", "research/vision"),  # narrowing is allowed
+    (None, None, None),
+])
+def test_a_steps_team_is_its_connections_which_it_may_only_narrow(platform, asked, team):
+    """Issue 38 (3): a team over its quota omitted `team=`, or named another team, and was unlimited."""
+    from rayslice.core.step import Owner
+
+    op = TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", team=asked)
+    op._settings = RayConnectionSettings(dashboard_url="http://h:1", team=platform)
+    assert op._spec(op.build_request(), Owner(), context={}).team == team
+
+
+@pytest.mark.parametrize(("platform", "asked", "error"), [
+    ("research", "infra", "its connection belongs to team 'research'; a step may only narrow that"),
+    ("research", "research-x", "its connection belongs to team 'research'"),
+    (None, "research", "teams are set by the platform, not by a step"),
+])
+def test_a_step_cannot_name_another_team(platform, asked, error):
+    from rayslice.core.step import Owner
+
+    op = TpuSliceOperator(task_id="t", tpu="v6e-16", callable="pkg.mod:fn", team=asked)
+    op._settings = RayConnectionSettings(dashboard_url="http://h:1", team=platform)
+    from airflow.sdk.exceptions import AirflowFailException
+
+    with pytest.raises(AirflowFailException, match=error):  # no retry: a retry would not change the team
+        op._spec(op.build_request(), Owner(), context={})

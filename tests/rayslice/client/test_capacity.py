@@ -266,10 +266,10 @@ def test_a_step_waiting_in_the_admission_queue_is_pending_demand():
 def test_steps_in_the_admission_queue_are_numbered_in_line_by_priority_then_arrival():
     """Per kind of capacity, as the broker orders them; priority and team come from the job's metadata."""
 
-    def job(n: int, request: str, **meta: str) -> dict:
+    def job(n: int, request: str, start_s: float = 1_000, **meta: str) -> dict:
         return {"type": "SUBMISSION", "job_id": f"0{n}000000", "submission_id": f"s{n}", "status": "RUNNING",
-                "start_time": 1_000_000, "metadata": {"dag_id": "d", "run_id": "r", "task_id": f"t{n}",
-                                                      "request": request, **meta}}
+                "start_time": int(start_s * 1000), "metadata": {"dag_id": "d", "run_id": "r", "task_id": f"t{n}",
+                                                                "request": request, **meta}}
 
     def marker(n: int, created: float) -> dict:
         return {"placement_group_id": f"pg{n}", "name": f"rayslice:s{n}/queued", "state": "CREATED",
@@ -281,11 +281,16 @@ def test_steps_in_the_admission_queue_are_numbered_in_line_by_priority_then_arri
     markers = [marker(1, 1_001), marker(2, 1_010), marker(3, 1_020), marker(4, 1_005), marker(5, 1_030)]
     snap = capacity._parse(_state([]), _state(markers), _state([]), jobs, now=1_040.0)
     line = {p.holder.task_id: (p.place, p.priority, p.team) for p in snap.pending}
-    assert line == {"t2": (1, 5, "research"), "t1": (2, 1, None), "t4": (3, 1, None), "t5": (4, 1, None),
+    # one line per slice type, as the broker's (issue 38 (8): it was one "TPU" line)
+    assert line == {"t2": (1, 5, "research"), "t1": (2, 1, None), "t4": (1, 1, None), "t5": (1, 1, None),
                     "t3": (1, 1, None)}
     console = Console(record=True, width=200, file=io.StringIO())
     console.print(capacity.render(snap))
     assert "in the admission queue: 1st in line, priority 5, team research" in console.export_text()
+    # arrival is the job's start, as the broker's: a retried or slow-to-mark step keeps its place
+    jobs = [job(6, "v6e-16", start_s=1_002), job(7, "v6e-16", start_s=1_001)]
+    snap = capacity._parse(_state([]), _state([marker(6, 1_003), marker(7, 1_009)]), _state([]), jobs, now=1_040.0)
+    assert {p.holder.task_id: p.place for p in snap.pending} == {"t7": 1, "t6": 2}
 
 
 class StateApiFake(JsonHttpFake):

@@ -223,6 +223,21 @@ def test_a_cluster_of_another_run_is_left_alone(fake, kubeconfig, manifest):
     assert fake.cluster("ml", "rs") is not None
 
 
+def test_another_airflow_with_the_same_dag_and_run_never_adopts_nor_deletes_it(fake, kubeconfig, manifest):
+    """Issue 38 (9): the mark was `dag/run`, so a staging Airflow took over prod's cluster on a 409 and deleted it."""
+    from rayslice.cloud.kuberay_client import owner_for_run
+
+    prod, staging = owner_for_run("nightly", "run-1", "prod"), owner_for_run("nightly", "run-1", "staging")
+    with client(kubeconfig) as kube:
+        kube.create(manifest, owner=prod)
+        kube.ensure_token_secret("rs-token", owner=prod)
+        with pytest.raises(KubeRayError, match="made by prod/nightly/run-1, not staging/nightly/run-1"):
+            kube.create(manifest, owner=staging)
+        assert kube.delete(owner=staging) == "not-owned"
+        assert kube.delete_token_secret("rs-token", owner=staging) == "not-owned"
+    assert fake.cluster("ml", "rs") is not None
+
+
 def test_a_retried_create_adopts_its_own_cluster(fake, kubeconfig, manifest):
     with client(kubeconfig) as kube:
         first = kube.create(manifest, owner=OWNER)

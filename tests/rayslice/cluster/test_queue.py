@@ -25,9 +25,18 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def place(name, settings, tpu="v6e-16", slices=1, priority=0, team=None, arrival=None):
+    """A launcher's place; `settings`: the operator's (set as `rayslice queue --set` does) before it joins."""
+    if settings is not None and queue.snapshot()["settings"] != settings.model_dump():
+        operator_sets(settings)
     entry = entry_for(TpuSliceRequest(tpu=tpu, num_slices=slices), id=f"test-{name}-{time.time_ns()}",
                       label=f"test.{name}", priority=priority, team=team, arrival=arrival)
-    return queue.Place(entry, settings, log=lambda message: None).join()
+    return queue.Place(entry, log=lambda message: None).join()
+
+
+def operator_sets(settings):
+    import ray
+
+    ray.get(queue.broker().set_settings.remote(settings.model_dump()), timeout=10)
 
 
 def admitted(*places):
@@ -47,6 +56,7 @@ def leave_all(*places):
 def empty_queue(ray_driver):
     assert wait_until(lambda: queue.snapshot()["entries"] == [], timeout=queue.EXPIRE_S + 3)
     yield
+    operator_sets(QueueSettings())  # the cluster's defaults again, for the rest of the session
     assert wait_until(lambda: queue.snapshot()["entries"] == [], timeout=queue.EXPIRE_S + 3)
 
 
@@ -64,12 +74,14 @@ def test_policies_priority_aging_and_team_quotas(empty_queue, cluster):
     assert admitted(big, small) == []
     state = small.state
     assert (state["rank"], state["ahead"]["label"]) == (2, "test.big"), state
-    strict_tiny = place("strict-tiny", strict, tpu="v6e-4")  # strict from now on: nobody passes the big one
+    strict_tiny = place("strict-tiny", strict, tpu="v6e-4")  # strict: still no slice the big one could use
+    assert wait_until(lambda: admitted(strict_tiny) == ["strict-tiny"], timeout=5)
+    strict_small = place("strict-small", strict)
     settle()
-    assert admitted(strict_tiny) == []
+    assert admitted(big, small, strict_small) == []
     run[1].leave()
-    assert wait_until(lambda: admitted(big, small, strict_tiny) == ["big"], timeout=5)
-    leave_all(strict_tiny, small)
+    assert wait_until(lambda: admitted(big, small, strict_small) == ["big"], timeout=5)
+    leave_all(strict_tiny, small, strict_small)
 
     # Priority before arrival; the aging bound turns best-effort strict for an old request.
     low = place("low", best_effort, slices=2)
@@ -79,8 +91,8 @@ def test_policies_priority_aging_and_team_quotas(empty_queue, cluster):
     aging = QueueSettings(aging_s=30)
     old = place("old", aging, slices=2, arrival=time.time() - 60)  # ahead of `low` by arrival, and aged
     young_tiny = place("young-tiny", aging, tpu="v6e-4")
-    settle()
-    assert admitted(old, low, young_tiny) == []  # the aged request holds back even the v6e-4
+    assert wait_until(lambda: admitted(young_tiny) == ["young-tiny"], timeout=5)  # aged: not on a slice it can't use
+    assert admitted(old, low) == []
     leave_all(young_tiny, old, low, high)
 
     # Teams: over its quota, a team waits while another runs within its own; alone, it borrows.
@@ -108,15 +120,24 @@ def test_policies_priority_aging_and_team_quotas(empty_queue, cluster):
     leave_all(a1, a3, b1)
 
 
-def test_a_restarted_broker_keeps_every_place(empty_queue, ray_driver):
+@pytest.mark.parametrize("restart", [True, False], ids=["ray-restarts-it", "killed-and-made-anew"])
+def test_a_restarted_broker_keeps_every_place(empty_queue, ray_driver, restart):
+    """Killed for good (issue 38 (2)), the next launcher's `get_if_exists` used to make a broker without the
+    recovery hold: the first to beat was admitted alone, onto the v6e-4 the running step still held."""
     settings = QueueSettings()
     blocker = place("blocker", settings, tpu="v6e-4")
     assert wait_until(lambda: blocker.admitted.is_set(), timeout=5)
     waiting = [place(f"w{i}", settings, tpu="v6e-4") for i in range(5)]
     settle()
     before = queue.snapshot()
-    ray_driver.kill(queue.broker(), no_restart=False)
-    assert wait_until(lambda: queue.snapshot()["restarts"] > before["restarts"], timeout=30)
+    ray_driver.kill(queue.broker(), no_restart=not restart)
+    if restart:
+        assert wait_until(lambda: queue.snapshot()["restarts"] > before["restarts"], timeout=30)
+    else:  # the last in line beats first and makes the new broker; then every place comes back, none admitted
+        waiting[-1]._beat()
+        assert wait_until(lambda: len(queue.snapshot()["entries"]) == 6, timeout=30)
+        settle()
+        assert [r["label"] for r in queue.snapshot()["entries"] if r["admitted"]] == ["test.blocker"]
     order, running = [], blocker
     while len(order) < 5:
         running.leave()
@@ -130,6 +151,22 @@ def test_a_restarted_broker_keeps_every_place(empty_queue, ray_driver):
         assert sum(r["admitted"] for r in rows) == 1 and len(rows) == 5 - len(order) + 1
     running.leave()
     assert order == [f"w{i}" for i in range(5)]
+
+
+def test_what_a_launcher_sends_never_sets_the_policy_and_newer_fields_are_ignored(empty_queue, ray_driver):
+    """Issue 38 (3): the settings a step carried replaced the cluster's; (6) a newer launcher's fields broke beats."""
+    entry = entry_for(TpuSliceRequest(tpu="v6e-4"), id=f"test-hostile-{time.time_ns()}", label="test.hostile",
+                      team="greedy")
+    hostile = {"policy": "strict", "aging_s": 1, "quotas": {"greedy": {"v6e-4": 10**6}}}
+    operator = QueueSettings(quotas={"greedy": {"v6e-4": 0}})
+    operator_sets(operator)
+    b = queue.broker()
+    try:
+        state = ray_driver.get(b.heartbeat.remote(entry.to_json(), hostile, beat_s=0.5, from_the_future=1), timeout=10)
+        assert queue.snapshot()["settings"] == operator.model_dump()
+        assert "admitted" in state
+    finally:
+        ray_driver.get(b.leave.remote(entry.id), timeout=10)
 
 
 LAUNCHER = textwrap.dedent("""
@@ -199,3 +236,24 @@ def test_a_stopped_waiting_step_leaves_the_queue_at_once(empty_queue, cluster):
         assert time.monotonic() - stopped < 2, "the stopped step's place outlived its launcher"
     finally:
         blocker.leave()
+
+
+def node_of_this_process():
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def test_tpu_chips_run_on_the_slice_type_the_queue_counted_them_against(empty_queue, ray_driver):
+    """Issue 38 (1): TPU chips had no node selector, so Ray put them on whatever slice was free."""
+    from rayslice.cluster import run_step
+    from rayslice.core.accelerators import AcceleratorRequest
+    from rayslice.core.step import Owner, StepSpec
+
+    spec = StepSpec.for_function(node_of_this_process, request=AcceleratorRequest(resource="TPU", count=4),
+                                 capacity_timeout=120, owner=Owner(submission_id=f"test-chips-{time.time_ns()}"))
+    place = queue.place_for(spec)
+    assert (place.entry.kind, place.entry.what) == ("v6e-4", "4 TPU chips of a v6e-4")  # the smallest that holds 4
+    node = run_step(spec)
+    labels = next(n["Labels"] for n in ray_driver.nodes() if n["NodeID"] == node)
+    assert labels["ray.io/tpu-pod-type"] == "v6e-4", labels

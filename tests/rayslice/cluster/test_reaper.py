@@ -237,8 +237,10 @@ def test_the_sweep_keys_on_the_creating_driver_never_on_a_name_a_caller_chose(cl
     done = subprocess.run([sys.executable, "-c", LEAVE_A_DETACHED_GROUP, dead_driver, cluster.gcs_address], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
+    # a live group named like the dead driver's (issue 38 (10): the sweep removed by name, the last one listed)
+    twin = placement_group([{"CPU": 0.01}], name=dead_driver)
     try:
-        ray_driver.get([rerun.ready(), slashed.ready(), actor.ping.remote()], timeout=120)
+        ray_driver.get([rerun.ready(), slashed.ready(), twin.ready(), actor.ping.remote()], timeout=120)
         # A dry run reads the dashboard only: no sweep job is submitted, and it names what the sweep removes.
         with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
             jobs_before = {job.submission_id or job.job_id for job in client.list_jobs()}
@@ -251,12 +253,17 @@ def test_the_sweep_keys_on_the_creating_driver_never_on_a_name_a_caller_chose(cl
         assert not any(f"{live} " in " ".join(dry.stdout.split()) for live in (
             f"rayslice:{ended}/heads", f"rayslice:{ended}/forged-part/hosts", f"rayslice:{ended}/v6e-4/host0"))
         assert dead_driver in reaped, reaped  # no Jobs API record, but its driver has exited
-        live = {rerun: f"rayslice:{ended}/heads", slashed: f"rayslice:{ended}/forged-part/hosts"}
-        assert not reaped & {*live.values(), f"rayslice:{ended}/v6e-4/host0"}, reaped
+        live = {rerun: f"rayslice:{ended}/heads", slashed: f"rayslice:{ended}/forged-part/hosts", twin: dead_driver}
+        dead = [id for id, g in ray_driver.util.placement_group_table().items()
+                if g["name"] == dead_driver and id != twin.id.hex()]
+        assert dead and wait_until(lambda: all(
+            ray_driver.util.placement_group_table()[id]["state"] == "REMOVED" for id in dead), timeout=10)
+        assert not reaped & {*list(live.values())[:2], f"rayslice:{ended}/v6e-4/host0"}, reaped
         assert all(ray_driver.util.placement_group_table(group)["state"] == "CREATED" for group in live)
         assert ray_driver.get(actor.ping.remote(), timeout=30) == 1
     finally:
         remove_placement_group(rerun)
         remove_placement_group(slashed)
+        remove_placement_group(twin)
         ray_driver.kill(actor)
         reaper.reap()  # the dead driver's group, if the assertion above failed before the sweep

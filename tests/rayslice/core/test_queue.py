@@ -24,13 +24,19 @@ def test_a_waiting_two_slice_request_holds_back_later_one_slice_requests_of_its_
     entries = [tpu("run", admitted=True), tpu("big", slices=2, at=1), tpu("small", at=2), tpu("tiny", "v6e-4", at=3)]
     decided = plan(entries, TOTALS, BEST_EFFORT, now=10)
     assert decided.admit == ["tiny"]  # best-effort: the v6e-4 is capacity the big request cannot use
-    assert decided.reasons["small"] == ""  # behind the big one, in its own line
-    strictly = plan(entries, TOTALS, STRICT, now=10).reasons["tiny"]
-    assert strictly == "held back by dag.big (waiting for 2 x v6e-16, served strictly)"
-    assert plan(entries, TOTALS, STRICT, now=10).admit == []  # strict: nobody passes it
+    assert decided.reasons.get("small", "") == ""  # behind the big one, in its own line
     entries[0].admitted = False  # the running step left: the big one is served first
     entries.pop(0)
-    assert plan(entries, TOTALS, STRICT, now=10).admit == ["big"]
+    assert plan(entries, TOTALS, STRICT, now=10).admit == ["big", "tiny"]
+
+
+def test_strict_and_aged_requests_hold_back_only_capacity_they_could_use():
+    """Issue 38 (5): a strict or aged 2 x v6e-16 held back every v6e-4 of a static cluster, for hours."""
+    entries = [tpu("run", admitted=True), tpu("old", slices=2, at=0), tpu("small", at=1), tpu("tiny", "v6e-4", at=2)]
+    for settings, now in ((STRICT, 10), (QueueSettings(aging_s=60), 61)):
+        decided = plan(entries, TOTALS, settings, now=now)
+        assert decided.admit == ["tiny"], settings  # the v6e-4 is no slice the 2 x v6e-16 could use
+        assert decided.reasons.get("small", "") == ""  # its own line waits behind it
 
 
 def test_priority_first_then_arrival():
@@ -38,13 +44,6 @@ def test_priority_first_then_arrival():
     assert plan(entries, {"v6e-16": 1}, BEST_EFFORT, now=5).admit == ["late-high"]
     state = standing(entries, "later", plan(entries, {"v6e-16": 0.5}, BEST_EFFORT, now=5).reasons, now=5)
     assert describe(state) == "waiting for 1 x v6e-16: 3rd in line behind dag.early (priority 0, waiting 4 s)"
-
-
-def test_aging_serves_a_long_waiting_request_strictly():
-    entries = [tpu("run", admitted=True), tpu("run2", admitted=True), tpu("old", at=0), tpu("tiny", "v6e-4", at=1)]
-    settings = QueueSettings(aging_s=60)
-    assert plan(entries, TOTALS, settings, now=59).admit == ["tiny"]
-    assert plan(entries, TOTALS, settings, now=61).admit == []
 
 
 def test_a_team_over_its_quota_borrows_only_what_nobody_within_quota_waits_for():
@@ -71,8 +70,79 @@ def test_capacity_an_autoscaler_would_add_counts_as_fitting():
 def test_queue_settings_are_checked():
     with pytest.raises(ValueError, match="policy"):
         QueueSettings(policy="fifo")
-    from rayslice.hooks.ray import _queue
 
-    assert _queue('{"policy": "strict"}') == STRICT
-    with pytest.raises(InvalidRequestError, match="extra 'queue'"):
-        _queue({"aging": 5})
+
+# ---- issue 38: careless and hostile steps, at scale
+
+def chips(id, count, on=("v6e-16", 16), at=0.0, admitted=False):
+    entry = entry_for(AcceleratorRequest(resource="TPU", count=count), id=id, label=f"dag.{id}", arrival=at,
+                      chips_on=on)
+    entry.admitted = admitted
+    return entry
+
+
+def test_tpu_chip_steps_wait_in_the_line_of_the_slice_type_they_run_on():
+    """(1) Four TPU x4 steps used to be admitted onto the free v6e-16 a waiting 2 x v6e-16 needs."""
+    entries = [tpu("run", admitted=True), tpu("big", slices=2, at=1), *(chips(f"c{i}", 4, at=2 + i) for i in range(4))]
+    decided = plan(entries, {"v6e-16": 2}, BEST_EFFORT, now=10)
+    assert decided.admit == []
+    assert [e.kind for e in entries[2:]] == ["v6e-16"] * 4 and entries[2].what == "4 TPU chips of a v6e-16"
+    entries.pop(1)  # nobody waits for whole slices: four chip steps share one slice, a fifth does not fit beside
+    entries += [chips("c4", 4, at=9), tpu("one", at=10)]   # a one-slice request after them: the second slice
+    assert plan(entries, {"v6e-16": 2}, BEST_EFFORT, now=10).admit == ["c0", "c1", "c2", "c3"]
+    entries.pop(0)  # the running one-slice step ended: c0-c3 fill one slice, c4 needs another, then `one` waits
+    assert plan(entries, {"v6e-16": 2}, BEST_EFFORT, now=10).admit == ["c0", "c1", "c2", "c3", "c4"]
+
+
+def test_chip_steps_run_on_the_smallest_slice_type_of_their_generation_packed_onto_one_slice():
+    from rayslice.cluster.queue import chip_label_selector, chip_slice
+
+    def node(id, pod, slice_name, worker, chips=4):
+        return {"NodeID": id, "Alive": True, "Resources": {"TPU": chips},
+                "Labels": {"ray.io/tpu-pod-type": pod, "ray.io/tpu-slice-name": slice_name,
+                           "ray.io/tpu-worker-id": str(worker)}}
+
+    nodes = [node(f"a{w}", "v6e-16", "a", w) for w in range(4)] + [node(f"b{w}", "v6e-16", "b", w) for w in range(4)]
+    request = AcceleratorRequest(resource="TPU", count=4)
+    assert chip_slice(request, nodes) == ("v6e-16", 16)
+    assert chip_slice(request, [*nodes, node("s", "v6e-4", "s", 0)]) == ("v6e-4", 4)  # single-host first
+    assert chip_slice(AcceleratorRequest(resource="TPU", count=4, accelerator_type="TPU-V5P"), nodes) is None
+    free = {f"a{w}": {"TPU": 4} for w in range(4)} | {f"b{w}": {"TPU": 4 if w else 0} for w in range(4)}
+    # slice b already holds a chip step: the next goes there too, so slice a stays whole
+    assert chip_label_selector("v6e-16", 4, nodes, free) == {"ray.io/tpu-pod-type": "v6e-16",
+                                                             "ray.io/tpu-slice-name": "b"}
+
+
+def test_quotas_count_against_the_team_and_every_team_above_it():
+    """(3) A sub-team is still bounded by its parent's quota."""
+    settings = QueueSettings(quotas={"a": {"v6e-16": 16}})
+    entries = [tpu("a1", team="a/x", admitted=True), tpu("a2", team="a/y", at=1), tpu("b1", team="b", at=2)]
+    decided = plan(entries, TOTALS, settings, now=3)
+    assert decided.admit == ["b1"]
+    assert "team a over its quota (16 of 16 v6e-16 in use)" in decided.reasons["a2"]
+
+
+def test_settings_from_a_newer_writer_are_read_and_a_person_gets_a_clear_error():
+    """(6) An old broker refused every heartbeat once settings carried a field it did not know."""
+    assert QueueSettings.model_validate({"policy": "strict", "fair_share": True}) == STRICT
+    with pytest.raises(InvalidRequestError, match="unknown key\\(s\\) aging"):
+        QueueSettings.checked('{"aging": 5}', "RAYSLICE_QUEUE")
+    assert QueueSettings.checked({"policy": "strict"}, "x") == STRICT
+
+
+def test_a_log_line_names_only_steps_of_its_own_dag():
+    """(12) "behind etl.train" named another team's DAG in a task log its readers may not read."""
+    mine, same, other = (tpu(id, slices=2, at=at) for id, at in (("mine", 3), ("same", 2), ("other", 1)))
+    mine.dag, same.dag, other.dag = "prod/train", "prod/train", "prod/etl"
+    entries = [tpu("run", admitted=True), other, same, mine]
+    assert standing(entries, "mine", {}, now=5)["ahead"]["label"] == "dag.same"
+    assert standing(entries, "same", {}, now=5)["ahead"]["label"] == "a step of another DAG"
+
+
+def test_the_operator_caps_what_priority_a_step_may_ask():
+    """A step asking priority=10**9 to jump the line is queued at its team's cap (the operator's `max_priority`)."""
+    settings = QueueSettings(max_priority={"*": 10, "oncall": 100, "research/vision": 5})
+    assert settings.priority_of(10**9, None) == 10 and settings.priority_of(3, None) == 3
+    assert settings.priority_of(10**9, "oncall") == 100
+    assert settings.priority_of(10**9, "research/vision/x") == 5  # a team above it caps it too
+    assert QueueSettings().priority_of(10**9, "any") == 10**9  # no cap set: as asked

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rayslice.core.step import Owner, TaskRef
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec, TaskRef
 
 
 def test_task_fields_read_from_job_metadata_turn_numbers_back_into_ints():
@@ -93,3 +94,14 @@ def test_entrypoint_is_the_deprecated_name_of_callable():
     with pytest.warns(DeprecationWarning, match="use callable='package.module:function'"):
         spec = StepSpec(request=TpuSliceRequest(tpu="v6e-4"), entrypoint="pkg.mod:fn")
     assert spec.callable == spec.entrypoint == "pkg.mod:fn"
+
+
+def test_a_step_cannot_set_the_clusters_queue_policy():
+    """Issue 38 (3): a step's `queue=` replaced the whole cluster's policy and quotas."""
+    from rayslice.core.queue import QueueSettings
+
+    with pytest.raises(ValueError, match="a step cannot set the cluster's queue policy or quotas .*"
+                                                  "cluster operator's, set on the head \\(RAYSLICE_QUEUE\\)"):
+        StepSpec(request=TpuSliceRequest(tpu="v6e-4"), callable="m:f", queue=QueueSettings(quotas={"a": {}}))
+    assert StepSpec.model_validate({"request": {"kind": "tpu_slice", "tpu": "v6e-4"}, "callable": "m:f",
+                                    "queue": None}).team is None  # an older submitter's spec.json without one
