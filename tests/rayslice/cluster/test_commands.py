@@ -137,3 +137,45 @@ def test_a_failing_process_is_known_before_jaxs_shutdown_at_exit_returns(tmp_pat
     finally:
         peer.kill()
         peer.wait()
+
+
+#: A program that joined its group (as `jax.distributed.initialize()` would have it report) and ends as told;
+#: its exit then takes a second, as JAX's shutdown at exit would (a handler registered before the report's).
+JOINED = textwrap.dedent('''
+    import atexit, sys, time
+    import rayslice_program  # on the program's PYTHONPATH, as for every command step
+
+    atexit.register(time.sleep, 1)
+    rayslice_program.joined_group()
+    print("bad config", flush=True)
+    exec(sys.argv[1])
+''')
+
+
+@pytest.mark.parametrize(("ending", "code", "how"), [
+    ("sys.exit(-1)", 255, "exit code 255"),  # what the shell sees: not "signal SIGHUP"
+    ("sys.exit(256)", 0, None),  # the process exits 0: the step succeeds
+    ("raise KeyboardInterrupt", -2, "signal SIGINT"),  # Python ends itself with SIGINT
+])
+def test_the_reported_status_is_the_one_the_process_exits_with(tmp_path, ending, code, how):
+    script = tmp_path / "joined.py"
+    script.write_text(JOINED)
+    done, value = run_in_thread([sys.executable, str(script), ending], dict(os.environ), tmp_path, 30)
+    assert done
+    if how is None:
+        assert value is None, value
+    else:
+        assert isinstance(value, commands.CommandExitError), value
+        assert value.exit_code == code and how in str(value) and "bad config" in str(value), value
+
+
+def test_a_failing_process_is_known_though_a_non_daemon_thread_of_its_never_ends(tmp_path):
+    """Python joins non-daemon threads before atexit: a loader thread blocked on a dead consumer never ends."""
+    script = tmp_path / "joined.py"
+    script.write_text(JOINED)
+    ending = "import threading, time; threading.Thread(target=time.sleep, args=(600,)).start(); raise ValueError('x')"
+    started = time.monotonic()
+    done, value = run_in_thread([sys.executable, str(script), ending], dict(os.environ), tmp_path, 30)
+    assert done, "the failure was never reported: its host waits for a thread that never ends"
+    assert isinstance(value, commands.CommandExitError) and value.exit_code == 1 and "ValueError: x" in str(value)
+    assert time.monotonic() - started < 15
