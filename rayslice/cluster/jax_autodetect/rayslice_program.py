@@ -39,6 +39,7 @@ IDLE_CPU_SHARE = 0.05
 
 _pending_exit: list[object] = []  # the code of a SystemExit on its way out of the main thread
 _reported_at: list[float] = []  # when the status was first written
+_joined_pid: list[int] = []  # the process that joined: a child forked later inherits the handlers, not the voice
 
 
 def joined_group() -> None:
@@ -46,6 +47,7 @@ def joined_group() -> None:
     folder = os.environ.get(REPORT_ENV)
     if not folder:
         return
+    _joined_pid[:] = [os.getpid()]
     _watch_system_exit()
     try:  # runs before Python joins the non-daemon threads, which may never end
         threading._register_atexit(_report_exit, folder, False)  # type: ignore[attr-defined]
@@ -74,6 +76,8 @@ def _exit_code(code: object) -> int:
 
 
 def _report_exit(folder: str, final: bool) -> None:
+    if _joined_pid != [os.getpid()]:
+        return
     if _pending_exit:
         status = _exit_code(_pending_exit[-1])
     else:

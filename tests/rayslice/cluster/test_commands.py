@@ -179,3 +179,12 @@ def test_a_failing_process_is_known_though_a_non_daemon_thread_of_its_never_ends
     assert done, "the failure was never reported: its host waits for a thread that never ends"
     assert isinstance(value, commands.CommandExitError) and value.exit_code == 1 and "ValueError: x" in str(value)
     assert time.monotonic() - started < 15
+
+
+def test_a_forked_child_that_exits_non_zero_does_not_speak_for_the_program(tmp_path):
+    """A child forked (not exec'd) after initialize inherits the exit handlers; only the process that joined reports."""
+    script = tmp_path / "joined.py"
+    script.write_text(JOINED)
+    ending = "import os; child = os.fork(); sys.exit(3) if child == 0 else os.waitpid(child, 0)"
+    done, value = run_in_thread([sys.executable, str(script), ending], dict(os.environ), tmp_path, 30)
+    assert done and value is None, value
