@@ -209,24 +209,29 @@ class _Relay(threading.Thread):
         self.join(within + 1.0)
 
     def run(self) -> None:
-        fd, pending = self._stream.fileno(), b""
+        # poll, not select: select refuses a descriptor past 1023, and a host process may hold that many.
+        fd, pending, poller = self._stream.fileno(), bytearray(), select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
         try:
             while True:
-                readable, _, _ = select.select([fd], [], [], 0.1)
-                if not readable:
+                if not poller.poll(100):
                     if self._until is not None:
                         break
                     continue
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     break
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    self._emit(line)
+                start = 0  # only the new bytes are searched and copied: a line with no end (a progress bar's
+                while (end := chunk.find(b"\n", start)) >= 0:  # `\r`s) costs linear time, not quadratic
+                    pending += chunk[start:end]
+                    self._emit(bytes(pending))
+                    pending.clear()
+                    start = end + 1
+                pending += chunk[start:]
                 if self._until is not None and time.monotonic() > self._until:
                     break
             if pending:
-                self._emit(pending)
+                self._emit(bytes(pending))
         finally:
             self._stream.close()
 

@@ -188,3 +188,24 @@ def test_a_forked_child_that_exits_non_zero_does_not_speak_for_the_program(tmp_p
     ending = "import os; child = os.fork(); sys.exit(3) if child == 0 else os.waitpid(child, 0)"
     done, value = run_in_thread([sys.executable, str(script), ending], dict(os.environ), tmp_path, 30)
     assert done and value is None, value
+
+
+def test_the_relay_works_in_a_host_process_with_over_1024_open_files(tmp_path):
+    """select() refuses a descriptor past 1023: the relay died, closed the pipe, and the program's next write failed."""
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        program = "import time\nfor i in range(3):\n    print('line', i, flush=True)\n    time.sleep(0.2)\n"
+        done, value = run_in_thread([sys.executable, "-c", program], dict(os.environ), tmp_path, 30)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert done and value is None, value
+
+
+def test_a_progress_bar_that_never_ends_its_line_is_relayed_in_linear_time(tmp_path):
+    """tqdm writes `\\r` and never `\\n`: re-copying the whole pending line per read made 60 MB take minutes."""
+    program = "import sys\nfor i in range(60000):\n    sys.stdout.write('x' * 999 + '\\r'); sys.stdout.flush()\n"
+    started = time.monotonic()
+    done, value = run_in_thread([sys.executable, "-c", program], dict(os.environ), tmp_path, 60)
+    assert done and value is None, value
+    assert time.monotonic() - started < 10
