@@ -81,7 +81,7 @@ def _report_exit(folder: str, final: bool) -> None:
     if _pending_exit:
         status = _exit_code(_pending_exit[-1])
     else:
-        last = getattr(sys, "last_exc", None)
+        last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # Python < 3.12: last_value
         # An uncaught KeyboardInterrupt: Python ends itself with SIGINT (a negative status is a signal).
         status = 0 if last is None else -signal.SIGINT if isinstance(last, KeyboardInterrupt) else 1
     if status != 0:

@@ -209,3 +209,26 @@ def test_a_progress_bar_that_never_ends_its_line_is_relayed_in_linear_time(tmp_p
     done, value = run_in_thread([sys.executable, "-c", program], dict(os.environ), tmp_path, 60)
     assert done and value is None, value
     assert time.monotonic() - started < 10
+
+
+def _python_3_11() -> str | None:
+    """A Python 3.11 (no sys.monitoring, no sys.last_exc), as a runtime env's own interpreter may be."""
+    for candidate in ("python3.11", os.path.expanduser("~/.pyenv/versions/3.11.7/bin/python3.11")):
+        try:
+            version = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2])"],
+                                     capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if version == "(3, 11)":
+            return candidate
+    return None
+
+
+@pytest.mark.skipif(_python_3_11() is None, reason="no Python 3.11 here")
+def test_an_uncaught_exception_is_reported_by_a_python_without_last_exc(tmp_path):
+    script = tmp_path / "joined.py"
+    script.write_text(JOINED)
+    done, value = run_in_thread([_python_3_11(), str(script), "raise ValueError('bad batch')"], dict(os.environ),
+                                tmp_path, 30)
+    assert done and isinstance(value, commands.CommandExitError) and value.exit_code == 1, value
+    assert (tmp_path / commands.EXIT_FILE).exists(), "reported only by its exit, after JAX's shutdown would have ended"
