@@ -232,3 +232,15 @@ def test_an_uncaught_exception_is_reported_by_a_python_without_last_exc(tmp_path
                                 tmp_path, 30)
     assert done and isinstance(value, commands.CommandExitError) and value.exit_code == 1, value
     assert (tmp_path / commands.EXIT_FILE).exists(), "reported only by its exit, after JAX's shutdown would have ended"
+
+
+@pytest.mark.skipif(_python_3_11() is None, reason="no Python 3.11 here")
+@pytest.mark.xfail(strict=True, reason="Python < 3.12 has no sys.monitoring: the patched sys.exit sees a SystemExit "
+                   "raised but not one caught, so a program that catches it and then exits 0 reports the code and "
+                   "fails its step; no cheap way to tell, and not recording sys.exit there would lose its early status")
+def test_a_caught_system_exit_is_not_reported_by_a_python_without_sys_monitoring(tmp_path):
+    script = tmp_path / "joined.py"
+    script.write_text(JOINED)
+    done, value = run_in_thread([_python_3_11(), str(script), "try:\n    sys.exit(3)\nexcept SystemExit:\n    pass"],
+                                dict(os.environ), tmp_path, 30)
+    assert done and value is None, value
