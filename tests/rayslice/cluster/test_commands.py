@@ -113,8 +113,10 @@ GROUP = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize(("ending", "code"), [("sys.exit(3)", 3), ("raise SystemExit(5)", 5),
-                                              ("raise ValueError('bad batch')", 1)])
+@pytest.mark.parametrize(("ending", "code"), [
+    ("sys.exit(3)", 3), ("raise SystemExit(5)", 5), ("raise ValueError('bad batch')", 1),
+    # a loader thread that never ends: Python joins it before any exit handler runs
+    ("import threading, time; threading.Thread(target=time.sleep, args=(600,)).start(); sys.exit(6)", 6)])
 def test_a_failing_process_is_known_before_jaxs_shutdown_at_exit_returns(tmp_path, ending, code):
     script = tmp_path / "group.py"
     script.write_text(GROUP)
