@@ -40,6 +40,9 @@ from rayslice.core.context import RESULT_FILE_ENV
 TAIL_LINES = 20
 #: Once the program ended: how long its relays may go on reading what its leftover processes write.
 DRAIN_S = 2.0
+#: A program that reported a failure as its threads are joined (not yet before JAX's shutdown): how long
+#: its non-daemon threads and exit handlers may take before its host ends it.
+EXIT_GRACE_S = 3.0
 #: The folder on the program's PYTHONPATH: its sitecustomize reports to the host (and joins a simulated slice).
 PROGRAM_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_autodetect")
 REPORT_ENV = "RAYSLICE_PROGRAM_REPORT"  # rayslice_program.REPORT_ENV
@@ -147,7 +150,9 @@ def _wait(child: subprocess.Popen, exit_file: str) -> tuple[int, float]:
     while not done.wait(0.05):
         reported = _read_json(exit_file)
         if reported and reported.get("exit_code"):
-            return int(reported["exit_code"]), float(reported.get("time") or time.time())
+            at = float(reported.get("time") or time.time())
+            if reported.get("final", True) or time.time() - at >= EXIT_GRACE_S:
+                return int(reported["exit_code"]), at
     assert child.returncode is not None
     reported = _read_json(exit_file)  # killed by the host's own end: its reported status is the truer one
     if child.returncode != 0 and reported and reported.get("exit_code"):
@@ -204,24 +209,29 @@ class _Relay(threading.Thread):
         self.join(within + 1.0)
 
     def run(self) -> None:
-        fd, pending = self._stream.fileno(), b""
+        # poll, not select: select refuses a descriptor past 1023, and a host process may hold that many.
+        fd, pending, poller = self._stream.fileno(), bytearray(), select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
         try:
             while True:
-                readable, _, _ = select.select([fd], [], [], 0.1)
-                if not readable:
+                if not poller.poll(100):
                     if self._until is not None:
                         break
                     continue
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     break
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    self._emit(line)
+                start = 0  # only the new bytes are searched and copied: a line with no end (a progress bar's
+                while (end := chunk.find(b"\n", start)) >= 0:  # `\r`s) costs linear time, not quadratic
+                    pending += chunk[start:end]
+                    self._emit(bytes(pending))
+                    pending.clear()
+                    start = end + 1
+                pending += chunk[start:]
                 if self._until is not None and time.monotonic() > self._until:
                     break
             if pending:
-                self._emit(pending)
+                self._emit(bytes(pending))
         finally:
             self._stream.close()
 

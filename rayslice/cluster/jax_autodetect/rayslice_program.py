@@ -9,8 +9,12 @@ reads). Only the process that joins the step's JAX group reports, from the momen
   host would not see it end. A handler registered after JAX's runs before it and writes the status
   (`exit.json`) at once; the host then ends the program and fails the step with that status. The status
   is the uncaught `SystemExit`'s code (`sys.monitoring` sees it raised and, if caught, handled), or 1 after
-  an uncaught exception (`sys.last_exc`). Only a non-zero status is written: a clean exit waits at the
-  barrier as JAX means it to.
+  an uncaught exception (`sys.last_exc`; SIGINT after a `KeyboardInterrupt`), as the process will exit with
+  it (`sys.exit(-1)` is 255). Only a non-zero status is written: a clean exit waits at the barrier as JAX
+  means it to. Python joins the program's non-daemon threads before `atexit` (a loader thread blocked
+  on its dead consumer never ends), so the status is written first as the threads are joined
+  (`"final": false`: the host gives the program `commands.EXIT_GRACE_S` to end by itself), then again
+  right before JAX's shutdown (`"final": true`: the host ends the program at once).
 - **Whether it is idle inside JAX** (simulated slices, `RAYSLICE_HANG_INTERVAL` set): a thread samples the
   process's CPU time and its main thread's stack, as `cluster/hang_watch.py` does for function steps, and
   writes since when it has been idle (`idle.json`); the host publishes that for the driver's hang check.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -33,6 +38,8 @@ IDLE_FILE = "idle.json"
 IDLE_CPU_SHARE = 0.05
 
 _pending_exit: list[object] = []  # the code of a SystemExit on its way out of the main thread
+_reported_at: list[float] = []  # when the status was first written
+_joined_pid: list[int] = []  # the process that joined: a child forked later inherits the handlers, not the voice
 
 
 def joined_group() -> None:
@@ -40,8 +47,13 @@ def joined_group() -> None:
     folder = os.environ.get(REPORT_ENV)
     if not folder:
         return
+    _joined_pid[:] = [os.getpid()]
     _watch_system_exit()
-    atexit.register(_report_exit, folder)  # after JAX's own handler, so it runs before it
+    try:  # runs before Python joins the non-daemon threads, which may never end
+        threading._register_atexit(_report_exit, folder, False)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        pass
+    atexit.register(_report_exit, folder, True)  # after JAX's own handler, so it runs before it
     interval = float(os.environ.get(HANG_INTERVAL_ENV) or 0)
     if interval > 0:
         threading.Thread(target=_sample_idle, args=(folder, interval, threading.main_thread().ident),
@@ -57,19 +69,26 @@ def _write(folder: str, name: str, value: dict) -> None:
 
 
 def _exit_code(code: object) -> int:
+    """The status the process exits with for `SystemExit(code)`: the shell sees `sys.exit(-1)` as 255."""
     if code is None:
         return 0
-    return code if isinstance(code, int) else 1  # a message: Python prints it and exits 1
+    return code & 0xFF if isinstance(code, int) else 1  # a message: Python prints it and exits 1
 
 
-def _report_exit(folder: str) -> None:
+def _report_exit(folder: str, final: bool) -> None:
+    if _joined_pid != [os.getpid()]:
+        return
     if _pending_exit:
         status = _exit_code(_pending_exit[-1])
     else:
-        status = 1 if getattr(sys, "last_exc", None) is not None else 0
+        last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # Python < 3.12: last_value
+        # An uncaught KeyboardInterrupt: Python ends itself with SIGINT (a negative status is a signal).
+        status = 0 if last is None else -signal.SIGINT if isinstance(last, KeyboardInterrupt) else 1
     if status != 0:
+        if not _reported_at:
+            _reported_at.append(time.time())
         try:
-            _write(folder, EXIT_FILE, {"exit_code": status, "time": time.time()})
+            _write(folder, EXIT_FILE, {"exit_code": status, "time": _reported_at[0], "final": final})
         except OSError:  # the host is gone: nothing to tell
             pass
 

@@ -132,7 +132,10 @@ FAILING = textwrap.dedent('''
     def fail():
         print(f"host {worker} fails: {how}", flush=True)
         (folder / "failed_at").write_text(repr(time.time()))
-        if how in ("exit-after-init", "exit-mid-loop"):
+        if how == "exit-leaving-a-thread":  # a loader thread that never ends: Python joins it before exiting
+            import threading
+            threading.Thread(target=time.sleep, args=(600,)).start()
+        if how in ("exit-after-init", "exit-mid-loop", "exit-leaving-a-thread"):
             sys.exit(3)
         if how == "os-exit":
             os._exit(4)
@@ -149,6 +152,7 @@ FAILING = textwrap.dedent('''
 
 
 @pytest.mark.parametrize(("how", "ended"), [("exit-after-init", "exit code 3"), ("exit-mid-loop", "exit code 3"),
+                                            ("exit-leaving-a-thread", "exit code 3"),
                                             ("os-exit", "exit code 4"), ("sigkill", "signal SIGKILL")])
 def test_the_first_host_whose_program_fails_decides_the_step_at_once(ray_driver, tmp_path, how, ended):
     """Worker 2's program ends (its JAX shutdown at exit would block: its peers sit in a collective)."""
