@@ -158,7 +158,7 @@ CASES = [
     Case("connection", "extra `{'checkpoint-root': 'gs://b/c'}` (a misspelled name)",
          lambda: _settings({"checkpoint-root": "gs://b/c"}), InvalidRequestError,
          "the `ray` connection has unknown extra 'checkpoint-root' (did you mean 'checkpoint_root'?): the valid "
-         "extras are verify, headers, checkpoint_root, launcher, runtime_env, deployment, queue, kuberay, cloud_tpu"),
+         "extras are verify, headers, checkpoint_root, launcher, runtime_env, deployment, team, kuberay, cloud_tpu"),
     Case("connection", "host `ftp://head:8265`", lambda: _dashboard("ftp://head:8265"), InvalidRequestError,
          "the `ray` connection's host must be http(s)://host:port"),
     Case("connection", "host `http://` (no host name)", lambda: _dashboard("http://"), InvalidRequestError,
