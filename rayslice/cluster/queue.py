@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import Any
 
 import ray
@@ -49,7 +50,9 @@ class Broker:
         self.seen: dict[str, float] = {}
         self.settings = rules.QueueSettings()
         self.reasons: dict[str, str] = {}
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id`: no warning for users
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.hold_until = time.monotonic() + RECOVERY_S if restarted else 0.0
         self.restarts = int(restarted)
         self._totals: tuple[float, dict[str, float]] = (0.0, {})
