@@ -37,6 +37,7 @@ from typing import Any
 from airflow.sdk import BaseXCom
 from airflow.triggers.base import StartTriggerArgs, TaskSuccessEvent, TriggerEvent
 from rayslice.hooks.ray import RayHook
+from rayslice.operators import metrics
 from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink
 from rayslice.operators.triggers import RayStepTrigger
 
@@ -287,6 +288,8 @@ class RayStepStartTrigger(RayStepTrigger):
         except RaysliceError as exc:
             yield self._event("error", 0, log_complete=True, error_type=type(exc).__name__, message=str(exc))
             return
+        metrics.submitted("triggerer")
+        metrics.deferred("triggerer")  # its wait is in the triggerer from the start
         self.log.info("[rayslice] Ray job %s in the dashboard: %s", sid, operator._settings.job_url(sid))
         async for event in self._follow():
             payload = event.payload
