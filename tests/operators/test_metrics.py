@@ -12,12 +12,28 @@ from rayslice.operators import metrics
 from rayslice.operators.triggers import RayStepTrigger
 
 
+class Backend:
+    """A StatsD / OTel stand-in behind Airflow's own `stats` module: what reaches the backend."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def incr(self, stat, count=1, rate=1, *, tags=None):
+        self.calls.append(("incr", stat, tags))
+
+    def timing(self, stat, dt, *, tags=None):
+        self.calls.append(("timing", stat, dt, tags))
+
+
 @pytest.fixture
-def recorded(monkeypatch):
-    calls: list[tuple] = []
-    monkeypatch.setattr(stats, "incr", lambda name, *a, tags=None: calls.append(("incr", name, tags)))
-    monkeypatch.setattr(stats, "timing", lambda name, dt, *, tags=None: calls.append(("timing", name, dt, tags)))
-    return calls
+def recorded():
+    from airflow.sdk._shared.observability.metrics import stats as shared
+
+    backend = Backend()
+    previous = shared._factory, shared._export_legacy_names
+    stats.initialize(factory=lambda: backend, export_legacy_names=True)  # as Airflow's processes set it up
+    yield backend.calls
+    shared._factory, shared._backend, shared._export_legacy_names = previous[0], None, previous[1]
 
 
 def test_submissions_deferrals_and_waits_are_airflow_stats(recorded):
