@@ -37,6 +37,7 @@ from typing import Any
 
 from airflow.triggers.base import StartTriggerArgs, TaskSuccessEvent, TriggerEvent
 from rayslice.hooks.ray import RayHook
+from rayslice.operators import metrics
 from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink, job_link
 from rayslice.operators.triggers import LOG_CHECKPOINT_KEY, RayStepTrigger
 
@@ -402,6 +403,8 @@ class RayStepStartTrigger(RayStepTrigger):
         except RaysliceError as exc:
             yield self._event("error", 0, log_complete=True, error_type=type(exc).__name__, message=str(exc))
             return
+        metrics.submitted("triggerer")
+        metrics.deferred("triggerer")  # its wait is in the triggerer from the start
         self.log.info("[rayslice] Ray job %s: %s", sid, link)
         async for event in self._follow():
             payload = event.payload

@@ -31,6 +31,7 @@ from airflow.sdk import BaseOperator, XComArg
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import RayConnectionSettings, RayHook
+from rayslice.operators import metrics
 from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink, job_link
 from rayslice.operators.start_trigger import (
     START_ON_WORKER,
@@ -347,6 +348,7 @@ class RayStepOperator(BaseOperator):
             # Airflow 3 does not time deferred tasks out: the trigger stops the job at the deadline.
             limit, reason = self.deferral_limit()
             deadline = None if limit is None else started + limit
+            metrics.deferred("worker")
             self.defer(
                 trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, submission_id=sid,
                                        poll_interval=self.poll_interval, deadline=deadline, deadline_reason=reason,
@@ -499,10 +501,17 @@ class RayStepOperator(BaseOperator):
             if spec.owner.try_number > 1:
                 await self._stop_earlier_tries(client, spec.owner)
             sid = await submit_step(client, spec, emit=self.log.info)
+            metrics.submitted("worker")
             self.log.info("[rayslice] Ray job %s: %s", sid, job_link(sid, self.ray_conn_id))
             if self.deferrable:
                 return None
-            return await self._follow(client, sid)
+            waiting, outcome = time.monotonic(), "error"
+            try:
+                result = await self._follow(client, sid)
+                outcome = "success"
+                return result
+            finally:
+                metrics.waited(time.monotonic() - waiting, where="worker", outcome=outcome)
 
     async def _follow(self, client: AsyncRayJobsClient, sid: str) -> Any:
         """Poll to the end, relaying new log lines; a short dashboard outage is waited out."""

@@ -56,6 +56,7 @@ from typing import Any
 from airflow.sdk import BaseXCom
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from rayslice.hooks.ray import RayHook
+from rayslice.operators import metrics
 
 from rayslice.client.submission import UNREACHABLE_GRACE_S, JobFollow, LogFollower
 from rayslice.core.exceptions import JobNotFoundError, RaysliceError, error_fields
@@ -130,6 +131,13 @@ class RayStepTrigger(BaseTrigger):
             yield event
 
     async def _follow(self) -> AsyncIterator[TriggerEvent]:
+        """Follow the job to its end (`_follow_job`), timing the wait for Airflow's metrics."""
+        waiting = time.monotonic()
+        async for event in self._follow_job():
+            metrics.waited(time.monotonic() - waiting, where="triggerer", outcome=str(event.payload.get("status")))
+            yield event
+
+    async def _follow_job(self) -> AsyncIterator[TriggerEvent]:
         lines = LogFollower(self.log.info, **await self._checkpoint())
         sid = self.submission_id
         follow: JobFollow | None = None

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rayslice.cluster import checkpoints, gang, host_env, phases, reaper
+from rayslice.cluster import checkpoints, gang, host_env, metrics, phases, reaper
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, reserve_slices
@@ -80,6 +80,7 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
         finally:
             for line in timeline.lines():
                 print(line, flush=True)
+            metrics.sender.attempt(spec, timeline.times, timeline.queue_wait())
     raise AssertionError("unreachable")
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from rayslice.core.exceptions import RaysliceError, StepFailedError, error_fields
 from rayslice.core.step import ResultTooLargeError, StepSpec, format_error, format_result
@@ -93,9 +94,11 @@ def main(argv: list[str]) -> int:
     import ray
 
     from rayslice.cluster import phases, run_step
+    from rayslice.cluster.metrics import sender as metrics
 
     imported = time.time()
     ray.init(address="auto", logging_level="WARNING")
+    metrics.start()
     signal.signal(signal.SIGTERM, _stop)  # after ray.init, which installs its own handler
     driver_phases = {"driver_started": phases.process_start_time(), "main": main_entered, "imported": imported,
                      "connected": time.time()}
@@ -109,10 +112,13 @@ def main(argv: list[str]) -> int:
             raise
         # run_step released everything on the way out; exit now instead of in Ray's stop grace period.
         print("[rayslice] stopped on request; capacity released", flush=True)
+        metrics.step(spec, "stopped")
+        metrics.flush()
         sys.stderr.flush()
         os._exit(143)
     except RaysliceError as exc:
         print(format_error(type(exc).__name__, str(exc), tag, error_fields(exc)), flush=True)
+        _counted(spec, metrics, type(exc).__name__)
         return 1
     except Exception as exc:  # not the step's failure (that is a StepFailedError): the launcher's or Ray's
         for line in traceback.format_exc().splitlines():  # prefixed: the text may hold the step's own words
@@ -120,11 +126,13 @@ def main(argv: list[str]) -> int:
         message = (f"the rayslice launcher itself failed ({type(exc).__name__}: {exc}); this is a bug in "
                    "rayslice or an unexpected Ray error, not your step's: the traceback is in the Ray job's log")
         print(format_error("LauncherError", message, tag), flush=True)
+        _counted(spec, metrics, "LauncherError")
         return 1
     try:
         line = format_result(result, tag)
     except ResultTooLargeError as exc:
         print(format_error("StepFailedError", str(exc), tag), flush=True)
+        _counted(spec, metrics, "StepFailedError")
         return 1
     except (TypeError, ValueError) as exc:  # json.dumps: the step's value only, never the launcher's own bugs
         err = StepFailedError(
@@ -132,9 +140,17 @@ def main(argv: list[str]) -> int:
             "numbers, strings or None (e.g. `float(loss)`, `array.tolist()`)"
         )
         print(format_error(type(err).__name__, str(err), tag), flush=True)
+        _counted(spec, metrics, "StepFailedError")
         return 1
     print(line, flush=True)
+    _counted(spec, metrics, None)
     return 0
+
+
+def _counted(spec: StepSpec, metrics: Any, error: str | None) -> None:
+    """The step's outcome to the cluster's metrics (`rayslice.cluster.metrics`), after its last line."""
+    metrics.step(spec, "failed" if error else "succeeded", error)
+    metrics.flush()
 
 
 if __name__ == "__main__":

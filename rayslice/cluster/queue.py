@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+import warnings
 from typing import Any
 
 import ray
@@ -109,7 +110,9 @@ class Broker:
         self.expires: dict[str, float] = {}  # id -> monotonic time its place is lost unless heard from
         self.settings = operator_settings()
         self.reasons: dict[str, str] = {}
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id`: no warning for users
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
         held = _kv_get(BUSY_KEY) == b"1"  # a broker before this one (killed, or lost with its node) had places
         self.hold_until = time.monotonic() + RECOVERY_S if restarted or held else 0.0
         self.restarts = int(_kv_get(RESTARTS_KEY) or 0) + (restarted or held)  # over every broker's life

@@ -9,13 +9,17 @@ with `--ui` it leaves the cluster running under a real Airflow UI instead (`rays
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -74,6 +78,78 @@ def run_examples(record: local_cluster.ClusterRecord) -> None:
         console.print(f"[bold green]result[/] {result}  ({time.monotonic() - started:.1f} s)")
 
 
+#: One line of Airflow's console log: time, level, event, logger, key=value pairs.
+AIRFLOW_LINE = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+Z \[(?P<level>\w+)\s*\] (?P<event>.*?)\s+\[(?P<logger>[\w.]+)\]"
+                          r"(?: \S+=.*)?$")
+
+
+def shown(line: str) -> str | None:
+    """What the demo shows of one line of Airflow's log (None: only in the log file).
+
+    rayslice's own lines, each task's start, every error, and any line that is not Airflow's log
+    (a traceback, a library's own print): not Airflow's ~200 lines of set-up and bookkeeping.
+    """
+    line = line.rstrip("\n")
+    match = AIRFLOW_LINE.match(line)
+    if match is None:
+        return line if line.strip() else None
+    event = match["event"]
+    if match["level"] in ("error", "critical", "exception"):
+        return line
+    if event.startswith("[rayslice] "):
+        return f"  {event}"
+    if event.startswith("[DAG TEST] starting task_id="):
+        return f"  task {event.split('task_id=', 1)[1].split()[0]}"
+    return None
+
+
+def same_on_every_host(value: object) -> object:
+    """A slice step's per-host list, once when every host returned the same."""
+    if isinstance(value, list) and len(value) > 1 and all(item == value[0] for item in value):
+        return f"{value[0]} (the same from all {len(value)} hosts)"
+    return value
+
+
+@contextlib.contextmanager
+def airflow_output(log: Path) -> Iterator[None]:
+    """Inside the block this process's stdout and stderr go to `log`; a thread shows what `shown` keeps."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    done = threading.Event()
+    out = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+
+    def relay() -> None:
+        with open(log) as lines:
+            while True:
+                line = lines.readline()
+                if line.endswith("\n") or (line and done.is_set()):
+                    if (text := shown(line)) is not None:
+                        out.write(text + "\n")
+                elif done.is_set():
+                    return
+                else:
+                    time.sleep(0.1)
+
+    with open(log, "ab") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    thread = threading.Thread(target=relay, name="rayslice-demo-log", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        done.set()
+        thread.join(timeout=10)
+        out.close()
+        for fd in saved:
+            os.close(fd)
+
+
 def run_pipeline(record: local_cluster.ClusterRecord) -> bool:
     """The scheduled training pipeline through real Airflow: `dag.test()` on a throwaway AIRFLOW_HOME.
 
@@ -104,10 +180,14 @@ def run_pipeline(record: local_cluster.ClusterRecord) -> bool:
     from airflow.utils import db
     from airflow.utils.session import create_session
 
-    db.initdb()
-    pipeline = DagBag(dag_folder=str(dags), safe_mode=False).dags["rayslice_training_pipeline"]
-    run = pipeline.test(run_conf={"slice_type": "v6e-16", "learning_rate": 0.1})
-    console.print(f"DAG run {run.run_id}: [bold]{run.state}[/]")
+    log = home / "airflow-console.log"
+    with airflow_output(log):  # Airflow's own log is ~200 lines per run: the file has them, the screen what matters
+        db.initdb()
+        pipeline = DagBag(dag_folder=str(dags), safe_mode=False).dags["rayslice_training_pipeline"]
+        run = pipeline.test(run_conf={"slice_type": "v6e-16", "learning_rate": 0.1})
+    console.print(f"DAG run {run.run_id}: [bold]{run.state}[/] (Airflow's whole log: {log})")
+    if run.state != "success":  # everything Airflow said at the end, host lines included
+        console.print("".join(log.read_text().splitlines(keepends=True)[-80:]), markup=False, highlight=False)
     order = {task_id: index for index, task_id in enumerate(pipeline.task_ids)}
     with create_session() as session:
         for ti in sorted(run.get_task_instances(session=session), key=lambda ti: order.get(ti.task_id, len(order))):
@@ -115,7 +195,7 @@ def run_pipeline(record: local_cluster.ClusterRecord) -> bool:
                 XComModel.get_many(run_id=run.run_id, dag_ids=run.dag_id, task_ids=ti.task_id, key="return_value")
             ).all()
             value = [XComModel.deserialize_value(row) for row in rows]
-            console.print(f"  {ti.task_id}: {ti.state} -> {value[0] if len(value) == 1 else value}")
+            console.print(f"  {ti.task_id}: {ti.state} -> {same_on_every_host(value[0] if len(value) == 1 else value)}")
     return run.state == "success"
 
 
@@ -154,7 +234,7 @@ def run_demo(name: str = "demo", ui_port: int | None = None) -> int:
             stopped = local_cluster.down(name)
             console.print(f"stopped the local cluster ({stopped} processes)")
     if not pipeline_ok:
-        console.print("[bold red]the training pipeline failed; its task log is above[/]")
+        console.print("[bold red]the training pipeline failed: its errors and the end of its log are above[/]")
         return 1
     if ui_port is not None and start_ui(name, ui_port) != 0:
         local_cluster.down(name)
