@@ -115,9 +115,8 @@ def test_lookup_only_allows_resolving_a_connection_and_nothing_else(fake, tmp_pa
     assert [o["kind"] for o in lookup] == ["Role", "RoleBinding"]
 
 
-def test_crd_reads_are_limited_to_kuberays_two_crds():
+def test_crd_reads_are_limited_to_kuberays_raycluster_crd():
     objects = render_rbac(namespace="ml", service_accounts=["airflow-worker"])
-    assert allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None, "rayjobs.ray.io")
     assert not allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None,
                        "certificates.cert-manager.io")
     assert not allowed(objects, "list", "", "secrets", "ml", None)  # one Secret by name, never the list
@@ -157,3 +156,35 @@ def test_cli_prints_the_objects_and_refuses_bad_names():
     assert bad.exit_code == 1 and "namespace 'ML' is not a Kubernetes name" in bad.stderr
     with pytest.raises(InvalidRequestError, match="give the Airflow service account"):
         render_rbac(namespace="ml", service_accounts=[])
+
+
+# Review of issue 41.
+@pytest.mark.parametrize("namespace", ["a.b", "a" * 64])
+def test_a_namespace_is_a_dns_label(namespace):
+    with pytest.raises(InvalidRequestError, match="namespace"):
+        render_rbac(namespace=namespace, service_accounts=["airflow-worker"])
+    with pytest.raises(InvalidRequestError, match="service_account_namespace"):
+        render_rbac(namespace="ml", service_accounts=["airflow-worker"], service_account_namespace=namespace)
+
+
+def test_cli_errors_name_the_flags():
+    runner = CliRunner()
+    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ML", "--service-account", "airflow-worker"])
+    assert bad.exit_code == 1 and "--namespace 'ML'" in bad.stderr, bad.stderr
+    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "Airflow"])
+    assert bad.exit_code == 1 and "--service-account 'Airflow'" in bad.stderr, bad.stderr
+    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "a",
+                                      "--service-account-namespace", "X"])
+    assert bad.exit_code == 1 and "--service-account-namespace 'X'" in bad.stderr, bad.stderr
+
+
+def test_a_long_name_never_renders_an_invalid_cluster_role():
+    with pytest.raises(InvalidRequestError, match="name"):
+        render_rbac(namespace="ml", service_accounts=["a"], name="a" * 250)
+
+
+def test_only_the_raycluster_crd_is_readable():
+    """Least privilege: the operators create RayClusters only, so nothing reads the RayJob CRD."""
+    objects = render_rbac(namespace="ml", service_accounts=["airflow-worker"])
+    assert allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None, "rayclusters.ray.io")
+    assert not allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None, "rayjobs.ray.io")
