@@ -98,6 +98,9 @@ def test_the_gke_walkthrough(workdir, reference_crds):
     assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": "rayslice-ray-token"}
     rbac = list(yaml.safe_load_all((workdir / "rbac.yaml").read_text()))
     assert [o["kind"] for o in rbac] == ["Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"]
+    secret_reads = [r for r in rbac[0]["rules"] if r["resources"] == ["secrets"] and "get" in r["verbs"]]
+    assert secret_reads == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "delete"],
+                             "resourceNames": ["rayslice-ray-token"]}]  # the token's Secret, not every one
     for obj in rbac:
         validate_object(obj)
 

@@ -24,7 +24,7 @@ _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 #: The command's flag for each argument, so that its errors speak of what the user typed.
 _FLAGS = {"service_account_namespace": "--service-account-namespace", "namespace": "--namespace",
-          "service_account": "--service-account", "name": "--name"}
+          "service_account": "--service-account", "name": "--name", "token_secret": "--token-secret"}
 #: (API group, resource) -> verbs, for resolving a connection: every component that reads it.
 LOOKUP = {("ray.io", "rayclusters"): ("get",), ("", "services"): ("get",), ("", "secrets"): ("get",)}
 #: What the create and delete operators add, in the RayClusters' namespace.
@@ -34,12 +34,23 @@ MANAGE = {("ray.io", "rayclusters"): ("create", "delete"), ("", "secrets"): ("cr
 CRDS = {("apiextensions.k8s.io", "customresourcedefinitions"): ("get",)}
 
 
-def _rules(grants: dict[tuple[str, str], tuple[str, ...]], names: list[str] | None = None) -> list[dict[str, Any]]:
+#: Verbs a rule with resourceNames can grant (the API server knows no name when it authorizes a create).
+_NAMED_VERBS = ("get", "delete")
+
+
+def _rules(grants: dict[tuple[str, str], tuple[str, ...]], names: list[str] | None = None,
+           named: dict[tuple[str, str], list[str]] | None = None) -> list[dict[str, Any]]:
+    """One rule per resource; ``names`` narrow every rule, ``named`` the get/delete of some resources."""
     rules = []
     for (group, resource), verbs in grants.items():
+        only = names or (named or {}).get((group, resource))
+        unnamed = [v for v in verbs if v not in _NAMED_VERBS] if only and not names else []
+        if unnamed:
+            rules.append({"apiGroups": [group], "resources": [resource], "verbs": unnamed})
+            verbs = tuple(v for v in verbs if v in _NAMED_VERBS)
         rule: dict[str, Any] = {"apiGroups": [group], "resources": [resource], "verbs": list(verbs)}
-        if names:
-            rule["resourceNames"] = list(names)
+        if only:
+            rule["resourceNames"] = list(only)
         rules.append(rule)
     return rules
 
@@ -66,13 +77,14 @@ def _check_namespace(value: str, what: str) -> None:
 
 def render_rbac(*, namespace: str, service_accounts: list[str], service_account_namespace: str | None = None,
                 manage: bool = True, create_service_accounts: bool = False,
-                name: str = "rayslice-airflow") -> list[dict[str, Any]]:
+                name: str = "rayslice-airflow", token_secrets: list[str] | None = None) -> list[dict[str, Any]]:
     """ServiceAccounts (optional), a Role and RoleBinding in ``namespace`` (where the RayClusters live) and,
     with ``manage``, a ClusterRole and ClusterRoleBinding to read KubeRay's RayCluster CRD.
 
     ``service_accounts`` are Airflow's (in ``service_account_namespace``, default ``namespace``): the Helm
     chart gives its workers, triggerer and api-server their own, so list each. ``manage=False`` grants only
-    the lookup (no cluster per DAG run).
+    the lookup (no cluster per DAG run). ``token_secrets`` (the connections' ``token_secret`` names) narrow
+    reading and deleting Secrets to those; without them every Secret of ``namespace`` can be read.
     """
     if not service_accounts:
         raise InvalidRequestError("give the Airflow service account(s) to grant, e.g. service_accounts="
@@ -84,6 +96,9 @@ def render_rbac(*, namespace: str, service_accounts: list[str], service_account_
     _check_name(name, "name", limit=253 - len(f"-{namespace}-crds"))
     for sa in service_accounts:
         _check_name(sa, "service_account")
+    for secret in token_secrets or []:
+        _check_name(secret, "token_secret")
+    named = {("", "secrets"): list(dict.fromkeys(token_secrets))} if token_secrets else None
     subjects = [{"kind": "ServiceAccount", "name": sa, "namespace": sa_namespace} for sa in service_accounts]
     labels = {"app.kubernetes.io/managed-by": "rayslice"}
     objects: list[dict[str, Any]] = []
@@ -94,7 +109,7 @@ def render_rbac(*, namespace: str, service_accounts: list[str], service_account_
     role_meta = {"name": name, "namespace": namespace, "labels": labels}
     objects += [
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": role_meta,
-         "rules": _rules(_merge(LOOKUP, MANAGE) if manage else LOOKUP)},
+         "rules": _rules(_merge(LOOKUP, MANAGE) if manage else LOOKUP, named=named)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": role_meta,
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": subjects},
@@ -128,12 +143,16 @@ def rbac(
         "--create-service-accounts", help="Also print the ServiceAccounts (when Airflow's chart does not make "
         "them).")] = False,
     name: Annotated[str, typer.Option("--name", help="The Role's (and binding's) name.")] = "rayslice-airflow",
+    token_secret: Annotated[list[str], typer.Option(
+        "--token-secret", help="Read (and delete) only this Secret: the connections' token_secret; repeat for "
+        "more. Default: every Secret of --namespace.")] = [],  # noqa: B006
 ) -> None:
     """Print the RBAC (Role, RoleBinding, ClusterRole for the RayCluster CRD) for `kuberay` connections."""
     try:
         objects = render_rbac(namespace=namespace, service_accounts=service_account,
                               service_account_namespace=service_account_namespace, manage=manage,
-                              create_service_accounts=create_service_accounts, name=name)
+                              create_service_accounts=create_service_accounts, name=name,
+                              token_secrets=token_secret)
     except InvalidRequestError as exc:
         message = str(exc).replace("service_accounts=", "--service-account ")
         message = re.sub(r"^(" + "|".join(_FLAGS) + r") ", lambda m: _FLAGS[m[1]] + " ", message)

@@ -188,3 +188,26 @@ def test_only_the_raycluster_crd_is_readable():
     objects = render_rbac(namespace="ml", service_accounts=["airflow-worker"])
     assert allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None, "rayclusters.ray.io")
     assert not allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None, "rayjobs.ray.io")
+
+
+def test_token_secrets_narrow_the_secret_rules_to_those_names(fake, tmp_path):
+    """Least privilege: with --token-secret, Airflow reads and deletes those Secrets only, not every one in
+    the namespace (image pull secrets, other workloads' credentials); create cannot be narrowed by name."""
+    kubeconfig = str(fake.write_kubeconfig(tmp_path / "kubeconfig"))
+    every_call(KubeRayClient(ClusterRef(name="rs", namespace="ml", kubeconfig=kubeconfig, address="cluster-ip")))
+    objects = render_rbac(namespace="ml", service_accounts=["airflow-worker"], token_secrets=["rs-ray-token"])
+    calls = {request_attributes(method, path) for method, path, _ in fake.requests}
+    assert not [call for call in calls if not allowed(objects, *call)]
+    assert not allowed(objects, "get", "", "secrets", "ml", "someone-elses-credentials")
+    assert not allowed(objects, "delete", "", "secrets", "ml", "someone-elses-credentials")
+    lookup = render_rbac(namespace="ml", service_accounts=["a"], token_secrets=["rs-ray-token"], manage=False)
+    assert allowed(lookup, "get", "", "secrets", "ml", "rs-ray-token")
+    assert not allowed(lookup, "get", "", "secrets", "ml", "x") and not allowed(lookup, "create", "", "secrets",
+                                                                               "ml", None)
+    for obj in objects:
+        validate_object(obj)
+    result = CliRunner().invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "a",
+                                              "--token-secret", "rs-ray-token"])
+    assert result.exit_code == 0, result.output
+    assert list(yaml.safe_load_all(result.stdout)) == render_rbac(namespace="ml", service_accounts=["a"],
+                                                                 token_secrets=["rs-ray-token"])
