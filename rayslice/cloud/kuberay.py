@@ -489,6 +489,10 @@ def in_flag_words(message: str) -> str:
     """A rendering error (worded for ``render_raycluster``'s arguments) in ``rayslice kuberay manifest``'s flags."""
     message = re.sub(r"\btpus=\[([^\]]*)\]", lambda m: " ".join(
         f"--tpu {t.strip(chr(39) + ' ')}" for t in m[1].split(",") if t.strip()) or "--tpu", message)
+    # The command has no --topology: drop the operator's "tpu='v6e' with topology='4x4'" alternative.
+    message = re.sub(r",? or tpu='[^']*',? (?:with )?topology='[^']*'", "", message)
+    message = re.sub(r"\btpu='([^']*)'", r"--tpu \1", message)
+    message = re.sub(r"^invalid TPU slice request: ", "--tpu: ", message)
     message = re.sub(r"\b(" + "|".join(_FLAGS) + r")=", lambda m: _FLAGS[m[1]] + " ", message)
     message = re.sub(r"\bset head_service_type to LoadBalancer\b", "add --head-service-type LoadBalancer", message)
     message = message.replace("it needs auth on", "it needs --auth (the default), not --no-auth")

@@ -138,3 +138,12 @@ def test_bad_values_name_their_flag(flags, message):
     result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--no-validate", *flags])
     assert result.exit_code == 1, result.stdout
     assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("tpu", ["garbage", "v6e"])
+def test_a_bad_tpu_speaks_of_the_tpu_flag_not_of_operator_arguments(tpu):
+    """The manifest command has --tpu and no topology: its errors must not suggest tpu='v6e', topology='4x4'."""
+    result = runner.invoke(kuberay.app, ["manifest", "--tpu", tpu, "--no-validate"])
+    assert result.exit_code == 1
+    assert "--tpu" in result.stderr and "tpu=" not in result.stderr and "topology=" not in result.stderr, \
+        result.stderr
