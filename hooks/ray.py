@@ -161,7 +161,7 @@ def _resolve(conn: Any, timeout: float) -> tuple[str, str | None]:
 
 def _foreign(extra: dict[str, Any]) -> bool:
     """A `ray` connection saved by astro-provider-ray's or Apache's form: the dashboard URL in ``address``."""
-    return bool(extra.get("address")) and "kuberay" not in extra
+    return "address" in extra and "kuberay" not in extra
 
 
 def check_extras(extra: Any) -> None:

@@ -372,7 +372,7 @@ def startup_script(
     except RaysliceError as exc:
         message = str(exc)
         for word, flag in (("head_address", "--head-address"), ("token_secret", "--token-secret"),
-                           ("wheel", "--wheel")):
+                           ("wheel", "--wheel"), ("ray_start_args", "--ray-start-args")):
             message = message.replace(f"{word} ", f"{flag} ", 1) if message.startswith(word) else message
         raise fail(message) from None
 

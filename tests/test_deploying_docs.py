@@ -98,6 +98,9 @@ def test_the_gke_walkthrough(workdir, reference_crds):
     assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": "rayslice-ray-token"}
     rbac = list(yaml.safe_load_all((workdir / "rbac.yaml").read_text()))
     assert [o["kind"] for o in rbac] == ["Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"]
+    secret_reads = [r for r in rbac[0]["rules"] if r["resources"] == ["secrets"] and "get" in r["verbs"]]
+    assert secret_reads == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "delete"],
+                             "resourceNames": ["rayslice-ray-token"]}]  # the token's Secret, not every one
     for obj in rbac:
         validate_object(obj)
 
@@ -144,3 +147,71 @@ def test_no_cloud_command_hides_in_a_bash_block():
             if lang == "bash":
                 assert not re.search(r"^\s*(gcloud|kubectl|helm|docker)\b", body, re.M), body
     assert os.path.basename(sys.executable).startswith("python")
+
+
+# Review of issue 41: the pods the GKE page's manifest asks for fit the nodes its own commands create.
+#: (vCPUs, GiB) of the machine types GKE pools are made of here, before GKE's reserve; e2-medium is the default.
+MACHINES = {"e2-medium": (2, 4), "e2-standard-4": (4, 16), "e2-standard-8": (8, 32), "e2-standard-16": (16, 64),
+            "n2-standard-16": (16, 64), "g2-standard-8": (8, 32), "ct6e-standard-4t": (180, 720)}
+TPU_MACHINES = {"ct6e": "tpu-v6e-slice", "ct5lp": "tpu-v5-lite-podslice", "ct5p": "tpu-v5p-slice"}
+
+
+def gke_pools() -> list[dict]:
+    """The node pools (the cluster's default one included) the page's cloud commands create: labels, taint, size."""
+    pools = []
+    for _lang, body in blocks("deploying-gke.md"):
+        text = body.replace("\\\n", " ")
+        for line in text.splitlines():
+            words = shlex.split(line.split("#", 1)[0]) if "gcloud container" in line else []
+            if words[:3] not in (["gcloud", "container", "clusters"], ["gcloud", "container", "node-pools"]) or \
+                    words[3] != "create":
+                continue
+            opts = {w.split("=", 1)[0]: (w.split("=", 1)[1] if "=" in w else words[i + 1] if i + 1 < len(words)
+                                         and not words[i + 1].startswith("--") else True)
+                    for i, w in enumerate(words) if w.startswith("--")}
+            machine = opts.get("--machine-type", "e2-medium")
+            labels, tainted = {}, False
+            if opts.get("--spot"):
+                labels["cloud.google.com/gke-spot"] = "true"
+            if accelerator := opts.get("--accelerator"):
+                labels["cloud.google.com/gke-accelerator"] = dict(p.split("=", 1) for p in accelerator.split(","))[
+                    "type"]
+                tainted = True
+            if (family := machine.split("-")[0]) in TPU_MACHINES:
+                labels["cloud.google.com/gke-tpu-accelerator"] = TPU_MACHINES[family]
+                labels["cloud.google.com/gke-tpu-topology"] = opts["--tpu-topology"]
+                tainted = True
+            pools.append({"machine": machine, "labels": labels, "tainted": tainted})
+    return pools
+
+
+def _cpu(q: str) -> float:
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def _gib(q: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    unit = next((u for u in sorted(units, key=len, reverse=True) if q.endswith(u)), "")
+    return float(q[:len(q) - len(unit)]) * units.get(unit, 1) / 2**30
+
+
+def test_every_pod_of_the_gke_pages_cluster_has_a_node_to_run_on():
+    from typer.testing import CliRunner
+
+    command = next(body for lang, body in blocks("deploying-gke.md")
+                   if lang == "bash" and "kuberay manifest" in body)
+    args = shlex.split(command.replace("\\\n", " ").split(">", 1)[0])[3:]
+    result = CliRunner().invoke(kuberay.app, ["manifest", *args, "--no-validate"])
+    assert result.exit_code == 0, result.output
+    spec = yaml.safe_load(result.stdout)["spec"]
+    pools = gke_pools()
+    for group in spec["workerGroupSpecs"]:
+        selector = group["template"]["spec"]["nodeSelector"]
+        assert any(selector.items() <= pool["labels"].items() for pool in pools), \
+            f"worker group {group['groupName']} selects {selector}: no node pool of the page has those labels"
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    # GKE keeps about 10% of a node (and more of small ones) for itself.
+    fits = [p for p in pools if not p["tainted"] and not p["labels"]
+            and MACHINES[p["machine"]][0] * 0.9 > _cpu(head["cpu"])
+            and MACHINES[p["machine"]][1] * 0.85 > _gib(head["memory"])]
+    assert fits, f"the head asks for {head}: no untainted node pool of the page is that large ({pools})"

@@ -176,3 +176,27 @@ def test_the_python_requirement_is_stated_one_way():
 def test_the_pages_users_expect_exist_and_are_linked_from_the_readme(page):
     assert (REPO / "docs" / page).is_file()
     assert f"(docs/{page})" in (REPO / "README.md").read_text()
+
+
+def test_the_operator_reference_says_templated_exactly_for_template_fields():
+    """Review of issue 41: a DAG author reading "(templated)" (or its absence) gets what the code renders."""
+    from rayslice.operators.step import RayStepOperator
+
+    from rayslice import operators
+
+    rows: dict[str, dict[str, str]] = {}
+    current = None
+    for line in (REPO / "docs" / "operators.md").read_text().splitlines():
+        if m := re.match(r"^#{2,3} `([A-Za-z]+)`$", line):
+            current = rows.setdefault(m[1], {})
+        elif current is not None and (m := re.match(r"^\| `(\w+)` \| .+ \|$", line)):
+            current[m[1]] = line
+    wrong = []
+    for name, table in rows.items():
+        cls = RayStepOperator if name == "RayStepOperator" else getattr(operators, name, None)
+        if cls is None:
+            continue
+        for param, line in table.items():
+            if ("(templated)" in line) != (param in cls.template_fields):
+                wrong.append(f"{name}.{param}: docs {'do' if '(templated)' in line else 'do not'} say templated")
+    assert not wrong, wrong

@@ -17,6 +17,7 @@ gets anonymous credentials, as Google's emulators do, so no token travels unencr
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 import shlex
 import threading
@@ -149,6 +150,22 @@ _SECRET = re.compile(r"(projects/[a-z0-9-]+/secrets/)?[A-Za-z0-9_-]{1,255}")
 _VERSION = re.compile(r"\d+(\.\d+)+((a|b|rc|\.dev|\.post)\d+)?")
 
 
+def _head_address_ok(value: object) -> bool:
+    """``host:port``: a DNS name, an IPv4 address or a bracketed IPv6 one, and a port from 1 to 65535."""
+    if not isinstance(value, str):
+        return False
+    match = re.fullmatch(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)):"
+                         r"(?P<port>\d{1,5})", value)
+    if not match or not 1 <= int(match["port"]) <= 65535:
+        return False
+    if match["v6"]:
+        try:
+            ipaddress.IPv6Address(match["v6"])
+        except ValueError:
+            return False
+    return True
+
+
 def startup_script(head_address: str, *, install: bool = True, ray_version: str = RAY_VERSION,
                    jax_version: str = JAX_VERSION, rayslice_version: str = RAYSLICE_VERSION,
                    python_version: str = PYTHON_VERSION, ray_start_args: str = "", venv: str = VENV_DIR,
@@ -173,7 +190,7 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
     ``roles/secretmanager.secretAccessor`` on it) and starts Ray with ``RAY_AUTH_MODE=token``, so the token
     is never written into the VM's metadata.
     """
-    if not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:\d+", head_address or ""):
+    if not _head_address_ok(head_address):
         raise InvalidRequestError(f"head_address {head_address!r} is invalid: give the Ray head's GCS address "
                                   "as host:port, e.g. '10.0.0.2:6379'")
     for name, value in (("ray_version", ray_version), ("jax_version", jax_version),
@@ -195,7 +212,11 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
     if token_secret is not None and not _SECRET.fullmatch(token_secret or ""):
         raise InvalidRequestError(f"token_secret {token_secret!r} is invalid: give a Secret Manager secret, e.g. "
                                   "'ray-token' or 'projects/my-project/secrets/ray-token'")
-    args = " ".join(shlex.quote(a) for a in shlex.split(ray_start_args))
+    try:
+        args = " ".join(shlex.quote(a) for a in shlex.split(ray_start_args))
+    except ValueError as exc:  # an unclosed quote
+        raise InvalidRequestError(f"ray_start_args {ray_start_args!r} is invalid ({exc}): give `ray start` "
+                                  "arguments as a shell would, e.g. '--resources \'{\"x\": 1}\''") from None
     start = f"start --address={shlex.quote(head_address)}" + (f" {args}" if args else "")
     lines = ["#!/bin/bash", f"# rayslice: join the Ray cluster at {head_address}", "set -euo pipefail"]
     if token_secret:

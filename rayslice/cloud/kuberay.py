@@ -66,6 +66,7 @@ _GPU_HOST = {"cpu": "3", "memory": "10G"}
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = {"RayCluster": 53, "RayJob": 47}
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 #: The head Service types KubeRay accepts; only ClusterIP stays inside the Kubernetes cluster.
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 #: The key KubeRay reads the token from in the Secret that ``authOptions.secretName`` names.
@@ -84,7 +85,7 @@ def exposure_warning(head_service_type: str, auth: bool) -> str | None:
     any code it is given) reachable from outside the Kubernetes cluster without a token.
     """
     if head_service_type not in SERVICE_TYPES:
-        raise InvalidRequestError(f"head service type {head_service_type!r} is invalid: use ClusterIP, NodePort "
+        raise InvalidRequestError(f"head_service_type {head_service_type!r} is invalid: use ClusterIP, NodePort "
                                   "or LoadBalancer")
     external = head_service_type != "ClusterIP"
     if external and not auth:
@@ -286,6 +287,16 @@ def render_raycluster(
         raise InvalidRequestError(f"checkpoint_root must be a URL every pod reaches, like 'gs://bucket/checkpoints', "
                                   f"got {checkpoint_root!r}")
     _check_name(name, "RayCluster")
+    if namespace is not None and (not isinstance(namespace, str) or not _DNS1123_LABEL.match(namespace)
+                                  or len(namespace) > 63):
+        raise InvalidRequestError(f"namespace {namespace!r} is not a Kubernetes namespace (a DNS-1123 label: "
+                                  "lowercase letters, digits and '-', at most 63 characters), e.g. 'ml'")
+    for what, value in (("image", image), ("gpu_image", gpu_image)):
+        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+            raise InvalidRequestError(f"{what} {value!r} is not an image name, e.g. "
+                                      "'us-docker.pkg.dev/my-project/ml/rayslice-cluster:0.1.0-tpu'")
+    if gpu_nodes and (not isinstance(gpu_type, str) or not gpu_type or not _LABEL_VALUE.match(gpu_type)):
+        raise InvalidRequestError(f"gpu_type {gpu_type!r} is not a GKE accelerator label value, e.g. 'nvidia-l4'")
     exposure_warning(head_service_type, auth)
     if token_secret is not None and not auth:
         raise InvalidRequestError("token_secret names the Secret of the Ray auth token: it needs auth on")
@@ -470,17 +481,24 @@ _FLAGS = {"tpus": "--tpu", "max_slices": "--max-slices", "gpu_nodes": "--gpu-nod
           "service_account": "--service-account", "priority_class": "--priority-class",
           "image_pull_secret": "--image-pull-secret", "internal_load_balancer": "--internal-load-balancer",
           "load_balancer_source_ranges": "--load-balancer-source-range",
-          "load_balancer_source_range": "--load-balancer-source-range"}
+          "load_balancer_source_range": "--load-balancer-source-range", "namespace": "--namespace",
+          "gpu_image": "--gpu-image", "image": "--image", "gpu_type": "--gpu-type"}
 
 
 def in_flag_words(message: str) -> str:
     """A rendering error (worded for ``render_raycluster``'s arguments) in ``rayslice kuberay manifest``'s flags."""
     message = re.sub(r"\btpus=\[([^\]]*)\]", lambda m: " ".join(
         f"--tpu {t.strip(chr(39) + ' ')}" for t in m[1].split(",") if t.strip()) or "--tpu", message)
+    # The command has no --topology: drop the operator's "tpu='v6e' with topology='4x4'" alternative.
+    message = re.sub(r",? or tpu='[^']*',? (?:with )?topology='[^']*'", "", message)
+    message = re.sub(r"\btpu='([^']*)'", r"--tpu \1", message)
+    message = re.sub(r"^invalid TPU slice request: ", "--tpu: ", message)
     message = re.sub(r"\b(" + "|".join(_FLAGS) + r")=", lambda m: _FLAGS[m[1]] + " ", message)
     message = re.sub(r"\bset head_service_type to LoadBalancer\b", "add --head-service-type LoadBalancer", message)
     message = message.replace("it needs auth on", "it needs --auth (the default), not --no-auth")
-    message = re.sub(r"^(label|toleration) ", lambda m: _FLAGS[m[1]] + " ", message)
+    message = re.sub(r"^(label|toleration|namespace|image|gpu_image|gpu_type) ", lambda m: _FLAGS[m[1]] + " ",
+                     message)
+    message = re.sub(r"^(RayCluster|RayJob) name ", "--name ", message)
     return re.sub(r"\b(" + "|".join(k for k in _FLAGS if "_" in k) + r")\b", lambda m: _FLAGS[m[1]], message)
 
 
@@ -593,6 +611,9 @@ def manifest(
             selector |= SPOT_SELECTOR
             tolerations.append(dict(SPOT_TOLERATION))
         if reservation:
+            if not _LABEL_VALUE.match(reservation):
+                raise InvalidRequestError(f"--reservation {reservation!r} is not a GKE reservation name "
+                                          "(letters, digits, '-', '_', '.'; at most 63 characters)")
             selector |= {"cloud.google.com/reservation-name": reservation,
                          "cloud.google.com/reservation-affinity": "specific"}
         pods = PodSettings(head_cpu=head_cpu, head_memory=head_memory, labels=_pairs(label, "--label"),

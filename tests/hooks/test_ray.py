@@ -230,3 +230,13 @@ def test_the_connection_form_offers_every_extra():
     assert (ray["connection-type"], rayslice["connection-type"]) == ("ray", "rayslice")
     assert {k: v for k, v in rayslice.items() if k not in ("connection-type", "hook-class-name", "hook-name")} == \
         {k: v for k, v in ray.items() if k not in ("connection-type", "hook-class-name", "hook-name")}
+
+
+def test_another_providers_connection_with_an_empty_address_says_the_address_is_missing():
+    """Review of issue 41: astro's form saved with its URL left empty: the error is about `address`, not
+    about its own fields (cookies, namespace) being unknown extras."""
+    conn = Connection(conn_id="r", conn_type="ray", extra=json.dumps(
+        {"address": "", "cookies": "", "namespace": "ml", "verify": True}))
+    with pytest.raises(InvalidRequestError) as caught:
+        settings_from_connection(conn)
+    assert "address" in str(caught.value) and "unknown extra" not in str(caught.value), str(caught.value)

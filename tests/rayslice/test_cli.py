@@ -104,7 +104,7 @@ def test_down_with_nothing_running_says_so_and_succeeds(command, tmp_path):
 @pytest.mark.parametrize(
     ("args", "flag"),
     [(["--idle-timeout", "-1"], "'--idle-timeout'"), (["--max-slices", "0"], "'--max-slices'"),
-     (["--gpu-nodes", "-2"], "'--gpu-nodes'"), (["--head-service-type", "Ingress"], "head service type 'Ingress'")],
+     (["--gpu-nodes", "-2"], "'--gpu-nodes'"), (["--head-service-type", "Ingress"], "--head-service-type 'Ingress'")],
 )
 def test_manifest_errors_name_the_flag(args, flag, tmp_path):
     out = run("kuberay", "manifest", "--tpu", "v6e-4", "--no-validate", *args, home=tmp_path)

@@ -285,3 +285,27 @@ def test_a_retried_create_adopts_its_own(fake):
     first = kube.create(owner=OWNER, script=SCRIPT)
     again = kube.create(owner=OWNER, script=SCRIPT)
     assert again.name == first.name and len(fake.queued) == 1
+
+
+# Review of issue 41: what a careless or hostile caller types.
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"ray_start_args": 'a "b'}, "ray_start_args 'a \"b' is invalid"),  # an unclosed quote: no traceback
+    ({"head_address": "[[[:6379"}, "host:port"),
+    ({"head_address": "10.0.0.2:99999"}, "host:port"),
+    ({"head_address": "10.0.0.2:0"}, "host:port"),
+])
+def test_the_startup_script_refuses_malformed_arguments_with_their_name(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        cloud_tpu.startup_script(**{"head_address": "h:6379", **kwargs})
+
+
+def test_the_startup_script_command_names_the_flag_of_an_unclosed_quote():
+    from typer.testing import CliRunner
+
+    from rayslice.cli import app
+
+    result = CliRunner().invoke(app, ["cloud-tpu", "startup-script", "--head-address", "10.0.0.2:6379",
+                                      "--ray-start-args", 'a "b'])
+    assert result.exit_code == 1 and result.exception is None or isinstance(result.exception, SystemExit), \
+        result.exception
+    assert "--ray-start-args" in result.output and "Traceback" not in result.output

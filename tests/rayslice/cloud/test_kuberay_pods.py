@@ -121,3 +121,29 @@ def test_the_schema_check_catches_a_broken_pod():
     with pytest.raises(AssertionError, match="containerPort"):
         validate_object({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
                          "spec": {"containers": [{"name": "c", "ports": [{"containerPort": "http"}]}]}})
+
+
+# Review of issue 41: bad values give an error naming the flag the user typed, never an invalid object.
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--namespace", "a.b"], "--namespace 'a.b'"),
+    (["--namespace", "Bad_NS"], "--namespace 'Bad_NS'"),
+    (["--gpu-nodes", "1", "--gpu-type", "bad value"], "--gpu-type 'bad value'"),
+    (["--image", ""], "--image ''"),
+    (["--image", "ray image"], "--image 'ray image'"),
+    (["--head-service-type", "Foo"], "--head-service-type 'Foo'"),
+    (["--reservation", "my res"], "--reservation 'my res'"),
+    (["--name", "Bad"], "--name 'Bad'"),
+])
+def test_bad_values_name_their_flag(flags, message):
+    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--no-validate", *flags])
+    assert result.exit_code == 1, result.stdout
+    assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("tpu", ["garbage", "v6e"])
+def test_a_bad_tpu_speaks_of_the_tpu_flag_not_of_operator_arguments(tpu):
+    """The manifest command has --tpu and no topology: its errors must not suggest tpu='v6e', topology='4x4'."""
+    result = runner.invoke(kuberay.app, ["manifest", "--tpu", tpu, "--no-validate"])
+    assert result.exit_code == 1
+    assert "--tpu" in result.stderr and "tpu=" not in result.stderr and "topology=" not in result.stderr, \
+        result.stderr

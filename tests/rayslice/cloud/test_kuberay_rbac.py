@@ -115,9 +115,8 @@ def test_lookup_only_allows_resolving_a_connection_and_nothing_else(fake, tmp_pa
     assert [o["kind"] for o in lookup] == ["Role", "RoleBinding"]
 
 
-def test_crd_reads_are_limited_to_kuberays_two_crds():
+def test_crd_reads_are_limited_to_kuberays_raycluster_crd():
     objects = render_rbac(namespace="ml", service_accounts=["airflow-worker"])
-    assert allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None, "rayjobs.ray.io")
     assert not allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None,
                        "certificates.cert-manager.io")
     assert not allowed(objects, "list", "", "secrets", "ml", None)  # one Secret by name, never the list
@@ -157,3 +156,58 @@ def test_cli_prints_the_objects_and_refuses_bad_names():
     assert bad.exit_code == 1 and "namespace 'ML' is not a Kubernetes name" in bad.stderr
     with pytest.raises(InvalidRequestError, match="give the Airflow service account"):
         render_rbac(namespace="ml", service_accounts=[])
+
+
+# Review of issue 41.
+@pytest.mark.parametrize("namespace", ["a.b", "a" * 64])
+def test_a_namespace_is_a_dns_label(namespace):
+    with pytest.raises(InvalidRequestError, match="namespace"):
+        render_rbac(namespace=namespace, service_accounts=["airflow-worker"])
+    with pytest.raises(InvalidRequestError, match="service_account_namespace"):
+        render_rbac(namespace="ml", service_accounts=["airflow-worker"], service_account_namespace=namespace)
+
+
+def test_cli_errors_name_the_flags():
+    runner = CliRunner()
+    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ML", "--service-account", "airflow-worker"])
+    assert bad.exit_code == 1 and "--namespace 'ML'" in bad.stderr, bad.stderr
+    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "Airflow"])
+    assert bad.exit_code == 1 and "--service-account 'Airflow'" in bad.stderr, bad.stderr
+    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "a",
+                                      "--service-account-namespace", "X"])
+    assert bad.exit_code == 1 and "--service-account-namespace 'X'" in bad.stderr, bad.stderr
+
+
+def test_a_long_name_never_renders_an_invalid_cluster_role():
+    with pytest.raises(InvalidRequestError, match="name"):
+        render_rbac(namespace="ml", service_accounts=["a"], name="a" * 250)
+
+
+def test_only_the_raycluster_crd_is_readable():
+    """Least privilege: the operators create RayClusters only, so nothing reads the RayJob CRD."""
+    objects = render_rbac(namespace="ml", service_accounts=["airflow-worker"])
+    assert allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None, "rayclusters.ray.io")
+    assert not allowed(objects, "get", "apiextensions.k8s.io", "customresourcedefinitions", None, "rayjobs.ray.io")
+
+
+def test_token_secrets_narrow_the_secret_rules_to_those_names(fake, tmp_path):
+    """Least privilege: with --token-secret, Airflow reads and deletes those Secrets only, not every one in
+    the namespace (image pull secrets, other workloads' credentials); create cannot be narrowed by name."""
+    kubeconfig = str(fake.write_kubeconfig(tmp_path / "kubeconfig"))
+    every_call(KubeRayClient(ClusterRef(name="rs", namespace="ml", kubeconfig=kubeconfig, address="cluster-ip")))
+    objects = render_rbac(namespace="ml", service_accounts=["airflow-worker"], token_secrets=["rs-ray-token"])
+    calls = {request_attributes(method, path) for method, path, _ in fake.requests}
+    assert not [call for call in calls if not allowed(objects, *call)]
+    assert not allowed(objects, "get", "", "secrets", "ml", "someone-elses-credentials")
+    assert not allowed(objects, "delete", "", "secrets", "ml", "someone-elses-credentials")
+    lookup = render_rbac(namespace="ml", service_accounts=["a"], token_secrets=["rs-ray-token"], manage=False)
+    assert allowed(lookup, "get", "", "secrets", "ml", "rs-ray-token")
+    assert not allowed(lookup, "get", "", "secrets", "ml", "x") and not allowed(lookup, "create", "", "secrets",
+                                                                               "ml", None)
+    for obj in objects:
+        validate_object(obj)
+    result = CliRunner().invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "a",
+                                              "--token-secret", "rs-ray-token"])
+    assert result.exit_code == 0, result.output
+    assert list(yaml.safe_load_all(result.stdout)) == render_rbac(namespace="ml", service_accounts=["a"],
+                                                                 token_secrets=["rs-ray-token"])
