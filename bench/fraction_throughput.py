@@ -36,6 +36,7 @@ import collections
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -269,13 +270,14 @@ def main() -> None:
             airflow_api()  # started before the clock runs; it stays up (and busy) during every row
             baseline = Row("plain Ray tasks, num_gpus=0.25, num_cpus=0")
             cold = Row("plain Ray tasks, first run (fresh worker processes)")
-            log(f"first run: {cold.label}")
-            _measure(ray, cold, plain_tasks)
-            rows.append((baseline, plain_tasks, args.reps))
+            if not args.chain_only:
+                log(f"first run: {cold.label}")
+                _measure(ray, cold, plain_tasks)
+            rows.append((baseline, plain_tasks, 0 if args.chain_only else args.reps))
             rows.append((Row(f"Airflow: {STEPS} mapped deferrable @task.ray_accelerator tasks (one DAG run)"),
-                         airflow_mapping, args.job_reps))
+                         airflow_mapping, 0 if args.chain_only else args.job_reps))
             rows.append((Row(f"rayslice as {STEPS} Ray jobs submitted at once (run_step_job, no Airflow)"),
-                         rayslice_jobs, args.job_reps))
+                         rayslice_jobs, 0 if args.chain_only else args.job_reps))
             rows.append((Row("Airflow: a chain of four 1 s steps (one DAG run)"), airflow_chain, args.job_reps))
             rows.append((Row("rayslice: the same four steps as Ray jobs back to back"), jobs_chain, args.job_reps))
         elif args.mode == "driver":
@@ -298,8 +300,9 @@ def main() -> None:
                 if rep < reps:
                     _measure(ray, row, fn)
             log(f"rep {rep + 1} done ({time.monotonic() - started:.0f} s)")
-        report.add(_table([r for r, _, _ in rows] + ([cold] if args.mode == "airflow" else []), args))
-        if args.mode == "airflow" and overheads["before"]:
+        if not args.chain_only:
+            report.add(_table([r for r, _, _ in rows] + ([cold] if args.mode == "airflow" else []), args))
+        if args.mode == "airflow" and chain_parts:
             airflow_row, jobs_row = rows[1][0], rows[2][0]
             before, after, pids = overheads["before"], overheads["after"], overheads["pids"]
             ratio = fmt_ratio(airflow_row.makespan.median(), jobs_row.makespan.median())
@@ -307,11 +310,12 @@ def main() -> None:
             report.note(
                 f"- mapped: Airflow makespan / Ray jobs makespan: {ratio}\n"
                 f"- chain of four: Airflow makespan / Ray jobs back to back: {chain}\n"
-                f"- per mapped task, Airflow's start_date → step body start: median {fmt_s(median(before))}"
-                f" (p90 {fmt_s(_p90(before))}); step body end → end_date: median {fmt_s(median(after))}"
-                f" (p90 {fmt_s(_p90(after))}), n={len(after)}\n"
-                f"- mapped tasks that ran an Airflow task process (a pid): "
-                f"{sum(p is not None for p in pids)} of {len(pids)}\n"
+                + (f"- per mapped task, Airflow's start_date → step body start: median {fmt_s(median(before))}"
+                   f" (p90 {fmt_s(_p90(before))}); step body end → end_date: median {fmt_s(median(after))}"
+                   f" (p90 {fmt_s(_p90(after))}), n={len(after)}\n"
+                   f"- mapped tasks that ran an Airflow task process (a pid): "
+                   f"{sum(p is not None for p in pids)} of {len(pids)}\n" if before else "")
+                + f"- load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n"
                 "- where a chain step's seconds go (median per step, all steps of every rep):\n"
                 + "\n".join(f"  - {part}: {fmt_s(median(values))}" for part, values in chain_parts.items()))
     report.write()
@@ -338,6 +342,7 @@ def _example_work() -> Any:
 
 
 def _flags(parser) -> None:
+    parser.add_argument("--chain-only", action="store_true", help="airflow mode: only the chain rows")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps in the mapped sweep (default {STEPS})")
     parser.add_argument("--step-s", type=float, default=0.5, help="how long each step runs (s)")
     parser.add_argument("--mode", choices=["driver", "jobs", "airflow"], default="driver",
