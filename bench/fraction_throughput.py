@@ -15,7 +15,8 @@ The baseline, in every mode: plain Ray tasks with `num_gpus=0.25` from one drive
   reported too: task start (Airflow's `start_date`) to the step body's start, and the body's end
   to the task's `end_date`. Then a chain of four 1 s quarter-GPU steps, each given the one
   before's result (`bench/airflow_dags/chain.py`), against the same four steps as Ray jobs back
-  to back.
+  to back, with where each chain step's seconds go (from the task instances' times and the step
+  bodies' own). `--steps 24`: a 24-step sweep (the DAG's `shards` param) and 24 Ray jobs.
 - `--mode driver` (default): rayslice `run_step` from 32 driver threads (one fresh host actor
   per step), without job submission: the launcher's own cost.
 - `--mode jobs`: rayslice as 32 concurrent Ray jobs through the Jobs REST API (`run_step_job`).
@@ -31,9 +32,11 @@ minutes; the plain-task baseline still runs `--reps` times in the same invocatio
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -92,7 +95,9 @@ def peak_concurrency(steps: list[dict]) -> int:
 
 
 def main() -> None:
+    global STEPS
     args = parse_args(__doc__.split("\n")[0], extra=_flags)
+    STEPS = args.steps
     report = Report(NAME + ("" if args.mode == "driver" else f"_{args.mode}"), args)
     with cluster(SPEC, NAME) as record, driver(record) as ray, contextlib.ExitStack() as stack:
         from rayslice.client.submission import run_step_job
@@ -147,9 +152,10 @@ def main() -> None:
 
             return asyncio.run(all_of_them())
 
-        def run_dag(api: Any, dag_id: str, run_id: str) -> float:
+        def run_dag(api: Any, dag_id: str, run_id: str, conf: dict | None = None) -> float:
             """Trigger `dag_id` as `run_id` and wait (polling every 0.5 s) until it succeeds: the time it ended."""
-            api.post(f"/dags/{dag_id}/dagRuns", json={"dag_run_id": run_id, "logical_date": None}).raise_for_status()
+            api.post(f"/dags/{dag_id}/dagRuns",
+                     json={"dag_run_id": run_id, "logical_date": None, "conf": conf or {}}).raise_for_status()
             deadline = time.monotonic() + args.airflow_timeout
             state = None
             while state not in ("success", "failed"):
@@ -174,7 +180,7 @@ def main() -> None:
             api = airflow_api()
             run_id = f"bench-{time.time_ns()}"
             t0 = time.time()
-            t1 = run_dag(api, AIRFLOW_DAG, run_id)
+            t1 = run_dag(api, AIRFLOW_DAG, run_id, {"shards": STEPS})
             out = []
             tis = api.get(f"/dags/{AIRFLOW_DAG}/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()
             times = {ti["map_index"]: ti for ti in tis["task_instances"] if ti["task_id"] == AIRFLOW_TASK}
@@ -193,8 +199,27 @@ def main() -> None:
             t0 = time.time()
             t1 = run_dag(api, CHAIN, run_id)
             out = []
+            tis = api.get(f"/dags/{CHAIN}/dagRuns/{run_id}/taskInstances").json()["task_instances"]
+            by_id = {ti["task_id"]: ti for ti in tis}
+            previous_end = t0
             for index in range(4):
-                out.append((t0, t1, returned(api, f"/dags/{CHAIN}/dagRuns/{run_id}/taskInstances/step_{index}")))
+                result = returned(api, f"/dags/{CHAIN}/dagRuns/{run_id}/taskInstances/step_{index}")
+                out.append((t0, t1, result))
+                ti = by_id[f"step_{index}"]
+                scheduled = _ts(ti.get("scheduled_when") or ti["start_date"])
+                # Where a chain step's seconds go: the upstream's end (or the trigger of the run) to this task
+                # scheduled, scheduled to started (deferred with its trigger), started to the body's start (the
+                # trigger builds and submits, Ray starts the job), the body, the body's end to end_date (job end
+                # seen, XComs pushed, the event handled).
+                chain_parts["scheduler: upstream end → scheduled"].append(scheduled - previous_end)
+                chain_parts["scheduled → task start"].append(_ts(ti["start_date"]) - scheduled)
+                chain_parts["task start → step body start (trigger, submit, job start)"].append(
+                    result["start"] - _ts(ti["start_date"]))
+                chain_parts["step body"].append(result["end"] - result["start"])
+                chain_parts["body end → task end (job end, XComs, event)"].append(
+                    _ts(ti["end_date"]) - result["end"])
+                previous_end = _ts(ti["end_date"])
+            chain_parts["last task end → run seen succeeded (bench poll)"].append(t1 - previous_end)
             return out
 
         def jobs_chain() -> list[tuple[float, float, dict]]:
@@ -240,17 +265,19 @@ def main() -> None:
 
         rows = []
         overheads: dict[str, list] = {"before": [], "after": [], "pids": []}
+        chain_parts: dict[str, list[float]] = collections.defaultdict(list)
         if args.mode == "airflow":
             airflow_api()  # started before the clock runs; it stays up (and busy) during every row
             baseline = Row("plain Ray tasks, num_gpus=0.25, num_cpus=0")
             cold = Row("plain Ray tasks, first run (fresh worker processes)")
-            log(f"first run: {cold.label}")
-            _measure(ray, cold, plain_tasks)
-            rows.append((baseline, plain_tasks, args.reps))
-            rows.append((Row("Airflow: 32 mapped deferrable @task.ray_accelerator tasks (one DAG run)"),
-                         airflow_mapping, args.job_reps))
-            rows.append((Row("rayslice as 32 Ray jobs submitted at once (run_step_job, no Airflow)"),
-                         rayslice_jobs, args.job_reps))
+            if not args.chain_only:
+                log(f"first run: {cold.label}")
+                _measure(ray, cold, plain_tasks)
+            rows.append((baseline, plain_tasks, 0 if args.chain_only else args.reps))
+            rows.append((Row(f"Airflow: {STEPS} mapped deferrable @task.ray_accelerator tasks (one DAG run)"),
+                         airflow_mapping, 0 if args.chain_only else args.job_reps))
+            rows.append((Row(f"rayslice as {STEPS} Ray jobs submitted at once (run_step_job, no Airflow)"),
+                         rayslice_jobs, 0 if args.chain_only else args.job_reps))
             rows.append((Row("Airflow: a chain of four 1 s steps (one DAG run)"), airflow_chain, args.job_reps))
             rows.append((Row("rayslice: the same four steps as Ray jobs back to back"), jobs_chain, args.job_reps))
         elif args.mode == "driver":
@@ -273,8 +300,9 @@ def main() -> None:
                 if rep < reps:
                     _measure(ray, row, fn)
             log(f"rep {rep + 1} done ({time.monotonic() - started:.0f} s)")
-        report.add(_table([r for r, _, _ in rows] + ([cold] if args.mode == "airflow" else []), args))
-        if args.mode == "airflow" and overheads["before"]:
+        if not args.chain_only:
+            report.add(_table([r for r, _, _ in rows] + ([cold] if args.mode == "airflow" else []), args))
+        if args.mode == "airflow" and chain_parts:
             airflow_row, jobs_row = rows[1][0], rows[2][0]
             before, after, pids = overheads["before"], overheads["after"], overheads["pids"]
             ratio = fmt_ratio(airflow_row.makespan.median(), jobs_row.makespan.median())
@@ -282,11 +310,14 @@ def main() -> None:
             report.note(
                 f"- mapped: Airflow makespan / Ray jobs makespan: {ratio}\n"
                 f"- chain of four: Airflow makespan / Ray jobs back to back: {chain}\n"
-                f"- per mapped task, Airflow's start_date → step body start: median {fmt_s(median(before))}"
-                f" (p90 {fmt_s(_p90(before))}); step body end → end_date: median {fmt_s(median(after))}"
-                f" (p90 {fmt_s(_p90(after))}), n={len(after)}\n"
-                f"- mapped tasks that ran an Airflow task process (a pid): "
-                f"{sum(p is not None for p in pids)} of {len(pids)}")
+                + (f"- per mapped task, Airflow's start_date → step body start: median {fmt_s(median(before))}"
+                   f" (p90 {fmt_s(_p90(before))}); step body end → end_date: median {fmt_s(median(after))}"
+                   f" (p90 {fmt_s(_p90(after))}), n={len(after)}\n"
+                   f"- mapped tasks that ran an Airflow task process (a pid): "
+                   f"{sum(p is not None for p in pids)} of {len(pids)}\n" if before else "")
+                + f"- load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n"
+                "- where a chain step's seconds go (median per step, all steps of every rep):\n"
+                + "\n".join(f"  - {part}: {fmt_s(median(values))}" for part, values in chain_parts.items()))
     report.write()
 
 
@@ -311,6 +342,8 @@ def _example_work() -> Any:
 
 
 def _flags(parser) -> None:
+    parser.add_argument("--chain-only", action="store_true", help="airflow mode: only the chain rows")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps in the mapped sweep (default {STEPS})")
     parser.add_argument("--step-s", type=float, default=0.5, help="how long each step runs (s)")
     parser.add_argument("--mode", choices=["driver", "jobs", "airflow"], default="driver",
                         help="which rayslice row to measure against plain tasks (see the module doc)")

@@ -6,6 +6,12 @@ heartbeat (here: SIGSTOPped past `triggerer_health_check_threshold`) loses its t
 one, and once it runs again it cancels them that way. Two real triggerers on the session's Airflow:
 the step must finish on its Ray job, and its result must reach XCom.
 
+A trigger moved after the step's result line and before its event (issue 36, item 3): the job's
+supervisor is held (SIGSTOP) once its driver printed the result and exited, so Ray still reports the
+job running while the holder records how far it relayed, past the result line; the holder is frozen,
+the other triggerer takes the trigger over, the supervisor is let go. The step must end with its
+result, from its one Ray job.
+
 The trigger that takes over resumes relaying the job's log where its predecessor last recorded it
 (an XCom of the task, item 8): the step prints a numbered line every 0.5 s, and no line is lost
 while at most the last `CHECKPOINT_S` of them are relayed twice.
@@ -25,7 +31,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from rayslice.operators.triggers import CHECKPOINT_S
+from rayslice.operators.triggers import CHECKPOINT_S, LOG_CHECKPOINT_KEY
 
 from rayslice.client.jobs_client import JobStatus, RayJobsClient
 from rayslice.client.submission import jobs_of_task
@@ -105,6 +111,8 @@ def test_a_trigger_moved_to_another_triggerer_leaves_its_job_running(airflow, ap
             assert done and _state(api, run) == "success", f"task {_state(api, run)}:\n{_log(airflow, run)[-3000:]}"
             assert _xcom(api, run)["value"] == run
             assert jobs.get(sid).status == JobStatus.SUCCEEDED
+            ran = jobs_of_task(jobs.list_jobs(), Owner(dag_id=DAG_ID, run_id=run, task_id="step"))
+            assert [j.submission_id for j in ran] == [sid], "the step ran as more than one Ray job"
             assert "moved to another triggerer" in _log(airflow, run)
             _assert_relayed_once(_log(airflow, run))
         finally:
@@ -114,7 +122,109 @@ def test_a_trigger_moved_to_another_triggerer_leaves_its_job_running(airflow, ap
                 _end(second)
 
 
+def test_a_trigger_moved_after_the_result_line_ends_the_step_with_its_result(airflow, api, cluster, tmp_path):
+    db = Path(airflow.home) / "airflow.db"
+    release = tmp_path / "release"
+    run = f"mr-{uuid.uuid4().hex[:8]}"
+    resp = api.post(f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run, "logical_date": None,
+                                                      "conf": {"release": str(release)}})
+    assert resp.status_code == 200, resp.text
+    first = airflow.record.sessions["triggerer"]
+    second: subprocess.Popen | None = None
+    stopped: set[int] = set()
+    held: set[int] = set()
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as jobs:
+        try:
+            holder = wait_until(lambda: _state(api, run) == "deferred" and _holder(db, run), timeout=STEP_START_S,
+                                interval=0.5)
+            assert holder, f"{run}: not deferred on a triggerer (task {_state(api, run)}, log {_log(airflow, run)})"
+            sid = wait_until(lambda: _running_sid(jobs, run), timeout=STEP_START_S, interval=0.5)
+            assert sid, f"{run}: no running Ray job"
+            before = _triggerers(db)
+            second = _start_second_triggerer(first, tmp_path / "triggerer-2.log")
+            others = wait_until(lambda: _triggerers(db) - before, timeout=120, interval=0.5)
+            assert others, f"the second triggerer did not start:\n{_tail(tmp_path / 'triggerer-2.log')}"
+
+            # The driver prints the result and exits; its supervisor, held, cannot report the end.
+            supervisor = psutil.Process(_supervisor(cluster, sid))
+            held = {supervisor.pid}
+            processes.send_signal(supervisor.pid, signal.SIGSTOP)
+            release.touch()
+            assert wait_until(lambda: _driver_exited(supervisor), timeout=120, interval=0.5), \
+                "the step's driver did not exit"
+            assert jobs.get(sid).status == JobStatus.RUNNING
+            size = len(jobs.logs(sid))
+            # The holder recorded how far it relayed: past the result line, the driver's last.
+            assert wait_until(lambda: _recorded_offset(db, run) >= size, timeout=120, interval=0.5), \
+                f"no record past the result line ({_recorded_offset(db, run)} < {size}):\n{_log(airflow, run)[-3000:]}"
+            stopped = processes.session_members({first})
+            for pid in stopped:
+                processes.send_signal(pid, signal.SIGSTOP)
+            moved = wait_until(lambda: _holder(db, run) not in (None, holder), timeout=THRESHOLD_S + 120, interval=0.5)
+            assert moved, f"the trigger stayed on triggerer {holder}"
+            assert wait_until(lambda: re.search(r"resuming the log of Ray job \S+ at character", _log(airflow, run)),
+                              timeout=120, interval=0.5), _log(airflow, run)[-3000:]
+            _continue(stopped)
+            stopped = set()
+            # Back, the old triggerer cancels its trigger before the job's end could reach it.
+            assert wait_until(lambda: "Trigger cancelled by user action" in _log(airflow, run), timeout=120,
+                              interval=0.5), f"no cancel by the old triggerer:\n{_log(airflow, run)[-3000:]}"
+            _continue(held)
+            held = set()
+
+            done = wait_until(lambda: _state(api, run) in ("success", "failed"), timeout=240, interval=1)
+            assert done and _state(api, run) == "success", f"task {_state(api, run)}:\n{_log(airflow, run)[-3000:]}"
+            assert _xcom(api, run)["value"] == run
+            assert jobs.get(sid).status == JobStatus.SUCCEEDED
+            ran = jobs_of_task(jobs.list_jobs(), Owner(dag_id=DAG_ID, run_id=run, task_id="step"))
+            assert [j.submission_id for j in ran] == [sid], "the step ran as more than one Ray job"
+            assert jobs.logs(sid).count("holding the slice until released") == 1
+        finally:
+            _continue(stopped)
+            _continue(held)
+            release.touch()
+            if second is not None:
+                _end(second)
+
+
 # ---------------------------------------------------------------- helpers
+
+
+def _supervisor(cluster, sid: str) -> int:
+    """The pid of the job's supervisor actor (Ray's state API), the parent of its driver."""
+    resp = httpx.get(f"{cluster.dashboard_url}/api/v0/actors", timeout=60,
+                     headers={"Authorization": f"Bearer {cluster.token}"} if cluster.token else {},
+                     params={"detail": 1, "filter_keys": "name", "filter_predicates": "=",
+                             "filter_values": f"_ray_internal_job_actor_{sid}"})
+    resp.raise_for_status()
+    found = resp.json()["data"]["result"]["result"]
+    live = [int(a["pid"]) for a in found if a.get("pid") and psutil.pid_exists(int(a["pid"]))]
+    assert len(live) == 1, f"Ray job {sid}: supervisors {found}"
+    return live[0]
+
+
+def _driver_exited(supervisor: psutil.Process) -> bool:
+    """The job's driver (`python -m rayslice.cluster`, under the supervisor) exited: gone, or a zombie."""
+    def driver(proc: psutil.Process) -> bool:
+        try:
+            return "rayslice.cluster" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+    try:
+        return not any(driver(child) for child in supervisor.children(recursive=True))
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _recorded_offset(db: Path, run: str) -> int:
+    """The offset in the step's log checkpoint XCom (`LOG_CHECKPOINT_KEY`), 0 without one."""
+    rows = _query(db, "SELECT value FROM xcom WHERE dag_id = ? AND run_id = ? AND task_id = 'step' AND key = ?",
+                  DAG_ID, run, LOG_CHECKPOINT_KEY)
+    value = rows[0][0] if rows else None
+    while isinstance(value, (str, bytes)):
+        value = json.loads(value)
+    return int(value.get("offset") or 0) if isinstance(value, dict) else 0
+
 
 
 def _assert_relayed_once(log: str) -> None:
