@@ -330,7 +330,10 @@ def test_the_cluster_is_deleted_when_the_step_between_fails(fake, airflow_db, ra
     assert xcom_values(dr, "delete") == ["deleted"]
     assert fake.cluster("ml", "rs") is None
     [(_, _, body)] = [r for r in fake.requests if r[0] == "POST" and "rayclusters" in r[1]]
-    assert body["metadata"]["annotations"][OWNER_ANNOTATION] == f"kr_lifecycle/{dr.run_id}"
+    from airflow.models import Variable
+
+    deployment = Variable.get("rayslice_deployment")  # the owner mark names this Airflow too (issue 38 (9))
+    assert body["metadata"]["annotations"][OWNER_ANNOTATION] == f"{deployment}/kr_lifecycle/{dr.run_id}"
     assert body["spec"]["headGroupSpec"]["serviceType"] == "LoadBalancer"
     # Token auth on: the setup made the token's Secret before the cluster, the teardown removed it after.
     assert body["spec"]["authOptions"] == {"mode": "token", "secretName": "ignored-ray-token"}
