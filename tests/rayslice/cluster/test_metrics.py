@@ -62,6 +62,9 @@ def test_queue_gauges_count_waiting_steps_and_the_chips_admitted_ones_hold():
 
 
 def test_without_a_ray_nothing_is_sent_and_nothing_starts(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a driver without Ray, whatever ran before
     monkeypatch.setattr(metrics, "recorder", lambda: pytest.fail("no Ray: the recorder must not be looked up"))
     sender = metrics.Sender()
     sender.step(StepSpec.for_function(len, request=TpuSliceRequest(tpu="v6e-4")), "succeeded")
