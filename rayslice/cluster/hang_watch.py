@@ -20,36 +20,22 @@ file, which the host's watch publishes instead of its own.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from ray.experimental import internal_kv
 
+# One reading of "idle inside JAX" for both kinds of step: a command step's program samples itself with
+# the same stdlib-only code (it cannot import rayslice or Ray).
+from rayslice.cluster.jax_autodetect.rayslice_program import IDLE_CPU_SHARE, jax_frame
+
 NAMESPACE = "rayslice-hang-watch"
-#: CPU-seconds per wall-second below which a process counts as idle (Ray's own threads use a little).
-IDLE_CPU_SHARE = 0.05
 
 
 def poll_interval(hang_timeout: float) -> float:
     """How often hosts sample and the driver reads: often enough to fire within ~10% of the bound."""
     return max(0.2, min(5.0, hang_timeout / 10))
-
-
-def jax_frame(thread_id: int) -> str | None:
-    """Where the thread is blocked inside JAX ("jax function, called from file:line"), or None if not in JAX."""
-    frame = sys._current_frames().get(thread_id)
-    innermost_jax = None
-    while frame is not None:
-        in_jax = any(part in frame.f_code.co_filename for part in ("/jax/", "/jaxlib/"))
-        if in_jax and innermost_jax is None:
-            innermost_jax = frame.f_code.co_name
-        elif not in_jax and innermost_jax is not None:
-            return f"{innermost_jax}, called from {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return innermost_jax
 
 
 class HostWatch:

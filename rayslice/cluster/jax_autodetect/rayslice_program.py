@@ -34,7 +34,8 @@ REPORT_ENV = "RAYSLICE_PROGRAM_REPORT"
 HANG_INTERVAL_ENV = "RAYSLICE_HANG_INTERVAL"
 EXIT_FILE = "exit.json"
 IDLE_FILE = "idle.json"
-#: CPU-seconds per wall-second below which the process counts as idle (as in cluster/hang_watch.py).
+#: CPU-seconds per wall-second below which a process counts as idle (Ray's own threads use a little);
+#: cluster/hang_watch.py uses this and `jax_frame` for function steps too.
 IDLE_CPU_SHARE = 0.05
 
 _pending_exit: list[object] = []  # the code of a SystemExit on its way out of the main thread
