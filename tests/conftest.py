@@ -1,8 +1,9 @@
 """Shared fixtures: one real local Ray cluster per test session (two v6e-16, one v6e-4, 3 GPUs).
 
-Set RAYSLICE_TEST_CLUSTER=<name> to reuse a cluster started with `rayslice local up --name <name>`
-(handy while developing); otherwise the session starts its own on free ports and stops it,
-by PID, at the end.
+Set RAYSLICE_TEST_CLUSTER=<name> to reuse a cluster of the same shape, started with
+`rayslice local up --name <name> --tpu v6e-16 --tpu v6e-16 --tpu v6e-4 --gpus 3` (handy while
+developing); otherwise the session starts its own on free ports, in the background while the
+cluster-free tests run first, and stops it, by PID, at the end.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,6 +44,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.airflow)
         if needs & BROWSER_FIXTURES or item.get_closest_marker("browser"):
             item.add_marker(pytest.mark.browser)
+    # Cluster-free tests first: the session's cluster starts in the background meanwhile
+    # (`pytest_collection_finish`), so its minute or two of start-up overlaps them.
+    items[:] = ([item for item in items if not item.get_closest_marker("cluster")]
+                + [item for item in items if item.get_closest_marker("cluster")])
     # The tests that use the session's Airflow run one after another (in their files' order), so it
     # can stop after the last of them instead of idling through the rest of the session.
     users = [item for item in items if _uses_session_airflow(item)]
@@ -65,22 +72,64 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _session_airflow.pop()()
 
 
+_cluster_start: dict = {}  # the session's cluster, starting in the background: its process, home and name
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the session's cluster now, in its own process, if any selected test needs it.
+
+    The cluster-free tests run first (`pytest_collection_modifyitems`) while it starts. A process, not a
+    thread: it reads `RAYSLICE_HOME` throughout, which tests may change meanwhile.
+    """
+    if (os.environ.get("RAYSLICE_TEST_CLUSTER") or session.config.option.collectonly
+            or not any(item.get_closest_marker("cluster") for item in session.items)):
+        return
+    _start_session_cluster(session.config._tmp_path_factory.mktemp("rayslice-home"))
+
+
+def _start_session_cluster(home: Path) -> dict:
+    name = f"pytest-{os.getpid()}"
+    spec = TEST_SPEC
+    code = ("import sys; from rayslice.local import local_cluster as c; c.up(c.ClusterSpec(tpus="
+            f"{spec.tpus!r}, gpus={spec.gpus}, head_cpus={spec.head_cpus}, host_cpus={spec.host_cpus}), "
+            "name=sys.argv[1])")
+    log = home / "session-cluster-up.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-c", code, name], stdout=out, stderr=subprocess.STDOUT,
+                                   env=os.environ | {"RAYSLICE_HOME": str(home)})
+    _cluster_start.update(process=process, home=home, name=name, log=log, stopped=False)
+    return _cluster_start
+
+
+def _stop_session_cluster() -> None:
+    """Stop the session's cluster by PID (once), after its start-up process ended either way."""
+    if _cluster_start and not _cluster_start["stopped"]:
+        _cluster_start["stopped"] = True
+        _cluster_start["process"].wait()
+        with rayslice_home(_cluster_start["home"]):
+            if (local_cluster.state_dir() / f"{_cluster_start['name']}.json").exists():  # a failed `up` stopped itself
+                local_cluster.down(_cluster_start["name"])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _stop_session_cluster()  # started in the background, but no test asked for it (all skipped, Ctrl-C)
+
+
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def cluster():
     reuse = os.environ.get("RAYSLICE_TEST_CLUSTER")
     if reuse:
         yield local_cluster.ClusterRecord.load(reuse)
         return
-    home = tmp_path_factory.mktemp("rayslice-home")
-    name = f"pytest-{os.getpid()}"
-    with rayslice_home(home):
-        record = local_cluster.up(TEST_SPEC, name=name)
-    os.environ["RAYSLICE_HOME"] = str(home)  # for the whole session: the CLI tests find it there
+    start = _cluster_start or _start_session_cluster(Path(tempfile.mkdtemp(prefix="rayslice-home-")))
+    assert start["process"].wait() == 0, f"the session's cluster did not start:\n{start['log'].read_text()[-4000:]}"
+    with rayslice_home(start["home"]):
+        record = local_cluster.ClusterRecord.load(start["name"])
+    os.environ["RAYSLICE_HOME"] = str(start["home"])  # for the whole session: the CLI tests find it there
     try:
         yield record
     finally:
-        with rayslice_home(home):  # whatever a module fixture did to the variable, stop *this* cluster
-            local_cluster.down(name)
+        _stop_session_cluster()  # whatever a module fixture did to RAYSLICE_HOME, stop *this* cluster
         os.environ.pop("RAYSLICE_HOME", None)
 
 

@@ -118,15 +118,20 @@ def sleeps():
     time.sleep(600)
 
 
-def test_ray_job_stop_unwinds_the_driver_and_frees_the_capacity(cluster):
-    """SIGTERM lands inside `ray.wait`: the driver still unwinds, releases, says so, and exits before Ray's SIGKILL."""
+@pytest.mark.parametrize("request_", [AcceleratorRequest(resource="GPU", count=0.25),
+                                      AcceleratorRequest(resource="TPU", count=4)], ids=["gpu-fraction", "tpu-chips"])
+def test_ray_job_stop_unwinds_the_driver_and_frees_the_capacity(cluster, ray_driver, request_):
+    """SIGTERM lands inside `ray.wait`: the driver still unwinds, releases, says so, and exits before Ray's SIGKILL.
+
+    TPU chips take the node-selector path (chips of one slice type), not a placement group: freed all the same.
+    """
     import asyncio
 
     from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
     from rayslice.client.submission import submit_step
-    from tests.conftest import wait_until
+    from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 
-    spec = StepSpec.for_function(sleeps, request=AcceleratorRequest(resource="GPU", count=0.25))
+    spec = StepSpec.for_function(sleeps, request=request_)
 
     async def submit() -> str:
         async with AsyncRayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
@@ -134,9 +139,14 @@ def test_ray_job_stop_unwinds_the_driver_and_frees_the_capacity(cluster):
 
     sid = asyncio.run(submit())
     with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
-        assert wait_until(lambda: "[rayslice] running on GPU x0.25" in client.logs(sid), timeout=180, interval=0.5)
+        assert wait_until(lambda: f"[rayslice] running on {request_}" in client.logs(sid), timeout=180, interval=0.5), (
+            client.logs(sid)[-3000:])
+        if request_.resource == "TPU":
+            assert ray_driver.available_resources().get("TPU", 0) <= TOTAL_TPU_CHIPS - 4  # held while it runs
         client.stop(sid)
         assert wait_until(lambda: client.get(sid).is_terminal, timeout=60, interval=0.2)
         log = client.logs(sid)
     assert "[rayslice] stopped on request; capacity released" in log, log[-2000:]
-    assert "[rayslice] released GPU x0.25" in log
+    assert f"[rayslice] released {request_}" in log
+    if request_.resource == "TPU":
+        assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=10)
