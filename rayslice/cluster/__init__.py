@@ -21,6 +21,7 @@ from rayslice.cluster import checkpoints, gang, host_env, metrics, phases, reape
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, reserve_slices
+from rayslice.core import goodput
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
 from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError
@@ -54,6 +55,26 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
     first.note("reaped")
     checkpoint_dir = checkpoint_dir_for(spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV), spec.owner)
     waits = Waits(capacity=spec.capacity_timeout, start=gang.HOST_START_TIMEOUT_S)
+    records: list[dict] = []  # every attempt's, for the step's goodput figures
+    try:
+        return _attempts(spec, first, checkpoint_dir, waits, records, driver_phases)
+    finally:
+        _report_goodput(spec, records)
+
+
+def _report_goodput(spec: StepSpec, records: list[dict]) -> None:
+    """The step's goodput line in the task log, its record in the job log, its figures to the metrics."""
+    try:
+        account = goodput.step_account(records)
+        print(account.summary(), flush=True)
+        print(goodput.record_line(account), flush=True)
+        metrics.sender.goodput(spec, account)
+    except Exception as exc:  # figures must never fail the step
+        log(f"goodput figures unavailable: {type(exc).__name__}: {exc}")
+
+
+def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None, waits: Waits,
+              records: list[dict], driver_phases: dict[str, float] | None) -> Any:
     for attempt in range(spec.preemption_retries + 1):
         timeline = first if attempt == 0 else phases.Timeline()
         for phase, at in (driver_phases or {}).items() if attempt == 0 else ():
@@ -66,11 +87,21 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
                                                 preemption_attempt=attempt, submission_id=spec.owner.submission_id))
         timeline.note("checkpoint_described")
         step = gang.Attempt(preemption_attempt=attempt, checkpoint_dir=checkpoint_dir)
+        timeline.chips = (spec.request.total_chips if isinstance(spec.request, TpuSliceRequest)
+                          else spec.request.count)
+        timeline.outcome = "failed"
         try:
             if isinstance(spec.request, TpuSliceRequest):
-                return _run_on_slices(spec, spec.request, step, timeline, waits)
-            return _run_on_fraction(spec, spec.request, step, timeline, waits)
+                result = _run_on_slices(spec, spec.request, step, timeline, waits)
+            else:
+                result = _run_on_fraction(spec, spec.request, step, timeline, waits)
+            timeline.outcome = "succeeded"
+            return result
+        except KeyboardInterrupt:
+            timeline.outcome = "stopped"
+            raise
         except PreemptedError as exc:
+            timeline.outcome = "preempted"
             if attempt == spec.preemption_retries:
                 raise
             if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
@@ -80,6 +111,7 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
         finally:
             for line in timeline.lines():
                 print(line, flush=True)
+            records.append(timeline.record())
             metrics.sender.attempt(spec, timeline.times, timeline.queue_wait())
     raise AssertionError("unreachable")
 
