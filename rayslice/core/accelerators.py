@@ -61,6 +61,11 @@ _LITE = ("v5litepod", "v6e")
 _SINGLE_HOST_TOPOLOGIES = ("1x1", "2x2", "2x4")
 _VERSION_ALIASES = {"v5e": "v5litepod"}
 _CHIPS_PER_HOST_OPTIONS = (1, 2, 4, 8)  # Ray's TPU_VALID_CHIP_OPTIONS
+#: JAX devices per chip where it is not one: a TPU7x (Ironwood) chip has two TensorCores and JAX
+#: shows each as a device of its own (Ray: "some generations expose 2 logical XLA devices per chip
+#: (e.g. v7x)", the reason for its RAY_TPU_RESOURCE_PER_CHIP); earlier two-core chips (v4, v5p)
+#: show one device (megacore). docs/concepts.md cites the sources.
+_DEVICES_PER_CHIP = {"v7x": 2}
 _NAME_RE = re.compile(r"^(v\d+[a-z]*)(?:-(\d+))?$")
 
 
@@ -286,6 +291,16 @@ class TpuSliceRequest(_Request):
     @property
     def chips_per_slice(self) -> int:
         return _chips(self.topology)  # type: ignore[arg-type]  # always set by validation
+
+    @property
+    def devices_per_chip(self) -> int:
+        """JAX devices per chip: 2 on v7x (one per TensorCore), else 1."""
+        return _DEVICES_PER_CHIP.get(self.version, 1)
+
+    @property
+    def devices_per_host(self) -> int:
+        """What `jax.local_device_count()` reports on each host (the simulated cluster shows the same)."""
+        return self.chips_per_host * self.devices_per_chip  # type: ignore[operator]
 
     @property
     def hosts_per_slice(self) -> int:

@@ -315,3 +315,10 @@ def test_tables_match_the_installed_ray():
             assert req.pod_type == ray_tpu.infer_tpu_pod_type_from_topology(topology, version)
             assert req.chips_per_host == ray_tpu.get_chips_per_host(topology, version)
             assert req.accelerator_type == f"TPU-{version.upper()}"
+
+
+@pytest.mark.parametrize(("tpu", "per_chip", "per_host"), [
+    ("tpu7x-8", 2, 8), ("v7x-16", 2, 8), ("v6e-16", 1, 4), ("v6e-8", 1, 8), ("v5p-8", 1, 4), ("v4-8", 1, 4)])
+def test_jax_devices_per_chip_are_two_on_v7x_only(tpu, per_chip, per_host):
+    request = TpuSliceRequest(tpu=tpu)
+    assert (request.devices_per_chip, request.devices_per_host) == (per_chip, per_host)
