@@ -214,6 +214,11 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s, "
         f"{waits.capacity:.0f} s of it left)")
     started = time.monotonic()
+    if request.subslice:  # before the queue: nothing is held or waited for
+        raise InvalidRequestError(
+            f"{request}: this launcher does not run subslices yet. Ray's SubslicePlacementGroup places one only "
+            "on real TPU hosts (it reads their chip coordinates through libtpu), and rayslice reserves whole slices; "
+            f"ask for a whole {request.pod_type}, or for the smaller slice type of the subslice's size")
     check_satisfiable(request, lost=waits.lost_nodes)  # an impossible request never enters the queue
     place = _admit(spec, waits, timeline)
     try:

@@ -1,6 +1,7 @@
 """The accelerator request model: TPU pod-type arithmetic, validation messages, JSON travel."""
 
 import pickle
+import re
 import subprocess
 import sys
 
@@ -322,3 +323,27 @@ def test_tables_match_the_installed_ray():
 def test_jax_devices_per_chip_are_two_on_v7x_only(tpu, per_chip, per_host):
     request = TpuSliceRequest(tpu=tpu)
     assert (request.devices_per_chip, request.devices_per_host) == (per_chip, per_host)
+
+
+@pytest.mark.parametrize(("tpu", "subslice", "shown"), [
+    ("v6e-16", "2x4", "v6e-16 (subslice 2x4)"), ("v6e-16", "2x2", "v6e-16 (subslice 2x2)"),
+    ("v7x-32", "2x2x2", "v7x-32 (subslice 2x2x2)"), ("v5litepod-64", "4x4", "v5litepod-64 (subslice 4x4)")])
+def test_a_subslice_of_a_multi_host_slice_is_accepted_where_ray_can_cut_it(tpu, subslice, shown):
+    request = TpuSliceRequest(tpu=tpu, subslice=subslice)
+    assert str(request) == shown and TpuSliceRequest.model_validate_json(request.model_dump_json()) == request
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"tpu": "v6e-16", "subslice": "2x8"},
+     "subslice='2x8' of v6e-16 (4x4): not a subslice of that slice; valid subslices of v6e-16 are 2x2 or 2x4"),
+    ({"tpu": "v6e-16", "subslice": "4x4"}, "valid subslices of v6e-16 are 2x2 or 2x4"),
+    ({"tpu": "v6e-8", "subslice": "2x2"},
+     "v6e-8 cannot be cut into subslices, it is one host: ask for a smaller slice type instead"),
+    ({"tpu": "v5litepod", "topology": "2x8", "subslice": "2x2"},
+     "v5litepod-16 cannot be cut into subslices, Ray's SubslicePlacementGroup cannot cut that topology"),
+    ({"tpu": "v6e-16", "subslice": "2x4", "num_slices": 2}, "num_slices must be 1 (got num_slices=2)"),
+    ({"tpu": "v6e-16", "subslice": "2x4", "chips_per_host": 2}, "need the default 4 chips per host"),
+])
+def test_a_subslice_the_type_does_not_allow_is_refused_at_parse_time_in_words(kwargs, says):
+    with pytest.raises(InvalidRequestError, match=re.escape(says)):
+        TpuSliceRequest(**kwargs)
