@@ -102,6 +102,7 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             raise
         except PreemptedError as exc:
             timeline.outcome = "preempted"
+            _note_lost_work(timeline, checkpoint_dir)
             if attempt == spec.preemption_retries:
                 raise
             if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
@@ -114,6 +115,19 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             records.append(timeline.record())
             metrics.sender.attempt(spec, timeline.times, timeline.queue_wait())
     raise AssertionError("unreachable")
+
+
+def _note_lost_work(timeline: phases.Timeline, checkpoint_dir: str | None) -> None:
+    """A preempted attempt's lost work: from its newest checkpoint (written during it) to the preemption.
+
+    The preempted hosts' own reports died with them, so the checkpoint folder tells where the resume
+    starts; without a checkpoint of this attempt the goodput counts its whole body lost (its default).
+    """
+    started = timeline.times.get("step_started", timeline.detail.get("actors_started"))
+    ended = timeline.detail.get("gang_returned")
+    written = checkpoints.newest_written(checkpoint_dir) if checkpoint_dir else None
+    if started is not None and ended is not None and written is not None and started <= written <= ended:
+        timeline.add_spans({"lost": [[written, ended]]})
 
 
 @dataclass

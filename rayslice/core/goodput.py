@@ -165,7 +165,9 @@ def attempt_account(record: Mapping[str, Any]) -> Account:
     held_to = next((record[p] for p in ("released",) if p in record),
                    detail.get("gang_returned", record.get("step_done", held_from)))
     held_to = max(held_to, held_from)
-    started = min(max(record.get("step_started", held_to), held_from), held_to)
+    # A failed or preempted attempt has no host's report: its body started when its hosts had started.
+    started = record.get("step_started", detail.get("actors_started", held_to))
+    started = min(max(started, held_from), held_to)
     body_end = record.get("step_done", detail.get("gang_returned", held_to))
     body_end = min(max(body_end, started), held_to)
     checkpointing = _merged(spans.get("checkpointing") or [], started, body_end)
