@@ -96,6 +96,7 @@ class UsageRow(BaseModel):
     #: category (rayslice.core.goodput), and productive over held.
     measured: int = 0
     chip_h: dict[str, float] = {}
+    held_chip_h: float | None = None  # the measured steps' chip-hours held, by their timelines (reserved to released)
     goodput: float | None = None
 
     @computed_field
@@ -272,6 +273,7 @@ def _figures(steps: set[str], goodput: dict[str, dict[str, Any]]) -> dict[str, A
     if not measured:
         return {}
     return {"measured": len(measured), "goodput": None if total.goodput is None else round(total.goodput, 6),
+            "held_chip_h": round(total.held_chip_s / 3600, 6),
             "chip_h": {name: round(total.chip_s[name] / 3600, 6) for name in CATEGORIES}}
 
 
@@ -323,12 +325,13 @@ def render(rows: list[UsageRow], *, title: str) -> Any:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for column in ("DAG", "task", "steps", "TPU chip-h", "GPU-h", "goodput", *CATEGORIES):
+    for column in ("DAG", "task", "steps", "TPU chip-h", "GPU-h", "held chip-h", "goodput", *CATEGORIES):
         table.add_column(column, no_wrap=True, justify="left" if column in ("DAG", "task") else "right")
     for row in rows:
         table.add_row(
             "(hidden)" if row.hidden else row.dag_id, row.task_id or "", str(row.steps),
             f"{row.tpu_chip_hours:.4g}", f"{row.gpu_hours:.4g}",
+            "-" if row.held_chip_h is None else f"{row.held_chip_h:.4g}",
             "-" if row.goodput is None else f"{row.goodput:.1%}" + ("" if row.measured == row.steps
                                                                     else f" ({row.measured} of {row.steps})"),
             *("-" if not row.chip_h else f"{row.chip_h.get(name, 0.0):.4g}" for name in CATEGORIES))

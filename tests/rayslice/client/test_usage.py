@@ -107,7 +107,9 @@ def test_rows_sum_their_measured_steps_goodput_and_say_how_many_had_figures():
     rows = {r.task_id: r for r in by_task}
     assert (rows["train"].measured, rows["train"].steps, rows["train"].goodput) == (2, 2, 0.4)
     assert rows["train"].chip_h["productive"] == pytest.approx(80 / 3600, abs=1e-6)
-    assert (rows["eval"].measured, rows["eval"].goodput, rows["eval"].chip_h) == (0, None, {})
+    assert rows["train"].held_chip_h == pytest.approx(200 / 3600, abs=1e-6)
+    assert (rows["eval"].measured, rows["eval"].goodput, rows["eval"].chip_h, rows["eval"].held_chip_h) == (
+        0, None, {}, None)
     assert by_dag[0].goodput == 0.4 and by_dag[0].steps == 3  # a row without figures is never counted as zero
     assert usage.totals(found.bars)[0][0].goodput is None  # without figures: as before
 
