@@ -66,6 +66,8 @@ def _report_goodput(spec: StepSpec, records: list[dict]) -> None:
     """The step's goodput line in the task log, its record in the job log, its figures to the metrics."""
     try:
         account = goodput.step_account(records)
+        if not account.attempts and not any(account.seconds.values()):
+            return  # refused before it asked for anything (an invalid or impossible request): nothing to account
         print(account.summary(), flush=True)
         print(goodput.record_line(account), flush=True)
         metrics.sender.goodput(spec, account)
