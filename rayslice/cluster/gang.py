@@ -147,8 +147,10 @@ class HostProcess:
                         result = step(**spec.kwargs)
                     finally:
                         set_step_context(None)
+                spans = goodput.collect(spans_file)  # what the step reported through its context (before the
+                # command's report folder goes)
             self._times["step_done"] = time.time()
-            if spans := goodput.collect(spans_file):  # what the step reported through its context
+            if spans:
                 self._times[phases.SPANS_KEY] = spans  # type: ignore[assignment]
         finally:  # also when the step raised: the driver waits for this host's last lines either way
             sys.stderr.flush()
