@@ -188,8 +188,11 @@ def visible_usage(found: "Usage", user: Any) -> dict[str, Any]:
         "submission_id": steps.setdefault(b.submission_id, f"hidden-{len(steps) + 1}"), "dag_id": "", "run_id": "",
         "task_id": "", "map_index": -1, "try_number": 0, "request": "", "job_id": None, "job_status": None,
         "hidden": True}) for b in found.bars]
-    by_dag, by_task = usage.totals(bars)
-    data = found.model_copy(update={"bars": bars}).model_dump(mode="json")
+    # The goodput figures under the ids the bars now carry: a hidden step's real id never reaches the page.
+    figures = {new.submission_id: found.goodput[old.submission_id]
+               for old, new in zip(found.bars, bars, strict=True) if old.submission_id in found.goodput}
+    by_dag, by_task = usage.totals(bars, figures)
+    data = found.model_copy(update={"bars": bars, "goodput": figures}).model_dump(mode="json")
     return {**data, "by_dag": [r.model_dump(mode="json") for r in by_dag],
             "by_task": [r.model_dump(mode="json") for r in by_task]}
 

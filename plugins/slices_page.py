@@ -293,6 +293,30 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
     return [r for r in ACCELERATORS if r in ("TPU", "GPU") or any(row["hours"].get(r) for row in rows)]
 
 
+#: Chip-time held, by goodput category (rayslice.core.goodput.HELD), and what is counted but not held.
+_HELD = ("startup", "productive", "checkpointing", "lost", "teardown")
+_NOT_HELD = ("waiting", "suspended")
+
+
+def _summed_goodput(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    chip_h = {name: sum((r.get("chip_h") or {}).get(name, 0.0) for r in rows) for name in _HELD + _NOT_HELD}
+    held = sum(chip_h[name] for name in _HELD)
+    measured = sum(r.get("measured", 0) for r in rows)
+    return {"measured": measured, "steps": sum(r["steps"] for r in rows),
+            "chip_h": chip_h if measured else {}, "goodput": chip_h["productive"] / held if held > 0 else None}
+
+
+def goodput_cell(r: dict[str, Any]) -> str:
+    """Goodput, with where the chip-hours went as its tooltip; "-" where no step of the row has figures."""
+    if r.get("goodput") is None:
+        return '<td class="num muted" title="no ended step with goodput figures">-</td>'
+    chip_h = r.get("chip_h") or {}
+    went = "; ".join(f"{name} {chip_h.get(name, 0.0):.4g} chip-h" for name in _HELD + _NOT_HELD
+                     if chip_h.get(name))
+    of = "" if r.get("measured") == r.get("steps") else f" ({r.get('measured')} of {r.get('steps')} steps)"
+    return f'<td class="num goodput" title="{esc(went)}">{r["goodput"]:.1%}{esc(of)}</td>'
+
+
 def usage_tables(data: dict[str, Any]) -> str:
     columns = _columns(data["by_dag"])
 
@@ -303,14 +327,17 @@ def usage_tables(data: dict[str, Any]) -> str:
         dag = ('<span class="muted">DAGs you cannot read</span>' if r["hidden"] else
                f'<i class="swatch" style="background:{dag_color(r["dag_id"])}"></i>{esc(r["dag_id"])}')
         task = f'<td>{esc(r["task_id"] or "")}</td>' if with_task else ""
-        return f'<tr><td>{dag}</td>{task}<td class="num">{r["steps"]}</td>{hours(r)}</tr>'
+        return f'<tr><td>{dag}</td>{task}<td class="num">{r["steps"]}</td>{hours(r)}{goodput_cell(r)}</tr>'
 
     def table(rows: list[dict[str, Any]], with_task: bool, css: str) -> str:
         head = "<th>task</th>" if with_task else ""
-        sums = {"hours": {c: sum(r["hours"].get(c, 0) for r in rows) for c in columns}}
+        sums = {"hours": {c: sum(r["hours"].get(c, 0) for r in rows) for c in columns},
+                **_summed_goodput(rows)}
         total = (f'<tr class="total"><td>total</td>{"<td></td>" if with_task else ""}'
-                 f'<td class="num">{sum(r["steps"] for r in rows)}</td>{hours(sums)}</tr>')
+                 f'<td class="num">{sum(r["steps"] for r in rows)}</td>{hours(sums)}{goodput_cell(sums)}</tr>')
         units = "".join(f'<th class="num">{"TPU chip" if c == "TPU" else esc(c)}-hours</th>' for c in columns)
+        units += ('<th class="num" title="productive chip-time over chip-time held, of the ended steps whose job '
+                  'log has the figures (docs/goodput.md)">goodput</th>')
         return (f'<table class="usage {css}"><tr><th>DAG</th>{head}<th class="num">steps</th>{units}</tr>'
                 f'{"".join(row(r, with_task) for r in rows)}{total if rows else ""}</table>')
 

@@ -279,6 +279,46 @@ def capacity(
         console.print(cap.render(snapshot))
 
 
+@app.command("usage")
+def usage_(
+    address: Address = None,
+    token: Token = None,
+    conn_id: ConnId = None,
+    name: Name = "default",
+    hours: Annotated[float, typer.Option("--hours", min=0.01, max=24 * 90,
+                                         help="The window: the last HOURS hours (steps overlapping it).")] = 24.0,
+    dag_id: Annotated[str | None, typer.Option("--dag", help="Only this DAG's steps.")] = None,
+    task_id: Annotated[str | None, typer.Option("--task", help="Only this task's steps (with --dag: of that DAG).")
+                       ] = None,
+    team: Annotated[str | None, typer.Option("--team", help="Only this team's steps (and its sub-teams').")] = None,
+    per: Annotated[str, typer.Option("--per", help="Rows per 'task' or per 'dag'.")] = "task",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Chip-hours and goodput per DAG or task over the last hours: where every chip-hour went (docs/goodput.md)."""
+    from rayslice.client import usage
+
+    if per not in ("task", "dag"):
+        raise fail(f"--per {per!r}: use --per task or --per dag")
+    where = target(address, token, conn_id, name)
+    try:
+        found = usage.usage(where.url, token=where.token, headers=where.headers, verify=where.verify, hours=hours)
+    except RaysliceError as exc:
+        raise unreachable(where, exc) from None
+    bars = usage.select(found, dag_id=dag_id, task_id=task_id, team=team)
+    by_dag, by_task = usage.totals(bars, found.goodput)
+    rows = by_task if per == "task" else by_dag
+    if as_json:
+        console.print_json(json.dumps({"since": found.since.isoformat(), "until": found.until.isoformat(),
+                                       "rows": [row.model_dump(mode="json") for row in rows]}))
+        return
+    chosen = ", ".join(f"{flag} {value}" for flag, value in (("--dag", dag_id), ("--task", task_id),
+                                                             ("--team", team)) if value)
+    console.print(usage.render(rows, title=f"last {hours:g} h, {found.since:%Y-%m-%d %H:%M} to "
+                                           f"{found.until:%H:%M} UTC" + (f" ({chosen})" if chosen else "")))
+    if not rows:
+        console.print("no steps in that window" + (f" for {chosen}" if chosen else ""), highlight=False)
+
+
 @app.command("queue")
 def queue_(
     address: Address = None,

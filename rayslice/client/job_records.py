@@ -27,7 +27,8 @@ TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 LIST_ABOVE = 32  # more unknown ids than this: one list costs less than a GET each
 GONE_S = 60.0  # a deleted record is not asked for again for this long
 KEEP = 200_000  # ended records kept per dashboard (a few hundred bytes each)
-_FIELDS = ("submission_id", "job_id", "status", "start_time", "end_time", "metadata", "type")
+_FIELDS = ("submission_id", "job_id", "status", "start_time", "end_time", "metadata", "type",
+           "driver_node_id")  # where its log is: the goodput record is read from its last lines
 
 
 def _trim(job: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from rayslice.core.exceptions import (
 )
 from rayslice.core.step import (
     ERROR_MARKER,
+    GOODPUT_RECORD_MARKER,
     HOST_DONE_MARKER,
     MARKER_TAG_KEY,
     PHASES_MARKER,
@@ -344,7 +345,7 @@ class LogFollower:
         self._handle(line)
 
     def _handle(self, line: str) -> None:
-        if line.startswith(PHASES_MARKER):  # every host's timestamps: the Ray job's log keeps them
+        if line.startswith((PHASES_MARKER, GOODPUT_RECORD_MARKER)):  # records: the Ray job's log keeps them
             return
         # Only the driver's own marker lines count: they start the line (see `parse_result`);
         # a marker anywhere else (a host's line, after a "\r") is the step's text, relayed as such.

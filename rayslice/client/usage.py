@@ -26,6 +26,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, computed_field, model_validator
 
+from rayslice.client import step_goodput
 from rayslice.client.actor_table import _ACTORS, _ms, aread_window
 from rayslice.client.capacity import (
     POD_TYPE_LABEL,
@@ -37,9 +38,10 @@ from rayslice.client.capacity import (
 from rayslice.client.job_records import records_for
 from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.core.accelerators import ResourceName
+from rayslice.core.goodput import CATEGORIES, Account
 from rayslice.core.step import TaskRef
 
-__all__ = ["Bar", "Lane", "Usage", "UsageRow", "ausage", "parse", "totals", "usage"]
+__all__ = ["Bar", "Lane", "Usage", "UsageRow", "ausage", "parse", "select", "totals", "usage"]
 
 WINDOWS_H = (1, 3, 6, 12, 24, 72)
 DEFAULT_WINDOW_H = 6
@@ -73,6 +75,7 @@ class Bar(TaskRef):
     amount: float
     hours: float
     waited_s: float | None = None
+    team: str = ""  # the team the step counted against (its job's metadata), "" for none
     hidden: bool = False
 
     @model_validator(mode="after")
@@ -89,6 +92,12 @@ class UsageRow(BaseModel):
     steps: int
     hours: dict[str, float] = {}
     hidden: bool = False
+    #: Goodput figures of the row's ended steps that have them (`measured` of `steps`): chip-hours per
+    #: category (rayslice.core.goodput), and productive over held.
+    measured: int = 0
+    chip_h: dict[str, float] = {}
+    held_chip_h: float | None = None  # the measured steps' chip-hours held, by their timelines (reserved to released)
+    goodput: float | None = None
 
     @computed_field
     @property
@@ -108,6 +117,8 @@ class Usage(BaseModel):
     lanes: list[Lane]
     bars: list[Bar]
     oldest: datetime | None = None  # the first start of a step's host process Ray still lists
+    #: Submission id -> the ended step's goodput figures (`Account.to_json`), where its job log has them.
+    goodput: dict[str, dict[str, Any]] = {}
 
 
 def _at(seconds: float) -> datetime:
@@ -184,7 +195,7 @@ def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: fl
             job_status=job.get("status"),
             **TaskRef.fields_from(meta), request=meta.get("request", ""), start=_at(first),
             end=_at(end) if end is not None else None,
-            amount=round(_concurrent(procs), 6), hours=round(used, 6),
+            amount=round(_concurrent(procs), 6), hours=round(used, 6), team=meta.get("team", ""),
             waited_s=round(max(0.0, first - job_start), 1) if job_start else None))
     bars.sort(key=lambda b: (b.start, b.lane))
     ordered = sorted(lanes.values(), key=lambda lane: (lane.kind != "tpu", lane.title))
@@ -225,8 +236,12 @@ def _concurrent(procs: list[tuple[float, float | None, float]]) -> float:
     return peak
 
 
-def totals(bars: list[Bar]) -> tuple[list[UsageRow], list[UsageRow]]:
-    """Accelerator-hours per DAG and per (DAG, task) over the window, largest first; hidden DAGs make one row."""
+def totals(bars: list[Bar], goodput: dict[str, dict[str, Any]] | None = None
+           ) -> tuple[list[UsageRow], list[UsageRow]]:
+    """Accelerator-hours per DAG and per (DAG, task) over the window, largest first; hidden DAGs make one row.
+
+    With `goodput` (Usage.goodput), each row also sums the figures of its steps that have them.
+    """
     def add(rows: dict, key: tuple, bar: Bar) -> None:
         hours, steps = rows.setdefault(key, ({}, set()))
         hours[bar.resource] = hours.get(bar.resource, 0.0) + bar.hours
@@ -241,11 +256,33 @@ def totals(bars: list[Bar]) -> tuple[list[UsageRow], list[UsageRow]]:
 
     def rows(table: dict, with_task: bool) -> list[UsageRow]:
         out = [UsageRow(dag_id=key[0], task_id=key[2] if with_task else None, steps=len(steps),
-                        hours={r: round(hours[r], 6) for r in ACCELERATORS if r in hours}, hidden=key[1])
+                        hours={r: round(hours[r], 6) for r in ACCELERATORS if r in hours}, hidden=key[1],
+                        **_figures(steps, goodput or {}))
                for key, (hours, steps) in table.items()]
         return sorted(out, key=lambda r: (r.hidden, -sum(r.hours.values()), r.dag_id, r.task_id or ""))
 
     return rows(per_dag, False), rows(per_task, True)
+
+
+def _figures(steps: set[str], goodput: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A row's goodput fields: its measured steps' chip-hours per category, and productive over held."""
+    total = Account()
+    measured = [sid for sid in steps if sid in goodput]
+    for sid in measured:
+        total.add(Account.from_json(goodput[sid]))
+    if not measured:
+        return {}
+    return {"measured": len(measured), "goodput": None if total.goodput is None else round(total.goodput, 6),
+            "held_chip_h": round(total.held_chip_s / 3600, 6),
+            "chip_h": {name: round(total.chip_s[name] / 3600, 6) for name in CATEGORIES}}
+
+
+def select(found: Usage, *, dag_id: str | None = None, task_id: str | None = None,
+           team: str | None = None) -> list[Bar]:
+    """The bars of one DAG, task and/or team (a team also takes its sub-teams: `research` takes `research/vision`)."""
+    return [bar for bar in found.bars
+            if (dag_id is None or bar.dag_id == dag_id) and (task_id is None or bar.task_id == task_id)
+            and (team is None or bar.team == team or bar.team.startswith(team.rstrip("/") + "/"))]
 
 
 def usage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAULT_WINDOW_H, timeout: float = 20.0,
@@ -259,7 +296,10 @@ def usage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAUL
         nodes, actors = (client.get_json(path, params) for path, params in (_NODES, _ACTORS))
         now = time.time()
         jobs = records_for(client.address).find(client, step_ids(actors, now=now, hours=hours))
-    return parse(nodes, actors, jobs, now=now, hours=hours)
+        figures = step_goodput.find(client, jobs)
+    found = parse(nodes, actors, jobs, now=now, hours=hours)
+    found.goodput = {sid: account.to_json() for sid, account in figures.items()}
+    return found
 
 
 async def ausage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAULT_WINDOW_H,
@@ -274,4 +314,25 @@ async def ausage(dashboard_url: str, token: str | None = None, *, hours: float =
             aread_window(dashboard_url=dashboard_url, token=token, timeout=timeout, verify=verify,
                          headers=headers, now=now, hours=hours))
         jobs = await records_for(client.address).afind(client, step_ids(actors, now=now, hours=hours))
-    return await asyncio.to_thread(parse, nodes, actors, jobs, now=now, hours=hours)
+        figures = await step_goodput.afind(client, jobs)
+    found = await asyncio.to_thread(parse, nodes, actors, jobs, now=now, hours=hours)
+    found.goodput = {sid: account.to_json() for sid, account in figures.items()}
+    return found
+
+
+def render(rows: list[UsageRow], *, title: str) -> Any:
+    """A rich table for `rayslice usage`: per row, steps, accelerator-hours, goodput and where the chip-hours went."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in ("DAG", "task", "steps", "TPU chip-h", "GPU-h", "held chip-h", "goodput", *CATEGORIES):
+        table.add_column(column, no_wrap=True, justify="left" if column in ("DAG", "task") else "right")
+    for row in rows:
+        table.add_row(
+            "(hidden)" if row.hidden else row.dag_id, row.task_id or "", str(row.steps),
+            f"{row.tpu_chip_hours:.4g}", f"{row.gpu_hours:.4g}",
+            "-" if row.held_chip_h is None else f"{row.held_chip_h:.4g}",
+            "-" if row.goodput is None else f"{row.goodput:.1%}" + ("" if row.measured == row.steps
+                                                                    else f" ({row.measured} of {row.steps})"),
+            *("-" if not row.chip_h else f"{row.chip_h.get(name, 0.0):.4g}" for name in CATEGORIES))
+    return table

@@ -21,6 +21,7 @@ from rayslice.cluster import checkpoints, gang, host_env, metrics, phases, reape
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, reserve_slices
+from rayslice.core import goodput
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
 from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError
@@ -54,6 +55,28 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
     first.note("reaped")
     checkpoint_dir = checkpoint_dir_for(spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV), spec.owner)
     waits = Waits(capacity=spec.capacity_timeout, start=gang.HOST_START_TIMEOUT_S)
+    records: list[dict] = []  # every attempt's, for the step's goodput figures
+    try:
+        return _attempts(spec, first, checkpoint_dir, waits, records, driver_phases)
+    finally:
+        _report_goodput(spec, records)
+
+
+def _report_goodput(spec: StepSpec, records: list[dict]) -> None:
+    """The step's goodput line in the task log, its record in the job log, its figures to the metrics."""
+    try:
+        account = goodput.step_account(records)
+        if not account.attempts and not any(account.seconds.values()):
+            return  # refused before it asked for anything (an invalid or impossible request): nothing to account
+        print(account.summary(), flush=True)
+        print(goodput.record_line(account), flush=True)
+        metrics.sender.goodput(spec, account)
+    except Exception as exc:  # figures must never fail the step
+        log(f"goodput figures unavailable: {type(exc).__name__}: {exc}")
+
+
+def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None, waits: Waits,
+              records: list[dict], driver_phases: dict[str, float] | None) -> Any:
     for attempt in range(spec.preemption_retries + 1):
         timeline = first if attempt == 0 else phases.Timeline()
         for phase, at in (driver_phases or {}).items() if attempt == 0 else ():
@@ -66,11 +89,22 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
                                                 preemption_attempt=attempt, submission_id=spec.owner.submission_id))
         timeline.note("checkpoint_described")
         step = gang.Attempt(preemption_attempt=attempt, checkpoint_dir=checkpoint_dir)
+        timeline.chips = (spec.request.total_chips if isinstance(spec.request, TpuSliceRequest)
+                          else spec.request.count)
+        timeline.outcome = "failed"
         try:
             if isinstance(spec.request, TpuSliceRequest):
-                return _run_on_slices(spec, spec.request, step, timeline, waits)
-            return _run_on_fraction(spec, spec.request, step, timeline, waits)
+                result = _run_on_slices(spec, spec.request, step, timeline, waits)
+            else:
+                result = _run_on_fraction(spec, spec.request, step, timeline, waits)
+            timeline.outcome = "succeeded"
+            return result
+        except KeyboardInterrupt:
+            timeline.outcome = "stopped"
+            raise
         except PreemptedError as exc:
+            timeline.outcome = "preempted"
+            _note_lost_work(timeline, checkpoint_dir)
             if attempt == spec.preemption_retries:
                 raise
             if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
@@ -80,8 +114,22 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
         finally:
             for line in timeline.lines():
                 print(line, flush=True)
+            records.append(timeline.record())
             metrics.sender.attempt(spec, timeline.times, timeline.queue_wait())
     raise AssertionError("unreachable")
+
+
+def _note_lost_work(timeline: phases.Timeline, checkpoint_dir: str | None) -> None:
+    """A preempted attempt's lost work: from its newest checkpoint (written during it) to the preemption.
+
+    The preempted hosts' own reports died with them, so the checkpoint folder tells where the resume
+    starts; without a checkpoint of this attempt the goodput counts its whole body lost (its default).
+    """
+    started = timeline.times.get("step_started", timeline.detail.get("actors_started"))
+    ended = timeline.detail.get("gang_returned")
+    written = checkpoints.newest_written(checkpoint_dir) if checkpoint_dir else None
+    if started is not None and ended is not None and written is not None and started <= written <= ended:
+        timeline.add_spans({"lost": [[written, ended]]})
 
 
 @dataclass
@@ -182,6 +230,11 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s, "
         f"{waits.capacity:.0f} s of it left)")
     started = time.monotonic()
+    if request.subslice:  # before the queue: nothing is held or waited for
+        raise InvalidRequestError(
+            f"{request}: this launcher does not run subslices yet. Ray's SubslicePlacementGroup places one only "
+            "on real TPU hosts (it reads their chip coordinates through libtpu), and rayslice reserves whole slices; "
+            f"ask for a whole {request.pod_type}, or for the smaller slice type of the subslice's size")
     check_satisfiable(request, lost=waits.lost_nodes)  # an impossible request never enters the queue
     place = _admit(spec, waits, timeline)
     try:

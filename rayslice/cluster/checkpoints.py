@@ -47,6 +47,21 @@ def describe_and_record(checkpoint_dir: str, *, try_number: int, preemption_atte
             f"{f' by {by}' if by else ''}")
 
 
+def newest_written(checkpoint_dir: str) -> float | None:
+    """When the newest complete step folder was last written (None: no step folder, or unreadable). Never raises.
+
+    After a preemption this is where the lost work starts: the resume redoes everything after it.
+    """
+    try:
+        fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+        steps = sorted((int(posixpath.basename(entry["name"].rstrip("/"))), entry)
+                       for entry in fs.ls(root, detail=True)
+                       if posixpath.basename(entry["name"].rstrip("/")).isdigit())
+    except Exception:
+        return None
+    return _mtime(fs, steps[-1][1]) if steps else None
+
+
 def _attempts(fs, root: str) -> list[dict]:
     path = posixpath.join(root, ATTEMPTS_FILE)
     if not fs.exists(path):

@@ -105,7 +105,7 @@ class RealTpuSlice(Environment):
 
 
 class SimulatedTpuSlice(Environment):
-    """A local simulated slice: CPU devices = chips per host, gloo collectives across processes."""
+    """A local simulated slice: CPU devices = JAX's devices per host (chips, x2 on v7x), gloo across processes."""
 
     name = "simulated-tpu"
     request_type = TpuSliceRequest
@@ -114,7 +114,7 @@ class SimulatedTpuSlice(Environment):
     def env(request: TpuSliceRequest, plan: HostPlan) -> dict[str, str]:
         return {
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={request.chips_per_host}",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={request.devices_per_host}",
         }
 
     @classmethod
@@ -139,7 +139,7 @@ class SimulatedTpuSlice(Environment):
                 coordinator_address=plan.coordinator,
                 num_processes=plan.num_processes,
                 process_id=plan.process_id,
-                local_device_ids=list(range(request.chips_per_host)),
+                local_device_ids=list(range(request.devices_per_host)),
                 cluster_detection_method="deactivate",
                 initialization_timeout=120,
                 shutdown_timeout_seconds=int(os.environ.get(JAX_SHUTDOWN_TIMEOUT_ENV, "300")),

@@ -27,6 +27,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rayslice.cluster import commands, environments, hang_watch, host_env, node_probe, phases
 from rayslice.cluster.environments import HostPlan
+from rayslice.core import goodput
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import StepContext, set_step_context
 from rayslice.core.exceptions import (
@@ -133,17 +134,24 @@ class HostProcess:
                                        # a command step's JAX runs in its program, which samples itself
                                        program_state=report_dir and os.path.join(report_dir, commands.IDLE_FILE))
                   if watched else nullcontext()):
+                goodput.collect()  # spans a step reported before this one in this process are not this step's
+                spans_file = report_dir and os.path.join(report_dir, "spans.jsonl")
                 if spec.command is not None:
                     env = _over_user_env(spec, plan, environment.command_env(spec.request, plan))
-                    result = commands.run(spec.command, {**os.environ, **env, **context.to_env()}, report_dir,
-                                          attempt.hang_interval if watched else 0.0)
+                    result = commands.run(spec.command, {**os.environ, **env, **context.to_env(),
+                                                         goodput.SPANS_FILE_ENV: spans_file},
+                                          report_dir, attempt.hang_interval if watched else 0.0)
                 else:
                     set_step_context(context)
                     try:
                         result = step(**spec.kwargs)
                     finally:
                         set_step_context(None)
+                spans = goodput.collect(spans_file)  # what the step reported through its context (before the
+                # command's report folder goes)
             self._times["step_done"] = time.time()
+            if spans:
+                self._times[phases.SPANS_KEY] = spans  # type: ignore[assignment]
         finally:  # also when the step raised: the driver waits for this host's last lines either way
             sys.stderr.flush()
             print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from rayslice.core import goodput
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import STEP_ERRORS
 from rayslice.core.step import StepSpec
@@ -46,6 +47,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rayslice_queue_wait_seconds": ("histogram", "Seconds a step attempt waited in the admission queue", ("kind",)),
     "rayslice_queue_depth": ("gauge", "Steps waiting in the admission queue", ("kind",)),
     "rayslice_chips_held": ("gauge", "TPU chips (or accelerators) held by admitted steps", ("kind",)),
+    "rayslice_chip_seconds": ("counter", "Chip-seconds (accelerator-seconds) of ended steps by goodput category: "
+                              "startup, productive, checkpointing, lost, teardown (held), waiting, suspended "
+                              "(not held)", ("kind", "category")),
+    "rayslice_goodput": ("gauge", "Productive over held chip-seconds of the steps ended since the recorder started",
+                         ("kind",)),
 }
 
 
@@ -79,6 +85,7 @@ class Recorder:
             extra = {"boundaries": SECONDS_BOUNDARIES} if kind == "histogram" else {}
             self.metrics[name] = made[kind](name, description=description, tag_keys=tags, **extra)
         self.queue_kinds: set[str] = set()
+        self.held: dict[str, list[float]] = {}
         threading.Thread(target=self._poll_queue, name="rayslice-metrics-queue", daemon=True).start()
 
     def attempt(self, kind: str, phase_seconds: dict[str, float], queue_wait: float | None) -> None:
@@ -91,6 +98,17 @@ class Recorder:
         self.metrics["rayslice_steps"].inc(tags={"kind": kind, "outcome": outcome})
         if error:
             self.metrics["rayslice_step_failures"].inc(tags={"kind": kind, "error": error})
+
+    def goodput(self, kind: str, chip_s: dict[str, float]) -> None:
+        """One ended step's chip-seconds per category (`rayslice.core.goodput`), and the kind's goodput so far."""
+        held = self.held.setdefault(kind, [0.0, 0.0])  # productive, held
+        for category, value in chip_s.items():
+            if category in goodput.CATEGORIES and value > 0:
+                self.metrics["rayslice_chip_seconds"].inc(value, tags={"kind": kind, "category": category})
+        held[0] += max(chip_s.get("productive", 0.0), 0.0)
+        held[1] += sum(max(chip_s.get(c, 0.0), 0.0) for c in goodput.HELD)
+        if held[1] > 0:
+            self.metrics["rayslice_goodput"].set(held[0] / held[1], tags={"kind": kind})
 
     def _poll_queue(self) -> None:
         from rayslice.cluster import queue
@@ -138,6 +156,10 @@ class Sender:
         if error is not None and error not in ERROR_TYPES:
             error = "other"
         self._send("step", kind_of(spec), outcome, error)
+
+    def goodput(self, spec: StepSpec, account: goodput.Account) -> None:
+        """The step's chip-seconds per goodput category."""
+        self._send("goodput", kind_of(spec), dict(account.chip_s))
 
     def flush(self, timeout: float = DELIVERY_TIMEOUT_S) -> None:
         """Before the driver exits: its records must leave this process (a metric is never worth more)."""

@@ -35,6 +35,8 @@ PHASES = {
 MARKER = PHASES_MARKER
 #: What hosts report back with their results (each a `time.time()`).
 HOST_PHASES = ("hosts_started", "jax_ready", "step_started", "step_done")
+#: A host report's key for the spans its step reported through its context ({kind: [[start, end], ...]}).
+SPANS_KEY = "spans"
 
 
 def process_start_time() -> float:
@@ -58,6 +60,28 @@ class Timeline:
         self.times: dict[str, float] = {}
         self.detail: dict[str, float] = {}  # finer driver-side moments, in the JSON line only
         self.per_host: list[dict[str, float]] = []
+        # For the goodput figures (rayslice.core.goodput): chips held, how the attempt ended, reported spans.
+        self.chips: float = 0.0
+        self.outcome: str | None = None
+        self.spans: dict[str, list[list[float]]] = {}
+
+    def add_spans(self, spans: dict[str, list[list[float]]]) -> None:
+        """Spans of a kind in `rayslice.core.goodput.SPAN_KINDS` (e.g. a preemption's lost work), epoch seconds."""
+        for kind, found in spans.items():
+            self.spans.setdefault(kind, []).extend([float(a), float(b)] for a, b in found)
+
+    def record(self) -> dict:
+        """This attempt as the goodput accounting reads it (the JSON line's content)."""
+        record: dict = {phase: at for phase, at in self.times.items()}
+        if self.detail:
+            record["detail"] = dict(self.detail)
+        if self.chips:
+            record["chips"] = self.chips
+        if self.outcome:
+            record["outcome"] = self.outcome
+        if self.spans:
+            record["spans"] = self.spans
+        return record
 
     def note(self, moment: str, at: float | None = None) -> None:
         self.detail[moment] = time.time() if at is None else at
@@ -75,6 +99,9 @@ class Timeline:
 
     def hosts(self, reports: list[dict[str, float]]) -> None:
         """Each host phase at its latest host (a host that did not reach a phase leaves it unset)."""
+        reports = [dict(report) for report in reports]
+        for report in reports:  # the step's reported spans: kept apart from the phase times
+            self.add_spans(report.pop(SPANS_KEY, None) or {})
         self.per_host = reports
         for phase in HOST_PHASES:
             values = [report[phase] for report in reports if phase in report]
@@ -99,6 +126,13 @@ class Timeline:
             record["detail"] = {moment: round(at, 4) for moment, at in self.detail.items()}
         if self.per_host:
             record["hosts"] = [{k: round(v, 4) for k, v in host.items()} for host in self.per_host]
+        if self.chips:
+            record["chips"] = self.chips
+        if self.outcome:
+            record["outcome"] = self.outcome
+        if self.spans:
+            record["spans"] = {kind: [[round(a, 4), round(b, 4)] for a, b in found]
+                               for kind, found in self.spans.items()}
         out.append(MARKER + json.dumps(record))
         return out
 

@@ -61,6 +61,43 @@ _LITE = ("v5litepod", "v6e")
 _SINGLE_HOST_TOPOLOGIES = ("1x1", "2x2", "2x4")
 _VERSION_ALIASES = {"v5e": "v5litepod"}
 _CHIPS_PER_HOST_OPTIONS = (1, 2, 4, 8)  # Ray's TPU_VALID_CHIP_OPTIONS
+#: JAX devices per chip where it is not one: a TPU7x (Ironwood) chip has two TensorCores and JAX
+#: shows each as a device of its own (Ray: "some generations expose 2 logical XLA devices per chip
+#: (e.g. v7x)", the reason for its RAY_TPU_RESOURCE_PER_CHIP); earlier two-core chips (v4, v5p)
+#: show one device (megacore). docs/concepts.md cites the sources.
+_DEVICES_PER_CHIP = {"v7x": 2}
+#: Hosts along each axis of a topology, where Ray's SubslicePlacementGroup can take part of a slice
+#: (Ray's `_VALID_TOPOLOGY_WORKER_DIMS_2D/3D`; larger v4/v5p/v7x 3D topologies: x/2, y/2, z). Ray
+#: leaves out v3's 16x32 and 32x32 and v5e's 2x8: no subslices of those.
+_SUBSLICE_HOSTS_2D = {"2x2": (1, 1), "2x4": (1, 2), "4x4": (2, 2), "4x8": (2, 4), "8x8": (4, 4), "8x16": (4, 8),
+                      "16x16": (8, 8)}
+_SUBSLICE_HOSTS_3D = {"2x2x1": (1, 1, 1), "2x2x2": (1, 1, 2), "2x2x4": (1, 1, 4), "2x4x4": (1, 2, 4),
+                      "4x4x4": (2, 2, 4), "4x4x8": (2, 2, 8), "4x8x8": (2, 4, 8), "8x8x8": (4, 4, 8),
+                      "8x8x16": (4, 4, 16), "8x16x16": (4, 8, 16), "16x16x16": (8, 8, 16), "16x16x24": (8, 8, 24)}
+
+
+def _subslice_hosts(topology: str) -> tuple[int, ...] | None:
+    """Hosts per axis of `topology` as Ray's subslices count them; None where Ray cannot subslice it."""
+    dims = _dims(topology)
+    if len(dims) == 2:
+        return _SUBSLICE_HOSTS_2D.get(topology)
+    if topology in _SUBSLICE_HOSTS_3D:
+        return _SUBSLICE_HOSTS_3D[topology]
+    return (dims[0] // 2, dims[1] // 2, dims[2]) if dims[0] % 2 == 0 and dims[1] % 2 == 0 else None
+
+
+def subslices_of(version: str, topology: str) -> list[str]:
+    """The subslice topologies a slice of `version` and `topology` can be cut into, smallest first.
+
+    A subslice keeps its parent's hosts (4 chips each): v6e-16's "2x4" is 2 of its 4 hosts.
+    """
+    parent = _subslice_hosts(topology)
+    if parent is None or math.prod(parent) < 2:
+        return []
+    out = [t for t in TPU_TOPOLOGIES[version]
+           if t != topology and (hosts := _subslice_hosts(t)) is not None and len(hosts) == len(parent)
+           and all(h <= p for h, p in zip(hosts, parent, strict=True)) and _chips(t) < _chips(topology)]
+    return sorted(out, key=lambda t: (_chips(t), _dims(t)))
 _NAME_RE = re.compile(r"^(v\d+[a-z]*)(?:-(\d+))?$")
 
 
@@ -240,6 +277,30 @@ class TpuSliceRequest(_Request):
     multislice: bool = False
     #: Override for ambiguous layouts, e.g. v6e 2x4 as two 4-chip hosts instead of one 8-chip host.
     chips_per_host: int | None = Field(None, validate_default=True)
+    #: Part of one slice's hosts, by topology: tpu="v6e-16", subslice="2x4" is 2 of its 4 hosts.
+    subslice: str | None = None
+
+    @model_validator(mode="after")
+    def _subslice_fits(self) -> TpuSliceRequest:
+        if self.subslice is None:
+            return self
+        what = f"subslice={self.subslice!r} of {self.pod_type} ({self.topology})"
+        if self.num_slices > 1:
+            raise ValueError(f"{what}: a subslice is part of one slice, so num_slices must be 1 "
+                             f"(got num_slices={self.num_slices})")
+        if self.chips_per_host != _default_chips_per_host(self.version, self.topology):  # type: ignore[arg-type]
+            default = _default_chips_per_host(self.version, self.topology)  # type: ignore[arg-type]
+            raise ValueError(f"{what}: subslices need the default {default} chips per host, not "
+                             f"chips_per_host={self.chips_per_host}")
+        valid = subslices_of(self.version, self.topology) if self.hosts_per_slice > 1 else []  # type: ignore[arg-type]
+        if not valid:
+            why = ("it is one host: ask for a smaller slice type instead" if self.hosts_per_slice == 1 else
+                   "Ray's SubslicePlacementGroup cannot cut that topology")
+            raise ValueError(f"{what}: {self.pod_type} cannot be cut into subslices, {why}")
+        if self.subslice not in valid:
+            raise ValueError(f"{what}: not a subslice of that slice; valid subslices of {self.pod_type} are "
+                             f"{_or_list(valid)}")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -288,6 +349,16 @@ class TpuSliceRequest(_Request):
         return _chips(self.topology)  # type: ignore[arg-type]  # always set by validation
 
     @property
+    def devices_per_chip(self) -> int:
+        """JAX devices per chip: 2 on v7x (one per TensorCore), else 1."""
+        return _DEVICES_PER_CHIP.get(self.version, 1)
+
+    @property
+    def devices_per_host(self) -> int:
+        """What `jax.local_device_count()` reports on each host (the simulated cluster shows the same)."""
+        return self.chips_per_host * self.devices_per_chip  # type: ignore[operator]
+
+    @property
     def hosts_per_slice(self) -> int:
         return self.chips_per_slice // self.chips_per_host  # type: ignore[operator]
 
@@ -331,6 +402,8 @@ class TpuSliceRequest(_Request):
             details.append(f"{self.chips_per_host} chips/host")
         if self.multislice:
             details.append("multislice")
+        if self.subslice:
+            details.append(f"subslice {self.subslice}")
         count = f" x{self.num_slices}" if self.num_slices > 1 else ""
         return self.pod_type + count + (f" ({', '.join(details)})" if details else "")
 

@@ -14,10 +14,12 @@ import os
 import posixpath
 import re
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from fsspec.core import split_protocol
 
+from rayslice.core import goodput
 from rayslice.core.exceptions import RaysliceError
 from rayslice.core.step import Owner
 
@@ -72,6 +74,18 @@ class StepContext:
             raw = env.get(f"{ENV_PREFIX}{f.name.upper()}", "")
             values[f.name] = int(raw or 0) if f.type == "int" else (raw or None if f.name == "checkpoint_dir" else raw)
         return cls(**values)
+
+    def checkpointing(self) -> AbstractContextManager[None]:
+        """Time a checkpoint save (or restore) as checkpointing, not productive time, in the step's goodput.
+
+        `with get_step_context().checkpointing(): manager.save(step, ...)`: the launcher's goodput
+        figures (`rayslice.core.goodput`) count the block apart from the step's productive time.
+        """
+        return goodput.span("checkpointing")
+
+    def report_checkpoint(self, start: float, end: float) -> None:
+        """Report a checkpoint that took `start`..`end` (epoch seconds, `time.time()`), e.g. an async save's."""
+        goodput.report_span("checkpointing", start, end)
 
     @property
     def checkpoint_path(self) -> str | None:

@@ -31,6 +31,8 @@ ERROR_MARKER = "::rayslice-error::"
 HOST_DONE_MARKER = "::rayslice-host-done::"
 #: The launcher's machine-readable timing line (every host's phase times): kept in the Ray job's log, out of task logs.
 PHASES_MARKER = "[rayslice] phases: "
+#: The prefix of a step's goodput totals (`rayslice.core.goodput`), also kept out of task logs.
+GOODPUT_RECORD_MARKER = "[rayslice] goodput-record: "
 #: The job metadata key that holds a step's marker tag (see `StepSpec.marker_tag`).
 MARKER_TAG_KEY = "marker_tag"
 #: The most JSON a step may return: the result travels as one line of the job's log, and then as an XCom.

@@ -227,6 +227,9 @@ def test_usage_of_unreadable_dags_is_counted_without_names(client, monkeypatch):
                   lanes=[Lane(key="v6e-4-a", kind="tpu", title="v6e-4-a")],
                   bars=[bar("open_dag", "train", 4), bar("secret_dag", "train_secret", 2),
                         bar("secret_dag", "eval_secret", 0.5, "gpu")])
+    figures = {"seconds": {}, "chip_s": {"productive": 3600.0, "startup": 3600.0 * 3}, "held_chip_s": 3600.0 * 4,
+               "attempts": 1}
+    found.goodput = {"rayslice-open_dag-train": figures, "rayslice-secret_dag-train_secret": figures}
     monkeypatch.setattr(get_auth_manager(), "filter_authorized_dag_ids",
                         lambda *, dag_ids, user, **kw: {d for d in dag_ids if d == "open_dag"})
     data = slices.visible_usage(found, user=None)
@@ -234,6 +237,11 @@ def test_usage_of_unreadable_dags_is_counted_without_names(client, monkeypatch):
     assert "secret" not in text
     assert [(r["dag_id"], r["hidden"], r["steps"], r["tpu_chip_hours"], r["gpu_hours"]) for r in data["by_dag"]] == [
         ("open_dag", False, 1, 4, 0), ("", True, 2, 2, 0.5)]  # the bill still adds up
+    # Goodput per DAG and task, hidden steps' under their hidden ids; a row without figures shows "-", never 0.
+    assert [(r["goodput"], r["measured"]) for r in data["by_dag"]] == [(0.25, 1), (0.25, 1)]
+    assert sorted(data["goodput"]) == ["hidden-1", "rayslice-open_dag-train"]
+    assert '<td class="num goodput" title="startup 3 chip-h; productive 1 chip-h">25.0%</td>' in text
+    assert "25.0% (1 of 2 steps)" in text and '<th class="num" title="productive chip-time' in text
     assert "a task in a DAG you cannot read" in text and "DAGs you cannot read" in text
 
 

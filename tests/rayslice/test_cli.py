@@ -56,7 +56,7 @@ def test_every_command_and_option_says_what_it_is_for():
                 assert (param.help or "").strip(), f"`rayslice {' '.join(path)}` {param.opts[0]} has no help text"
 
 
-@pytest.mark.parametrize("command", [["capacity"], ["reap", "--dry-run"]])
+@pytest.mark.parametrize("command", [["capacity"], ["reap", "--dry-run"], ["usage"]])
 def test_an_unreachable_address_names_the_flag_without_a_traceback(command, tmp_path):
     out = run(*command, "--address", f"http://127.0.0.1:{closed_port()}", home=tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr

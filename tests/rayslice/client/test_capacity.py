@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import uuid
 from pathlib import Path
@@ -16,12 +17,16 @@ from pathlib import Path
 import httpx
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from rayslice.cli import app
 from rayslice.client import capacity, usage
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import submit_step
+from rayslice.cluster.phases import parse_phases
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import RayAuthError, RayUnreachableError
+from rayslice.core.goodput import HELD, Account, step_account
 from rayslice.core.step import Owner, StepSpec
 from rayslice.local.local_cluster import free_port
 from tests.conftest import wait_until
@@ -193,6 +198,26 @@ def _check_usage(url: str, token: str | None, ids: dict[str, str]) -> None:
     for task, bar in bars.items():
         billed = rows[task].tpu_chip_hours if task.startswith("tpu") else rows[task].gpu_hours
         assert billed >= bar.hours - 1e-6 and bar.hours > 0
+
+    # Goodput, read back from each ended job's log: the figures are its timeline's, and they add up.
+    for sid in ids.values():
+        figures = Account.from_json(found.goodput[sid])
+        log = httpx.get(f"{url}/api/jobs/{sid}/logs", headers=headers, timeout=30).json()["logs"]
+        timeline = step_account(parse_phases(log))
+        assert figures.held_chip_s == pytest.approx(timeline.held_chip_s, rel=1e-3) and figures.held_chip_s > 0
+        assert figures.goodput == pytest.approx(timeline.goodput, rel=1e-3) and 0 < figures.goodput < 1
+        assert sum(figures.chip_s[c] for c in HELD) == pytest.approx(figures.held_chip_s, rel=0.01)
+        assert "[rayslice] goodput: " in log and figures.attempts == 1
+    assert Account.from_json(found.goodput[ids["tpu2"]]).seconds["waiting"] > max(
+        Account.from_json(found.goodput[ids[t]]).seconds["waiting"] for t in ("tpu0", "tpu1"))
+    rows = {r.task_id: r for r in usage.totals(usage.select(found, dag_id=DAG), found.goodput)[1]}
+    assert rows["tpu0"].measured >= 1 and rows["tpu0"].goodput is not None and rows["tpu0"].chip_h["productive"] > 0
+    # The command: the same rows, filtered by DAG and task.
+    out = CliRunner().invoke(app, ["usage", "--address", url, *(["--token", token] if token else []), "--hours", "1",
+                                   "--dag", DAG, "--task", "gpu0", "--json"])
+    assert out.exit_code == 0, out.output
+    [row] = json.loads(out.output)["rows"]
+    assert (row["task_id"], row["gpu_hours"] > 0, row["goodput"] is not None) == ("gpu0", True, True)
 
     # A window that starts half-way through a bar bills only the part inside it.
     bar = bars["tpu0"]

@@ -87,3 +87,40 @@ def test_every_accelerator_kind_is_drawn_and_billed_in_its_own_unit():
     assert (dag.tpu_chip_hours, dag.gpu_hours, dag.steps) == (0.5, 0.5, 5)
     assert [(lane.key, lane.title) for lane in found.lanes] == [
         ("v6e-16-a", "v6e-16-a"), ("g1", "GPU node g1"), ("a1", "NPU node a1")]
+
+
+def _figures(productive: float, held: float) -> dict:
+    from rayslice.core.goodput import Account
+
+    account = Account()
+    account.chip_s["productive"], account.chip_s["startup"] = productive, held - productive
+    account.held_chip_s, account.attempts = held, 1
+    return account.to_json()
+
+
+def test_rows_sum_their_measured_steps_goodput_and_say_how_many_had_figures():
+    actors = [_actor(f"rayslice:{sid}/v6e-16-a/host0", NOW - 2 * H, NOW - H, {"TPU": 4}) for sid in ("s1", "s2", "s3")]
+    found = _parse(actors, [_job("s1", "train", NOW - 2 * H), _job("s2", "train", NOW - 2 * H),
+                            _job("s3", "eval", NOW - 2 * H)])
+    found.goodput = {"s1": _figures(30.0, 100.0), "s2": _figures(50.0, 100.0)}  # s3: a log without a record
+    by_dag, by_task = usage.totals(found.bars, found.goodput)
+    rows = {r.task_id: r for r in by_task}
+    assert (rows["train"].measured, rows["train"].steps, rows["train"].goodput) == (2, 2, 0.4)
+    assert rows["train"].chip_h["productive"] == pytest.approx(80 / 3600, abs=1e-6)
+    assert rows["train"].held_chip_h == pytest.approx(200 / 3600, abs=1e-6)
+    assert (rows["eval"].measured, rows["eval"].goodput, rows["eval"].chip_h, rows["eval"].held_chip_h) == (
+        0, None, {}, None)
+    assert by_dag[0].goodput == 0.4 and by_dag[0].steps == 3  # a row without figures is never counted as zero
+    assert usage.totals(found.bars)[0][0].goodput is None  # without figures: as before
+
+
+def test_select_keeps_one_dag_task_or_team_and_a_team_takes_its_sub_teams():
+    actors = [_actor(f"rayslice:{sid}/v6e-16-a/host0", NOW - H, NOW - 60, {"TPU": 4}) for sid in ("a", "b", "c")]
+    jobs = [_job("a", "train", NOW - H), _job("b", "eval", NOW - H), _job("c", "train", NOW - H)]
+    jobs[0]["metadata"]["team"], jobs[1]["metadata"]["team"] = "research/vision", "research"
+    jobs[2]["metadata"]["team"] = "researchers"
+    found = _parse(actors, jobs)
+    assert {b.submission_id for b in usage.select(found, team="research")} == {"a", "b"}
+    assert {b.submission_id for b in usage.select(found, team="research/vision")} == {"a"}
+    assert {b.submission_id for b in usage.select(found, dag_id="d", task_id="train")} == {"a", "c"}
+    assert usage.select(found, dag_id="other") == []

@@ -47,3 +47,47 @@ def test_every_host_knows_its_place_and_shares_the_tasks_folder(ray_driver, tmp_
     }
     assert folder.endswith("/ctx/manual__1/train/map-2")
     assert_all_released(ray_driver)
+
+
+def _step_folder(root, step: int, written: float) -> None:
+    import os
+
+    folder = root / str(step)
+    folder.mkdir(parents=True)
+    (folder / "state").write_text("x")
+    os.utime(folder / "state", (written, written))
+
+
+def test_the_newest_complete_checkpoint_says_when_it_was_written(tmp_path):
+    from rayslice.cluster import checkpoints
+
+    assert checkpoints.newest_written(tmp_path.as_uri()) is None
+    assert checkpoints.newest_written((tmp_path / "missing").as_uri()) is None
+    _step_folder(tmp_path, 10, 1_000.0)
+    _step_folder(tmp_path, 20, 2_000.0)
+    (tmp_path / "30.orbax-checkpoint-tmp-1").mkdir()  # unfinished: not a checkpoint
+    assert checkpoints.newest_written(tmp_path.as_uri()) == 2_000.0
+
+
+def test_a_preempted_attempt_loses_the_work_after_its_newest_checkpoint(tmp_path):
+    """The preempted hosts' reports died with them: the checkpoint folder says where the resume starts."""
+    from rayslice.cluster import _note_lost_work
+    from rayslice.cluster.phases import Timeline
+    from rayslice.core.goodput import HELD, attempt_account
+
+    timeline = Timeline()
+    timeline.mark("reserved", at=90.0)
+    timeline.note("actors_started", at=100.0)
+    timeline.note("gang_returned", at=200.0)
+    timeline.mark("released", at=201.0)
+    timeline.chips, timeline.outcome = 16, "preempted"
+    _step_folder(tmp_path, 7, 50.0)  # an earlier attempt's: everything of this one is lost
+    _note_lost_work(timeline, tmp_path.as_uri())
+    assert timeline.spans == {}
+    assert attempt_account(timeline.record()).seconds["lost"] == 100.0
+    _step_folder(tmp_path, 8, 170.0)  # this attempt saved at 170: 30 s lost
+    _note_lost_work(timeline, tmp_path.as_uri())
+    account = attempt_account(timeline.record())
+    assert timeline.spans == {"lost": [[170.0, 200.0]]} and account.seconds["lost"] == 30.0
+    assert account.seconds["productive"] == 70.0 and account.seconds["startup"] == 10.0
+    assert sum(account.chip_s[c] for c in HELD) == account.held_chip_s == 111.0 * 16

@@ -234,3 +234,17 @@ def test_a_command_step_whose_processes_all_block_in_a_collective_fails_as_a_han
     message = str(info.value)
     assert all(f"host{i} (slice 0, worker {i}" in message for i in range(4)), message
     assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=10)
+
+
+def test_a_programs_reported_checkpoint_shows_in_the_steps_goodput_line(ray_driver, capfd):
+    """The program reports through the context it inherited (RAYSLICE_* variables), from its own process."""
+    from rayslice.cluster import run_step
+
+    code = ("import time; from rayslice import get_step_context\n"
+            "with get_step_context().checkpointing():\n    time.sleep(0.6)\n")
+    spec = StepSpec(request=AcceleratorRequest(resource="GPU", count=0.25), command=[sys.executable, "-c", code],
+                    owner=Owner(submission_id=f"test-cmd-goodput-{time.time_ns()}"))
+    assert run_step(spec) is None
+    [line] = [line for line in capfd.readouterr().out.splitlines() if line.startswith("[rayslice] goodput: ")]
+    seconds = float(line.split("checkpointing ")[1].split(" s")[0])
+    assert 0.6 <= seconds < 5, line

@@ -312,3 +312,36 @@ def test_hosts_that_do_not_start_in_time_on_live_nodes_fail_without_the_node_dea
         gang.await_started([never], [plan], timeout=2)
     assert not isinstance(info.value, PreemptedError)
     assert time.monotonic() - started < gang.NODE_DEATH_WINDOW_S  # old code watched the live node that long
+
+
+def saves_once_then_works():
+    """One reported checkpoint of ~1 s, then ~1 s of work: the step's goodput line must say which was which."""
+    import time
+
+    from rayslice import get_step_context
+
+    with get_step_context().checkpointing():
+        time.sleep(1.0)
+    time.sleep(1.0)
+    return "ok"
+
+
+def test_a_steps_goodput_adds_up_to_the_chip_time_its_timeline_held(ray_driver, capfd):
+    from rayslice.cluster.phases import parse_phases
+    from rayslice.core.goodput import HELD, parse_record, step_account
+
+    assert run(TpuSliceRequest(tpu="v6e-4"), saves_once_then_works) == ["ok"]
+    out = capfd.readouterr().out
+    [record] = parse_phases(out)
+    figures = parse_record(out)
+    assert figures is not None and record["chips"] == 4 and record["outcome"] == "succeeded"
+    [[start, end]] = record["spans"]["checkpointing"]
+    assert end - start >= 1.0 and figures.seconds["checkpointing"] == pytest.approx(end - start, abs=1e-3)
+    assert figures.seconds["productive"] >= 1.0 and figures.seconds["lost"] == 0
+    held = (record["released"] - record["reserved"]) * 4
+    assert figures.held_chip_s == pytest.approx(held, rel=1e-3)
+    assert sum(figures.chip_s[c] for c in HELD) == pytest.approx(held, rel=0.01)
+    assert figures.goodput == pytest.approx(step_account([record]).goodput, rel=1e-3)  # the record's 4 decimals
+    [line] = [line for line in out.splitlines() if line.startswith("[rayslice] goodput: ")]
+    assert "checkpointing 1." in line and "productive" in line
+    assert_all_released(ray_driver)

@@ -88,7 +88,7 @@ def prometheus_samples(ray_driver) -> dict[tuple[str, frozenset], float]:
 
     from rayslice.local.local_cluster import NODE_IP
 
-    ours = {"kind", "outcome", "error", "phase", "le"}
+    ours = {"kind", "outcome", "error", "phase", "le", "category"}
     samples: dict[tuple[str, frozenset], float] = {}
     for node in ray_driver.nodes():
         if not node["Alive"] or not node.get("MetricsExportPort"):
@@ -144,6 +144,13 @@ def test_a_steps_metrics_reach_the_clusters_prometheus_endpoint(cluster, ray_dri
             break
         time.sleep(2)
     assert not missing, f"not (yet) on the endpoint: {missing}; ours: {sorted(k[0] for k in after)}"
+    # Goodput: both steps' chip-seconds by category; the one that worked for QUEUE_POLL_S + 1 s was productive.
+    def chip_s(samples, category):
+        return value(samples, "ray_rayslice_chip_seconds_total", kind="GPU", category=category)
+
+    assert chip_s(after, "productive") - chip_s(before, "productive") >= 0.25 * (metrics.QUEUE_POLL_S + 1)
+    assert chip_s(after, "startup") > chip_s(before, "startup")
+    assert 0 < value(after, "ray_rayslice_goodput", kind="GPU") <= 1
     # The queue is sampled every QUEUE_POLL_S and the first step outlasted one: GPU has a series; nothing holds it now.
     def held_now():
         samples = prometheus_samples(ray_driver)

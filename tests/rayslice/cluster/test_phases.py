@@ -27,3 +27,30 @@ def test_the_task_log_gets_the_summary_not_every_hosts_timestamps():
     LogFollower(relayed.append).feed("\n".join(["step output", *timeline.lines(), ""]))
     assert relayed == ["step output", "[rayslice] timeline: job accepted by Ray, capacity released +1.00 s "
                                       "(1.00 s in all)"]
+
+
+def test_the_steps_reported_spans_chips_and_outcome_go_into_the_record_not_the_hosts_times():
+    from rayslice.core.goodput import attempt_account
+
+    timeline = Timeline()
+    timeline.mark("reserved", at=10.0)
+    timeline.chips, timeline.outcome = 8, "succeeded"
+    timeline.hosts([{"step_started": 11.0, "step_done": 20.0, "spans": {"checkpointing": [[12.0, 13.0]]}},
+                    {"step_started": 11.5, "step_done": 19.0, "spans": {"checkpointing": [[12.5, 13.5]]}}])
+    timeline.mark("released", at=21.0)
+    [parsed] = parse_phases(timeline.lines()[1])
+    assert all("spans" not in host for host in parsed["hosts"])
+    assert parsed["chips"] == 8 and parsed["outcome"] == "succeeded"
+    assert parsed["spans"] == {"checkpointing": [[12.0, 13.0], [12.5, 13.5]]}
+    account = attempt_account(parsed)
+    assert account.seconds["checkpointing"] == 1.5 and account.held_chip_s == 88.0
+
+
+def test_the_task_log_gets_the_goodput_summary_not_its_record():
+    from rayslice.core.goodput import record_line, step_account
+
+    account = step_account([{"reserved": 0.0, "step_started": 1.0, "step_done": 3.0, "released": 4.0, "chips": 4}])
+    relayed: list[str] = []
+    LogFollower(relayed.append).feed("\n".join([account.summary(), record_line(account), ""]))
+    assert relayed == [account.summary()]
+    assert relayed[0].startswith("[rayslice] goodput: 50.0% of 0.004444 chip-h held: startup 1.00 s (25.0%)")

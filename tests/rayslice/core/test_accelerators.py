@@ -1,6 +1,7 @@
 """The accelerator request model: TPU pod-type arithmetic, validation messages, JSON travel."""
 
 import pickle
+import re
 import subprocess
 import sys
 
@@ -190,7 +191,8 @@ def test_accelerator_str():
         (dict(tpu="v6e-16", chips_per_host=3), ["chips_per_host=3", "v6e-16", "1, 2, 4 or 8"]),
         (dict(tpu="v6e-4", chips_per_host=8), ["chips_per_host=8", "1, 2 or 4"]),
         (dict(tpu="v6e-16", num_slice=2), ["unknown argument 'num_slice'", "did you mean 'num_slices'",
-                                           "the arguments are chips_per_host, multislice, num_slices, topology, tpu"]),
+                                           "the arguments are chips_per_host, multislice, num_slices, subslice, "
+                                           "topology, tpu"]),
         (dict(tpu="v6e-16", num_slices="two"), ["num_slices must be a whole number (got 'two')"]),
         (dict(tpu="v6e-16", multislice="maybe"), ["multislice must be true or false (got 'maybe')"]),
         (dict(tpu=16), ["tpu must be a string (got 16)"]),
@@ -315,3 +317,34 @@ def test_tables_match_the_installed_ray():
             assert req.pod_type == ray_tpu.infer_tpu_pod_type_from_topology(topology, version)
             assert req.chips_per_host == ray_tpu.get_chips_per_host(topology, version)
             assert req.accelerator_type == f"TPU-{version.upper()}"
+
+
+@pytest.mark.parametrize(("tpu", "per_chip", "per_host"), [
+    ("tpu7x-8", 2, 8), ("v7x-16", 2, 8), ("v6e-16", 1, 4), ("v6e-8", 1, 8), ("v5p-8", 1, 4), ("v4-8", 1, 4)])
+def test_jax_devices_per_chip_are_two_on_v7x_only(tpu, per_chip, per_host):
+    request = TpuSliceRequest(tpu=tpu)
+    assert (request.devices_per_chip, request.devices_per_host) == (per_chip, per_host)
+
+
+@pytest.mark.parametrize(("tpu", "subslice", "shown"), [
+    ("v6e-16", "2x4", "v6e-16 (subslice 2x4)"), ("v6e-16", "2x2", "v6e-16 (subslice 2x2)"),
+    ("v7x-32", "2x2x2", "v7x-32 (subslice 2x2x2)"), ("v5litepod-64", "4x4", "v5litepod-64 (subslice 4x4)")])
+def test_a_subslice_of_a_multi_host_slice_is_accepted_where_ray_can_cut_it(tpu, subslice, shown):
+    request = TpuSliceRequest(tpu=tpu, subslice=subslice)
+    assert str(request) == shown and TpuSliceRequest.model_validate_json(request.model_dump_json()) == request
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"tpu": "v6e-16", "subslice": "2x8"},
+     "subslice='2x8' of v6e-16 (4x4): not a subslice of that slice; valid subslices of v6e-16 are 2x2 or 2x4"),
+    ({"tpu": "v6e-16", "subslice": "4x4"}, "valid subslices of v6e-16 are 2x2 or 2x4"),
+    ({"tpu": "v6e-8", "subslice": "2x2"},
+     "v6e-8 cannot be cut into subslices, it is one host: ask for a smaller slice type instead"),
+    ({"tpu": "v5litepod", "topology": "2x8", "subslice": "2x2"},
+     "v5litepod-16 cannot be cut into subslices, Ray's SubslicePlacementGroup cannot cut that topology"),
+    ({"tpu": "v6e-16", "subslice": "2x4", "num_slices": 2}, "num_slices must be 1 (got num_slices=2)"),
+    ({"tpu": "v6e-16", "subslice": "2x4", "chips_per_host": 2}, "need the default 4 chips per host"),
+])
+def test_a_subslice_the_type_does_not_allow_is_refused_at_parse_time_in_words(kwargs, says):
+    with pytest.raises(InvalidRequestError, match=re.escape(says)):
+        TpuSliceRequest(**kwargs)
