@@ -216,7 +216,8 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     # From here on a drained node of the reservation is the step's preemption notice (cluster/notices.py).
     watch = notices.Watch(f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}",
-                          {h.node_id: h.label for h in reservation.hosts if h.node_id})
+                          {h.node_id: h.label for h in reservation.hosts if h.node_id},
+                          requested=lambda: place.suspend)
     attempt = replace(attempt, notice_key=watch.key)
     suspended = False
     watch.__enter__()

@@ -55,10 +55,16 @@ def ray_state():
 class Watch:
     """The driver's watch over one attempt's nodes: the first drained node becomes the step's notice."""
 
-    def __init__(self, key: str, node_ids: dict[str, str], poll: float = POLL_S) -> None:
-        """`node_ids`: Ray node id -> the host it holds (its label), for the log line."""
+    def __init__(self, key: str, node_ids: dict[str, str], poll: float = POLL_S,
+                 requested: Callable[[], tuple[str, float] | None] | None = None) -> None:
+        """`node_ids`: Ray node id -> the host it holds (its label), for the log line.
+
+        `requested`: the admission queue's word that a higher-priority request suspends this step
+        (why, grace seconds), or None: priority preemption takes the same path as a drained node.
+        """
         self.key = key
         self._nodes = node_ids
+        self._requested = requested
         self._poll = poll
         self.notice: PreemptionNotice | None = None
         self.noticed_at: float | None = None
@@ -82,6 +88,11 @@ class Watch:
                 found = draining(self._nodes)
             except Exception:  # a busy GCS: the next poll asks again
                 found = {}
+            asked = self._requested() if self._requested is not None else None
+            if asked is not None and not found:
+                why, grace = asked
+                self.publish(PreemptionNotice(deadline=time.time() + grace, reason=why))
+                return
             if found:
                 node, deadline = min(found.items(), key=lambda item: item[1] or float("inf"))
                 self.publish(PreemptionNotice(

@@ -113,6 +113,8 @@ class StepSpec(BaseModel):
     )
     preemption_retries: int = Field(0, ge=0, description="whole-gang retries when a host's node is lost, or after "
                                                          "a preemption notice suspended the step")
+    preemptible: bool = Field(False, description="a waiting step of higher priority may suspend this one, where "
+                                                  "the cluster's queue policy says `preemption: lower-priority`")
     notice_signal: str = Field("SIGTERM", description="a command step: the signal its program gets on a preemption "
                                                        "notice (a name such as SIGTERM or SIGUSR1), or 'none'")
     checkpoint_root: str | None = Field(
