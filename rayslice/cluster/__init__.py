@@ -81,6 +81,7 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
                 raise
             if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
                 waits.lost_nodes |= {exc.node_id}
+            waits.suspended = str(exc) if suspended is not None else ""
             if suspended is not None:
                 log(suspend.requeued(spec, exc, waits.arrival, attempt + 1, checkpoint_dir))
             else:
@@ -105,6 +106,7 @@ class Waits:
     start: float
     lost_nodes: frozenset[str] = frozenset()
     arrival: float = field(default_factory=time.time)  # in the admission queue: kept by a retried gang
+    suspended: str = ""  # why the last attempt was suspended (shown while the step waits in the queue again)
 
     def spend(self, kind: str, since: float) -> None:
         setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
@@ -169,7 +171,8 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline) -> admission
     marker = None
     try:
         if not place.join().admitted.is_set():  # it waits: say so where the Slices page and `capacity` look
-            marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}/queued")
+            why = f"/suspended: {suspend.marker_text(waits.suspended)}" if waits.suspended else ""
+            marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}{why}/queued")
         waited = place.wait(waits.capacity)
     except BaseException:
         place.leave()  # a cancelled step (ray job stop) gives its place up at once

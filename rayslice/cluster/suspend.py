@@ -64,3 +64,9 @@ def requeued(spec: StepSpec, error: SuspendedError, arrival: float, number: int,
 def exhausted(spec: StepSpec) -> str:
     return (f"suspended, and its preemption_retries={spec.preemption_retries} are used up: the step fails as "
             "preempted (raise preemption_retries to let it resume)")
+
+
+def marker_text(why: str, limit: int = 160) -> str:
+    """Why a requeued step was suspended, as its queue marker's name carries it to the Slices page and `capacity`."""
+    why = why.removeprefix("suspended by a preemption notice (").split("); ", 1)[0]
+    return why if len(why) <= limit else why[: limit - 1] + "…"
