@@ -93,6 +93,21 @@ def _rayslice_version() -> str:
     return __version__
 
 
+def notice_signal_name(value: Any) -> str:
+    """A command step's `notice_signal` as its canonical name ("SIGTERM", or "none"); a clear error otherwise."""
+    import signal
+
+    name = value.strip().upper() if isinstance(value, str) else ""
+    if name == "NONE":
+        return "none"
+    if name and not name.startswith("SIG"):
+        name = f"SIG{name}"
+    if name in ("", "SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, name, None), signal.Signals):
+        raise InvalidRequestError(f"notice_signal {value!r} is not a signal a program can catch: give a name such "
+                                  "as SIGTERM (the default), SIGINT or SIGUSR1, or 'none' (the notice file only)")
+    return name
+
+
 class StepSpec(BaseModel):
     """Everything the launcher needs to run one step; the job's `spec.json`."""
 
@@ -163,17 +178,7 @@ class StepSpec(BaseModel):
     @field_validator("notice_signal")
     @classmethod
     def _valid_notice_signal(cls, value: str) -> str:
-        import signal
-
-        name = value.strip().upper()
-        if name == "NONE":
-            return "none"
-        if not name.startswith("SIG"):
-            name = f"SIG{name}"
-        if name in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, name, None), signal.Signals):
-            raise InvalidRequestError(f"notice_signal {value!r} is not a signal a program can catch: give a name such "
-                                      "as SIGTERM (the default), SIGINT or SIGUSR1, or 'none' (the notice file only)")
-        return name
+        return notice_signal_name(value)
 
     @field_validator("runtime_env", mode="before")
     @classmethod
