@@ -337,8 +337,9 @@ def test_a_task_that_gives_up_on_its_deferral_stops_the_job(jobs, ray_default):
 
 
 def test_preemptible_and_notice_signal_reach_the_step_and_bad_values_fail_at_parse_time():
-    from rayslice.core.exceptions import InvalidRequestError
     from rayslice.operators.tpu_slice import TpuSliceOperator
+
+    from rayslice.core.exceptions import InvalidRequestError
 
     op = TpuSliceOperator(task_id="train", tpu="v6e-16", command=["python", "train.py"], preemptible=True,
                           notice_signal="usr1", preemption_retries=2)
