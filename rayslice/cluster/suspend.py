@@ -56,7 +56,7 @@ def requeued(spec: StepSpec, error: SuspendedError, arrival: float, number: int,
         where = (f"the checkpoint of step {steps[-1]} in {checkpoint_dir}" if steps
                  else f"the start: {checkpoint_dir} holds no complete checkpoint")
     avoiding = f" (not on {error.slice_name}, whose node is going)" if getattr(error, "slice_name", "") else ""
-    return (f"suspended: {error}. Its capacity is released; it goes back into the queue at its original arrival "
+    return (f"{error}. Its capacity is released; it goes back into the queue at its original arrival "
             f"({at} UTC) and priority {spec.priority if spec.priority is not None else 0}, and resumes from {where}"
             f"{avoiding}: resumption {number} of {spec.preemption_retries} (preemption_retries), no Airflow retry")
 
