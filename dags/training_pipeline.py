@@ -37,12 +37,16 @@ def batch(dataset: dict, step: int, rows: int, process: int):
 
 
 def fit(dataset: dict, learning_rate: float, steps: int, checkpoint_every: int = 2,
-        seconds_per_step: float = 0.0) -> dict:
+        seconds_per_step: float = 0.0, heed_notice: bool = True) -> dict:
     """Gradient descent on y = x @ w, data-parallel over every device of the slice, checkpointed with orbax.
 
     Every `checkpoint_every` steps (and at the end) the parameters go to the step's
     `checkpoint_dir` (`rayslice.get_step_context()`); a start that finds a checkpoint there
-    (a preemption retry, an Airflow retry) resumes from the newest complete one.
+    (a preemption retry, an Airflow retry, a suspension) resumes from the newest complete one.
+    After each step the hosts agree whether a preemption notice reached any of them
+    (`context.preempted`); if so they checkpoint that step and stop (`rayslice.StepSuspended`),
+    so no completed step is lost. `heed_notice=False` ignores notices (the launcher then stops
+    the step shortly before the deadline, and it resumes from its last periodic checkpoint).
     """
     import time
 
@@ -50,12 +54,19 @@ def fit(dataset: dict, learning_rate: float, steps: int, checkpoint_every: int =
     import jax.numpy as jnp
     import numpy as np
     import orbax.checkpoint as ocp
+    from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from rayslice import get_step_context
+    from rayslice import StepSuspended, get_step_context
 
     context = get_step_context()
+
+    def any_host_noticed() -> bool:  # every host must stop at the same step: the checkpoint save is collective
+        flag = np.array([int(context.preempted)], dtype=np.int32)
+        return bool(np.asarray(multihost_utils.process_allgather(flag)).any()) if jax.process_count() > 1 \
+            else bool(flag[0])
+
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rows = dataset["rows_per_device"] * jax.local_device_count()
     by_row, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
@@ -91,6 +102,12 @@ def fit(dataset: dict, learning_rate: float, steps: int, checkpoint_every: int =
         print(f"step {i}: loss {float(loss):.6f}", flush=True)
         if manager and (i + 1) % checkpoint_every == 0:
             manager.save(i + 1, args=ocp.args.StandardSave({"w": w}))
+        if manager and heed_notice and i + 1 < steps and any_host_noticed():
+            if manager.latest_step() != i + 1:
+                manager.save(i + 1, args=ocp.args.StandardSave({"w": w}), force=True)
+            manager.wait_until_finished()
+            print(f"preemption notice: checkpointed step {i + 1} of {steps}; stopping", flush=True)
+            raise StepSuspended(f"checkpointed step {i + 1} for a preemption notice")
         time.sleep(seconds_per_step)
     if manager:
         if manager.latest_step() != steps:

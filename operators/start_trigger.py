@@ -58,7 +58,7 @@ DEADLINE_LEAD_S = 3.0
 #: The operator arguments the trigger rebuilds an unmapped operator from (plus its request fields).
 STEP_ARGUMENTS = ("callable", "command", "op_kwargs", "runtime_env", "ray_conn_id", "capacity_timeout",
                   "step_timeout", "hang_timeout", "preemption_retries", "checkpoint_root", "poll_interval",
-                  "execution_timeout", "shipped_callable", "priority", "team")
+                  "execution_timeout", "shipped_callable", "priority", "team", "preemptible", "notice_signal")
 
 
 class CannotStart(Exception):

@@ -49,7 +49,14 @@ from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
 from rayslice.core.queue import TEAM_PATTERN, team_for
-from rayslice.core.step import Owner, StepSpec, split_command, split_templated_command, warn_entrypoint
+from rayslice.core.step import (
+    Owner,
+    StepSpec,
+    notice_signal_name,
+    split_command,
+    split_templated_command,
+    warn_entrypoint,
+)
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -143,6 +150,11 @@ class RayStepOperator(BaseOperator):
         process has sat idle inside JAX this many seconds, and release its slice (None: never; default 300).
     :param preemption_retries: times the whole gang is retried on a fresh slice when a host's node is
         lost (preemption), separately from Airflow's ``retries`` (which also cover the step's own errors).
+    :param preemptible: where the cluster's queue policy says ``preemption: lower-priority``, a waiting step
+        of higher priority may suspend this one (a preemption notice: it checkpoints, and resumes later in
+        the same try, within ``preemption_retries``).
+    :param notice_signal: a command step: the signal its program gets on a preemption notice (default
+        ``"SIGTERM"``; ``"none"``: the ``$RAYSLICE_NOTICE_FILE`` only).
     :param checkpoint_root: root URL of the step's checkpoint folder (``gs://…``, ``s3://…``, ``file://…``;
         templated); else the `ray` connection's ``checkpoint_root`` extra, else the cluster's
         ``RAYSLICE_CHECKPOINT_ROOT``. The step finds its folder in ``rayslice.get_step_context()``.
@@ -188,6 +200,8 @@ class RayStepOperator(BaseOperator):
         step_timeout: float | None = None,
         hang_timeout: float | None = 300,
         preemption_retries: int = 0,
+        preemptible: bool = False,
+        notice_signal: str = "SIGTERM",
         checkpoint_root: str | None = None,
         deferrable: bool = True,
         poll_interval: float = 2,
@@ -241,6 +255,12 @@ class RayStepOperator(BaseOperator):
             raise InvalidRequestError(
                 f"preemption_retries of {self.task_id!r} must be a whole number >= 0, got {preemption_retries!r}"
             )
+        if not isinstance(preemptible, bool):
+            raise InvalidRequestError(f"preemptible of {self.task_id!r} must be True or False, got {preemptible!r}")
+        try:
+            notice_signal = notice_signal_name(notice_signal)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{exc} (task {self.task_id!r})") from None
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise InvalidRequestError(f"priority of {self.task_id!r} must be a whole number, got {priority!r}")
         if team is not None and (not isinstance(team, str) or not 0 < len(team) <= 64
@@ -259,6 +279,8 @@ class RayStepOperator(BaseOperator):
         self.step_timeout = step_timeout
         self.hang_timeout = hang_timeout
         self.preemption_retries = preemption_retries
+        self.preemptible = preemptible
+        self.notice_signal = notice_signal
         self.checkpoint_root = checkpoint_root
         self._check_checkpoint_root(checkpoint_root)
         self.deferrable = deferrable
@@ -477,6 +499,7 @@ class RayStepOperator(BaseOperator):
                       "step_timeout": None if self.step_timeout is None else float(self.step_timeout),
                       "hang_timeout": None if self.hang_timeout is None else float(self.hang_timeout),
                       "preemption_retries": self.preemption_retries,
+                      "preemptible": self.preemptible, "notice_signal": self.notice_signal,
                       "checkpoint_root": self.checkpoint_root or (self._settings and self._settings.checkpoint_root),
                       "launcher": self._settings.launcher if self._settings else "shipped",
                       "runtime_env": runtime_envs.merge(self._settings and self._settings.runtime_env,

@@ -141,7 +141,8 @@ def in_queue(p: dict[str, Any]) -> str:
     place = p.get("place")
     parts = [f"{ordinal(place)} in line" if place else "",
              f"priority {p['priority']}" if p.get("priority") is not None else "",
-             f"team {p['team']}" if p.get("team") else ""]
+             f"team {p['team']}" if p.get("team") else "",
+             f"suspended: {p['suspended']}" if p.get("suspended") else ""]
     return ", ".join(part for part in parts if part)
 
 

@@ -4,7 +4,7 @@ The public API. Nothing here imports ray, jax or airflow.
 """
 
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest, request_from_json, request_to_json
-from rayslice.core.context import StepContext, as_path, get_step_context
+from rayslice.core.context import PreemptionNotice, StepContext, as_path, get_step_context
 from rayslice.core.exceptions import (
     CapacityTimeoutError,
     CollectiveHangError,
@@ -16,8 +16,10 @@ from rayslice.core.exceptions import (
     RaysliceError,
     RayUnreachableError,
     StepFailedError,
+    StepSuspended,
     StepTimeoutError,
     SubmissionConflictError,
+    SuspendedError,
     UnsatisfiableRequestError,
 )
 from rayslice.core.queue import QueueSettings
@@ -42,6 +44,7 @@ __all__ = [
     "InvalidRequestError",
     "Owner",
     "PreemptedError",
+    "PreemptionNotice",
     "QueueSettings",
     "RayAuthError",
     "RayJobsError",
@@ -50,8 +53,10 @@ __all__ = [
     "StepFailedError",
     "StepContext",
     "StepSpec",
+    "StepSuspended",
     "StepTimeoutError",
     "SubmissionConflictError",
+    "SuspendedError",
     "TpuSliceRequest",
     "UnsatisfiableRequestError",
     "as_path",

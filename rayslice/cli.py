@@ -187,6 +187,45 @@ def local_down(name: Name = "default") -> None:
     console.print(f"stopped cluster {name!r} ({stopped} processes)")
 
 
+def _seconds(text: str) -> float:
+    """`30s`, `2m`, `45` (seconds): the CLI's durations."""
+    value = text.strip().lower()
+    scale = 60.0 if value.endswith("m") else 1.0
+    try:
+        seconds = float(value.rstrip("sm")) * scale
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a duration: give seconds like 30s or 45, or minutes like 2m") \
+            from None
+    if seconds < 0:
+        raise typer.BadParameter(f"{text!r} is negative: give 0s or more")
+    return seconds
+
+
+@local.command("preempt")
+def local_preempt(
+    slice_name: Annotated[str, typer.Argument(metavar="SLICE", help="The slice, e.g. v6e-16-a.")],
+    within: Annotated[str, typer.Option("--in", help="The notice's deadline from now, e.g. 30s or 2m.")] = "30s",
+    worker: Annotated[list[int], typer.Option("--worker", help="Only this host of the slice; repeat for more.")] = [],  # noqa: B006
+    no_kill: Annotated[bool, typer.Option("--no-kill",
+                                          help="Only send the notice; kill nothing at the deadline.")] = False,
+    name: Name = "default",
+) -> None:
+    """Preempt a slice as a platform would: a preemption notice (Ray drains its nodes), then its hosts killed."""
+    seconds = _seconds(within)
+    try:
+        record = local_cluster.ClusterRecord.load(name)
+        if no_kill:
+            nodes = local_cluster.slice_nodes(record, slice_name, worker or None)
+            local_cluster.drain(record, list(nodes.values()), seconds)
+            console.print(f"notice sent: {len(nodes)} host(s) of {slice_name} drain with a {seconds:.0f} s deadline")
+            return
+        console.print(f"notice sent to {slice_name}: its hosts are killed in {seconds:.0f} s")
+        nodes = local_cluster.preempt(record, slice_name, seconds, worker or None)
+    except RaysliceError as exc:
+        raise fail(str(exc)) from None
+    console.print(f"preempted {slice_name}: {len(nodes)} host node(s) killed")
+
+
 @local.command("status")
 def local_status(name: Name = "default") -> None:
     """Say whether the local cluster runs: its dashboard URL and how many of its processes are alive."""

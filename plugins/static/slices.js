@@ -98,7 +98,7 @@ function inQueue(p) {
   const suffix = place && place % 100 >= 10 && place % 100 <= 20 ? "th"
     : ({1: "st", 2: "nd", 3: "rd"})[(place || 0) % 10] || "th";
   return [place ? `${place}${suffix} in line` : "", p.priority != null ? `priority ${p.priority}` : "",
-          p.team ? `team ${p.team}` : ""].filter(Boolean).join(", ");
+          p.team ? `team ${p.team}` : "", p.suspended ? `suspended: ${p.suspended}` : ""].filter(Boolean).join(", ");
 }
 
 function waiting(pending, ctx) {

@@ -40,6 +40,8 @@ __all__ = ["GpuNode", "GpuShare", "Holder", "Host", "Pending", "Slice", "Snapsho
 PREFIX = "rayslice:"
 #: The placement group (one tiny CPU bundle) a step holds while it waits in the admission queue.
 QUEUED_SUFFIX = "/queued"  # launcher.reservation_name: every placement group and actor a step creates
+#: A suspended step back in the queue names why in its marker: `rayslice:<id>/suspended: <why>/queued`.
+SUSPENDED_INFIX = "/suspended: "
 SLICE_LABEL, WORKER_LABEL = "ray.io/tpu-slice-name", "ray.io/tpu-worker-id"
 POD_TYPE_LABEL, TOPOLOGY_LABEL = "ray.io/tpu-pod-type", "ray.io/tpu-topology"
 _STATE = "/api/v0/{}"
@@ -137,6 +139,7 @@ class Pending(BaseModel):
     team: str | None = None
     place: int | None = None  # 1 = first in line for its kind (a slice type, TPU chips, an accelerator resource)
     arrival: datetime | None = None  # when its launcher took its place (the job's start)
+    suspended: str = ""  # back in the queue after a suspension (a preemption notice): why it was suspended
 
 
 class Snapshot(BaseModel):
@@ -395,6 +398,9 @@ def _pending(groups: list[dict[str, Any]], actors: list[dict[str, Any]], pg_hold
             meta = job.get("metadata") or {}
             demand.priority, demand.team = _int(meta.get("priority"), 0), meta.get("team") or None
             demand.arrival = datetime.fromtimestamp(started, UTC) if started else None
+            name = pg.get("name") or ""
+            if SUSPENDED_INFIX in name:
+                demand.suspended = name.split(SUSPENDED_INFIX, 1)[1][:-len(QUEUED_SUFFIX)]
             out.append(demand)
             continue
         if pg.get("state") not in ("PENDING", "RESCHEDULING"):
@@ -470,7 +476,8 @@ def _queue_place(p: Pending) -> str:
 
     return ", ".join(part for part in (f"{ordinal(p.place)} in line" if p.place else "",
                                        f"priority {p.priority}" if p.priority is not None else "",
-                                       f"team {p.team}" if p.team else "") if part)
+                                       f"team {p.team}" if p.team else "",
+                                       f"suspended: {p.suspended}" if p.suspended else "") if part)
 
 
 def _indices(gpus: list[int]) -> str:

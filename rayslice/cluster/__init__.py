@@ -11,20 +11,21 @@ import json
 import os
 import time
 import urllib.request
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rayslice.cluster import checkpoints, gang, host_env, metrics, phases, reaper
+from rayslice.cluster import checkpoints, gang, host_env, metrics, notices, phases, reaper, suspend
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, reserve_slices
 from rayslice.core import goodput
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
-from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError
+from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError, SuspendedError
 from rayslice.core.step import StepSpec
 
 __all__ = ["run_step", "reservation_name"]
@@ -77,8 +78,10 @@ def _report_goodput(spec: StepSpec, records: list[dict]) -> None:
 
 def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None, waits: Waits,
               records: list[dict], driver_phases: dict[str, float] | None) -> Any:
+    suspended: suspend.Suspension | None = None
     for attempt in range(spec.preemption_retries + 1):
         timeline = first if attempt == 0 else phases.Timeline()
+        timeline.resumed_after = suspended
         for phase, at in (driver_phases or {}).items() if attempt == 0 else ():
             if phase in phases.PHASES:
                 timeline.mark(phase, at)
@@ -105,13 +108,24 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
         except PreemptedError as exc:
             timeline.outcome = "preempted"
             _note_lost_work(timeline, checkpoint_dir)
+            suspended = suspend.Suspension.of(exc, timeline) if isinstance(exc, SuspendedError) else None
             if attempt == spec.preemption_retries:
+                if suspended is not None:
+                    log(suspend.exhausted(spec))
                 raise
             if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
                 waits.lost_nodes |= {exc.node_id}
-            log(f"preempted: {exc}; retrying the whole gang ({attempt + 1} of {spec.preemption_retries})"
-                + (f", avoiding {exc.slice_name}" if getattr(exc, "slice_name", "") else ""))
+            waits.suspended = str(exc) if suspended is not None else ""
+            if suspended is not None:
+                log(suspend.requeued(spec, exc, waits.arrival, attempt + 1, checkpoint_dir))
+            else:
+                log(f"preempted: {exc}; retrying the whole gang ({attempt + 1} of {spec.preemption_retries})"
+                    + (f", avoiding {exc.slice_name}" if getattr(exc, "slice_name", "") else ""))
         finally:
+            if timeline.resumed_after is not None and timeline.resumed_after.released:
+                # Suspended from the capacity's release to its return (goodput counts it apart from waiting).
+                back = timeline.times.get("reserved", time.time())
+                timeline.add_spans({"suspended": [[timeline.resumed_after.released, back]]})
             for line in timeline.lines():
                 print(line, flush=True)
             records.append(timeline.record())
@@ -144,6 +158,7 @@ class Waits:
     start: float
     lost_nodes: frozenset[str] = frozenset()
     arrival: float = field(default_factory=time.time)  # in the admission queue: kept by a retried gang
+    suspended: str = ""  # why the last attempt was suspended (shown while the step waits in the queue again)
 
     def spend(self, kind: str, since: float) -> None:
         setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
@@ -208,7 +223,8 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline) -> admission
     marker = None
     try:
         if not place.join().admitted.is_set():  # it waits: say so where the Slices page and `capacity` look
-            marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}/queued")
+            why = f"/suspended: {suspend.marker_text(waits.suspended)}" if waits.suspended else ""
+            marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}{why}/queued")
         waited = place.wait(waits.capacity)
     except BaseException:
         place.leave()  # a cancelled step (ray job stop) gives its place up at once
@@ -258,6 +274,13 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     spec_json = spec.model_dump_json()
     # After a failure: the last line of a host that raised, and a quiet second for hosts that died.
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
+    # From here on a drained node of the reservation is the step's preemption notice (cluster/notices.py).
+    watch = notices.Watch(f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}",
+                          {h.node_id: h.label for h in reservation.hosts if h.node_id},
+                          requested=lambda: place.suspend)
+    attempt = replace(attempt, notice_key=watch.key)
+    suspended = False
+    watch.__enter__()
     try:
         slices = sorted({h.slice_name for h in reservation.hosts})
         log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")
@@ -290,9 +313,10 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
                                     ports={i: ports[i] for i in leaders})
         log(f"running on {', '.join(slices)}: {len(plans)} hosts x {request.chips_per_host} chips")
         try:
-            results = gang.run_gang(actors, plans, spec, attempt, timeline)
+            results = gang.run_gang(actors, plans, spec, attempt, timeline, watch)
         except BaseException as exc:
             drain_from = gang.raised_on(exc, plans)
+            suspended = isinstance(exc, SuspendedError)
             if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
                 quiet = 0.0
             raise
@@ -300,8 +324,13 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         return results
     finally:
         timeline.note("gang_returned")
+        watch.__exit__(None, None, None)
+        if watch.noticed_at is not None:
+            timeline.note("notice", watch.noticed_at)
         gang.kill(actors)
         still_held = reservation.release()  # and leaves the queue: the next in line may reserve now
+        if suspended:  # no step body may run on two slices at once: the next attempt starts after every host ended
+            gang.wait_dead(actors)
         timeline.mark("released")
         _log_release(str(request), started, still_held)
         drain.wait(drain_from, quiet=quiet)  # after the release: the chips are free while the last lines arrive

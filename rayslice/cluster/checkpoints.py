@@ -90,3 +90,13 @@ def _writer(attempts: list[dict], written: float | None) -> str | None:
     last = before[-1]
     who = f"try {last['try_number']}, preemption attempt {last['preemption_attempt']}"
     return f"{who} (Ray job {last['submission_id']})" if last.get("submission_id") else who
+
+
+def complete_steps(checkpoint_dir: str) -> list[int]:
+    """The whole-numbered (complete) step folders in `checkpoint_dir`, oldest first; [] when unreadable."""
+    try:
+        fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+        return sorted(int(name) for entry in fs.ls(root, detail=False)
+                      if (name := posixpath.basename(str(entry).rstrip("/"))).isdigit())
+    except Exception:
+        return []

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from rayslice.cluster import program_group
@@ -84,11 +84,13 @@ def program_env(env: Mapping[str, str], report_dir: str, hang_interval: float = 
     return values
 
 
-def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval: float = 0.0) -> Any:
+def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval: float = 0.0,
+        on_start: Callable[[int], None] | None = None) -> Any:
     """Run `argv` to its end, relaying its output; its result file's JSON, None, or CommandExitError.
 
     `report_dir` is an empty folder of this host's: the program's result file and its reports go there.
     `python` means the host's own Python (the runtime env's, with its packages): its folder goes first on PATH.
+    `on_start(pid)` is called once the program runs (its pid is its process group: a preemption notice signals it).
     """
     env = program_env(env, report_dir, hang_interval)
     if argv[0] in ("python", "python3"):
@@ -103,6 +105,8 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
                                127, time.time()) from None
     marker = f"{REPORT_ENV}={report_dir}"
     guard = _guard(child.pid, marker)
+    if on_start is not None:
+        on_start(child.pid)
     relays = [_Relay(stream, out, tail) for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
     try:
         code, ended_at = _wait(child, os.path.join(report_dir, EXIT_FILE))

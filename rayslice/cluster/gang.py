@@ -25,17 +25,18 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rayslice.cluster import commands, environments, hang_watch, host_env, node_probe, phases
+from rayslice.cluster import commands, environments, hang_watch, host_env, node_probe, notices, phases
 from rayslice.cluster.environments import HostPlan
 from rayslice.core import goodput
 from rayslice.core.accelerators import TpuSliceRequest
-from rayslice.core.context import StepContext, set_step_context
+from rayslice.core.context import NOTICE_FILE_ENV, StepContext, deliver_notice, set_step_context
 from rayslice.core.exceptions import (
     CollectiveHangError,
     HostLostError,
     PreemptedError,
     StepFailedError,
     StepTimeoutError,
+    SuspendedError,
 )
 from rayslice.core.step import HOST_DONE_MARKER, StepSpec
 
@@ -138,13 +139,18 @@ class HostProcess:
                 spans_file = report_dir and os.path.join(report_dir, "spans.jsonl")
                 if spec.command is not None:
                     env = _over_user_env(spec, plan, environment.command_env(spec.request, plan))
-                    result = commands.run(spec.command, {**os.environ, **env, **context.to_env(),
-                                                         goodput.SPANS_FILE_ENV: spans_file},
-                                          report_dir, attempt.hang_interval if watched else 0.0)
+                    notice = notices.CommandNotice(os.path.join(report_dir, "notice.json"), spec.notice_signal)
+                    with _listening(attempt, notice.deliver):
+                        result = commands.run(spec.command, {**os.environ, **env, **context.to_env(),
+                                                             goodput.SPANS_FILE_ENV: spans_file,
+                                                             NOTICE_FILE_ENV: notice.path},
+                                              report_dir, attempt.hang_interval if watched else 0.0,
+                                              on_start=notice.started)
                 else:
                     set_step_context(context)
                     try:
-                        result = step(**spec.kwargs)
+                        with _listening(attempt, deliver_notice):
+                            result = step(**spec.kwargs)
                     finally:
                         set_step_context(None)
                 spans = goodput.collect(spans_file)  # what the step reported through its context (before the
@@ -179,6 +185,12 @@ class Attempt:
     checkpoint_dir: str | None = None
     hang_watch: str = ""  # the key prefix simulated hosts publish their idleness under ("": not watched)
     hang_interval: float = 0.0
+    notice_key: str = ""  # where the driver publishes a preemption notice for this attempt ("": none watched)
+
+
+def _listening(attempt: Attempt, deliver: Any) -> Any:
+    """While the step runs: hear the attempt's preemption notice, if the driver watches for one."""
+    return notices.HostListener(attempt.notice_key, deliver) if attempt.notice_key else nullcontext()
 
 
 def _leave_jax_group() -> None:
@@ -243,10 +255,13 @@ def group_leaders(hosts: list[HostPlan], *, multislice: bool) -> list[int]:
 
 
 def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: Attempt | None = None,
-             timeline: phases.Timeline | None = None) -> list[Any]:
+             timeline: phases.Timeline | None = None, watch: notices.Watch | None = None) -> list[Any]:
     """Run the step on every actor; return results in host order, or fail on the first error.
 
-    The hosts' phase times go to `timeline` once every host has returned.
+    The hosts' phase times go to `timeline` once every host has returned. With a `watch`, a
+    preemption notice changes what an end means: every host returning is still success, but
+    any failure after the notice (the step stopping for it, a host lost) is a suspension
+    (`SuspendedError`), and a step still running shortly before the deadline is stopped.
     """
     spec_json = spec.model_dump_json()
     attempt = attempt or Attempt()
@@ -266,7 +281,11 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             if watch_keys:
                 timeout = attempt.hang_interval if timeout is None else min(timeout, attempt.hang_interval)
+            if watch is not None:
+                timeout = notices.POLL_S if timeout is None else min(timeout, notices.POLL_S)
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if watch is not None and (stop_at := watch.stop_at()) is not None and time.time() >= stop_at:
+                raise _suspension(watch, plans, stopped=True)
             if not ready:
                 if deadline is not None and time.monotonic() >= deadline:
                     slow = ", ".join(plans[refs[r]].label for r in pending)
@@ -277,10 +296,15 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
             index = refs[ready[0]]
             try:
                 results[index], reports[index] = _get(ready[0], plans[index])
-            except HostLostError as exc:
-                index, error = _coordinator_first(index, exc, pending, refs, plans)
-                raise error from None
             except StepFailedError as exc:
+                if watch is not None and watch.notice is not None:
+                    # After a notice, an end short of success is the step stopping for it (or its node going):
+                    # the others get until shortly before the deadline to finish their checkpoint too.
+                    stopped = _wait_until(pending, watch.stop_at())
+                    raise _suspension(watch, plans, stopped=stopped) from None
+                if isinstance(exc, HostLostError):
+                    index, error = _coordinator_first(index, exc, pending, refs, plans)
+                    raise error from None
                 if getattr(exc, "program_ended_at", None) is not None:  # a command step's program failed
                     index, error = _first_program_to_end(index, exc, pending, refs, plans)
                     raise error from None
@@ -292,6 +316,9 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
                     raise
                 index, error = _coordinator_first(*lost, pending, refs, plans)
                 raise error from None
+    except SuspendedError:
+        kill(actors)
+        raise
     except HostLostError as exc:
         raise _lost_host(exc, index, actors, plans) from None
     except BaseException:
@@ -303,6 +330,29 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     if timeline is not None:
         timeline.hosts(reports)
     return results
+
+
+def _wait_until(pending: list[Any], until: float | None) -> bool:
+    """Wait for these hosts to end, until `until` (epoch seconds); True if some were still running then."""
+    if not pending:
+        return False
+    ready, left = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, (until or time.time()) - time.time()))
+    return bool(left)
+
+
+def _suspension(watch: notices.Watch, plans: list[HostPlan], *, stopped: bool) -> SuspendedError:
+    """The suspension error: which notice, which host's node, whether the step stopped by itself."""
+    notice = watch.notice
+    assert notice is not None
+    how = ("it was still running shortly before the deadline and was stopped: it resumes from its last checkpoint"
+           if stopped else "the step stopped for it")
+    host = next((p.ip for p in plans if p.node_id == notice.node), None)
+    error = SuspendedError(f"suspended by a preemption notice ({notice.reason}); {how}", cause="preemption notice",
+                           host=host)
+    error.node_id = notice.node
+    error.slice_name = next((p.slice_name for p in plans if p.node_id == notice.node), "")
+    error.stopped_at_deadline = stopped
+    return error
 
 
 def _check_hang(spec: StepSpec, running: list[HostPlan], watch_keys: dict[str, str],
@@ -671,3 +721,19 @@ def kill(actors: list[Any]) -> None:
             ray.kill(actor, no_restart=True)
         except Exception:  # already dead
             pass
+
+
+def wait_dead(actors: list[Any], timeout: float = 10.0) -> list[Any]:
+    """Wait (bounded) until Ray reports every one of these actors dead; those still alive after `timeout`.
+
+    After a suspension the next attempt starts on other capacity: the old hosts must have ended
+    first, so that no step body runs on two slices at once.
+    """
+    deadline = time.monotonic() + timeout
+    left = list(actors)
+    while left and time.monotonic() < deadline:
+        left = [actor for actor in left
+                if ray._private.state.state.actor_table(actor._actor_id.hex()).get("State") != "DEAD"]
+        if left:
+            time.sleep(0.05)
+    return left

@@ -60,6 +60,7 @@ class Timeline:
         self.times: dict[str, float] = {}
         self.detail: dict[str, float] = {}  # finer driver-side moments, in the JSON line only
         self.per_host: list[dict[str, float]] = []
+        self.resumed_after = None  # a cluster.suspend.Suspension: this attempt resumes a suspended step
         # For the goodput figures (rayslice.core.goodput): chips held, how the attempt ended, reported spans.
         self.chips: float = 0.0
         self.outcome: str | None = None
@@ -118,10 +119,15 @@ class Timeline:
         queued = self.queue_wait()
         out = [f"[rayslice] timeline: {PHASES[known[0][0]]}, " + ", ".join(steps)
                + f" ({known[-1][1] - first:.2f} s in all"
-               + (f", {queued:.2f} s of it in the admission queue)" if queued is not None else ")")]
+               + (f", {queued:.2f} s of it in the admission queue" if queued is not None else "")
+               + self._suspension_text() + ")"]
         record: dict = {phase: round(at, 4) for phase, at in known}
         if queued is not None:
             record["queue_wait_s"] = round(queued, 4)
+        if "notice" in self.detail and "released" in self.times:
+            record["notice_to_released_s"] = round(self.times["released"] - self.detail["notice"], 4)
+        if self.resumed_after is not None:
+            record["suspended"] = self.resumed_after.record(self.times.get("step_started"))
         if self.detail:
             record["detail"] = {moment: round(at, 4) for moment, at in self.detail.items()}
         if self.per_host:
@@ -135,6 +141,17 @@ class Timeline:
                                for kind, found in self.spans.items()}
         out.append(MARKER + json.dumps(record))
         return out
+
+    def _suspension_text(self) -> str:
+        """Suspended time apart from running time: the notice's share of this attempt, the pause before it."""
+        text = ""
+        if "notice" in self.detail and "released" in self.times:
+            text += (f"; suspended by a preemption notice: {self.times['released'] - self.detail['notice']:.2f} s "
+                     "from the notice to the capacity released")
+        if self.resumed_after is not None and "step_started" in self.times:
+            text += (f"; resumed after {self.times['step_started'] - self.resumed_after.released:.2f} s suspended "
+                     "(from the suspended attempt's release to this step start)")
+        return text
 
 
 def parse_phases(log: str) -> list[dict[str, float]]:

@@ -110,6 +110,7 @@ class Broker:
         self.expires: dict[str, float] = {}  # id -> monotonic time its place is lost unless heard from
         self.settings = operator_settings()
         self.reasons: dict[str, str] = {}
+        self.suspending: dict[str, str] = {}  # running id -> why a waiting request of higher priority suspends it
         with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id`: no warning for users
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -177,7 +178,7 @@ class Broker:
         """Every entry, running ones first, then the waiting ones in order; and the settings."""
         self._tick(force=True)
         running = sorted(self.running.values(), key=lambda e: e.admitted_at or 0)
-        return {"entries": [{**e.to_json(), "reason": self.reasons.get(e.id, "")}
+        return {"entries": [{**e.to_json(), "reason": self.suspending.get(e.id) or self.reasons.get(e.id, "")}
                             for e in [*running, *rules.order(list(self.entries.values()))]],
                 "settings": self.settings.model_dump(), "restarts": self.restarts}
 
@@ -190,6 +191,7 @@ class Broker:
         if e is None:
             return
         self._dirty = True
+        self.suspending.pop(id, None)
         if self.running.pop(id, None) is None:
             self._unline(e)
 
@@ -204,6 +206,9 @@ class Broker:
     def _standing(self, mine: rules.Entry) -> dict[str, Any]:
         """Where an entry stands in its line (O(log n)), and how often its launcher should beat."""
         if mine.admitted:
+            if mine.id in self.suspending:  # its launcher sends its step a preemption notice with this grace
+                return {"admitted": True, "beat_s": HEARTBEAT_S, "suspend": self.suspending[mine.id],
+                        "grace_s": self.settings.preemption_grace_s}
             return {"admitted": True, "beat_s": HEARTBEAT_S}
         line = self.lines[mine.kind]
         i = bisect.bisect_left(line, (rules.rank_key(mine),))
@@ -250,8 +255,25 @@ class Broker:
             e.admitted, e.admitted_at = True, admitted_at
             self.running[id] = e
         self.reasons = decided.reasons
+        if self.settings.preemption == "lower-priority":
+            self._choose_suspensions(totals)
         self._planned, self._dirty = time.monotonic(), False
         self.plan_ms = [*self.plan_ms[-999:], (time.perf_counter() - started) * 1000]
+
+    def _choose_suspensions(self, totals: dict[str, float]) -> None:
+        """`preemption: lower-priority`: the first waiting request of each kind may suspend preemptible steps.
+
+        Only a request that waits for capacity (not for its team's quota, nor held back by another)
+        does; the choice is `rules.victims`. The chosen steps' launchers hear it at their next beat.
+        """
+        running = list(self.running.values())
+        for kind, line in self.lines.items():
+            head = line[0][1]
+            if not self.reasons.get(head.id, "").startswith("first in line"):
+                continue
+            for victim in rules.victims(head, running, totals.get(kind, 0), frozenset(self.suspending)):
+                self.suspending[victim.id] = (f"suspended for {rules.seen_by(head, victim)} (priority {head.priority}, "
+                                              f"waiting for {head.what}; this step's priority is {victim.priority})")
 
     def _capacity(self, kinds: set[tuple[str, str]]) -> dict[str, float]:
         """Slices per TPU slice type (their worker-0 hosts), and each accelerator resource's total.
@@ -325,6 +347,7 @@ class Place:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._broker: Any = None
+        self.suspend: tuple[str, float] | None = None  # (why, grace in seconds): the broker suspends this step
 
     def _beat(self) -> None:
         try:
@@ -339,6 +362,8 @@ class Place:
         if state.get("admitted") and not self.entry.admitted:
             self.entry.admitted, self.entry.admitted_at = True, time.time()
             self.admitted.set()
+        if state.get("suspend") and self.suspend is None:  # a higher-priority request needs this step's capacity
+            self.suspend = (str(state["suspend"]), float(state.get("grace_s", 30.0)))
         self.beat_s = min(max(float(state.get("beat_s", HEARTBEAT_S)), HEARTBEAT_S), MAX_BEAT_S)
         self.state = state
         self._changed.set()
@@ -409,7 +434,8 @@ def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | 
     if isinstance(request, AcceleratorRequest) and request.resource == "TPU":
         chips_on = chip_slice(request, ray.nodes() if nodes is None else nodes)
     entry = rules.entry_for(request, id=f"{owner.submission_id or 'adhoc'}/{time.time_ns()}", label=label,
-                            priority=spec.priority or 0, team=spec.team, arrival=arrival, chips_on=chips_on)
+                            priority=spec.priority or 0, team=spec.team, arrival=arrival, chips_on=chips_on,
+                            preemptible=spec.preemptible)
     entry.dag = f"{owner.deployment}/{owner.dag_id}"
     return Place(entry)
 

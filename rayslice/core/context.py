@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import posixpath
 import re
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -27,6 +30,9 @@ from rayslice.core.step import Owner
 ENV_PREFIX = "RAYSLICE_"
 #: The file a command step's process may write its JSON result to (its host's XCom item).
 RESULT_FILE_ENV = "RAYSLICE_RESULT_FILE"
+
+#: A command step's processes: the file that holds the preemption notice (JSON) once one came; absent before.
+NOTICE_FILE_ENV = "RAYSLICE_NOTICE_FILE"
 
 #: The cluster-wide default root for checkpoint folders (`rayslice local up` sets it on every node).
 CHECKPOINT_ROOT_ENV = "RAYSLICE_CHECKPOINT_ROOT"
@@ -88,6 +94,31 @@ class StepContext:
         goodput.report_span("checkpointing", start, end)
 
     @property
+    def preemption_notice(self) -> PreemptionNotice | None:
+        """The notice that this step's capacity is about to go, or None while none came.
+
+        In a function step the launcher delivers it to this process; in a command step's
+        processes it is read from `$RAYSLICE_NOTICE_FILE` (the program also got a signal).
+        """
+        if _notices.notice is not None:
+            return _notices.notice
+        path = os.environ.get(NOTICE_FILE_ENV)
+        return PreemptionNotice.read(path) if path else None
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption notice came: checkpoint now, then raise `rayslice.StepSuspended` (or return)."""
+        return self.preemption_notice is not None
+
+    def on_preemption(self, callback: Callable[[PreemptionNotice], None]) -> None:
+        """Call `callback(notice)` once, in a thread of rayslice's, when a notice comes (at once if one came).
+
+        Keep it short and thread-safe (set a flag your loop reads); the step itself decides when to
+        checkpoint and stop. In a command step's processes the notice file is polled every 0.2 s.
+        """
+        _notices.register(callback, os.environ.get(NOTICE_FILE_ENV) if _current is None else None)
+
+    @property
     def checkpoint_path(self) -> str | None:
         """`checkpoint_dir` as orbax (etils.epath) and most libraries take it: a plain path for `file://`."""
         return None if self.checkpoint_dir is None else as_path(self.checkpoint_dir)
@@ -97,6 +128,87 @@ def as_path(url: str) -> str:
     """A storage URL as path-taking libraries (orbax, etils.epath) want it: `file://` URLs become plain paths."""
     protocol, path = split_protocol(url)
     return path if protocol in (None, "file", "local") else url
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """Why and by when the step's capacity goes: `deadline` in epoch seconds, `node` the drained Ray node."""
+
+    deadline: float
+    reason: str
+    node: str = ""
+
+    @property
+    def seconds_left(self) -> float:
+        return max(0.0, self.deadline - time.time())
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> PreemptionNotice:
+        data = json.loads(text)
+        return cls(deadline=float(data["deadline"]), reason=str(data.get("reason", "")), node=str(data.get("node", "")))
+
+    @classmethod
+    def read(cls, path: str) -> PreemptionNotice | None:
+        """The notice in a command step's notice file, or None while there is none (or it is half-written)."""
+        try:
+            with open(path) as f:
+                return cls.from_json(f.read())
+        except (OSError, ValueError, KeyError):
+            return None
+
+
+class _Notices:
+    """This process's notice and the callbacks waiting for it (the launcher delivers; the step polls or registers)."""
+
+    def __init__(self) -> None:
+        self.notice: PreemptionNotice | None = None
+        self._callbacks: list[Callable[[PreemptionNotice], None]] = []
+        self._lock = threading.Lock()
+
+    def deliver(self, notice: PreemptionNotice) -> None:
+        with self._lock:
+            if self.notice is not None:
+                return
+            self.notice, callbacks, self._callbacks = notice, self._callbacks, []
+        for callback in callbacks:
+            _call(callback, notice)
+
+    def register(self, callback: Callable[[PreemptionNotice], None], notice_file: str | None) -> None:
+        with self._lock:
+            if self.notice is None:
+                self._callbacks.append(callback)
+                if notice_file:
+                    threading.Thread(target=self._watch, args=(notice_file,), name="rayslice-notice-file",
+                                     daemon=True).start()
+                return
+            notice = self.notice
+        _call(callback, notice)
+
+    def _watch(self, path: str) -> None:
+        while self.notice is None:
+            if (notice := PreemptionNotice.read(path)) is not None:
+                self.deliver(notice)
+                return
+            time.sleep(0.2)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.notice, self._callbacks = None, []
+
+
+def _call(callback: Callable[[PreemptionNotice], None], notice: PreemptionNotice) -> None:
+    threading.Thread(target=callback, args=(notice,), name="rayslice-notice-callback", daemon=True).start()
+
+
+_notices = _Notices()
+
+
+def deliver_notice(notice: PreemptionNotice) -> None:
+    """The launcher's side: a preemption notice reached this host process (once; later ones are ignored)."""
+    _notices.deliver(notice)
 
 
 _current: StepContext | None = None
@@ -118,6 +230,7 @@ def set_step_context(context: StepContext | None) -> None:
     """The launcher's side: called in each host process before the step, with None after it."""
     global _current
     _current = context
+    _notices.reset()  # a notice belongs to one step run: the next step in this process starts without one
 
 
 def checkpoint_dir_for(root: str | None, owner: Owner) -> str | None:

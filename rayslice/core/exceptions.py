@@ -11,6 +11,8 @@ Messages are composed by whoever raises.
      ├── StepFailedError(RaysliceError)      slice_index, worker_id, host, cause, exit_code
      │    └── HostLostError(StepFailedError)
      │         └── PreemptedError(HostLostError)   the host's node died or was drained
+     │              └── SuspendedError(PreemptedError)   a notice came: the gang stopped, released, requeued
+     ├── StepSuspended(RaysliceError)        a step raises it after checkpointing on a preemption notice
      ├── StepTimeoutError(RaysliceError, TimeoutError)
      ├── SubmissionConflictError(RaysliceError)   a submission id already taken by another submitter
      └── RayJobsError(RaysliceError)         status_code
@@ -70,6 +72,22 @@ class PreemptedError(HostLostError):
     """Raised when a host's whole node died or was drained: preemption, retried as a whole gang."""
 
 
+class SuspendedError(PreemptedError):
+    """Raised when a preemption notice reached the step's capacity: the gang was stopped (it checkpointed and
+    returned, or was stopped at the deadline), its capacity released, and the step goes back into the queue.
+
+    A subclass of PreemptedError: it is retried as a whole gang and counts within `preemption_retries`.
+    """
+
+
+class StepSuspended(RaysliceError):
+    """Raise it from a step function that saved a checkpoint because of a preemption notice.
+
+    `get_step_context().preempted` says a notice came; the launcher then takes the step's end
+    (this exception, or any other) as a suspension, not a failure, and resumes it elsewhere.
+    """
+
+
 class CollectiveHangError(StepFailedError):
     """Raised on the simulated cluster when every host process sat idle inside JAX for the step's hang_timeout."""
 
@@ -116,5 +134,5 @@ def error_fields(exc: BaseException) -> dict[str, object]:
 STEP_ERRORS: dict[str, type[RaysliceError]] = {
     cls.__name__: cls
     for cls in (CapacityTimeoutError, CollectiveHangError, HostLostError, InvalidRequestError, PreemptedError,
-                StepFailedError, StepTimeoutError, UnsatisfiableRequestError)
+                StepFailedError, StepTimeoutError, SuspendedError, UnsatisfiableRequestError)
 }

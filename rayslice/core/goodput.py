@@ -19,7 +19,8 @@ Two more are counted in seconds, and in chip-seconds of the chips asked for, but
 
 - `waiting`: from the job's acceptance (a retried gang: from its new place in the queue) to the
   reservation: the admission queue, mostly;
-- `suspended`: spans the step spent suspended, its capacity given back, until it was requeued.
+- `suspended`: spans the step spent suspended, from its capacity given back on a preemption notice
+  until it held capacity again (so not also counted as `waiting`).
 
 Records (the JSON of a `[rayslice] phases: ` line; all keys but the phase times are optional):
 
@@ -160,7 +161,9 @@ def attempt_account(record: Mapping[str, Any]) -> Account:
     out.attempts = 1
     asked = min((t for t in (record.get("accepted"), record.get("driver_started"), detail.get("queued"))
                  if t is not None), default=held_from)
-    out.seconds["waiting"] = max(0.0, held_from - asked)
+    # Waiting for capacity again after a suspension is the suspension's time, not the queue's.
+    suspended_meanwhile = _length(_merged(spans.get("suspended") or [], asked, held_from))
+    out.seconds["waiting"] = max(0.0, held_from - asked - suspended_meanwhile)
     out.chip_s["waiting"] = out.seconds["waiting"] * chips
     held_to = next((record[p] for p in ("released",) if p in record),
                    detail.get("gang_returned", record.get("step_done", held_from)))

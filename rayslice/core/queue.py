@@ -39,6 +39,9 @@ from rayslice.core.accelerators import AcceleratorRequest, StepRequest, TpuSlice
 from rayslice.core.exceptions import InvalidRequestError
 
 Policy = Literal["best-effort", "strict"]
+#: Kueue's names: "never" (the default), or "lower-priority": a request that cannot be admitted may
+#: suspend running steps of lower priority that declared themselves preemptible.
+Preemption = Literal["never", "lower-priority"]
 #: Environment variable on the cluster with the queue's settings as JSON, for steps whose connection sets none.
 SETTINGS_ENV = "RAYSLICE_QUEUE"
 
@@ -64,6 +67,11 @@ class QueueSettings(BaseModel):
         default_factory=dict,
         description="team (or '*': every step) -> the highest priority its steps get; a step asking more is "
                     "queued at that, e.g. {'*': 10, 'oncall': 100}")
+
+    preemption: Preemption = Field("never", description="'lower-priority': a waiting request that cannot be "
+                                   "admitted suspends running preemptible steps of lower priority (docs/preemption.md)")
+    preemption_grace_s: float = Field(30.0, gt=0, le=3600, description="the notice a suspended step gets: how long "
+                                      "it may take to checkpoint before it is stopped")
 
     def priority_of(self, priority: int, team: str | None) -> int:
         """A step's priority as queued: capped by its team's (or a team above it's) `max_priority`, else '*'."""
@@ -153,6 +161,7 @@ class Entry:
     admitted_at: float | None = None
     part: bool = False  # TPU chips on one host of a slice: `amount` is the share of the slice
     dag: str = ""  # deployment/dag: whose log may name this step (others read "a step of another DAG")
+    preemptible: bool = False  # a higher-priority request may suspend it (policy `preemption: lower-priority`)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,7 +172,8 @@ class Entry:
 
 
 def entry_for(request: StepRequest, *, id: str, label: str, priority: int = 0, team: str | None = None,
-              arrival: float | None = None, chips_on: tuple[str, int] | None = None) -> Entry:
+              arrival: float | None = None, chips_on: tuple[str, int] | None = None,
+              preemptible: bool = False) -> Entry:
     """The queue entry of a step's request.
 
     `chips_on`: for TPU chips, the slice type they will run on and its chips per slice
@@ -174,17 +184,17 @@ def entry_for(request: StepRequest, *, id: str, label: str, priority: int = 0, t
         chips = request.total_hosts * request.chips_per_host
         return Entry(id=id, label=label, family=f"TPU-{request.version}", kind=request.pod_type,
                      amount=request.num_slices, chips=chips, what=f"{request.num_slices} x {request.pod_type}",
-                     priority=priority, team=team, arrival=arrival)
+                     priority=priority, team=team, arrival=arrival, preemptible=preemptible)
     assert isinstance(request, AcceleratorRequest)
     if request.resource == "TPU" and chips_on is not None:
         pod_type, per_slice = chips_on
         return Entry(id=id, label=label, family=f"TPU-{pod_type.split('-')[0]}", kind=pod_type,
                      amount=request.count / per_slice,
                      chips=request.count, what=f"{request.count:g} TPU chips of a {pod_type}", priority=priority,
-                     team=team, arrival=arrival, part=True)
+                     team=team, arrival=arrival, part=True, preemptible=preemptible)
     return Entry(id=id, label=label, family=request.resource, kind=request.resource, amount=request.count,
                  chips=request.count, what=f"{request.count:g} {request.resource}", priority=priority, team=team,
-                 arrival=arrival)
+                 arrival=arrival, preemptible=preemptible)
 
 
 def rank_key(e: Entry) -> tuple[int, float, str]:
@@ -318,6 +328,41 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
         admit.append(e.id)
         count(e)
     return Plan(admit=admit, reasons=reasons)
+
+
+def victims(waiting: Entry, running: list[Entry], total: float,
+            suspending: frozenset[str] = frozenset()) -> list[Entry]:
+    """Which running steps to suspend so that `waiting` fits (policy `preemption: lower-priority`); [] for none.
+
+    Candidates: running whole-slice or accelerator steps of the same kind, declared preemptible, of
+    lower priority than `waiting`, not already being suspended. They are taken lowest priority first,
+    then the youngest (latest admitted) first, until what they hold and what is free covers the
+    request; then each taken one that is not needed after all is given back (newest taken first), so
+    no more steps are suspended than the request needs. If all candidates together would not make
+    room, nothing is suspended. Capacity already being freed (`suspending`) counts as free.
+    """
+    if waiting.part or math.isinf(total):
+        return []
+    held = [e for e in running if e.kind == waiting.kind]
+    free = total - sum(e.amount for e in held if not e.part) - math.ceil(sum(e.amount for e in held if e.part) - 1e-9)
+    free += sum(e.amount for e in held if e.id in suspending and not e.part)
+    if free + 1e-9 >= waiting.amount:
+        return []
+    candidates = sorted((e for e in held if e.preemptible and not e.part and e.priority < waiting.priority
+                         and e.id not in suspending), key=lambda e: (e.priority, -(e.admitted_at or e.arrival), e.id))
+    chosen: list[Entry] = []
+    for e in candidates:
+        chosen.append(e)
+        free += e.amount
+        if free + 1e-9 >= waiting.amount:
+            break
+    else:
+        return []
+    for e in reversed(chosen[:-1]):  # the last one taken made it fit; an earlier one may be unneeded now
+        if free - e.amount + 1e-9 >= waiting.amount:
+            chosen.remove(e)
+            free -= e.amount
+    return chosen
 
 
 def seen_by(other: Entry, reader: Entry) -> str:

@@ -95,6 +95,21 @@ def _rayslice_version() -> str:
     return __version__
 
 
+def notice_signal_name(value: Any) -> str:
+    """A command step's `notice_signal` as its canonical name ("SIGTERM", or "none"); a clear error otherwise."""
+    import signal
+
+    name = value.strip().upper() if isinstance(value, str) else ""
+    if name == "NONE":
+        return "none"
+    if name and not name.startswith("SIG"):
+        name = f"SIG{name}"
+    if name in ("", "SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, name, None), signal.Signals):
+        raise InvalidRequestError(f"notice_signal {value!r} is not a signal a program can catch: give a name such "
+                                  "as SIGTERM (the default), SIGINT or SIGUSR1, or 'none' (the notice file only)")
+    return name
+
+
 class StepSpec(BaseModel):
     """Everything the launcher needs to run one step; the job's `spec.json`."""
 
@@ -113,7 +128,12 @@ class StepSpec(BaseModel):
         300.0, gt=0, description="simulated cluster only: fail the step once every host has sat idle inside JAX "
         "(a collective no peer joins) this many seconds; None: never",
     )
-    preemption_retries: int = Field(0, ge=0, description="whole-gang retries when a host's node is lost")
+    preemption_retries: int = Field(0, ge=0, description="whole-gang retries when a host's node is lost, or after "
+                                                         "a preemption notice suspended the step")
+    preemptible: bool = Field(False, description="a waiting step of higher priority may suspend this one, where "
+                                                  "the cluster's queue policy says `preemption: lower-priority`")
+    notice_signal: str = Field("SIGTERM", description="a command step: the signal its program gets on a preemption "
+                                                       "notice (a name such as SIGTERM or SIGUSR1), or 'none'")
     checkpoint_root: str | None = Field(
         None, description="root URL of checkpoint folders (else the cluster's RAYSLICE_CHECKPOINT_ROOT)"
     )
@@ -156,6 +176,11 @@ class StepSpec(BaseModel):
     @classmethod
     def _split_command(cls, value: Any) -> Any:
         return split_command(value)
+
+    @field_validator("notice_signal")
+    @classmethod
+    def _valid_notice_signal(cls, value: str) -> str:
+        return notice_signal_name(value)
 
     @field_validator("runtime_env", mode="before")
     @classmethod

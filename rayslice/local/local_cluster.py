@@ -360,6 +360,80 @@ def kill_node(record: ClusterRecord, index: int) -> None:
     _kill_session(node.pid)
 
 
+def slice_nodes(record: ClusterRecord, slice_name: str, workers: list[int] | None = None) -> dict[int, str]:
+    """The recorded nodes of one slice (all its hosts, or those `workers`): record index -> Ray node id (hex)."""
+    slices = sorted({n.slice_name for n in record.nodes if n.slice_name})
+    indexes = [i for i, n in enumerate(record.nodes) if n.slice_name == slice_name]
+    if not indexes:
+        raise RaysliceError(f"cluster {record.name!r} has no slice {slice_name!r}; its slices: {', '.join(slices)}")
+    if workers is not None:
+        hosts = {record.nodes[i].worker_id for i in indexes}
+        if unknown := sorted(set(workers) - hosts):
+            raise RaysliceError(f"slice {slice_name!r} has no worker {', '.join(map(str, unknown))}: its workers are "
+                                f"{', '.join(str(w) for w in sorted(hosts))}")
+        indexes = [i for i in indexes if record.nodes[i].worker_id in workers]
+    ids = {}
+    for node in alive_nodes(record.dashboard_url, record.token):
+        labels = node.get("labels") or {}
+        if labels.get("ray.io/tpu-slice-name") == slice_name:
+            for i in indexes:
+                if str(record.nodes[i].worker_id) == str(labels.get("ray.io/tpu-worker-id")):
+                    ids[i] = node["node_id"]
+    if missing := [i for i in indexes if i not in ids]:
+        workers_missing = ", ".join(str(record.nodes[i].worker_id) for i in missing)
+        raise RaysliceError(f"slice {slice_name!r}: worker(s) {workers_missing} are not alive in Ray "
+                            "(already preempted?)")
+    return ids
+
+
+def drain(record: ClusterRecord, node_ids: list[str], seconds: float, message: str = "") -> float:
+    """Send Ray's preemption notice for these nodes, as a platform's autoscaler does; returns the deadline (epoch s).
+
+    `DrainNode` with reason preemption and a deadline `seconds` ahead: the GCS lists the nodes as
+    draining with that deadline, schedules nothing new on them, and kills nothing (`preempt` does).
+    """
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    deadline = time.time() + seconds
+    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    os.environ.update({k: v for k, v in record.ray_env().items() if k in saved})
+    try:
+        client = GcsClient(address=record.gcs_address)
+        for node_id in node_ids:
+            accepted, why = client.drain_node(node_id, autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION,
+                                              message or f"rayslice local preempt: {seconds:.0f} s notice",
+                                              int(deadline * 1000))
+            if not accepted:
+                raise RaysliceError(f"Ray refused to drain node {node_id}: {why}")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return deadline
+
+
+def preempt(record: ClusterRecord, slice_name: str, seconds: float, workers: list[int] | None = None,
+            kill: bool = True) -> dict[int, str]:
+    """A platform's preemption of a slice: its hosts' nodes drained with a deadline `seconds` ahead, then killed.
+
+    Blocks until the deadline. A node whose raylet already exited (Ray ends a drained node once it
+    is idle) is only made sure of. Returns the record indexes and node ids that were preempted.
+    """
+    if seconds < 0:
+        raise RaysliceError(f"--in must be 0 s or more, got {seconds}")
+    nodes = slice_nodes(record, slice_name, workers)
+    deadline = drain(record, list(nodes.values()), seconds)
+    if kill:
+        time.sleep(max(0.0, deadline - time.time()))
+        for index in nodes:
+            if processes.alive(record.nodes[index].pid):
+                kill_node(record, index)
+    return nodes
+
+
 def restart_node(record: ClusterRecord, index: int, timeout: float = 180) -> None:
     """Start a killed worker node again with its own TPU identity (a replaced VM); wait until it joins."""
     node = record.nodes[index]

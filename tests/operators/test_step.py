@@ -334,3 +334,17 @@ def test_a_task_that_gives_up_on_its_deferral_stops_the_job(jobs, ray_default):
         assert wait_until(lambda: jobs.get(sid).status == JobStatus.STOPPED, timeout=60, interval=0.5)
     finally:
         jobs.stop(sid)
+
+
+def test_preemptible_and_notice_signal_reach_the_step_and_bad_values_fail_at_parse_time():
+    from rayslice.operators.tpu_slice import TpuSliceOperator
+
+    from rayslice.core.exceptions import InvalidRequestError
+
+    op = TpuSliceOperator(task_id="train", tpu="v6e-16", command=["python", "train.py"], preemptible=True,
+                          notice_signal="usr1", preemption_retries=2)
+    assert (op.preemptible, op.notice_signal) == (True, "SIGUSR1")
+    with pytest.raises(InvalidRequestError, match=r"notice_signal 'SIGKILL' .*task 'bad'"):
+        TpuSliceOperator(task_id="bad", tpu="v6e-16", command=["true"], notice_signal="SIGKILL")
+    with pytest.raises(InvalidRequestError, match="preemptible of 'bad2' must be True or False"):
+        TpuSliceOperator(task_id="bad2", tpu="v6e-16", command=["true"], preemptible="yes")

@@ -288,6 +288,21 @@ def test_a_step_waiting_in_the_admission_queue_is_pending_demand():
     assert "in the admission queue" in console.export_text()
 
 
+def test_a_suspended_step_back_in_the_queue_shows_why_it_was_suspended():
+    """Its launcher names why in its queue marker: `rayslice:<sid>/suspended: <why>/queued`."""
+    job = {"type": "SUBMISSION", "job_id": "02000000", "submission_id": "sid", "status": "RUNNING",
+           "start_time": 1_000_000, "metadata": {"dag_id": "d", "run_id": "r", "task_id": "train",
+                                                 "request": "v6e-16 x2", "priority": "0"}}
+    why = "suspended for d.eval (priority 10, waiting for 1 x v6e-16; this step's priority is 0)"
+    marker = {"placement_group_id": "pg1", "name": f"rayslice:sid/suspended: {why}/queued", "state": "CREATED",
+              "creator_job_id": "02000000", "bundles": [{"unit_resources": {"CPU": 0.001}, "node_id": "n"}]}
+    snap = capacity._parse(_state([]), _state([marker]), _state([]), [job], now=1_040.0)
+    assert [(p.kind, p.holder.task_id, p.suspended) for p in snap.pending] == [("queue", "train", why)]
+    console = Console(record=True, width=300, file=io.StringIO())
+    console.print(capacity.render(snap))
+    assert f"suspended: {why}" in console.export_text()
+
+
 def test_steps_in_the_admission_queue_are_numbered_in_line_by_priority_then_arrival():
     """Per kind of capacity, as the broker orders them; priority and team come from the job's metadata."""
 

@@ -98,3 +98,36 @@ def test_a_step_asking_a_huge_priority_is_queued_at_the_operators_cap(broker):
     jumper = rules.entry_for(TpuSliceRequest(tpu="v6e-4"), id="jumper", label="d.jumper", priority=10**9, arrival=9)
     state = broker.heartbeat(jumper.to_json())
     assert broker.entries["jumper"].priority == 0 and state["rank"] == 2  # behind e1, not ahead of it
+
+
+def test_lower_priority_preemption_tells_the_chosen_steps_launcher_and_only_under_the_policy(broker):
+    """A priority-10 evaluation waits behind a preemptible 2-slice training: the training's next beat says suspend."""
+    train = rules.entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=2), id="train", label="d.train", priority=0,
+                            preemptible=True).to_json()
+    assert broker.heartbeat(train)["admitted"]
+    evaluation = rules.entry_for(TpuSliceRequest(tpu="v6e-16"), id="eval", label="d.eval", priority=10).to_json()
+    broker.clock.now += queue.REPLAN_S
+    assert not broker.heartbeat(evaluation)["admitted"]
+    broker.clock.now += queue.REPLAN_S
+    assert "suspend" not in broker.heartbeat(train)  # the policy is "never" by default
+    broker.set_settings({"preemption": "lower-priority", "preemption_grace_s": 20})
+    broker.clock.now += queue.REPLAN_S
+    told = broker.heartbeat(train)
+    assert told["suspend"].startswith("suspended for d.eval (priority 10") and told["grace_s"] == 20
+    assert "suspended for d.eval" in next(e["reason"] for e in broker.snapshot()["entries"] if e["id"] == "train")
+    broker.leave("train")  # its launcher released: the evaluation is admitted, the training requeues behind it
+    broker.clock.now += queue.REPLAN_S
+    assert broker.heartbeat(evaluation)["admitted"]
+    assert broker.suspending == {}
+
+
+def test_a_step_not_declared_preemptible_is_never_suspended(broker):
+    broker.set_settings({"preemption": "lower-priority"})
+    broker.clock.now += queue.REPLAN_S
+    train = rules.entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=2), id="train", label="d.train").to_json()
+    assert broker.heartbeat(train)["admitted"]
+    evaluation = rules.entry_for(TpuSliceRequest(tpu="v6e-16"), id="eval", label="d.eval", priority=10).to_json()
+    broker.clock.now += queue.REPLAN_S
+    broker.heartbeat(evaluation)
+    broker.clock.now += queue.REPLAN_S
+    assert "suspend" not in broker.heartbeat(train)

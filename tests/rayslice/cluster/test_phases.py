@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from rayslice.client.submission import LogFollower
+from rayslice.cluster import phases
 from rayslice.cluster.phases import Timeline, parse_phases
 
 
@@ -54,3 +57,24 @@ def test_the_task_log_gets_the_goodput_summary_not_its_record():
     LogFollower(relayed.append).feed("\n".join([account.summary(), record_line(account), ""]))
     assert relayed == [account.summary()]
     assert relayed[0].startswith("[rayslice] goodput: 50.0% of 0.004444 chip-h held: startup 1.00 s (25.0%)")
+
+def test_a_suspension_is_counted_apart_from_running_time_in_both_attempts_lines():
+    from rayslice.cluster.suspend import Suspension
+
+    suspended = phases.Timeline()
+    for phase, at in (("reserved", 100.0), ("step_started", 110.0), ("released", 140.0)):
+        suspended.mark(phase, at)
+    suspended.note("notice", 125.0)
+    line, record = suspended.lines()
+    assert "15.00 s from the notice to the capacity released" in line
+    assert json.loads(record.split(phases.MARKER, 1)[1])["notice_to_released_s"] == 15.0
+    resumed = phases.Timeline()
+    resumed.resumed_after = Suspension(noticed=125.0, released=140.0, stopped_at_deadline=False, node="n",
+                                       slice_name="v6e-16-a")
+    for phase, at in (("reserved", 150.0), ("step_started", 160.0), ("released", 200.0)):
+        resumed.mark(phase, at)
+    line, record = resumed.lines()
+    assert "resumed after 20.00 s suspended" in line
+    assert json.loads(record.split(phases.MARKER, 1)[1])["suspended"] == {
+        "notice": 125.0, "released": 140.0, "stopped_at_deadline": False, "slice": "v6e-16-a", "resumed": 160.0,
+        "suspended_s": 20.0}

@@ -1,0 +1,191 @@
+"""Preemption notices: a host's node is about to go, and every host of the step hears it before the deadline.
+
+Ray carries the notice: a node being drained (`DrainNode`, reason preemption, with a deadline)
+is listed by the GCS with its deadline (`get_draining_nodes`). Autoscaler v2 drains a node that
+its cloud is about to take; `ray drain-node` and `rayslice local preempt` do it by hand; and a
+raylet whose `ray start` gets SIGTERM drains its own node first, with the deadline
+`RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S` (30 s by default) ahead (Ray 2.60, `Node._drain_node_before_shutdown`),
+so a VM shut down politely reads the same. Ray itself kills nothing at the deadline, and tells
+no worker of a busy node: that is this module's job.
+
+- `Watch` (the driver): polls the GCS for the reservation's nodes; the first draining one is
+  the step's notice, published under the attempt's key in Ray's internal KV.
+- `HostListener` (each host process): polls that key, then delivers the notice: a function step
+  through `get_step_context()` (flag, deadline, callbacks), a command step as a signal to its
+  program's process group and the `$RAYSLICE_NOTICE_FILE` it names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from ray.experimental import internal_kv
+
+from rayslice.core.context import PreemptionNotice
+
+#: How often the driver asks the GCS for draining nodes, and hosts read the published notice.
+POLL_S = 0.25
+#: The KV namespace the notices live in (deleted when the attempt ends).
+NAMESPACE = "rayslice-notices"
+#: How long before the deadline the launcher stops a step that is still running: its capacity must be free
+#: before the platform takes the node.
+STOP_MARGIN_S = 3.0
+#: A notice without a deadline (Ray's 0): how long the step may take to checkpoint and return.
+DEFAULT_GRACE_S = 30.0
+
+
+def draining(node_ids: Iterable[str]) -> dict[str, float]:
+    """Which of these Ray nodes are being drained, and their deadlines (epoch seconds; 0: none given)."""
+    wanted = set(node_ids)
+    found = ray_state().get_draining_nodes()
+    return {node: deadline_ms / 1000 for node, deadline_ms in found.items() if node in wanted}
+
+
+def ray_state():
+    import ray._private.state
+
+    return ray._private.state.state
+
+
+class Watch:
+    """The driver's watch over one attempt's nodes: the first drained node becomes the step's notice."""
+
+    def __init__(self, key: str, node_ids: dict[str, str], poll: float = POLL_S,
+                 requested: Callable[[], tuple[str, float] | None] | None = None) -> None:
+        """`node_ids`: Ray node id -> the host it holds (its label), for the log line.
+
+        `requested`: the admission queue's word that a higher-priority request suspends this step
+        (why, grace seconds), or None: priority preemption takes the same path as a drained node.
+        """
+        self.key = key
+        self._nodes = node_ids
+        self._requested = requested
+        self._poll = poll
+        self.notice: PreemptionNotice | None = None
+        self.noticed_at: float | None = None
+        self._seen = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rayslice-notice-watch", daemon=True)
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with contextlib.suppress(Exception):
+            internal_kv._internal_kv_del(self.key, namespace=NAMESPACE)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                found = draining(self._nodes)
+            except Exception:  # a busy GCS: the next poll asks again
+                found = {}
+            asked = self._requested() if self._requested is not None else None
+            if asked is not None and not found:
+                why, grace = asked
+                self.publish(PreemptionNotice(deadline=time.time() + grace, reason=why))
+                return
+            if found:
+                node, deadline = min(found.items(), key=lambda item: item[1] or float("inf"))
+                self.publish(PreemptionNotice(
+                    deadline=deadline or time.time() + DEFAULT_GRACE_S,
+                    reason=f"node {node[:12]} (host {self._nodes[node]}) is being drained for preemption",
+                    node=node))
+                return
+            self._stop.wait(self._poll)
+
+    def publish(self, notice: PreemptionNotice) -> None:
+        """Make `notice` the step's (the first one wins) and tell every host."""
+        if self._seen.is_set():
+            return
+        self.notice, self.noticed_at = notice, time.time()
+        self._seen.set()
+        internal_kv._internal_kv_put(self.key, notice.to_json(), namespace=NAMESPACE)
+        print(f"[rayslice] preemption notice: {notice.reason}; deadline in {notice.seconds_left:.0f} s: every host "
+              "was told; the step may checkpoint and stop, or it is stopped before the deadline", flush=True)
+
+    def stop_at(self) -> float | None:
+        """When the launcher stops the step (epoch seconds): a little before the deadline; None without a notice."""
+        if self.notice is None:
+            return None
+        return self.notice.deadline - STOP_MARGIN_S
+
+
+class HostListener:
+    """A host process's listener: reads the attempt's notice key, and calls `deliver(notice)` once."""
+
+    def __init__(self, key: str, deliver: Callable[[PreemptionNotice], None], poll: float = POLL_S) -> None:
+        self._key = key
+        self._deliver = deliver
+        self._poll = poll
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rayslice-notice-listener", daemon=True)
+
+    def __enter__(self) -> HostListener:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                raw = internal_kv._internal_kv_get(self._key, namespace=NAMESPACE)
+            except Exception:
+                raw = None
+            if raw:
+                try:
+                    self._deliver(PreemptionNotice.from_json(raw))
+                except Exception as exc:  # the notice must never fail the step itself
+                    print(f"[rayslice] could not deliver the preemption notice: {type(exc).__name__}: {exc}",
+                          flush=True)
+                return
+            self._stop.wait(self._poll)
+
+
+class CommandNotice:
+    """Delivers a notice to a command step's program: the notice file first, then the signal to its process group."""
+
+    def __init__(self, path: str, signal_name: str) -> None:
+        self.path = path
+        self._signal = None if signal_name == "none" else signal.Signals[signal_name]
+        self._pid: int | None = None
+        self._pending: PreemptionNotice | None = None
+        self._lock = threading.Lock()
+
+    def started(self, pid: int) -> None:
+        """The program started (its own session: its pid is its process group); a notice already here goes now."""
+        with self._lock:
+            self._pid = pid
+            pending = self._pending
+        if pending is not None:
+            self._signal_program()
+
+    def deliver(self, notice: PreemptionNotice) -> None:
+        temp = f"{self.path}.tmp"
+        with open(temp, "w") as f:
+            f.write(notice.to_json())
+        os.replace(temp, self.path)  # whole or absent: the program never reads half a notice
+        with self._lock:
+            self._pending = notice
+            started = self._pid is not None
+        if started:
+            self._signal_program()
+        print(f"[rayslice] preemption notice delivered to the program: {notice.reason}; "
+              f"{notice.seconds_left:.0f} s to the deadline" + (f" ({self._signal.name} sent)" if self._signal else ""),
+              flush=True)
+
+    def _signal_program(self) -> None:
+        if self._signal is None or self._pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._pid, self._signal)

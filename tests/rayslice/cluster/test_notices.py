@@ -1,0 +1,214 @@
+"""Preemption notices on the real session cluster: a drained host's node suspends the step, which resumes elsewhere.
+
+Each test drains one host of the v6e-16 the step runs on (Ray's `DrainNode`, reason preemption,
+a deadline ahead, as `rayslice local preempt --worker 2` sends it), kills that node at the deadline
+as the platform would, and starts it again at the end, so the session cluster keeps its two slices.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.context import checkpoint_dir_for
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
+from tests.conftest import wait_until
+from tests.rayslice.cluster.test_launcher import assert_all_released
+
+pytestmark = pytest.mark.timeout(600)
+
+DATASET = {"features": 4, "rows_per_device": 8, "seed": 7}
+
+
+def _slice_under(hosts_group: str, ray) -> str | None:
+    """The slice the step's hosts placement group sits on, once it is placed."""
+    from ray.util.placement_group import placement_group_table
+
+    groups = [g for g in placement_group_table().values() if g["name"] == hosts_group and g["state"] == "CREATED"]
+    if not groups:
+        return None
+    nodes = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
+    return nodes[groups[0]["bundles_to_node_id"][0]]["ray.io/tpu-slice-name"]
+
+
+class Preemption:
+    """Once `ready()` holds, drain host 2 of the slice under the step with `seconds` of notice; kill it at the deadline.
+
+    Afterwards (`restore`) the killed node is started again.
+    """
+
+    def __init__(self, cluster, ray, spec: StepSpec, ready, seconds: float) -> None:
+        self.cluster, self.ray, self.spec, self.ready, self.seconds = cluster, ray, spec, ready, seconds
+        self.victim: str | None = None
+        self.index: int | None = None
+        self.deadline = 0.0
+        self.free_before_deadline: bool | None = None
+        self._thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> Preemption:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join()
+        if self.index is not None:
+            local_cluster.restart_node(self.cluster, self.index)
+
+    def _run(self) -> None:
+        group = f"rayslice:{self.spec.owner.submission_id}/hosts"
+        name = wait_until(lambda: self.ready() and _slice_under(group, self.ray), timeout=300, interval=0.2)
+        if not name:
+            return
+        self.victim = name
+        nodes = local_cluster.slice_nodes(self.cluster, name, [2])
+        self.index = next(iter(nodes))
+        self.deadline = local_cluster.drain(self.cluster, list(nodes.values()), self.seconds)
+        # The platform's side: at the deadline the node is gone, whatever still runs there.
+        while time.time() < self.deadline:
+            time.sleep(0.1)
+        self.free_before_deadline = _slice_free(self.ray, name)
+        local_cluster.kill_node(self.cluster, self.index)
+
+
+def _slice_free(ray, slice_name: str) -> bool:
+    """No placement group of ours holds a bundle on any node of this slice."""
+    from ray.util.placement_group import placement_group_table
+
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Labels"].get("ray.io/tpu-slice-name") == slice_name}
+    return not any(set(g["bundles_to_node_id"].values()) & nodes
+                   for g in placement_group_table().values()
+                   if g["name"].startswith("rayslice:") and g["state"] == "CREATED")
+
+
+def _attempts(out: str) -> list[dict]:
+    return [json.loads(line.split("[rayslice] phases: ", 1)[1]) for line in out.splitlines()
+            if "[rayslice] phases: " in line]
+
+
+def _checkpoints(folder: Path) -> list[int]:
+    return sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit())
+
+
+def _fit(name: str, tmp_path: Path, **kwargs) -> StepSpec:
+    from rayslice.dags.training_pipeline import fit
+
+    return StepSpec.for_function(
+        fit, request=TpuSliceRequest(tpu="v6e-16"), checkpoint_root=f"file://{tmp_path / name}",
+        kwargs={"dataset": DATASET, "learning_rate": 0.05, **kwargs},
+        owner=Owner(submission_id=f"test-{name}-{time.time_ns()}"), preemption_retries=1, priority=3,
+    )
+
+
+def test_a_drained_host_suspends_a_training_step_which_checkpoints_frees_its_slice_and_resumes_on_the_other(
+    cluster, ray_driver, tmp_path, capsys
+):
+    from rayslice.cluster import run_step
+
+    steps, every = 10, 4
+    uninterrupted = run_step(_fit("uninterrupted", tmp_path, steps=steps, checkpoint_every=every))
+    spec = _fit("noticed", tmp_path, steps=steps, checkpoint_every=every, seconds_per_step=2.0)
+    folder = Path(checkpoint_dir_for(f"file://{tmp_path / 'noticed'}", spec.owner).removeprefix("file://"))
+    with Preemption(cluster, ray_driver, spec, lambda: _checkpoints(folder), seconds=30) as preemption:
+        resumed = run_step(spec)
+    out = capsys.readouterr().out
+    assert preemption.victim, "the step ended before its first checkpoint"
+    first, second = _attempts(out)
+    # The notice reached the step, which checkpointed the step it had just completed (not a periodic one).
+    resumed_from = int(re.search(r"resumes from the checkpoint of step (\d+)", out).group(1))
+    assert resumed_from % every != 0 and 0 < resumed_from < steps, out
+    assert "no Airflow retry" in out and "priority 3" in out
+    # The slice was free before the deadline, and the next attempt ran on the other slice.
+    assert first["released"] < preemption.deadline and preemption.free_before_deadline
+    assert first["notice_to_released_s"] < 30
+    assert second["suspended"]["slice"] == preemption.victim
+    other = [line for line in out.splitlines() if "[rayslice] reserved " in line][-1]
+    assert preemption.victim not in other
+    assert "resumed after" in out and "suspended" in out.split("[rayslice] timeline:")[-1]
+    # Nothing was lost: the result is the uninterrupted run's.
+    for after, without in zip(resumed, uninterrupted, strict=True):
+        assert after["loss"] == pytest.approx(without["loss"], abs=1e-6)
+        assert after["weights"] == pytest.approx(without["weights"], abs=1e-6)
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU-v6e-16-head") == 2, timeout=120)
+    assert_all_released(ray_driver)
+
+
+def test_a_step_that_ignores_the_notice_is_stopped_before_the_deadline_and_resumes_from_its_periodic_checkpoint(
+    cluster, ray_driver, tmp_path, capsys
+):
+    from rayslice.cluster import run_step
+
+    steps, every = 14, 4
+    spec = _fit("ignored", tmp_path, steps=steps, checkpoint_every=every, seconds_per_step=2.0, heed_notice=False)
+    folder = Path(checkpoint_dir_for(f"file://{tmp_path / 'ignored'}", spec.owner).removeprefix("file://"))
+    with Preemption(cluster, ray_driver, spec, lambda: _checkpoints(folder), seconds=10) as preemption:
+        resumed = run_step(spec)
+    out = capsys.readouterr().out
+    assert preemption.victim
+    first, _ = _attempts(out)
+    assert "was stopped" in out
+    resumed_from = int(re.search(r"resumes from the checkpoint of step (\d+)", out).group(1))
+    assert resumed_from % every == 0, out
+    assert first["released"] < preemption.deadline and preemption.free_before_deadline
+    assert len(resumed) == 4 and all(r["checkpoint"].endswith(f"/{steps}") for r in resumed)
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU-v6e-16-head") == 2, timeout=120)
+    assert_all_released(ray_driver)
+
+
+#: A command step as a MaxText-style program has it: on SIGTERM it saves where it is and exits non-zero.
+LOOP = textwrap.dedent('''
+    import json, os, signal, sys, time
+    from pathlib import Path
+
+    folder = Path(os.environ["RAYSLICE_CHECKPOINT_DIR"].removeprefix("file://"))
+    worker = int(os.environ["RAYSLICE_PROCESS_INDEX"])
+    folder.mkdir(parents=True, exist_ok=True)
+    done = [int(p.stem) for p in folder.glob("*.step")]
+    start = max(done) if done else 0
+    noticed = []
+    signal.signal(signal.SIGTERM, lambda *_: noticed.append(time.time()))
+    for step in range(start, 10):
+        time.sleep(1.0)
+        if worker == 0 and (step + 1) % 4 == 0:
+            (folder / f"{step + 1}.step").touch()
+        if noticed:
+            notice = json.loads(Path(os.environ["RAYSLICE_NOTICE_FILE"]).read_text())
+            if worker == 0:
+                (folder / f"{step + 1}.step").touch()
+                print(f"notice (deadline in {notice['deadline'] - time.time():.0f} s): saved step {step + 1}")
+            sys.exit(75)
+    with open(os.environ["RAYSLICE_RESULT_FILE"], "w") as f:
+        json.dump({"started_at": start, "worker": worker}, f)
+''')
+
+
+def test_a_command_step_gets_sigterm_and_the_notice_file_saves_and_resumes_on_the_other_slice(
+    cluster, ray_driver, tmp_path, capsys
+):
+    from rayslice.cluster import run_step
+
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=["python", str(script)],
+                    checkpoint_root=f"file://{tmp_path / 'command'}", preemption_retries=1,
+                    owner=Owner(submission_id=f"test-command-notice-{time.time_ns()}"))
+    folder = Path(checkpoint_dir_for(f"file://{tmp_path / 'command'}", spec.owner).removeprefix("file://"))
+    with Preemption(cluster, ray_driver, spec, lambda: list(folder.glob("4.step")), seconds=30) as preemption:
+        resumed = run_step(spec)
+    out = capsys.readouterr().out
+    assert preemption.victim
+    first, _ = _attempts(out)
+    steps = sorted(int(p.stem) for p in folder.glob("*.step"))
+    saved_on_notice = [s for s in steps if s % 4]
+    assert saved_on_notice, steps
+    assert {r["started_at"] for r in resumed} == {saved_on_notice[0]}
+    assert first["released"] < preemption.deadline and preemption.free_before_deadline
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU-v6e-16-head") == 2, timeout=120)
+    assert_all_released(ray_driver)
