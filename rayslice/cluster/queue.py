@@ -21,7 +21,10 @@ Cost: a heartbeat is O(1) (its entry refreshed, its standing read from the last 
 at once after a change when the last one is `PLAN_S` old, else on a later call (arrivals batched),
 and at least every `REPLAN_S`. Entries far back in their line beat every `SLOW_BEAT_S` or more
 (`SLOW_BEATS_PER_S` in all) instead of `HEARTBEAT_S` (the broker says so in its answer), and a place
-expires after three missed beats plus the broker's own backlog (how old the beats it answers are).
+expires after three missed beats, counted on the broker's progress rather than its clock: every call
+carries when it was sent, and a place expires only while the broker works on a call sent after the
+place's deadline. A busy broker's backlog (a burst of leaves, thousands of beats) therefore never
+expires a launcher whose beat waits in that backlog.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ MAX_BEAT_S = 60.0
 FRONT = 16
 #: A launcher not heard from for this long, or three of its beats, has lost its place.
 EXPIRE_S = 3.0
+#: A call that says nothing of when it was sent (an older client's) counts as sent this long before it ran.
+MAX_LAG_S = 60.0
 #: After a fresh start while launchers held places, the broker admits nothing this long (they re-register).
 RECOVERY_S = 3.0
 #: How long the broker reuses its reading of the cluster's capacity, and of its settings.
@@ -107,7 +112,7 @@ class Broker:
         self.entries: dict[str, rules.Entry] = {}
         self.lines: rules.Lines = {}  # kind -> its waiting entries in rank order (kept sorted as they come and go)
         self.running: dict[str, rules.Entry] = {}  # the admitted entries
-        self.expires: dict[str, float] = {}  # id -> monotonic time its place is lost unless heard from
+        self.expires: dict[str, float] = {}  # id -> (wall) time its place is lost unless heard from before
         self.settings = operator_settings()
         self.reasons: dict[str, str] = {}
         with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id`: no warning for users
@@ -126,7 +131,8 @@ class Broker:
         self._dirty = True
         self.plan_ms: list[float] = []  # the last plans' durations (`stats`)
         self.expired = 0  # places lost to silence (`stats`)
-        self.lag = 0.0  # how old the last beat was when it was answered (a busy broker's backlog)
+        self.lag = 0.0  # how old the last call was when it ran (a busy broker's backlog; `stats`)
+        self.caught_up = 0.0  # every call sent before this (wall) time has run: the sweep's clock
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
                   beat_s: float = HEARTBEAT_S, sent: float | None = None, **newer: Any) -> dict[str, Any]:
@@ -147,20 +153,31 @@ class Broker:
             if not self._busy:  # at once: a broker killed a moment from now must know places were held
                 self._busy = True
                 _kv_put(BUSY_KEY, b"1")
-        if sent is not None:  # how far behind this broker answers: nobody expires for the broker's own lag
-            self.lag = min(max(0.0, time.time() - float(sent)), 60.0)
+        self._progress(sent)
         self._expire_after(mine.id, float(beat_s))
         self._tick()
         state = self._standing(mine)
         self._expire_after(mine.id, max(float(beat_s), state["beat_s"]))
         return state
 
-    def _expire_after(self, id: str, beat_s: float) -> None:
-        """Three beats (at the slower of what the launcher said and what it is told), plus two backlogs:
-        this answer's way back, and its next beat's wait in this broker's mailbox."""
-        self.expires[id] = time.monotonic() + max(EXPIRE_S, 3 * min(beat_s, MAX_BEAT_S)) + 2 * self.lag
+    def _progress(self, sent: float | None) -> None:
+        """The call now running was sent at `sent` (its caller's clock): calls sent before it have run.
 
-    def leave(self, id: str) -> None:
+        A caller's clock ahead of this one counts as this one; one behind only delays expiry. A call
+        without `sent` (an older client) counts as sent MAX_LAG_S ago.
+        """
+        now = time.time()
+        at = now - MAX_LAG_S if sent is None else max(now - MAX_LAG_S, min(now, float(sent)))
+        self.lag = now - at
+        self.caught_up = max(self.caught_up, at)
+
+    def _expire_after(self, id: str, beat_s: float) -> None:
+        """Three beats from now (at the slower of what the launcher said and what it is told): the place
+        expires once a call sent after that runs with no beat of it in between (`_tick`)."""
+        self.expires[id] = time.time() + max(EXPIRE_S, 3 * min(beat_s, MAX_BEAT_S))
+
+    def leave(self, id: str, sent: float | None = None, **newer: Any) -> None:
+        self._progress(sent)
         self._drop(id)
         self.expires.pop(id, None)
         self._tick()
@@ -173,8 +190,9 @@ class Broker:
         self._tick()
         return self.settings.model_dump()
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, sent: float | None = None, **newer: Any) -> dict[str, Any]:
         """Every entry, running ones first, then the waiting ones in order; and the settings."""
+        self._progress(sent)
         self._tick(force=True)
         running = sorted(self.running.values(), key=lambda e: e.admitted_at or 0)
         return {"entries": [{**e.to_json(), "reason": self.reasons.get(e.id, "")}
@@ -183,7 +201,7 @@ class Broker:
 
     def stats(self) -> dict[str, Any]:
         """For the benchmark: the queue's size, the last plans' durations (ms), places lost to silence."""
-        return {"entries": len(self.entries), "plan_ms": list(self.plan_ms), "expired": self.expired}
+        return {"entries": len(self.entries), "plan_ms": list(self.plan_ms), "expired": self.expired, "lag": self.lag}
 
     def _drop(self, id: str) -> None:
         e = self.entries.pop(id, None)
@@ -221,7 +239,7 @@ class Broker:
         now = time.monotonic()
         if now - self._swept >= HEARTBEAT_S:
             self._swept = now
-            for id in [id for id, at in self.expires.items() if at < now]:
+            for id in [id for id, at in self.expires.items() if at < self.caught_up]:  # not `now`: see _progress
                 self._drop(id)
                 self.expires.pop(id, None)
                 self.expired += 1
@@ -304,7 +322,7 @@ def broker() -> Any:
 
 def snapshot(timeout: float = 10.0) -> dict[str, Any]:
     """The queue as the broker holds it (`Broker.snapshot`)."""
-    return ray.get(broker().snapshot.remote(), timeout=timeout)
+    return ray.get(broker().snapshot.remote(sent=time.time()), timeout=timeout)
 
 
 class Place:
@@ -393,7 +411,7 @@ class Place:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=6)  # a beat in flight must not re-register the place after it left
         try:
-            ray.get((self._broker or broker()).leave.remote(self.entry.id), timeout=5)
+            ray.get((self._broker or broker()).leave.remote(self.entry.id, sent=time.time()), timeout=5)
         except Exception:
             pass  # the broker forgets a silent launcher within EXPIRE_S anyway
 
