@@ -39,7 +39,7 @@ import ray
 
 from rayslice.core import queue as rules
 from rayslice.core.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest
-from rayslice.core.exceptions import CapacityTimeoutError
+from rayslice.core.exceptions import CapacityTimeoutError, UnsatisfiableRequestError
 from rayslice.core.step import StepSpec
 
 BROKER_NAME = "rayslice-broker-v1"
@@ -125,7 +125,7 @@ class Broker:
             _kv_put(RESTARTS_KEY, str(self.restarts).encode())
         self._busy = held
         now = time.monotonic()
-        self._totals: tuple[float, dict[str, float]] = (0.0, {})
+        self._totals: tuple[float, Any] = (0.0, ({}, set(), {}))
         self._settings_read = now
         self._planned = self._swept = 0.0
         self._dirty = True
@@ -141,9 +141,16 @@ class Broker:
         `settings` (sent by launchers before issue 38) is ignored: the policy is the operator's. `beat_s`:
         how often this launcher beats now; `sent`: when (its clock). Arguments from newer launchers are ignored.
         """
+        self._progress(sent)
         mine = self.entries.get(entry["id"])
         if mine is None:  # a new place, or one a restart lost
-            mine = self.entries[entry["id"]] = rules.Entry.from_json(entry)
+            mine = rules.Entry.from_json(entry)
+            if not mine.admitted:  # one that can never run is told so now, not after its capacity_timeout
+                totals, autoscaled, _ = self._capacity({(mine.family, mine.kind)})
+                why = rules.refusal(mine, totals, autoscaled)
+                if why:
+                    return {"admitted": False, "refused": why, "beat_s": HEARTBEAT_S}
+            self.entries[mine.id] = mine
             mine.priority = self.settings.priority_of(mine.priority, mine.team)  # the operator's cap, if any
             if mine.admitted:
                 self.running[mine.id] = mine
@@ -153,7 +160,6 @@ class Broker:
             if not self._busy:  # at once: a broker killed a moment from now must know places were held
                 self._busy = True
                 _kv_put(BUSY_KEY, b"1")
-        self._progress(sent)
         self._expire_after(mine.id, float(beat_s))
         self._tick()
         state = self._standing(mine)
@@ -258,9 +264,10 @@ class Broker:
     def _plan(self) -> None:
         kinds = {(line[0][1].family, kind) for kind, line in self.lines.items()}
         kinds |= {(e.family, e.kind) for e in self.running.values()}
-        totals = self._capacity(kinds)  # a GCS read every TOTALS_TTL_S, not part of the decision's time
+        totals, autoscaled, devices = self._capacity(kinds)  # a GCS read every TOTALS_TTL_S, not timed
         started = time.perf_counter()
-        decided = rules.plan_lines(self.lines, list(self.running.values()), totals, self.settings)
+        decided = rules.plan_lines(self.lines, list(self.running.values()), totals, self.settings,
+                                   autoscaled=autoscaled, devices=devices)
         admitted_at = time.time()
         for id in decided.admit:
             e = self.entries[id]
@@ -271,18 +278,21 @@ class Broker:
         self._planned, self._dirty = time.monotonic(), False
         self.plan_ms = [*self.plan_ms[-999:], (time.perf_counter() - started) * 1000]
 
-    def _capacity(self, kinds: set[tuple[str, str]]) -> dict[str, float]:
-        """Slices per TPU slice type (their worker-0 hosts), and each accelerator resource's total.
+    def _capacity(self, kinds: set[tuple[str, str]]) -> tuple[dict[str, float], set[str], dict[str, list[float]]]:
+        """Slices per TPU slice type (their worker-0 hosts), each accelerator resource's total, which kinds an
+        autoscaler adds, and each fixed accelerator's devices per node (counted device by device).
 
-        A kind an autoscaler may add is unbounded: its requests are admitted at once, since their
-        placement groups are what asks the autoscaler for more (Ray orders those, as before the queue).
+        A kind an autoscaler may add counts as the most it can hold: the operator's `max_capacity`, else
+        the node groups' maxima the cluster reports to Ray (`get_cluster_config`), else unbounded (its
+        placement groups are what asks the autoscaler for more; Ray orders those, as before the queue).
         """
-        read, totals = self._totals
-        if time.monotonic() - read < TOTALS_TTL_S and all(kind in totals for _, kind in kinds):
-            return totals
+        read, found = self._totals
+        if time.monotonic() - read < TOTALS_TTL_S and all(kind in found[0] for _, kind in kinds):
+            return found
         from rayslice.cluster.reservation import _autoscaler_may_add
 
-        totals = {}
+        totals: dict[str, float] = {}
+        devices: dict[str, list[float]] = {}
         for node in ray.nodes():
             if not node["Alive"]:
                 continue
@@ -292,15 +302,36 @@ class Broker:
             for resource, amount in node["Resources"].items():
                 if resource in VISIBLE_DEVICES_ENV:
                     totals[resource] = totals.get(resource, 0) + amount
-        for family, kind in kinds:
+                    devices.setdefault(resource, []).append(amount)
+        autoscaled: set[str] = set()
+        maxima = group_maxima()
+        for family, kind in kinds | {(k, k) for k in devices}:
+            resource = kind if family == kind else f"TPU-{kind}-head"
             try:
-                if _autoscaler_may_add(kind if family == kind else f"TPU-{kind}-head"):
-                    totals[kind] = float("inf")
+                may_add = _autoscaler_may_add(resource)
             except Exception:  # cannot tell: count what is there
-                pass
+                may_add = False
+            if may_add:
+                autoscaled.add(kind)
+                declared = self.settings.max_capacity
+                most = declared.get(kind, 0) if declared else maxima.get(resource, float("inf"))
+                totals[kind] = max(totals.get(kind, 0), most)
             totals.setdefault(kind, 0)
-        self._totals = (time.monotonic(), totals)
-        return totals
+        found = (totals, autoscaled, {k: v for k, v in devices.items() if k not in autoscaled})
+        self._totals = (time.monotonic(), found)
+        return found
+
+
+def group_maxima() -> dict[str, float]:
+    """resource -> the most of it the autoscaler's node groups can hold, as the cluster reports them to Ray
+    (ReportClusterConfig); empty where nothing reports them (Ray 2.60's own autoscaler does not)."""
+    config = ray._private.state.state.get_cluster_config()
+    most: dict[str, float] = {}
+    for group in config.node_group_configs if config else []:
+        for resource, amount in group.resources.items():
+            count = float("inf") if group.max_count < 0 else group.max_count
+            most[resource] = most.get(resource, 0) + amount * count
+    return most
 
 
 def broker() -> Any:
@@ -339,6 +370,7 @@ class Place:
         self.state: dict[str, Any] = {}
         self.beat_s = HEARTBEAT_S
         self.admitted = threading.Event()
+        self.refused: str | None = None  # the broker's word that the request can never run here
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -353,6 +385,11 @@ class Place:
         except Exception:  # the broker restarts: its handle stays good, the next beat re-registers
             self._broker = None
             self.beat_s = HEARTBEAT_S
+            return
+        if state.get("refused"):
+            self.refused = state["refused"]
+            self._stop.set()
+            self._changed.set()
             return
         if state.get("admitted") and not self.entry.admitted:
             self.entry.admitted, self.entry.admitted_at = True, time.time()
@@ -387,6 +424,9 @@ class Place:
         self.join()
         said = None
         while not self.admitted.is_set():
+            if self.refused:
+                raise UnsatisfiableRequestError(f"{self.refused}. Ask for a kind the cluster has, or ask its "
+                                                "operator to raise the node group's maximum.")
             left = timeout - (time.monotonic() - started)
             if left <= 0:
                 self.leave()

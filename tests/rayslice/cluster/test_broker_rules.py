@@ -12,6 +12,8 @@ from rayslice.cluster import queue
 from rayslice.core import queue as rules
 from rayslice.core.accelerators import TpuSliceRequest
 
+REAL_CAPACITY = queue.Broker.__ray_actor_class__._capacity
+
 
 class Clock:
     def __init__(self) -> None:
@@ -32,7 +34,7 @@ def broker(monkeypatch):
     monkeypatch.setattr(queue.ray, "get_runtime_context",
                         lambda: type("Context", (), {"was_current_actor_reconstructed": False})())
     Broker = queue.Broker.__ray_actor_class__  # the plain class under @ray.remote
-    monkeypatch.setattr(Broker, "_capacity", lambda self, kinds: {"v6e-16": 2, "v6e-4": 1})
+    monkeypatch.setattr(Broker, "_capacity", lambda self, kinds: ({"v6e-16": 2, "v6e-4": 1}, set(), {}))
     plans = []
     real = rules.plan
     monkeypatch.setattr(rules, "plan", lambda *a, **k: plans.append(1) or real(*a, **k))
@@ -130,3 +132,25 @@ def test_a_step_asking_a_huge_priority_is_queued_at_the_operators_cap(broker):
     jumper = rules.entry_for(TpuSliceRequest(tpu="v6e-4"), id="jumper", label="d.jumper", priority=10**9, arrival=9)
     state = broker.heartbeat(jumper.to_json())
     assert broker.entries["jumper"].priority == 0 and state["rank"] == 2  # behind e1, not ahead of it
+
+
+def test_an_autoscaling_cluster_admits_up_to_its_groups_maxima_and_refuses_what_none_provides(broker, monkeypatch):
+    """Issue 38 (4): on an autoscaling cluster every kind counted as unbounded: all admitted at once, and a kind
+    no node group provides waited out its whole capacity_timeout. Here the operator declares the maxima."""
+    from rayslice.cluster import reservation
+
+    Broker = type(broker)
+    monkeypatch.setattr(Broker, "_capacity", REAL_CAPACITY)  # the broker's own reading of the cluster
+    monkeypatch.setattr(queue.ray, "nodes", lambda: [])  # no TPU host yet: the autoscaler adds them
+    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: True)
+    monkeypatch.setattr(queue, "group_maxima", lambda: {}, raising=False)  # Ray's autoscaler reports no groups
+    broker.settings = rules.QueueSettings(max_capacity={"v6e-16": 2})
+    for i in range(3):
+        broker.heartbeat(entry(i), sent=broker.clock.now)
+    broker.clock.now += 2 * queue.PLAN_S  # the arrivals are planned together
+    states = [broker.heartbeat(entry(i), sent=broker.clock.now) for i in range(3)]
+    assert [s["admitted"] for s in states] == [True, True, False]  # the group holds two: the third waits
+    state = broker.heartbeat(entry(9, tpu="v5p-8"), sent=broker.clock.now)
+    assert "none of its autoscaler's node groups provides v5p-8" in state["refused"] and "e9" not in broker.entries
+    big = rules.entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=3), id="big", label="d.big", arrival=9)
+    assert "at most 2 v6e-16" in broker.heartbeat(big.to_json(), sent=broker.clock.now)["refused"]
