@@ -166,7 +166,7 @@ def up(
 _REPORT = """
 import sys
 from ray._raylet import GcsClient, GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, GCS_AUTOSCALER_STATE_NAMESPACE
-GcsClient(address=sys.argv[1]).internal_kv_put(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode(), sys.stdin.buffer.read(),
+GcsClient(sys.argv[1]).internal_kv_put(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode(), sys.stdin.buffer.read(),
                                                True, GCS_AUTOSCALER_STATE_NAMESPACE.encode())
 """
 
@@ -190,8 +190,11 @@ def report_node_groups(record: ClusterRecord, types: dict[str, dict]) -> None:
             if resource != "object_store_memory":
                 group.resources[resource] = int(amount)
     env = {**os.environ, **record.ray_env()}
-    subprocess.run([sys.executable, "-c", _REPORT, record.gcs_address], input=config.SerializeToString(),
-                   env=env, check=True, timeout=60, capture_output=True)
+    done = subprocess.run([sys.executable, "-c", _REPORT, record.gcs_address], input=config.SerializeToString(),
+                          env=env, timeout=120, capture_output=True)
+    if done.returncode:
+        raise RaysliceError(f"could not report the node groups of {record.name!r} to its GCS: "
+                            f"{done.stderr.decode(errors='replace')[-2000:]}")
 
 
 def _wait_for_head(record: ClusterRecord, deadline: float) -> None:
