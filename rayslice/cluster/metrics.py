@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from typing import Any
 
 import ray
@@ -100,7 +99,7 @@ class Recorder:
         while not stop.wait(QUEUE_POLL_S):
             try:
                 broker = ray.get_actor(queue.BROKER_NAME, namespace=queue.NAMESPACE)
-                entries = ray.get(broker.snapshot.remote(sent=time.time()), timeout=10)["entries"]
+                entries = queue.call_sent(broker.snapshot, timeout=10)["entries"]
             except Exception:  # no broker yet, or it restarts: the gauges keep their last values
                 continue
             self.set_queue(entries)

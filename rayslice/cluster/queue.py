@@ -353,7 +353,18 @@ def broker() -> Any:
 
 def snapshot(timeout: float = 10.0) -> dict[str, Any]:
     """The queue as the broker holds it (`Broker.snapshot`)."""
-    return ray.get(broker().snapshot.remote(sent=time.time()), timeout=timeout)
+    return call_sent(broker().snapshot, timeout=timeout)
+
+
+def call_sent(method: Any, *args: Any, timeout: float) -> Any:
+    """`method.remote(*args, sent=now)`'s result; without `sent` for a broker started before it took one (its
+    detached actor lives on across an upgrade), which then counts the call as up to MAX_LAG_S old."""
+    try:
+        return ray.get(method.remote(*args, sent=time.time()), timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        if not (isinstance(exc.cause, TypeError) and "sent" in str(exc.cause)):
+            raise
+    return ray.get(method.remote(*args), timeout=timeout)
 
 
 class Place:
@@ -451,7 +462,7 @@ class Place:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=6)  # a beat in flight must not re-register the place after it left
         try:
-            ray.get((self._broker or broker()).leave.remote(self.entry.id, sent=time.time()), timeout=5)
+            call_sent((self._broker or broker()).leave, self.entry.id, timeout=5)
         except Exception:
             pass  # the broker forgets a silent launcher within EXPIRE_S anyway
 
