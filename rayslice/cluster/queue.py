@@ -21,7 +21,10 @@ Cost: a heartbeat is O(1) (its entry refreshed, its standing read from the last 
 at once after a change when the last one is `PLAN_S` old, else on a later call (arrivals batched),
 and at least every `REPLAN_S`. Entries far back in their line beat every `SLOW_BEAT_S` or more
 (`SLOW_BEATS_PER_S` in all) instead of `HEARTBEAT_S` (the broker says so in its answer), and a place
-expires after three missed beats plus the broker's own backlog (how old the beats it answers are).
+expires after three missed beats, counted on the broker's progress rather than its clock: every call
+carries when it was sent, and a place expires only while the broker works on a call sent after the
+place's deadline. A busy broker's backlog (a burst of leaves, thousands of beats) therefore never
+expires a launcher whose beat waits in that backlog.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import ray
 
 from rayslice.core import queue as rules
 from rayslice.core.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest
-from rayslice.core.exceptions import CapacityTimeoutError
+from rayslice.core.exceptions import CapacityTimeoutError, UnsatisfiableRequestError
 from rayslice.core.step import StepSpec
 
 BROKER_NAME = "rayslice-broker-v1"
@@ -52,6 +55,8 @@ MAX_BEAT_S = 60.0
 FRONT = 16
 #: A launcher not heard from for this long, or three of its beats, has lost its place.
 EXPIRE_S = 3.0
+#: A call that says nothing of when it was sent (an older client's) counts as sent this long before it ran.
+MAX_LAG_S = 60.0
 #: After a fresh start while launchers held places, the broker admits nothing this long (they re-register).
 RECOVERY_S = 3.0
 #: How long the broker reuses its reading of the cluster's capacity, and of its settings.
@@ -107,7 +112,7 @@ class Broker:
         self.entries: dict[str, rules.Entry] = {}
         self.lines: rules.Lines = {}  # kind -> its waiting entries in rank order (kept sorted as they come and go)
         self.running: dict[str, rules.Entry] = {}  # the admitted entries
-        self.expires: dict[str, float] = {}  # id -> monotonic time its place is lost unless heard from
+        self.expires: dict[str, float] = {}  # id -> (wall) time its place is lost unless heard from before
         self.settings = operator_settings()
         self.reasons: dict[str, str] = {}
         self.suspending: dict[str, str] = {}  # running id -> why a waiting request of higher priority suspends it
@@ -121,13 +126,14 @@ class Broker:
             _kv_put(RESTARTS_KEY, str(self.restarts).encode())
         self._busy = held
         now = time.monotonic()
-        self._totals: tuple[float, dict[str, float]] = (0.0, {})
+        self._totals: tuple[float, Any] = (0.0, ({}, set(), {}))
         self._settings_read = now
         self._planned = self._swept = 0.0
         self._dirty = True
         self.plan_ms: list[float] = []  # the last plans' durations (`stats`)
         self.expired = 0  # places lost to silence (`stats`)
-        self.lag = 0.0  # how old the last beat was when it was answered (a busy broker's backlog)
+        self.lag = 0.0  # how old the last call was when it ran (a busy broker's backlog; `stats`)
+        self.caught_up = 0.0  # every call sent before this (wall) time has run: the sweep's clock
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
                   beat_s: float = HEARTBEAT_S, sent: float | None = None, **newer: Any) -> dict[str, Any]:
@@ -136,9 +142,16 @@ class Broker:
         `settings` (sent by launchers before issue 38) is ignored: the policy is the operator's. `beat_s`:
         how often this launcher beats now; `sent`: when (its clock). Arguments from newer launchers are ignored.
         """
+        self._progress(sent)
         mine = self.entries.get(entry["id"])
         if mine is None:  # a new place, or one a restart lost
-            mine = self.entries[entry["id"]] = rules.Entry.from_json(entry)
+            mine = rules.Entry.from_json(entry)
+            if not mine.admitted:  # one that can never run is told so now, not after its capacity_timeout
+                totals, autoscaled, _ = self._capacity({(mine.family, mine.kind)})
+                why = rules.refusal(mine, totals, autoscaled)
+                if why:
+                    return {"admitted": False, "refused": why, "beat_s": HEARTBEAT_S}
+            self.entries[mine.id] = mine
             mine.priority = self.settings.priority_of(mine.priority, mine.team)  # the operator's cap, if any
             if mine.admitted:
                 self.running[mine.id] = mine
@@ -148,20 +161,30 @@ class Broker:
             if not self._busy:  # at once: a broker killed a moment from now must know places were held
                 self._busy = True
                 _kv_put(BUSY_KEY, b"1")
-        if sent is not None:  # how far behind this broker answers: nobody expires for the broker's own lag
-            self.lag = min(max(0.0, time.time() - float(sent)), 60.0)
         self._expire_after(mine.id, float(beat_s))
         self._tick()
         state = self._standing(mine)
         self._expire_after(mine.id, max(float(beat_s), state["beat_s"]))
         return state
 
-    def _expire_after(self, id: str, beat_s: float) -> None:
-        """Three beats (at the slower of what the launcher said and what it is told), plus two backlogs:
-        this answer's way back, and its next beat's wait in this broker's mailbox."""
-        self.expires[id] = time.monotonic() + max(EXPIRE_S, 3 * min(beat_s, MAX_BEAT_S)) + 2 * self.lag
+    def _progress(self, sent: float | None) -> None:
+        """The call now running was sent at `sent` (its caller's clock): calls sent before it have run.
 
-    def leave(self, id: str) -> None:
+        A caller's clock ahead of this one counts as this one; one behind only delays expiry. A call
+        without `sent` (an older client) counts as sent MAX_LAG_S ago.
+        """
+        now = time.time()
+        at = now - MAX_LAG_S if sent is None else max(now - MAX_LAG_S, min(now, float(sent)))
+        self.lag = now - at
+        self.caught_up = max(self.caught_up, at)
+
+    def _expire_after(self, id: str, beat_s: float) -> None:
+        """Three beats from now (at the slower of what the launcher said and what it is told): the place
+        expires once a call sent after that runs with no beat of it in between (`_tick`)."""
+        self.expires[id] = time.time() + max(EXPIRE_S, 3 * min(beat_s, MAX_BEAT_S))
+
+    def leave(self, id: str, sent: float | None = None, **newer: Any) -> None:
+        self._progress(sent)
         self._drop(id)
         self.expires.pop(id, None)
         self._tick()
@@ -174,8 +197,9 @@ class Broker:
         self._tick()
         return self.settings.model_dump()
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, sent: float | None = None, **newer: Any) -> dict[str, Any]:
         """Every entry, running ones first, then the waiting ones in order; and the settings."""
+        self._progress(sent)
         self._tick(force=True)
         running = sorted(self.running.values(), key=lambda e: e.admitted_at or 0)
         return {"entries": [{**e.to_json(), "reason": self.suspending.get(e.id) or self.reasons.get(e.id, "")}
@@ -184,7 +208,7 @@ class Broker:
 
     def stats(self) -> dict[str, Any]:
         """For the benchmark: the queue's size, the last plans' durations (ms), places lost to silence."""
-        return {"entries": len(self.entries), "plan_ms": list(self.plan_ms), "expired": self.expired}
+        return {"entries": len(self.entries), "plan_ms": list(self.plan_ms), "expired": self.expired, "lag": self.lag}
 
     def _drop(self, id: str) -> None:
         e = self.entries.pop(id, None)
@@ -226,7 +250,7 @@ class Broker:
         now = time.monotonic()
         if now - self._swept >= HEARTBEAT_S:
             self._swept = now
-            for id in [id for id, at in self.expires.items() if at < now]:
+            for id in [id for id, at in self.expires.items() if at < self.caught_up]:  # not `now`: see _progress
                 self._drop(id)
                 self.expires.pop(id, None)
                 self.expired += 1
@@ -245,9 +269,10 @@ class Broker:
     def _plan(self) -> None:
         kinds = {(line[0][1].family, kind) for kind, line in self.lines.items()}
         kinds |= {(e.family, e.kind) for e in self.running.values()}
-        totals = self._capacity(kinds)  # a GCS read every TOTALS_TTL_S, not part of the decision's time
+        totals, autoscaled, devices = self._capacity(kinds)  # a GCS read every TOTALS_TTL_S, not timed
         started = time.perf_counter()
-        decided = rules.plan_lines(self.lines, list(self.running.values()), totals, self.settings)
+        decided = rules.plan_lines(self.lines, list(self.running.values()), totals, self.settings,
+                                   autoscaled=autoscaled, devices=devices)
         admitted_at = time.time()
         for id in decided.admit:
             e = self.entries[id]
@@ -275,18 +300,21 @@ class Broker:
                 self.suspending[victim.id] = (f"suspended for {rules.seen_by(head, victim)} (priority {head.priority}, "
                                               f"waiting for {head.what}; this step's priority is {victim.priority})")
 
-    def _capacity(self, kinds: set[tuple[str, str]]) -> dict[str, float]:
-        """Slices per TPU slice type (their worker-0 hosts), and each accelerator resource's total.
+    def _capacity(self, kinds: set[tuple[str, str]]) -> tuple[dict[str, float], set[str], dict[str, list[float]]]:
+        """Slices per TPU slice type (their worker-0 hosts), each accelerator resource's total, which kinds an
+        autoscaler adds, and each fixed accelerator's devices per node (counted device by device).
 
-        A kind an autoscaler may add is unbounded: its requests are admitted at once, since their
-        placement groups are what asks the autoscaler for more (Ray orders those, as before the queue).
+        A kind an autoscaler may add counts as the most it can hold: the operator's `max_capacity`, else
+        the node groups' maxima the cluster reports to Ray (`get_cluster_config`), else unbounded (its
+        placement groups are what asks the autoscaler for more; Ray orders those, as before the queue).
         """
-        read, totals = self._totals
-        if time.monotonic() - read < TOTALS_TTL_S and all(kind in totals for _, kind in kinds):
-            return totals
+        read, found = self._totals
+        if time.monotonic() - read < TOTALS_TTL_S and all(kind in found[0] for _, kind in kinds):
+            return found
         from rayslice.cluster.reservation import _autoscaler_may_add
 
-        totals = {}
+        totals: dict[str, float] = {}
+        devices: dict[str, list[float]] = {}
         for node in ray.nodes():
             if not node["Alive"]:
                 continue
@@ -296,15 +324,36 @@ class Broker:
             for resource, amount in node["Resources"].items():
                 if resource in VISIBLE_DEVICES_ENV:
                     totals[resource] = totals.get(resource, 0) + amount
-        for family, kind in kinds:
+                    devices.setdefault(resource, []).append(amount)
+        autoscaled: set[str] = set()
+        maxima = group_maxima()
+        for family, kind in kinds | {(k, k) for k in devices}:
+            resource = kind if family == kind else f"TPU-{kind}-head"
             try:
-                if _autoscaler_may_add(kind if family == kind else f"TPU-{kind}-head"):
-                    totals[kind] = float("inf")
+                may_add = _autoscaler_may_add(resource)
             except Exception:  # cannot tell: count what is there
-                pass
+                may_add = False
+            if may_add:
+                autoscaled.add(kind)
+                declared = self.settings.max_capacity
+                most = declared.get(kind, 0) if declared else maxima.get(resource, float("inf"))
+                totals[kind] = max(totals.get(kind, 0), most)
             totals.setdefault(kind, 0)
-        self._totals = (time.monotonic(), totals)
-        return totals
+        found = (totals, autoscaled, {k: v for k, v in devices.items() if k not in autoscaled})
+        self._totals = (time.monotonic(), found)
+        return found
+
+
+def group_maxima() -> dict[str, float]:
+    """resource -> the most of it the autoscaler's node groups can hold, as the cluster reports them to Ray
+    (ReportClusterConfig); empty where nothing reports them (Ray 2.60's own autoscaler does not)."""
+    config = ray._private.state.state.get_cluster_config()
+    most: dict[str, float] = {}
+    for group in config.node_group_configs if config else []:
+        for resource, amount in group.resources.items():
+            count = float("inf") if group.max_count < 0 else group.max_count
+            most[resource] = most.get(resource, 0) + amount * count
+    return most
 
 
 def broker() -> Any:
@@ -326,7 +375,18 @@ def broker() -> Any:
 
 def snapshot(timeout: float = 10.0) -> dict[str, Any]:
     """The queue as the broker holds it (`Broker.snapshot`)."""
-    return ray.get(broker().snapshot.remote(), timeout=timeout)
+    return call_sent(broker().snapshot, timeout=timeout)
+
+
+def call_sent(method: Any, *args: Any, timeout: float) -> Any:
+    """`method.remote(*args, sent=now)`'s result; without `sent` for a broker started before it took one (its
+    detached actor lives on across an upgrade), which then counts the call as up to MAX_LAG_S old."""
+    try:
+        return ray.get(method.remote(*args, sent=time.time()), timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        if not (isinstance(exc.cause, TypeError) and "sent" in str(exc.cause)):
+            raise
+    return ray.get(method.remote(*args), timeout=timeout)
 
 
 class Place:
@@ -343,6 +403,7 @@ class Place:
         self.state: dict[str, Any] = {}
         self.beat_s = HEARTBEAT_S
         self.admitted = threading.Event()
+        self.refused: str | None = None  # the broker's word that the request can never run here
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -358,6 +419,11 @@ class Place:
         except Exception:  # the broker restarts: its handle stays good, the next beat re-registers
             self._broker = None
             self.beat_s = HEARTBEAT_S
+            return
+        if state.get("refused"):
+            self.refused = state["refused"]
+            self._stop.set()
+            self._changed.set()
             return
         if state.get("admitted") and not self.entry.admitted:
             self.entry.admitted, self.entry.admitted_at = True, time.time()
@@ -394,6 +460,9 @@ class Place:
         self.join()
         said = None
         while not self.admitted.is_set():
+            if self.refused:
+                raise UnsatisfiableRequestError(f"{self.refused}. Ask for a kind the cluster has, or ask its "
+                                                "operator to raise the node group's maximum.")
             left = timeout - (time.monotonic() - started)
             if left <= 0:
                 self.leave()
@@ -418,7 +487,7 @@ class Place:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=6)  # a beat in flight must not re-register the place after it left
         try:
-            ray.get((self._broker or broker()).leave.remote(self.entry.id), timeout=5)
+            call_sent((self._broker or broker()).leave, self.entry.id, timeout=5)
         except Exception:
             pass  # the broker forgets a silent launcher within EXPIRE_S anyway
 

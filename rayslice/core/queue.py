@@ -63,6 +63,13 @@ class QueueSettings(BaseModel):
         description="team -> {slice type (chips) or accelerator resource (count): quota}, e.g. "
                     "{'research': {'v6e-16': 32, 'GPU': 2}}")
 
+    max_capacity: dict[str, float] = Field(
+        default_factory=dict,
+        description="where an autoscaler adds capacity: slice type (slices) or accelerator resource (count) -> the "
+                    "most the cluster can ever hold, e.g. {'v6e-16': 4, 'GPU': 16}; for autoscalers that do not "
+                    "report their node groups to Ray. Set: a request of a kind it omits, or larger than its "
+                    "maximum, is refused at once")
+
     max_priority: dict[str, int] = Field(
         default_factory=dict,
         description="team (or '*': every step) -> the highest priority its steps get; a step asking more is "
@@ -218,6 +225,53 @@ def lines_of(entries: list[Entry]) -> Lines:
     return lines
 
 
+class Devices:
+    """An accelerator resource device by device (Ray's GPUs): a fraction fits on one device, a whole request on
+    whole free devices of one node.
+
+    Ray gives a 0.5 and a 0.75 GPU two devices, and a 1-GPU step waits for a device nobody holds any of,
+    so counting the cluster's sum would admit steps Ray cannot place. Fractions are packed best-fit
+    (the fullest device they fit on), as Ray's raylet packs them.
+    """
+
+    def __init__(self, per_node: list[float]) -> None:
+        self.free = [[1.0] * int(n) for n in per_node]
+
+    def place(self, amount: float, take: bool = True) -> bool:
+        """Whether `amount` fits now; `take`: count it as held where it fits."""
+        if amount < 1:
+            fits = [(free, n, d) for n, node in enumerate(self.free) for d, free in enumerate(node)
+                    if free >= amount - 1e-9]
+            if not fits:
+                return False
+            _, n, d = min(fits)
+            if take:
+                self.free[n][d] -= amount
+            return True
+        whole = int(round(amount))
+        nodes = [(sum(free >= 1 - 1e-9 for free in node), n) for n, node in enumerate(self.free)]
+        nodes = [(count, n) for count, n in nodes if count >= whole]
+        if not nodes:
+            return False
+        if take:
+            node = self.free[min(nodes)[1]]
+            for d in [d for d, free in enumerate(node) if free >= 1 - 1e-9][:whole]:
+                node[d] = 0.0
+        return True
+
+
+def refusal(e: Entry, totals: dict[str, float], autoscaled: set[str]) -> str | None:
+    """Why `e` can never run where an autoscaler bounds its kind (None: it may), for a clear error at once."""
+    total = totals.get(e.kind, 0)
+    if e.kind not in autoscaled or math.isinf(total) or e.amount <= total + 1e-9:
+        return None
+    if total <= 0:
+        return (f"{e.what} can never run on this cluster: none of its autoscaler's node groups provides {e.kind} "
+                "(the cluster's node groups, or its operator's max_capacity in the queue settings)")
+    return (f"{e.what} can never run on this cluster: its autoscaler holds at most {total:g} {e.kind} "
+            "(the cluster's node groups, or its operator's max_capacity in the queue settings)")
+
+
 @dataclass
 class Plan:
     """What `plan` decided: who is admitted now, and why each other entry waits."""
@@ -226,18 +280,24 @@ class Plan:
     reasons: dict[str, str]  # id -> why it still waits (absent: behind the line of its own kind)
 
 
-def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings, now: float | None = None) -> Plan:
+def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings, now: float | None = None,
+         autoscaled: set[str] | None = None, devices: dict[str, list[float]] | None = None) -> Plan:
     """Who of the waiting entries may reserve now (`plan_lines` over `entries`' lines)."""
-    return plan_lines(lines_of(entries), [e for e in entries if e.admitted], totals, settings, now)
+    return plan_lines(lines_of(entries), [e for e in entries if e.admitted], totals, settings, now,
+                      autoscaled=autoscaled, devices=devices)
 
 
 def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], settings: QueueSettings,
-               now: float | None = None) -> Plan:
+               now: float | None = None, autoscaled: set[str] | None = None,
+               devices: dict[str, list[float]] | None = None) -> Plan:
     """Who of the waiting entries may reserve now, walking the lines in rank order as one queue.
 
-    `totals`: the cluster's capacity per kind (slices of a type, accelerators of a resource). A kind
-    the cluster holds too little of (an autoscaler adds it on demand) counts as fitting. Slices held
-    by chip steps count whole: their shares, rounded up (the launcher packs them onto as few as it can).
+    `totals`: the cluster's capacity per kind (slices of a type, accelerators of a resource); for a
+    kind in `autoscaled` (default: those whose total is infinite) the most an autoscaler can make of
+    it, or infinity where nothing says. A fixed kind the cluster holds too little of counts as
+    fitting (Ray waits for hosts that come back). Slices held by chip steps count whole: their
+    shares, rounded up (the launcher packs them onto as few as it can). `devices`: for accelerator
+    kinds of fixed nodes, each node's device count: those are counted device by device (`Devices`).
 
     A line stops at its first entry that must wait (nobody of its kind passes it), so the walk costs
     what is admitted and what is first in line, not the queue's length: the lines' heads are merged
@@ -247,6 +307,8 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     import heapq
 
     now = time.time() if now is None else now
+    autoscaled = {k for k, v in totals.items() if math.isinf(v)} if autoscaled is None else autoscaled
+    packs = {kind: Devices(nodes) for kind, nodes in (devices or {}).items() if kind not in autoscaled}
     used: dict[str, float] = {}  # kind -> whole slices / accelerators
     shared: dict[str, float] = {}  # kind -> shares of slices that chip steps hold
     team_used: dict[tuple[str, str], float] = {}  # (team, or a team above it; kind) -> chips
@@ -255,6 +317,8 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
         return used.get(kind, 0) + math.ceil(shared.get(kind, 0) - 1e-9)
 
     def count(e: Entry) -> None:
+        if e.kind in packs:
+            packs[e.kind].place(e.amount)  # a running step Ray placed elsewhere (a node gone) counts in `used`
         pool = shared if e.part else used
         pool[e.kind] = pool.get(e.kind, 0) + e.amount
         for team in teams_above(e.team) if e.team else ():
@@ -273,9 +337,13 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
 
     def fits(e: Entry) -> bool:
         total = totals.get(e.kind, 0)
+        if e.kind in packs:
+            return packs[e.kind].place(e.amount, take=False)
         if e.part:
             return total == math.inf or used.get(e.kind, 0) + math.ceil(shared.get(e.kind, 0) + e.amount - 1e-9) \
                 <= total + 1e-9
+        if e.kind in autoscaled:  # as many as its node groups can hold (`refusal`: never more than that)
+            return in_use(e.kind) + e.amount <= total + 1e-9
         return total < e.amount or in_use(e.kind) + e.amount <= total + 1e-9
 
     def held_back(e: Entry) -> Entry | None:
@@ -287,7 +355,7 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
         blocker = blocked_families.get(e.family)
         if blocker is None or blocker.kind == e.kind:
             return blocker
-        return blocker if math.isinf(totals.get(e.kind, 0)) and math.isinf(totals.get(blocker.kind, 0)) else None
+        return blocker if e.kind in autoscaled and blocker.kind in autoscaled else None
 
     admit: list[str] = []
     reasons: dict[str, str] = {}

@@ -12,6 +12,8 @@ from rayslice.cluster import queue
 from rayslice.core import queue as rules
 from rayslice.core.accelerators import TpuSliceRequest
 
+REAL_CAPACITY = queue.Broker.__ray_actor_class__._capacity
+
 
 class Clock:
     def __init__(self) -> None:
@@ -28,10 +30,11 @@ def broker(monkeypatch):
     monkeypatch.setattr(queue, "_kv_get", kv.get, raising=False)
     monkeypatch.setattr(queue, "_kv_put", kv.__setitem__, raising=False)
     monkeypatch.setattr(queue.time, "monotonic", clock)
+    monkeypatch.setattr(queue.time, "time", clock)  # one clock: the launchers' `sent` and the broker's
     monkeypatch.setattr(queue.ray, "get_runtime_context",
                         lambda: type("Context", (), {"was_current_actor_reconstructed": False})())
     Broker = queue.Broker.__ray_actor_class__  # the plain class under @ray.remote
-    monkeypatch.setattr(Broker, "_capacity", lambda self, kinds: {"v6e-16": 2, "v6e-4": 1})
+    monkeypatch.setattr(Broker, "_capacity", lambda self, kinds: ({"v6e-16": 2, "v6e-4": 1}, set(), {}))
     plans = []
     real = rules.plan
     monkeypatch.setattr(rules, "plan", lambda *a, **k: plans.append(1) or real(*a, **k))
@@ -60,14 +63,45 @@ def test_a_heartbeat_does_not_replan_the_queue(broker):
 
 
 def test_a_slow_beating_place_is_kept_and_a_silent_one_expires(broker):
-    broker.heartbeat(entry(0, tpu="v6e-4"))  # admitted: holds the v6e-4
-    broker.heartbeat(entry(1, tpu="v6e-4"), beat_s=queue.SLOW_BEAT_S)
-    broker.clock.now += 2 * queue.SLOW_BEAT_S  # two slow beats missed: still there
-    broker.heartbeat(entry(0, tpu="v6e-4"))
+    clock = broker.clock
+    broker.heartbeat(entry(0, tpu="v6e-4"), sent=clock.now)  # admitted: holds the v6e-4
+    broker.heartbeat(entry(1, tpu="v6e-4"), beat_s=queue.SLOW_BEAT_S, sent=clock.now)
+    clock.now += 2 * queue.SLOW_BEAT_S  # two slow beats missed: still there
+    broker.heartbeat(entry(0, tpu="v6e-4"), sent=clock.now)
     assert set(broker.entries) == {"e0", "e1"}
-    broker.clock.now += 2 * queue.SLOW_BEAT_S  # three missed: gone
-    broker.heartbeat(entry(0, tpu="v6e-4"))
+    clock.now += 2 * queue.SLOW_BEAT_S  # three missed: gone
+    broker.heartbeat(entry(0, tpu="v6e-4"), sent=clock.now)
     assert set(broker.entries) == {"e0"}
+
+
+def test_no_place_expires_while_its_beats_wait_behind_a_backlog(broker):
+    """Issue 38, scale: at 10,000 waiting, 273 live places expired while the broker worked through bursts of
+    2,500 leaves: its sweep ran on those calls, at its own clock, with the places' beats queued behind them.
+
+    Expiry is measured against what the broker has processed (the `sent` time of the call it is on), so a
+    place expires only once a call sent after its deadline comes through, with no beat of it before.
+    """
+    clock = broker.clock
+    for i in range(4):  # e0 runs on the v6e-4; e1..e3 wait
+        broker.heartbeat(entry(i, tpu="v6e-4"), sent=clock.now)
+    for i in range(100, 2600):
+        broker.heartbeat(entry(i, tpu="v6e-16"), beat_s=queue.SLOW_BEAT_S, sent=clock.now)
+    burst = clock.now + 0.1  # a process leaves its 2,500 places at once; e0..e3 beat right after (sent 0.2 s later)
+    for i in range(100, 2600):
+        clock.now += 0.01  # the broker works through the burst for 25 s: far past every 3-beat deadline
+        broker.leave(f"e{i}", sent=burst)
+    assert broker.expired == 0 and {"e0", "e1", "e2", "e3"} <= set(broker.entries)
+    for i in range(4):  # their beats come through, sent before the deadline
+        state = broker.heartbeat(entry(i, tpu="v6e-4"), sent=burst + 0.2)
+    assert broker.expired == 0 and not state["admitted"]
+    assert [e.id for e in broker.running.values()] == ["e0"]  # nobody else admitted onto e0's v6e-4
+    clock.now += 4 * queue.HEARTBEAT_S  # caught up, and e3's launcher is gone: its place expires
+    for i in range(3):
+        broker.heartbeat(entry(i, tpu="v6e-4"), sent=clock.now)
+    clock.now += 4 * queue.HEARTBEAT_S
+    for i in range(3):
+        broker.heartbeat(entry(i, tpu="v6e-4"), sent=clock.now)
+    assert "e3" not in broker.entries and broker.expired == 1
 
 
 def test_a_broker_made_anew_while_places_were_held_holds_admissions_until_they_are_back(broker, monkeypatch):
@@ -131,3 +165,24 @@ def test_a_step_not_declared_preemptible_is_never_suspended(broker):
     broker.heartbeat(evaluation)
     broker.clock.now += queue.REPLAN_S
     assert "suspend" not in broker.heartbeat(train)
+
+def test_an_autoscaling_cluster_admits_up_to_its_groups_maxima_and_refuses_what_none_provides(broker, monkeypatch):
+    """Issue 38 (4): on an autoscaling cluster every kind counted as unbounded: all admitted at once, and a kind
+    no node group provides waited out its whole capacity_timeout. Here the operator declares the maxima."""
+    from rayslice.cluster import reservation
+
+    Broker = type(broker)
+    monkeypatch.setattr(Broker, "_capacity", REAL_CAPACITY)  # the broker's own reading of the cluster
+    monkeypatch.setattr(queue.ray, "nodes", lambda: [])  # no TPU host yet: the autoscaler adds them
+    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: True)
+    monkeypatch.setattr(queue, "group_maxima", lambda: {}, raising=False)  # Ray's autoscaler reports no groups
+    broker.settings = rules.QueueSettings(max_capacity={"v6e-16": 2})
+    for i in range(3):
+        broker.heartbeat(entry(i), sent=broker.clock.now)
+    broker.clock.now += 2 * queue.PLAN_S  # the arrivals are planned together
+    states = [broker.heartbeat(entry(i), sent=broker.clock.now) for i in range(3)]
+    assert [s["admitted"] for s in states] == [True, True, False]  # the group holds two: the third waits
+    state = broker.heartbeat(entry(9, tpu="v5p-8"), sent=broker.clock.now)
+    assert "none of its autoscaler's node groups provides v5p-8" in state["refused"] and "e9" not in broker.entries
+    big = rules.entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=3), id="big", label="d.big", arrival=9)
+    assert "at most 2 v6e-16" in broker.heartbeat(big.to_json(), sent=broker.clock.now)["refused"]

@@ -146,3 +146,40 @@ def test_the_operator_caps_what_priority_a_step_may_ask():
     assert settings.priority_of(10**9, "oncall") == 100
     assert settings.priority_of(10**9, "research/vision/x") == 5  # a team above it caps it too
     assert QueueSettings().priority_of(10**9, "any") == 10**9  # no cap set: as asked
+
+
+def gpu(id, count, at=0.0, admitted=False):
+    entry = entry_for(AcceleratorRequest(resource="GPU", count=count), id=id, label=f"dag.{id}", arrival=at)
+    entry.admitted = admitted
+    return entry
+
+
+def test_a_whole_gpu_is_admitted_only_onto_a_whole_free_device_and_fractions_pack():
+    """Issue 38 (7): fractions were summed over the cluster. Three 0.6 GPU steps on a 3-GPU node leave 1.2
+    GPUs "free", so a 1-GPU step was admitted with no device free, and Ray's fractions took the devices first."""
+    running = [gpu(f"r{i}", 0.6, admitted=True) for i in range(3)]
+    waiting = [gpu("whole", 1, at=1), gpu("fifth", 0.2, at=2)]
+    devices = {"GPU": [3]}  # one node, three devices
+    assert plan([*running, *waiting], TOTALS, BEST_EFFORT, now=5, devices=devices).admit == []
+    assert plan([*running[1:], *waiting], TOTALS, BEST_EFFORT, now=5, devices=devices).admit == ["whole", "fifth"]
+    # a 0.5 and a 0.75 never share a device; two halves do, leaving the other device whole
+    assert plan([gpu("a", 0.5, admitted=True), gpu("b", 0.75, at=1), gpu("c", 1, at=2)], TOTALS, BEST_EFFORT,
+                now=5, devices={"GPU": [2]}).admit == ["b"]
+    assert plan([gpu("a", 0.5, admitted=True), gpu("b", 0.5, at=1), gpu("c", 1, at=2)], TOTALS, BEST_EFFORT,
+                now=5, devices={"GPU": [2]}).admit == ["b", "c"]
+    # two whole GPUs on one node: two nodes of one free device each do not make them
+    assert plan([gpu("two", 2, at=1)], TOTALS, BEST_EFFORT, now=5, devices={"GPU": [1, 1, 1]}).admit == []
+
+
+def test_an_autoscaled_kind_is_admitted_up_to_what_its_node_groups_can_hold():
+    """Issue 38 (4): every autoscaled kind counted as unbounded, so everything was admitted at once."""
+    from rayslice.core.queue import refusal
+
+    waiting = [tpu(f"s{i}", at=i) for i in range(3)] + [tpu("big", slices=3, at=9)]
+    limits, autoscaled = {"v6e-16": 2}, {"v6e-16"}
+    assert plan(waiting[:3], limits, BEST_EFFORT, now=10, autoscaled=autoscaled).admit == ["s0", "s1"]
+    assert refusal(waiting[3], limits, autoscaled) is not None and "at most 2 v6e-16" in refusal(
+        waiting[3], limits, autoscaled)
+    assert "none of its autoscaler's node groups provides v5p-8" in refusal(tpu("x", "v5p-8"), {"v5p-8": 0},
+                                                                           {"v5p-8"})
+    assert refusal(waiting[0], limits, autoscaled) is None and refusal(tpu("y"), {"v6e-16": 1}, set()) is None
