@@ -138,6 +138,9 @@ class CreateRayClusterOperator(_ClusterOperator):
             spec = manifest["spec"] = {**spec, "headGroupSpec": {**(spec.get("headGroupSpec") or {}),
                                                                  "serviceType": self.head_service_type}}
         auth = (spec.get("authOptions") or {}).get("mode") == "token"
+        if auth and self.name == cluster_names.PER_RUN:  # each run's token in a Secret of its own, deleted with it
+            spec = manifest["spec"] = {**spec, "authOptions": {**spec["authOptions"],
+                                                               "secretName": kuberay.token_secret_name(name)}}
         kuberay.exposure_warning((spec.get("headGroupSpec") or {}).get("serviceType") or "ClusterIP", auth)
         return manifest
 

@@ -284,6 +284,19 @@ def test_each_operators_cluster_has_token_auth_and_no_open_head(reference_crds):
     assert "authOptions" not in open_["spec"] and open_["spec"]["headGroupSpec"]["serviceType"] == "ClusterIP"
 
 
+def test_a_given_manifests_per_run_cluster_keeps_its_token_in_a_secret_of_its_own():
+    """Two runs sharing a manifest's one Secret: the first run's teardown would delete the second run's token."""
+    from rayslice.operators.kuberay import CreateRayClusterOperator
+
+    manifest = kuberay.render_raycluster("x", tpus=["v6e-4"], token_secret="shared")
+    op = CreateRayClusterOperator(task_id="c", manifest=manifest, name="per-run")
+    assert op._render("rs-d-0123456789")["spec"]["authOptions"] == {"mode": "token",
+                                                                     "secretName": "rs-d-0123456789-ray-token"}
+    assert manifest["spec"]["authOptions"]["secretName"] == "shared"  # the DAG's own dict is left as it was
+    assert CreateRayClusterOperator(task_id="c", manifest=manifest, name="rs")._render("rs")["spec"][
+        "authOptions"]["secretName"] == "shared"
+
+
 def test_a_templated_name_is_checked_at_run_time():
     from rayslice.operators.kuberay import CreateRayClusterOperator
 
