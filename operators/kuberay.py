@@ -122,13 +122,13 @@ class CreateRayClusterOperator(_ClusterOperator):
         if manifest is not None and (not isinstance(manifest, dict) or manifest.get("kind") != "RayCluster"):
             raise InvalidRequestError(f"manifest of {self.task_id!r} must be a RayCluster dict (kind: RayCluster)")
         try:  # bad TPU types, counts, an unauthenticated external head... fail when the DAG file is parsed
-            self._render(self.name if self.name and not is_templated(self.name) else "rayslice")
+            self._manifest(self.name if self.name and not is_templated(self.name) else "rayslice")
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{self.task_id!r}: {exc}") from None
         self._kube: Any = None
         self._owner: str | None = None
 
-    def _render(self, name: str) -> dict[str, Any]:
+    def _manifest(self, name: str) -> dict[str, Any]:
         """The manifest to create, and the exposure check both paths (rendered or given) go through."""
         if self.manifest is None:
             return kuberay.render_raycluster(name, **self.render_kwargs)
@@ -154,7 +154,7 @@ class CreateRayClusterOperator(_ClusterOperator):
         owner = self._owner = _owner(context, deployment)
         with self._client(context, deployment) as kube:
             self._kube = kube
-            manifest = self._render(kube.ref.name)
+            manifest = self._manifest(kube.ref.name)
             if self.manifest is None and (note := kuberay.default_image_note(
                     self.render_kwargs["image"], self.render_kwargs["gpu_image"] if self.render_kwargs["gpu_nodes"]
                     else None)):
@@ -212,7 +212,7 @@ class CreateRayClusterOperator(_ClusterOperator):
 
         try:
             outcome = retry_passing(lambda: kube.delete(owner=owner))
-            secret = self._token_secret(self._render(kube.ref.name))
+            secret = self._token_secret(self._manifest(kube.ref.name))
             secret_outcome = retry_passing(lambda: kube.delete_token_secret(secret, owner=owner)) if secret else None
         except Exception as exc:  # report the original failure, and this one
             self.log.error("[rayslice] could not delete RayCluster %s after the failure: %s", kube.ref, exc)

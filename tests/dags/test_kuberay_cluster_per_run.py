@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -24,7 +24,7 @@ from tests.fake_kubernetes import FakeKubernetes
 pytestmark = pytest.mark.timeout(600)
 
 DAG_ID = "rayslice_kuberay_cluster_per_run"
-RUN_A, RUN_B = datetime(2026, 3, 1), datetime(2026, 3, 2)
+RUN_A, RUN_B = datetime(2026, 3, 1, tzinfo=UTC), datetime(2026, 3, 2, tzinfo=UTC)
 
 
 @pytest.fixture

@@ -275,12 +275,12 @@ def test_each_operators_cluster_has_token_auth_and_no_open_head(reference_crds):
         ({"manifest": given}, "given-ray-token", "LoadBalancer"),
     ]
     for kwargs, secret, service_type in cases:
-        manifest = CreateRayClusterOperator(task_id="c", **kwargs)._render("rs")
+        manifest = CreateRayClusterOperator(task_id="c", **kwargs)._manifest("rs")
         kuberay.validate(manifest, crds)
         assert manifest["spec"]["authOptions"] == {"mode": "token", "secretName": secret}, kwargs
         assert manifest["spec"]["headGroupSpec"]["serviceType"] == service_type, kwargs
     # The one unauthenticated cluster it renders when told to stays inside the Kubernetes cluster.
-    open_ = CreateRayClusterOperator(task_id="c", tpus=["v6e-16"], auth=False)._render("rs")
+    open_ = CreateRayClusterOperator(task_id="c", tpus=["v6e-16"], auth=False)._manifest("rs")
     assert "authOptions" not in open_["spec"] and open_["spec"]["headGroupSpec"]["serviceType"] == "ClusterIP"
 
 
@@ -290,10 +290,10 @@ def test_a_given_manifests_per_run_cluster_keeps_its_token_in_a_secret_of_its_ow
 
     manifest = kuberay.render_raycluster("x", tpus=["v6e-4"], token_secret="shared")
     op = CreateRayClusterOperator(task_id="c", manifest=manifest, name="per-run")
-    assert op._render("rs-d-0123456789")["spec"]["authOptions"] == {"mode": "token",
+    assert op._manifest("rs-d-0123456789")["spec"]["authOptions"] == {"mode": "token",
                                                                      "secretName": "rs-d-0123456789-ray-token"}
     assert manifest["spec"]["authOptions"]["secretName"] == "shared"  # the DAG's own dict is left as it was
-    assert CreateRayClusterOperator(task_id="c", manifest=manifest, name="rs")._render("rs")["spec"][
+    assert CreateRayClusterOperator(task_id="c", manifest=manifest, name="rs")._manifest("rs")["spec"][
         "authOptions"]["secretName"] == "shared"
 
 
