@@ -62,10 +62,11 @@ def test_two_overlapping_runs_each_create_use_and_delete_their_own_cluster(fake,
     dag = dags[DAG_ID]
 
     # Run A: its cluster is made and its step runs there; its teardown has not run yet.
-    dr_a = dag.test(logical_date=RUN_A, mark_success_pattern="delete_cluster")
+    dr_a = dag.test(run_after=RUN_A, logical_date=RUN_A, mark_success_pattern="delete_cluster")
     out_a = capfd.readouterr().out
-    assert task_states(dr_a) == {"create_cluster": "success", "train": "success", "delete_cluster": "success"}
-    deployment = Variable.get("rayslice_deployment")
+    assert task_states(dr_a) == {"create_cluster": "success", "train": "success", "delete_cluster": "success"}, \
+        out_a[-5000:]
+    deployment, run_a = Variable.get("rayslice_deployment"), dr_a.run_id
     name_a = per_run_name(DAG_ID, dr_a.run_id, deployment)
     assert xcom_values(dr_a, "create_cluster")[0]["name"] == name_a
     assert [h["processes"] for h in xcom_values(dr_a, "train")[0]] == [4] * 4  # a real 4-host step
@@ -76,7 +77,7 @@ def test_two_overlapping_runs_each_create_use_and_delete_their_own_cluster(fake,
 
     # Run B, while A's cluster exists: a cluster of its own, its step there, and only its own deleted.
     seen = len(fake.requests)
-    dr_b = dag.test(logical_date=RUN_B)
+    dr_b = dag.test(run_after=RUN_B, logical_date=RUN_B)
     out_b = capfd.readouterr().out
     assert task_states(dr_b) == {"create_cluster": "success", "train": "success", "delete_cluster": "success"}, \
         out_b[-3000:]
@@ -90,7 +91,8 @@ def test_two_overlapping_runs_each_create_use_and_delete_their_own_cluster(fake,
 
     # Run A's teardown, later: it deletes A's cluster and token Secret.
     seen = len(fake.requests)
-    dr_a = dag.test(logical_date=RUN_A, mark_success_pattern="create_cluster|train")
+    dr_a = dag.test(run_after=RUN_A, logical_date=RUN_A, mark_success_pattern="create_cluster|train")
+    assert dr_a.run_id == run_a  # the same run as above, its teardown now
     assert xcom_values(dr_a, "delete_cluster") == ["deleted"]
     assert _names(fake.requests[seen:]) == {name_a}
     assert not fake.clusters and not fake.secrets
