@@ -135,14 +135,21 @@ def _kuberay_extra(conn: Any) -> Any:
     return (conn.extra_dejson if conn.extra else {}).get("kuberay")
 
 
-def _resolve(conn: Any, timeout: float) -> tuple[str, str | None]:
+def _resolve(conn: Any, timeout: float, cluster: str | None = None) -> tuple[str, str | None]:
     """The dashboard URL and token: the host and password, or the RayCluster the ``kuberay`` extra names.
 
     For a RayCluster the URL is looked up through the Kubernetes API (blocking), and so is the token when
-    the extra names its Secret (``token_secret``) and the connection has no password.
+    the extra names its Secret (``token_secret``) and the connection has no password. ``cluster`` (a step's
+    ``kuberay_cluster``, e.g. the run's own) replaces the extra's name; its token is then in the Secret that
+    cluster's own ``authOptions`` names (each run's cluster has its own), else the extra's.
     """
     kuberay = _kuberay_extra(conn)
     extra = conn.extra_dejson if conn.extra else {}
+    if cluster and kuberay in (None, "", {}):
+        raise InvalidRequestError(f"kuberay_cluster={cluster!r} needs a `ray` connection with a 'kuberay' extra (the "
+                                  "Kubernetes API and namespace to find the RayCluster in); this one has a fixed "
+                                  'dashboard URL: give it the extra, e.g. {"namespace": "ml", "name": "rayslice", '
+                                  '"in_cluster": true}, or drop kuberay_cluster')
     if kuberay in (None, "", {}) and not (conn.host or "").strip() and _foreign(extra):
         return dashboard_url(extra["address"], what="the `ray` connection's extra 'address'"), conn.password or None
     if kuberay in (None, "", {}):
@@ -152,10 +159,10 @@ def _resolve(conn: Any, timeout: float) -> tuple[str, str | None]:
                                   "(a fixed dashboard URL) or the extra (a RayCluster to look up), not both")
     from rayslice.cloud.kuberay_client import ClusterRef, resolve
 
-    ref = ClusterRef.from_extra(kuberay)
+    ref = ClusterRef.from_extra(kuberay, name=cluster)
     if conn.password:
         ref = replace(ref, token_secret=None)  # the connection's own token wins
-    url, token = resolve(ref, timeout=timeout)
+    url, token = resolve(ref, timeout=timeout, token_from_cluster=bool(cluster) and not conn.password)
     return url, conn.password or token
 
 
@@ -180,10 +187,11 @@ def check_extras(extra: Any) -> None:
                               f"{', '.join(EXTRAS)} (docs/connection.md)")
 
 
-def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int = 3) -> RayConnectionSettings:
+def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int = 3,
+                             cluster: str | None = None) -> RayConnectionSettings:
     extra = conn.extra_dejson if conn.extra else {}
     check_extras(extra)
-    url, token = _resolve(conn, timeout)
+    url, token = _resolve(conn, timeout, cluster)
     return RayConnectionSettings(
         dashboard_url=url,
         token=token,
@@ -254,7 +262,8 @@ class RayHook(BaseHook):
 
     ``client()`` / ``async_client()`` suit sync callers (operators); inside an event loop
     (triggers) use ``await hook.asettings()`` and its ``async_client()``, which fetch the
-    connection without blocking the loop.
+    connection without blocking the loop. ``cluster``: a RayCluster name that replaces the
+    ``kuberay`` extra's (a step's ``kuberay_cluster``, resolved: never ``"per-run"``).
     """
 
     conn_name_attr = "ray_conn_id"
@@ -263,30 +272,33 @@ class RayHook(BaseHook):
     hook_name = "Ray"
 
     def __init__(self, ray_conn_id: str = default_conn_name, *, timeout: float = 10.0, retries: int = 3,
-                 **kwargs: Any) -> None:
+                 cluster: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ray_conn_id = ray_conn_id
+        self.cluster = cluster or None
         self.timeout = timeout
         self.retries = retries
         self._settings: RayConnectionSettings | None = None
 
     def __repr__(self) -> str:
-        return f"RayHook(ray_conn_id={self.ray_conn_id!r})"
+        return f"RayHook(ray_conn_id={self.ray_conn_id!r}" + (f", cluster={self.cluster!r})" if self.cluster else ")")
 
     def settings(self) -> RayConnectionSettings:
         if self._settings is None:
             conn = self.get_connection(self.ray_conn_id)
-            self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries)
+            self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries,
+                                                      cluster=self.cluster)
         return self._settings
 
     async def asettings(self) -> RayConnectionSettings:
         if self._settings is None:
             conn = await self.aget_connection(self.ray_conn_id)
             if _kuberay_extra(conn) in (None, "", {}):
-                self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries)
+                self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries,
+                                                          cluster=self.cluster)
             else:  # the Kubernetes client blocks: keep it off the triggerer's event loop
                 self._settings = await asyncio.to_thread(settings_from_connection, conn, timeout=self.timeout,
-                                                         retries=self.retries)
+                                                         retries=self.retries, cluster=self.cluster)
         return self._settings
 
     def deployment(self) -> str:

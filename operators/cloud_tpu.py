@@ -53,6 +53,10 @@ class _QueuedOperator(BaseOperator):
         self.poll_interval = poll_interval
         if not any(is_templated(getattr(self, f, None)) for f in _TEMPLATED):
             self._queued()  # bad project, zone, id, type or count fail when the DAG file is parsed
+        elif not is_templated(tpu) and isinstance(num_slices, int):
+            from rayslice.cloud.cloud_tpu import served_version
+
+            served_version(tpu, num_slices)  # a type Cloud TPU cannot make fails then too (the id is often templated)
 
     def _queued(self) -> QueuedSlice:
         return QueuedSlice(project=self.project, zone=self.zone, queued_resource_id=self.queued_resource_id,

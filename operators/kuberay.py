@@ -8,6 +8,10 @@ again if anything in that fails (a failed setup skips its teardown).
 a cluster this run made (a pre-existing one is left alone), and is a no-op when the cluster is
 already gone. Both find the cluster through the `ray` connection's ``kuberay`` extra, the same
 connection the steps use, so the steps reach the new cluster with no other wiring.
+
+``name="per-run"`` (``rayslice.cloud.cluster_names.PER_RUN``) gives each DAG run a cluster of its own
+(``rs-<dag>-<hash of the run>``), so runs of one DAG may overlap; the steps between take
+``kuberay_cluster="per-run"`` and reach the same name, computed from the same run.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
 from rayslice.hooks.ray import RayHook
 from rayslice.operators.setup_triggers import DEFERRAL_GRACE_S, RayClusterReadyTrigger
 from rayslice.operators.step import is_templated
 
-from rayslice.cloud import kuberay
+from rayslice.cloud import cluster_names, kuberay
 from rayslice.core.exceptions import InvalidRequestError
 
 __all__ = ["CreateRayClusterOperator", "DeleteRayClusterOperator"]
@@ -46,7 +51,7 @@ class _ClusterOperator(BaseOperator):
                  namespace: str | None = None, poll_interval: float = 5.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if name is not None and not is_templated(name):
-            kuberay._check_name(name, "RayCluster")
+            cluster_names.check_name(name, f"name of {self.task_id!r}")
         if poll_interval <= 0:
             raise InvalidRequestError(f"poll_interval={poll_interval} of {self.task_id!r} is invalid: use > 0")
         self.ray_conn_id = ray_conn_id
@@ -54,10 +59,17 @@ class _ClusterOperator(BaseOperator):
         self.namespace = namespace
         self.poll_interval = poll_interval
 
-    def _client(self) -> Any:
+    def _client(self, context: Context, deployment: str) -> Any:
+        """The client of this run's cluster: ``name`` as rendered (the run's own for "per-run"), else the extra's."""
         from rayslice.cloud.kuberay_client import KubeRayClient
 
-        ref = RayHook(self.ray_conn_id).cluster_ref(name=self.name or None, namespace=self.namespace or None)
+        run = context["dag_run"]
+        try:
+            name = cluster_names.resolve_name(self.name, run.dag_id, run.run_id, deployment,
+                                              what=f"name of {self.task_id!r}")
+        except InvalidRequestError as exc:  # a templated name rendered to something no cluster can be called
+            raise AirflowFailException(str(exc)) from None
+        ref = RayHook(self.ray_conn_id).cluster_ref(name=name, namespace=self.namespace or None)
         return KubeRayClient(ref)
 
 
@@ -65,7 +77,8 @@ class CreateRayClusterOperator(_ClusterOperator):
     """Create a RayCluster for this DAG run and wait until it is ready; XCom: name, namespace, dashboard_url.
 
     :param ray_conn_id: the `ray` connection whose ``kuberay`` extra names the cluster (and the API server).
-    :param name: / :param namespace: override the connection's (templated).
+    :param name: / :param namespace: override the connection's (templated). ``name="per-run"``: a name of
+        this DAG run's own (``rs-<dag>-<hash>``), the one the steps' ``kuberay_cluster="per-run"`` reach.
     :param tpus: / max_slices / gpu_nodes / gpu_type / image / gpu_image / idle_timeout_seconds: as ``rayslice
         kuberay manifest`` (``rayslice.cloud.kuberay.render_raycluster``), checked when the DAG file is parsed.
         ``image`` / ``gpu_image`` default to the names of what ``docker/Dockerfile.tpu`` / ``.gpu`` build; push
@@ -109,13 +122,13 @@ class CreateRayClusterOperator(_ClusterOperator):
         if manifest is not None and (not isinstance(manifest, dict) or manifest.get("kind") != "RayCluster"):
             raise InvalidRequestError(f"manifest of {self.task_id!r} must be a RayCluster dict (kind: RayCluster)")
         try:  # bad TPU types, counts, an unauthenticated external head... fail when the DAG file is parsed
-            self._render(self.name if self.name and not is_templated(self.name) else "rayslice")
+            self._manifest(self.name if self.name and not is_templated(self.name) else "rayslice")
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{self.task_id!r}: {exc}") from None
         self._kube: Any = None
         self._owner: str | None = None
 
-    def _render(self, name: str) -> dict[str, Any]:
+    def _manifest(self, name: str) -> dict[str, Any]:
         """The manifest to create, and the exposure check both paths (rendered or given) go through."""
         if self.manifest is None:
             return kuberay.render_raycluster(name, **self.render_kwargs)
@@ -125,6 +138,9 @@ class CreateRayClusterOperator(_ClusterOperator):
             spec = manifest["spec"] = {**spec, "headGroupSpec": {**(spec.get("headGroupSpec") or {}),
                                                                  "serviceType": self.head_service_type}}
         auth = (spec.get("authOptions") or {}).get("mode") == "token"
+        if auth and self.name == cluster_names.PER_RUN:  # each run's token in a Secret of its own, deleted with it
+            spec = manifest["spec"] = {**spec, "authOptions": {**spec["authOptions"],
+                                                               "secretName": kuberay.token_secret_name(name)}}
         kuberay.exposure_warning((spec.get("headGroupSpec") or {}).get("serviceType") or "ClusterIP", auth)
         return manifest
 
@@ -134,10 +150,11 @@ class CreateRayClusterOperator(_ClusterOperator):
         return options.get("secretName") if options.get("mode") == "token" else None
 
     def execute(self, context: Context) -> dict[str, str]:
-        owner = self._owner = _owner(context, RayHook(self.ray_conn_id).deployment())
-        with self._client() as kube:
+        deployment = RayHook(self.ray_conn_id).deployment()
+        owner = self._owner = _owner(context, deployment)
+        with self._client(context, deployment) as kube:
             self._kube = kube
-            manifest = self._render(kube.ref.name)
+            manifest = self._manifest(kube.ref.name)
             if self.manifest is None and (note := kuberay.default_image_note(
                     self.render_kwargs["image"], self.render_kwargs["gpu_image"] if self.render_kwargs["gpu_nodes"]
                     else None)):
@@ -178,8 +195,9 @@ class CreateRayClusterOperator(_ClusterOperator):
         """Back from the triggerer: the ready cluster's address, or its deletion and the reason it failed."""
         if event.get("status") == "ready":
             return self._ready(event["namespace"], event["name"], event["dashboard_url"])
-        with self._client() as kube:
-            self._delete_own(kube, _owner(context, RayHook(self.ray_conn_id).deployment()))
+        deployment = RayHook(self.ray_conn_id).deployment()
+        with self._client(context, deployment) as kube:
+            self._delete_own(kube, _owner(context, deployment))
         from rayslice.cloud.kuberay_client import KubeRayError, KubeRayNotReadyError
 
         error = KubeRayNotReadyError if event.get("status") == "timeout" else KubeRayError
@@ -194,7 +212,7 @@ class CreateRayClusterOperator(_ClusterOperator):
 
         try:
             outcome = retry_passing(lambda: kube.delete(owner=owner))
-            secret = self._token_secret(self._render(kube.ref.name))
+            secret = self._token_secret(self._manifest(kube.ref.name))
             secret_outcome = retry_passing(lambda: kube.delete_token_secret(secret, owner=owner)) if secret else None
         except Exception as exc:  # report the original failure, and this one
             self.log.error("[rayslice] could not delete RayCluster %s after the failure: %s", kube.ref, exc)
@@ -224,8 +242,9 @@ class DeleteRayClusterOperator(_ClusterOperator):
         self.token_secret = token_secret
 
     def execute(self, context: Context) -> str:
-        owner = _owner(context, RayHook(self.ray_conn_id).deployment())
-        with self._client() as kube:
+        deployment = RayHook(self.ray_conn_id).deployment()
+        owner = _owner(context, deployment)
+        with self._client(context, deployment) as kube:
             existing = kube.get() or {}
             named = ((existing.get("metadata") or {}).get("annotations") or {}).get(TOKEN_SECRET_ANNOTATION)
             outcome = kube.delete(owner=owner)

@@ -58,7 +58,8 @@ DEADLINE_LEAD_S = 3.0
 #: The operator arguments the trigger rebuilds an unmapped operator from (plus its request fields).
 STEP_ARGUMENTS = ("callable", "command", "op_kwargs", "runtime_env", "ray_conn_id", "capacity_timeout",
                   "step_timeout", "hang_timeout", "preemption_retries", "checkpoint_root", "poll_interval",
-                  "execution_timeout", "shipped_callable", "priority", "team", "preemptible", "notice_signal")
+                  "execution_timeout", "shipped_callable", "priority", "team", "preemptible", "notice_signal",
+                  "kuberay_cluster")
 
 
 class CannotStart(Exception):
@@ -223,8 +224,12 @@ class RayStepStartTrigger(RayStepTrigger):
                                                 operator.get_template_env(), set(self._literals))
         except Exception as exc:  # a worker renders again as the task resumes, and fails with Airflow's own error
             raise CannotStart(f"its templated fields do not render here ({type(exc).__name__}: {exc})") from None
-        operator._settings = await RayHook(operator.ray_conn_id).asettings()
+        # Off the event loop: a first step may wait for the deployment's Variable; a per-run cluster is named by it.
+        deployment = await asyncio.to_thread(RayHook(operator.ray_conn_id).deployment)
+        hook = await asyncio.to_thread(operator.cluster_hook, context, deployment)
+        operator._settings = await hook.asettings()
         self.ray_conn_id, self.poll_interval = operator.ray_conn_id, float(operator.poll_interval)
+        self.kuberay_cluster = operator._cluster
         request = operator.build_request()
         if note := getattr(request, "programs_note", None):
             self.log.info("[rayslice] %s", note)
@@ -232,8 +237,7 @@ class RayStepStartTrigger(RayStepTrigger):
         local_folders_here(operator.runtime_env)
         # The zone check as on a worker (`execute`): the connection's `cloud_tpu` extra, read off the loop.
         await asyncio.to_thread(operator._check_zone_offers, RayHook(operator.ray_conn_id), request)
-        # Off the event loop: a KubeRay connection asks Kubernetes, and a first step may wait for the Variable.
-        owner = operator._owner(context, await asyncio.to_thread(RayHook(operator.ray_conn_id).deployment))
+        owner = operator._owner(context, deployment)
         operator._submission_id = self.submission_id = owner.submission_id
         spec = operator._spec(request, owner, context)
         limit, reason = operator.deferral_limit()

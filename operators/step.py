@@ -45,6 +45,7 @@ from rayslice.operators.triggers import EXECUTION_TIMEOUT, RayStepTrigger
 
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import LogFollower, running_earlier_tries, submission_id, submit_step, wait_for_step
+from rayslice.cloud import cluster_names
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
@@ -137,6 +138,9 @@ class RayStepOperator(BaseOperator):
     :param op_kwargs: keyword arguments for the function; must be JSON (templated). Not with ``command=``
         (refused at parse time): a program gets its values as argv or ``runtime_env`` ``env_vars``.
     :param ray_conn_id: the `ray` connection (the Ray dashboard URL and token).
+    :param kuberay_cluster: the RayCluster to run on instead of the one the connection's ``kuberay`` extra
+        names (same namespace and API server; templated). ``"per-run"``: the DAG run's own, as
+        ``CreateRayClusterOperator(name="per-run")`` made it, so runs of one DAG may overlap.
     :param capacity_timeout: seconds to wait for free capacity before failing, counted from the moment the
         step takes its place in the cluster's admission queue.
     :param priority: the step's rank in the cluster's admission queue (higher first); by default the task's
@@ -171,7 +175,8 @@ class RayStepOperator(BaseOperator):
         at parse time, for the triggerer.
     """
 
-    template_fields: Sequence[str] = ("callable", "command", "op_kwargs", "checkpoint_root", "runtime_env")
+    template_fields: Sequence[str] = ("callable", "command", "op_kwargs", "checkpoint_root", "runtime_env",
+                                      "kuberay_cluster")
     template_fields_renderers = {"op_kwargs": "py", "runtime_env": "json"}
     operator_extra_links = (RayJobLink(),)
     ui_color = "#e3f2fd"
@@ -194,6 +199,7 @@ class RayStepOperator(BaseOperator):
         runtime_env: Mapping[str, Any] | None = None,
         op_kwargs: Mapping[str, Any] | None = None,
         ray_conn_id: str = RayHook.default_conn_name,
+        kuberay_cluster: str | None = None,
         capacity_timeout: float = 600,
         priority: int | None = None,
         team: str | None = None,
@@ -267,6 +273,9 @@ class RayStepOperator(BaseOperator):
                                  or not re.fullmatch(TEAM_PATTERN, team)):
             raise InvalidRequestError(f"team of {self.task_id!r} must be a name of 1 to 64 letters, digits, '.', '_', "
                                       f"'-' (parts joined by '/'), got {team!r}")
+        if kuberay_cluster is not None and not is_templated(kuberay_cluster):
+            cluster_names.check_name(kuberay_cluster, f"kuberay_cluster of {self.task_id!r}")
+        self.kuberay_cluster = kuberay_cluster
         self.priority = priority
         self.team = team
         self.callable = callable
@@ -295,6 +304,7 @@ class RayStepOperator(BaseOperator):
         self._in_triggerer = False
         self._submission_id: str | None = None
         self._settings: RayConnectionSettings | None = None
+        self._cluster: str | None = None  # `kuberay_cluster` resolved for this run (never "per-run")
 
     @property
     def entrypoint(self) -> str | None:
@@ -351,9 +361,9 @@ class RayStepOperator(BaseOperator):
             if note := getattr(request, "programs_note", None):
                 self.log.info("[rayslice] %s", note)
             self._check_zone_offers(hook, request)
-            self._settings = hook.settings()
-            self._check_checkpoint_root(self.checkpoint_root)
             deployment = hook.deployment()
+            self._settings = self.cluster_hook(context, deployment).settings()
+            self._check_checkpoint_root(self.checkpoint_root)
         except InvalidRequestError as exc:
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
         if self.deferrable and self.start_blocker:
@@ -372,7 +382,7 @@ class RayStepOperator(BaseOperator):
             deadline = None if limit is None else started + limit
             metrics.deferred("worker")
             self.defer(
-                trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, submission_id=sid,
+                trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, kuberay_cluster=self._cluster, submission_id=sid,
                                        poll_interval=self.poll_interval, deadline=deadline, deadline_reason=reason,
                                        resume_not_before=time.time() + self.min_deferral),
                 method_name="execute_complete",
@@ -380,6 +390,17 @@ class RayStepOperator(BaseOperator):
                     seconds=max(deadline - time.time(), self.min_deferral) + DEFERRAL_BACKSTOP_S),
             )
         return result
+
+    def cluster_hook(self, context: Context, deployment: str | None = None) -> RayHook:
+        """The connection's hook, aimed at ``kuberay_cluster`` as rendered (the run's own for "per-run")."""
+        if self.kuberay_cluster not in (None, "") and self._cluster is None:
+            if deployment is None and self.kuberay_cluster == cluster_names.PER_RUN:
+                deployment = RayHook(self.ray_conn_id).deployment()
+            self._cluster = cluster_names.resolve_name(self.kuberay_cluster, context["ti"].dag_id,
+                                                       context["ti"].run_id, deployment or "",
+                                                       what=f"kuberay_cluster of {self.task_id!r}")
+            self.log.info("[rayslice] on RayCluster %s (kuberay_cluster=%r)", self._cluster, self.kuberay_cluster)
+        return RayHook(self.ray_conn_id, cluster=self._cluster)
 
     def deferral_limit(self) -> tuple[float | None, str]:
         """Seconds from the start of `execute` the step may take, and what sets them (None: no limit).
@@ -421,7 +442,7 @@ class RayStepOperator(BaseOperator):
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
         if next_method == TRIGGER_FAIL_REPR:  # Airflow timed the deferral out, or the trigger crashed
-            self._stop_if_running(self._owner(context).submission_id)
+            self._stop_if_running(self._owner(context).submission_id, context)
         return super().resume_execution(next_method, next_kwargs, context)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
@@ -432,21 +453,21 @@ class RayStepOperator(BaseOperator):
         sid = event.get("submission_id") or self._owner(context).submission_id
         self._submission_id = sid
         if not event.get("log_complete"):  # the trigger relayed the whole log unless it says otherwise
-            self._relay_rest(sid, int(event.get("log_offset") or 0))
+            self._relay_rest(sid, int(event.get("log_offset") or 0), context)
         if event.get("status") == "success":
             self.log.info("[rayslice] Ray job %s succeeded", sid)
             return event.get("result")
         if not event.get("log_complete"):  # the trigger gave up on a job that may still run: the task does too
-            self._stop_if_running(sid)
+            self._stop_if_running(sid, context)
         message = str(event.get("message") or "no message")  # logged once, by Airflow, as the task's exception
         if event.get("error_type") == EXECUTION_TIMEOUT:
             raise AirflowTaskTimeout(message)
         raise self._failure(str(event.get("error_type") or "StepFailedError"), message, event.get("error_fields"))
 
-    def _stop_if_running(self, sid: str) -> None:
+    def _stop_if_running(self, sid: str, context: Context) -> None:
         """The task gives up on the job: stop it, so that nothing runs (and holds capacity) without an owner."""
         try:
-            with RayHook(self.ray_conn_id).client() as client:
+            with self.cluster_hook(context).client() as client:
                 if client.get(sid).is_terminal:
                     return
                 client.stop(sid)
@@ -573,10 +594,10 @@ class RayStepOperator(BaseOperator):
                 )
             await asyncio.sleep(0.5)
 
-    def _relay_rest(self, sid: str, offset: int) -> None:
+    def _relay_rest(self, sid: str, offset: int, context: Context) -> None:
         follower = LogFollower(self.log.info, offset=offset)
         try:
-            with RayHook(self.ray_conn_id).client() as client:
+            with self.cluster_hook(context).client() as client:
                 follower.feed(client.logs(sid))
             follower.flush()
         except RaysliceError as exc:

@@ -90,9 +90,11 @@ class RayStepTrigger(BaseTrigger):
         deadline: float | None = None,
         resume_not_before: float | None = None,
         deadline_reason: str = "execution_timeout",
+        kuberay_cluster: str | None = None,
     ) -> None:
         super().__init__()
         self.ray_conn_id = ray_conn_id
+        self.kuberay_cluster = kuberay_cluster  # the step's RayCluster, resolved (a run's own), else the extra's
         self.submission_id = submission_id
         self.poll_interval = float(poll_interval)
         self.log_offset = int(log_offset)
@@ -114,12 +116,13 @@ class RayStepTrigger(BaseTrigger):
                 "deadline": self.deadline,
                 "resume_not_before": self.resume_not_before,
                 "deadline_reason": self.deadline_reason,
+                "kuberay_cluster": self.kuberay_cluster,
             },
         )
 
     def _hook(self) -> RayHook:
         # Each attempt is bounded by the client's timeout; the whole poll by call_timeout.
-        return RayHook(self.ray_conn_id, timeout=min(10.0, self.call_timeout), retries=2)
+        return RayHook(self.ray_conn_id, timeout=min(10.0, self.call_timeout), retries=2, cluster=self.kuberay_cluster)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         async for event in self._follow():

@@ -50,11 +50,15 @@ class FakeKubernetes(JsonHttpFake):
     """
 
     def __init__(self, *, crds: list[Path], token: str = "fake-token", ready_after_gets: int = 2,
-                 gone_after_gets: int = 1, load_balancer_ip: str = "127.0.0.1") -> None:
+                 gone_after_gets: int = 1, load_balancer_ip: str = "127.0.0.1", cluster_ip: str = "10.12.0.7",
+                 service_ports: dict[str, int] | None = None) -> None:
         self.token = token
         self.ready_after_gets = ready_after_gets  # None: never ready
         self.gone_after_gets = gone_after_gets
         self.load_balancer_ip = load_balancer_ip
+        self.cluster_ip = cluster_ip  # every head Service's cluster IP (a test may point it at a local Ray)
+        # Head Service ports by name, over the head container's (a test's Ray dashboard on another port).
+        self.service_ports = dict(service_ports or {})
         self.clusters: dict[tuple[str, str], dict[str, Any]] = {}
         self.services: dict[tuple[str, str], dict[str, Any]] = {}
         self.secrets: dict[tuple[str, str], dict[str, Any]] = {}  # as stored: ``data`` base64, like the API
@@ -114,8 +118,8 @@ class FakeKubernetes(JsonHttpFake):
         ns, name = meta["namespace"], meta["name"]
         svc_name = f"{name}-head-svc"
         head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
-        ports = [{"name": p["name"], "port": p["containerPort"], "protocol": "TCP", "targetPort": p["containerPort"]}
-                 for p in head.get("ports") or [] if p.get("name")]
+        ports = [{"name": p["name"], "port": self.service_ports.get(p["name"], p["containerPort"]), "protocol": "TCP",
+                  "targetPort": p["containerPort"]} for p in head.get("ports") or [] if p.get("name")]
         svc_type = spec["headGroupSpec"].get("serviceType") or "ClusterIP"
         lb = {"ingress": [{"ip": self.load_balancer_ip, "ipMode": "VIP"}]} if svc_type == "LoadBalancer" else {}
         self.services[(ns, svc_name)] = {
@@ -124,7 +128,7 @@ class FakeKubernetes(JsonHttpFake):
                          "labels": {"ray.io/cluster": name, "ray.io/node-type": "head"},
                          "ownerReferences": [{"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": name,
                                               "uid": meta["uid"], "controller": True}]},
-            "spec": {"type": svc_type, "clusterIP": "10.12.0.7", "clusterIPs": ["10.12.0.7"], "ports": ports,
+            "spec": {"type": svc_type, "clusterIP": self.cluster_ip, "clusterIPs": [self.cluster_ip], "ports": ports,
                      "selector": {"ray.io/cluster": name, "ray.io/node-type": "head"},
                      "sessionAffinity": "None", "ipFamilies": ["IPv4"]},
             "status": {"loadBalancer": lb},
@@ -133,7 +137,7 @@ class FakeKubernetes(JsonHttpFake):
         obj["status"] = {
             "state": "ready", "reason": "", "observedGeneration": 1, "lastUpdateTime": now,
             "stateTransitionTimes": {"ready": now},
-            "head": {"podIP": "10.8.0.5", "podName": f"{name}-head-x7k2p", "serviceIP": "10.12.0.7",
+            "head": {"podIP": "10.8.0.5", "podName": f"{name}-head-x7k2p", "serviceIP": self.cluster_ip,
                      "serviceName": svc_name},
             "endpoints": {p["name"]: str(p["port"]) for p in ports},
             "availableWorkerReplicas": 0, "desiredWorkerReplicas": 0, "readyWorkerReplicas": 0,

@@ -201,6 +201,11 @@ CASES = [
     Case("dag", "`checkpoint_root='/shared/ckpt'` (not a URL)",
          lambda: _operator(tpu="v6e-4", callable="pkg.mod:fn", checkpoint_root="/shared/ckpt"),
          InvalidRequestError, "checkpoint_root of 'train' must be a URL like 'gs://bucket/checkpoints'"),
+    Case("dag", "`kuberay_cluster='Train_Run_1'` (not a Kubernetes name)",
+         lambda: _operator(tpu="v6e-4", callable="pkg.mod:fn", kuberay_cluster="Train_Run_1"), InvalidRequestError,
+         "kuberay_cluster of 'train' 'Train_Run_1' is invalid: a RayCluster name is a DNS-1035 label of at most 53 "
+         "characters (lowercase letters, digits and '-', starting with a letter), e.g. 'rayslice'; or 'per-run' for "
+         "a name of the DAG run's own"),
     Case("dag", "`TpuSliceOperator(tpu='v6e-15', ...)` in a DAG file",
          lambda: _operator(tpu="v6e-15", callable="pkg.mod:fn"), InvalidRequestError,
          "'v6e-15' is not a v6e slice"),

@@ -215,3 +215,80 @@ def test_every_pod_of_the_gke_pages_cluster_has_a_node_to_run_on():
             and MACHINES[p["machine"]][0] * 0.9 > _cpu(head["cpu"])
             and MACHINES[p["machine"]][1] * 0.85 > _gib(head["memory"])]
     assert fits, f"the head asks for {head}: no untainted node pool of the page is that large ({pools})"
+
+
+# Every gcloud command the two pages show, and the flags each may use: checked against Google's reference
+# (2026-12-04). A flag not listed here fails the test below until someone checks it and adds it with its source.
+CHECKED_GCLOUD: dict[str, set[str]] = {
+    # https://cloud.google.com/kubernetes-engine/docs/add-on/ray-on-gke/how-to/enable-ray-on-gke (--addons=RayOperator
+    # from GKE 1.30.0-gke.1747000, --cluster-version / --release-channel);
+    # https://docs.ray.io/en/latest/cluster/kubernetes/user-guides/gcp-gke-tpu-cluster.html (--machine-type,
+    # --location; TPU v6e from GKE 1.31.2-gke.1115000);
+    # https://cloud.google.com/kubernetes-engine/docs/how-to/workload-identity (--workload-pool=PROJECT_ID.svc.id.goog);
+    # https://cloud.google.com/sdk/gcloud/reference/container/clusters/create (--node-locations, --num-nodes per zone)
+    "container clusters create": {"--project", "--location", "--node-locations", "--machine-type", "--num-nodes",
+                                  "--addons",
+                                  "--workload-pool", "--release-channel", "--cluster-version"},
+    # https://cloud.google.com/sdk/gcloud/reference/container/clusters/get-credentials
+    "container clusters get-credentials": {"--project", "--location"},
+    # https://cloud.google.com/sdk/gcloud/reference/container/node-pools/create (--accelerator=type=,count=,
+    # gpu-driver-version=; --tpu-topology, --spot, --reservation-affinity/--reservation, autoscaling);
+    # https://cloud.google.com/kubernetes-engine/docs/how-to/tpus (multi-host slice pools: --machine-type
+    # ct6e-standard-4t, --tpu-topology 4x4, --num-nodes 0 with --enable-autoscaling --max-nodes = hosts per slice);
+    # https://docs.ray.io/en/latest/cluster/kubernetes/user-guides/gcp-gke-tpu-cluster.html (TPU pools for KubeRay
+    # with --enable-autoscaling --min-nodes 0 --max-nodes)
+    "container node-pools create": {"--cluster", "--project", "--location", "--node-locations", "--machine-type",
+                                    "--tpu-topology", "--enable-autoscaling", "--num-nodes", "--min-nodes",
+                                    "--max-nodes", "--spot", "--accelerator", "--reservation-affinity",
+                                    "--reservation"},
+    # https://cloud.google.com/storage/docs/access-control/using-iam-permissions (buckets add-iam-policy-binding
+    # --member --role); the principal:// member of a Kubernetes service account:
+    # https://cloud.google.com/kubernetes-engine/docs/how-to/workload-identity
+    "storage buckets add-iam-policy-binding": {"--member", "--role"},
+    # https://cloud.google.com/sdk/gcloud/reference/storage/cp
+    "storage cp": set(),
+    # https://cloud.google.com/sdk/gcloud/reference/services/enable
+    "services enable": {"--project"},
+    # https://cloud.google.com/sdk/gcloud/reference/iam/service-accounts/create
+    "iam service-accounts create": {"--project"},
+    # https://cloud.google.com/secret-manager/docs/create-secret-quickstart (--data-file=- reads stdin)
+    "secrets create": {"--data-file", "--project"},
+    # https://cloud.google.com/sdk/gcloud/reference/secrets/versions/access
+    "secrets versions access": {"--secret"},
+    # https://cloud.google.com/sdk/gcloud/reference/compute/firewall-rules/create
+    "compute firewall-rules create": {"--network", "--allow", "--source-ranges", "--target-tags", "--project"},
+    # https://cloud.google.com/sdk/gcloud/reference/compute/tpus/queued-resources/create (SYNOPSIS: --zone,
+    # --runtime-version, --accelerator-type, --node-id, --metadata-from-file, --service-account, --spot)
+    "compute tpus queued-resources create": {"--node-id", "--zone", "--project", "--accelerator-type",
+                                             "--runtime-version", "--spot", "--service-account",
+                                             "--metadata-from-file"},
+}
+
+
+def gcloud_commands() -> list[tuple[str, list[str]]]:
+    """Every gcloud command of the two pages (cloud blocks, `$(...)` included): (page, its words)."""
+    found = []
+    for page in PAGES:
+        for _lang, body in blocks(page):
+            for line in body.replace("\\\n", " ").splitlines():
+                for match in re.finditer(r"\bgcloud\s+([^|;)#]*)", line):
+                    found.append((page, shlex.split(match[1])))
+    return found
+
+
+def test_every_gcloud_flag_the_pages_use_was_checked_against_googles_reference():
+    commands = gcloud_commands()
+    assert len(commands) >= 12
+    for page, words in commands:
+        key = next((k for k in sorted(CHECKED_GCLOUD, key=len, reverse=True) if words[:len(k.split())] == k.split()),
+                   None)
+        assert key, f"{page}: `gcloud {' '.join(words)}` is unchecked: check it, add it to CHECKED_GCLOUD"
+        flags = {w.split("=", 1)[0] for w in words if w.startswith("--")}
+        assert flags <= CHECKED_GCLOUD[key], \
+            f"{page}: `gcloud {key}` uses {sorted(flags - CHECKED_GCLOUD[key])}, not checked against Google's reference"
+
+
+def test_the_gke_page_says_which_gke_versions_it_needs():
+    text = (REPO / "docs" / "deploying-gke.md").read_text()
+    assert "1.31.2-gke.1115000" in text  # TPU v6e in GKE
+    assert "1.30.0-gke.1747000" in text  # the Ray operator add-on

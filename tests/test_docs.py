@@ -25,7 +25,10 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 #: Flags of other tools that the docs show (kubectl, gcloud, pip/uv, docker, bench scripts, programs).
 OTHER_TOOLS_FLAGS = {"--xla", "--no-index", "--find-links", "--compile-bytecode", "--steps", "--seed", "--pod-types",
                      "--no-baseline", "--idle-minutes", "--from-literal", "--config", "--conf", "--help",
-                     "--out-dir", "--reservation-affinity", "--metrics-export-port"}
+                     "--out-dir", "--reservation-affinity", "--metrics-export-port",
+                     # gcloud's, named in deploying-gke.md's prose (its commands' flags: CHECKED_GCLOUD in
+                     # tests/test_deploying_docs.py, each checked against Google's reference)
+                     "--cluster-version", "--tpu-topology", "--placement-policy"}
 BLOCK = re.compile(r"^```(\w*)\n.*?^```$", re.S | re.M)
 #: Parameters that are not for users: set by rayslice itself (the decorators).
 INTERNAL = {"shipped_callable"}

@@ -48,6 +48,9 @@ _RESOURCE_ID = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 #: Google's documented TPU VM base images per version (cloud.google.com/tpu/docs/runtimes).
 RUNTIME_VERSIONS = {"v2": "tpu-ubuntu2204-base", "v3": "tpu-ubuntu2204-base", "v4": "tpu-ubuntu2204-base",
                     "v5litepod": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5", "v6e": "v2-alpha-tpuv6e"}
+#: TPU versions the Cloud TPU API (and so queued resources) does not serve: GKE and Compute Engine only
+#: (cloud.google.com/tpu/docs/v6e-training: "The Cloud TPU API is not supported on TPU7x and later TPU versions").
+NOT_IN_CLOUD_TPU_API = frozenset({"v7x"})
 _zone_cache: dict[tuple[str, str, str], tuple[float, tuple[str, ...]]] = {}
 _zone_lock = threading.Lock()
 
@@ -254,6 +257,16 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
     return "\n".join(lines) + "\n"
 
 
+def served_version(tpu: str, num_slices: int = 1) -> str:
+    """The TPU version of ``tpu``; refuses a bad slice type and one the Cloud TPU API does not serve."""
+    version = TpuSliceRequest(tpu=tpu, num_slices=num_slices).version
+    if version in NOT_IN_CLOUD_TPU_API:
+        raise InvalidRequestError(
+            f"tpu={tpu!r}: TPU v7x (Ironwood) cannot be created through the Cloud TPU API (queued resources), "
+            "which Google does not serve for TPU7x and later; run it on GKE (docs/deploying-gke.md)")
+    return version
+
+
 @dataclass(frozen=True)
 class QueuedSlice:
     """One queued resource in ``project``/``zone`` holding ``num_slices`` slices of ``tpu``."""
@@ -271,7 +284,7 @@ class QueuedSlice:
         if not isinstance(self.queued_resource_id, str) or not _RESOURCE_ID.match(self.queued_resource_id):
             raise InvalidRequestError(f"queued_resource_id {self.queued_resource_id!r} is invalid: lowercase "
                                       "letters, digits and '-', starting with a letter, at most 63 characters")
-        version = TpuSliceRequest(tpu=self.tpu, num_slices=self.num_slices).version  # raises when bad
+        version = served_version(self.tpu, self.num_slices)  # raises when bad
         if self.runtime_version is None and version not in RUNTIME_VERSIONS:
             raise InvalidRequestError(f"no default TPU VM runtime for {version}: pass runtime_version "
                                       "(`gcloud compute tpus tpu-vm versions list --zone ...`)")

@@ -484,11 +484,21 @@ def resolve_dashboard_url(ref: ClusterRef, *, timeout: float = 10.0, api_client:
     return resolve(ref, timeout=timeout, api_client=api_client)[0]
 
 
-def resolve(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None) -> tuple[str, str | None]:
-    """The dashboard URL of ``ref``'s RayCluster, and its Ray token when ``ref.token_secret`` names its Secret."""
+def resolve(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None,
+            token_from_cluster: bool = False) -> tuple[str, str | None]:
+    """The dashboard URL of ``ref``'s RayCluster, and its Ray token when ``ref.token_secret`` names its Secret.
+
+    ``token_from_cluster``: the token's Secret is the one the cluster's own ``authOptions`` names (a cluster
+    of one DAG run has a Secret of its own), else ``ref.token_secret``.
+    """
     with KubeRayClient(ref, timeout=timeout, api_client=api_client) as kube:
-        url = kube.dashboard_url()
-        return url, kube.read_token(ref.token_secret) if ref.token_secret else None
+        obj = kube.get()
+        url = kube.dashboard_url(obj)
+        secret = ref.token_secret
+        options = ((obj or {}).get("spec") or {}).get("authOptions") or {}
+        if token_from_cluster and options.get("mode") == "token":
+            secret = options.get("secretName") or secret
+        return url, kube.read_token(secret) if secret else None
 
 
 def owner_for_run(dag_id: str, run_id: str, deployment: str) -> str:

@@ -23,6 +23,7 @@ EXPECTED_DAGS = {
     "rayslice_gpu_fraction_sweep",
     "rayslice_gpu_fraction_mapping",
     "rayslice_training_pipeline",
+    "rayslice_kuberay_cluster_per_run",  # run in tests/dags/test_kuberay_cluster_per_run.py (a fake Kubernetes API)
 }
 
 

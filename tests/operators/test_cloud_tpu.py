@@ -150,6 +150,9 @@ def test_a_pre_existing_queued_resource_is_never_deleted(fake, dags):
         ({**GOOD, "queued_resource_id": "RS"}, "queued_resource_id 'RS' is invalid"),
         ({**GOOD, "head_address": "10.0.0.2"}, "host:port"),
         ({**GOOD, "active_timeout": 0}, "active_timeout=0"),
+        ({**GOOD, "tpu": "v7x-16"}, "cannot be created through the Cloud TPU API"),
+        ({**GOOD, "tpu": "v7x-16", "queued_resource_id": "run-{{ ts_nodash | lower }}"},
+         "cannot be created through the Cloud TPU API"),  # the id, templated, is checked at run time; the type is not
     ],
 )
 def test_bad_arguments_fail_the_dag_import(tmp_path, airflow_db, kwargs, message):

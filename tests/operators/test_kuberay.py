@@ -153,6 +153,52 @@ def test_the_hook_reads_the_token_from_the_clusters_secret(fake, monkeypatch, tm
         RayHook(CONN).settings()
 
 
+def test_a_steps_cluster_replaces_the_extras_name_and_its_token_is_that_clusters_own(fake, monkeypatch, tmp_path):
+    """kuberay_cluster: the same API server and namespace, another RayCluster, the Secret its authOptions name."""
+    import base64
+
+    from rayslice.hooks.ray import RayHook
+
+    fake.load_balancer_ip = "198.51.100.4"
+    manifest = kuberay.render_raycluster("rs-run-2", tpus=["v6e-4"], namespace="ml", token_secret="run-2-token")
+    manifest["spec"]["headGroupSpec"]["serviceType"] = "LoadBalancer"
+    fake.add_cluster(manifest)
+    fake.secrets[("ml", "run-2-token")] = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "run-2-token"},
+                                           "data": {"auth_token": base64.b64encode(b"run-2").decode()}}
+    extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig,
+                         "token_secret": "rs-ray-token"}}  # the fixed cluster's Secret: not this cluster's
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
+    for settings in (RayHook(CONN, cluster="rs-run-2").settings(),
+                     asyncio.run(RayHook(CONN, cluster="rs-run-2").asettings())):
+        assert (settings.dashboard_url, settings.token) == ("http://198.51.100.4:8265", "run-2")
+    assert not [p for _, p, _ in fake.requests if p.endswith("/rayclusters/rs") or "rs-ray-token" in p]
+    with pytest.raises(KubeRayError, match="no RayCluster ml/rs-run-3"):
+        RayHook(CONN, cluster="rs-run-3").settings()
+
+
+def test_a_steps_cluster_needs_a_kuberay_connection(monkeypatch):
+    from rayslice.hooks.ray import RayHook
+
+    monkeypatch.setenv("AIRFLOW_CONN_KR_HOST", json.dumps({"conn_type": "ray", "host": "http://h:8265"}))
+    with pytest.raises(InvalidRequestError, match="kuberay_cluster='rs-1' needs a `ray` connection with a 'kuberay' "
+                                                  "extra"):
+        RayHook("kr_host", cluster="rs-1").settings()
+
+
+@pytest.mark.parametrize("operator", ["TpuSliceOperator", "AcceleratorOperator"])
+def test_a_steps_kuberay_cluster_is_checked_at_parse_time_unless_templated(operator):
+    from rayslice.operators.accelerator import AcceleratorOperator
+    from rayslice.operators.tpu_slice import TpuSliceOperator
+
+    cls = {"TpuSliceOperator": TpuSliceOperator, "AcceleratorOperator": AcceleratorOperator}[operator]
+    args = {"tpu": "v6e-4"} if operator == "TpuSliceOperator" else {"accelerator": "GPU", "count": 0.5}
+    with pytest.raises(InvalidRequestError, match="kuberay_cluster of 's' 'Run_1' is invalid"):
+        cls(task_id="s", callable="m:f", kuberay_cluster="Run_1", **args)
+    for ok in ("per-run", "rayslice", "rs-{{ params.cluster }}"):
+        assert cls(task_id="s", callable="m:f", kuberay_cluster=ok, **args).kuberay_cluster == ok
+    assert "kuberay_cluster" in cls.template_fields
+
+
 def test_the_hook_says_when_the_cluster_is_missing_or_not_ready(fake):
     from rayslice.hooks.ray import RayHook
 
@@ -192,7 +238,7 @@ def test_the_connection_form_has_the_kuberay_field():
         ('tpus=["v6e-15"]', "'v6e-15' is not a v6e slice"),
         ('tpus=["v3-32"]', "no GKE node pools"),
         ("tpus=[]", "can run nothing"),
-        ('tpus=["v6e-16"], name="Bad_Name"', "DNS-1035"),
+        ('tpus=["v6e-16"], name="Bad_Name"', "name of 'create' 'Bad_Name' is invalid: a RayCluster name is a DNS-1035"),
         ('tpus=["v6e-16"], head_service_type="Ingress"', "use ClusterIP, NodePort or LoadBalancer"),
         ('tpus=["v6e-16"], head_service_type="LoadBalancer", auth=False', "without Ray token auth"),
         ('tpus=["v6e-16"], head_service_type="NodePort", auth=False', "without Ray token auth"),
@@ -229,13 +275,26 @@ def test_each_operators_cluster_has_token_auth_and_no_open_head(reference_crds):
         ({"manifest": given}, "given-ray-token", "LoadBalancer"),
     ]
     for kwargs, secret, service_type in cases:
-        manifest = CreateRayClusterOperator(task_id="c", **kwargs)._render("rs")
+        manifest = CreateRayClusterOperator(task_id="c", **kwargs)._manifest("rs")
         kuberay.validate(manifest, crds)
         assert manifest["spec"]["authOptions"] == {"mode": "token", "secretName": secret}, kwargs
         assert manifest["spec"]["headGroupSpec"]["serviceType"] == service_type, kwargs
     # The one unauthenticated cluster it renders when told to stays inside the Kubernetes cluster.
-    open_ = CreateRayClusterOperator(task_id="c", tpus=["v6e-16"], auth=False)._render("rs")
+    open_ = CreateRayClusterOperator(task_id="c", tpus=["v6e-16"], auth=False)._manifest("rs")
     assert "authOptions" not in open_["spec"] and open_["spec"]["headGroupSpec"]["serviceType"] == "ClusterIP"
+
+
+def test_a_given_manifests_per_run_cluster_keeps_its_token_in_a_secret_of_its_own():
+    """Two runs sharing a manifest's one Secret: the first run's teardown would delete the second run's token."""
+    from rayslice.operators.kuberay import CreateRayClusterOperator
+
+    manifest = kuberay.render_raycluster("x", tpus=["v6e-4"], token_secret="shared")
+    op = CreateRayClusterOperator(task_id="c", manifest=manifest, name="per-run")
+    assert op._manifest("rs-d-0123456789")["spec"]["authOptions"] == {"mode": "token",
+                                                                     "secretName": "rs-d-0123456789-ray-token"}
+    assert manifest["spec"]["authOptions"]["secretName"] == "shared"  # the DAG's own dict is left as it was
+    assert CreateRayClusterOperator(task_id="c", manifest=manifest, name="rs")._manifest("rs")["spec"][
+        "authOptions"]["secretName"] == "shared"
 
 
 def test_a_templated_name_is_checked_at_run_time():

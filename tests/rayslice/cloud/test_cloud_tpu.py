@@ -91,7 +91,9 @@ def test_an_unknown_zone_is_an_api_error(fake):
         ({"queued_resource_id": "Rs_1"}, "queued_resource_id 'Rs_1' is invalid"),
         ({"tpu": "v6e-15"}, "not a v6e slice"),
         ({"num_slices": 0}, "num_slices"),
-        ({"tpu": "v7x-16"}, "no default TPU VM runtime for v7x"),
+        # The Cloud TPU API does not serve TPU7x and later (https://cloud.google.com/tpu/docs/v6e-training, caution).
+        ({"tpu": "v7x-16"}, r"TPU v7x \(Ironwood\) cannot be created through the Cloud TPU API .* run it on GKE"),
+        ({"tpu": "v7x-16", "runtime_version": "v2-alpha-tpu7x"}, "cannot be created through the Cloud TPU API"),
     ],
 )
 def test_bad_queued_slices_fail_at_construction(kwargs, message):
