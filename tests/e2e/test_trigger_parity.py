@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.airflow_cli import get_json
 from tests.conftest import wait_until
 from tests.e2e.conftest import add_dags
 from tests.e2e.xcom_backend import parity_xcom
@@ -44,8 +45,7 @@ def api(airflow, airflow_api):
 
 
 def _state(api: httpx.Client, dag_id: str, run_id: str) -> str | None:
-    resp = api.get(f"/dags/{dag_id}/dagRuns/{run_id}")
-    return resp.json().get("state") if resp.status_code == 200 else None
+    return (get_json(api, f"/dags/{dag_id}/dagRuns/{run_id}") or {}).get("state")  # None: poll again
 
 
 def _wait_ended(api: httpx.Client, runs: dict[str, str], timeout: float) -> None:

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from rayslice.client.jobs_client import JobStatus, RayJobsClient
+from tests.airflow_cli import get_json
 from tests.conftest import wait_until
 from tests.e2e.conftest import add_dags
 
@@ -43,9 +44,8 @@ def _run(api: httpx.Client, dag_id: str, timeout: float, conf: dict | None = Non
     api.post(f"/dags/{dag_id}/dagRuns",
              json={"dag_run_id": run_id, "logical_date": None, "conf": conf or {}}).raise_for_status()
 
-    def state() -> str | None:
-        resp = api.get(f"/dags/{dag_id}/dagRuns/{run_id}")
-        return resp.json().get("state") if resp.status_code == 200 else None
+    def state() -> str | None:  # None: not there yet, or the API stalled (poll again)
+        return (get_json(api, f"/dags/{dag_id}/dagRuns/{run_id}") or {}).get("state")
 
     assert wait_until(lambda: state() in ("success", "failed"), timeout=timeout, interval=2), state()
     tis = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()["task_instances"]
