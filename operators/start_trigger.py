@@ -348,12 +348,17 @@ class RayStepStartTrigger(RayStepTrigger):
     async def _clear_earlier_try(self) -> bool:
         """Delete the XComs an earlier try of this task left, as a worker does when a try starts.
 
-        A worker deletes every XCom of its task instance at a try's start (the execution API's
-        ``ti_run`` lists them, ``xcom_keys_to_clear``, and the Task SDK deletes each through the XCom
-        backend); no worker starts this try. The trigger cannot list keys, so it deletes those a step
-        pushes: its result (and ``multiple_outputs`` keys), submission id, link and log checkpoint. A
-        trigger of this same try (moved, restarted) finds its own submission id, deletes nothing, and
-        returns True.
+        A worker deletes every XCom of its task instance at a try's start: the execution API's
+        ``ti_run`` lists their keys (``xcom_keys_to_clear``) and the Task SDK's ``run`` deletes each
+        through the XCom backend. A try started in the triggerer gets no ``ti_run`` (the scheduler's
+        ``TaskInstance.defer_task`` moves it to ``deferred`` itself), a trigger cannot read the
+        metadata DB (the triggerer's runner blocks the ORM) and its channel to the supervisor asks
+        for XComs by key only. So the trigger deletes every key a try of a step can push, whatever
+        that try recorded (its submission id push may have failed): its result and
+        ``multiple_outputs`` keys, submission id, link, log checkpoint and deadline. Keys that other
+        code pushed to the task (a callback's ``xcom_push``) stay: docs/concepts.md says so. A first
+        try has nothing to clear; a trigger of this same try (moved, restarted) finds its own
+        submission id, deletes nothing, and returns True.
         """
         ti = self.task_instance
         map_index = ti.map_index if ti.map_index is not None else -1
@@ -362,12 +367,14 @@ class RayStepStartTrigger(RayStepTrigger):
                                   try_number=ti.try_number, ti_id=str(ti.id)))
         backend = xcom_backend()
         recorded = await asyncio.to_thread(backend.get_one, key=SUBMISSION_ID_KEY, **where)
-        if recorded is None or recorded == own:
-            return recorded == own
+        if recorded == own:
+            return True
+        if recorded is None and int(ti.try_number or 1) <= 1:
+            return False  # the task's first try: no earlier one pushed anything
         keys = ["return_value", SUBMISSION_ID_KEY, RayJobLink().xcom_key, LOG_CHECKPOINT_KEY, DEADLINE_KEY]
-        if getattr(self.task, "multiple_outputs", False):
-            earlier = await asyncio.to_thread(backend.get_one, key="return_value", **where)
-            keys += [str(k) for k in earlier] if isinstance(earlier, Mapping) else []
+        earlier = await asyncio.to_thread(backend.get_one, key="return_value", **where)
+        if isinstance(earlier, Mapping):  # multiple_outputs keys (the DAG may have changed since: any dict's)
+            keys += [str(k) for k in earlier if str(k) not in keys]
         self.log.info("[rayslice] a new try: deleting the XComs of the earlier one (%s)", ", ".join(keys))
         for key in keys:
             await asyncio.to_thread(backend.delete, key=key, **where)

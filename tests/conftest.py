@@ -203,7 +203,12 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
                    REPO / "tests/e2e/dags/shared_cluster.py"]:
         shutil.copy(source, dags / source.name)
     settings = {"AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
-                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3"}
+                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3",
+                # The parity DAGs' XComs are kept elsewhere, as a custom XCom backend keeps them (every other
+                # DAG's as without one): tests/e2e/xcom_backend/parity_xcom.py.
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests/e2e/xcom_backend"),
+                                                            os.environ.get("PYTHONPATH")])),
+                "AIRFLOW__CORE__XCOM_BACKEND": "parity_xcom.ElsewhereXCom"}
     stack = CliAirflow(f"session-{os.getpid()}", cluster.name, dags, settings)
     stack.first_up = stack.up()
 

@@ -1,15 +1,20 @@
-"""End-to-end helpers: headless Chromium pages. The Airflow they use is the session's (`tests/conftest.py`)."""
+"""End-to-end helpers: the session Airflow's REST API and DAG files added to it, headless Chromium pages.
+
+The Airflow they use is the session's (`tests/conftest.py`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.airflow_env import REPO
+from tests.conftest import wait_until
 
 CHROMIUM = "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else shutil.which("chromium")
 ARTIFACTS = REPO / "artifacts"  # screenshots, for humans and CI to look at
@@ -36,3 +41,22 @@ def browser_page(failure_screenshot: str, note: str = "") -> Iterator:
             raise
         finally:
             browser.close()
+
+
+@pytest.fixture(scope="session")
+def airflow_api(airflow) -> Iterator[httpx.Client]:
+    """The session Airflow's REST API (`/api/v2`), as its admin."""
+    with httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=60,
+                      headers={"Authorization": f"Bearer {airflow.api_token()}"}) as client:
+        yield client
+
+
+def add_dags(airflow, api: httpx.Client, source: Path, dag_ids: Iterable[str]) -> httpx.Client:
+    """Put a DAG file in the session Airflow's DAG folder, wait until its DAGs are registered, unpause them."""
+    shutil.copy(source, airflow.dags_folder / source.name)
+    dag_ids = list(dag_ids)
+    assert wait_until(lambda: all(api.get(f"/dags/{d}").status_code == 200 for d in dag_ids), timeout=240,
+                      interval=1), f"the DAG processor did not register {', '.join(dag_ids)}"
+    for dag_id in dag_ids:
+        api.patch(f"/dags/{dag_id}", json={"is_paused": False}).raise_for_status()
+    return api

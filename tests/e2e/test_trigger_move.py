@@ -19,12 +19,15 @@ while at most the last `CHECKPOINT_S` of them are relayed twice.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import re
 import signal
 import sqlite3
 import subprocess
 import uuid
+from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from rayslice.local.airflow_stack import _airflow_bin
 from rayslice.local.local_cluster import free_port
 from tests.airflow_cli import get_json as _get
 from tests.conftest import end_sessions, wait_until
+from tests.e2e.xcom_backend import parity_xcom
 
 DAG_ID = "sc_moved_trigger"
 #: The second triggerer takes over triggers whose triggerer's heartbeat is older than this (default 30 s).
@@ -60,131 +64,163 @@ def api(airflow):
         yield client
 
 
-def test_a_trigger_moved_to_another_triggerer_leaves_its_job_running(airflow, api, cluster, tmp_path):
+@dataclasses.dataclass
+class Moving:
+    """A deferred step running on its Ray job, the trigger on one of two triggerers (see `_step_on_two_triggerers`)."""
+
+    run: str
+    release: Path  # the step returns once this exists
+    sid: str  # its Ray job
+    holder: int  # the triggerer job that holds its trigger
+    sessions: dict[int, int]  # triggerer job id -> the pid of its process group's leader
+    stopped: set[int] = dataclasses.field(default_factory=set)  # pids held with SIGSTOP, let go at the end
+
+    def freeze_holder(self, db: Path) -> None:
+        """SIGSTOP the holder's processes, then wait until the other triggerer has taken the trigger over."""
+        self.hold(processes.session_members({self.sessions[self.holder]}))
+        moved = wait_until(lambda: _holder(db, self.run) not in (None, self.holder), timeout=THRESHOLD_S + 120,
+                           interval=0.5)
+        assert moved, f"the trigger stayed on triggerer {self.holder}"
+
+    def hold(self, pids: set[int]) -> None:
+        self.stopped |= pids
+        for pid in pids:
+            processes.send_signal(pid, signal.SIGSTOP)
+
+    def let_go(self, pids: set[int] | None = None) -> None:
+        pids = set(self.stopped if pids is None else pids)
+        _continue(pids)
+        self.stopped -= pids
+
+
+@contextlib.contextmanager
+def _step_on_two_triggerers(airflow, api: httpx.Client, jobs: RayJobsClient, tmp_path: Path,
+                            prefix: str) -> Iterator[Moving]:
+    """A run of the holding step, deferred with its Ray job running, and a second triggerer started.
+
+    At the end, whatever the test did: every held process let go, the step released, the second
+    triggerer ended.
+    """
     db = Path(airflow.home) / "airflow.db"
     release = tmp_path / "release"
-    run = f"mv-{uuid.uuid4().hex[:8]}"
+    run = f"{prefix}-{uuid.uuid4().hex[:8]}"
     resp = api.post(f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run, "logical_date": None,
                                                       "conf": {"release": str(release)}})
     assert resp.status_code == 200, resp.text
     first = airflow.record.sessions["triggerer"]
     second: subprocess.Popen | None = None
-    stopped: set[int] = set()
-    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as jobs:
-        try:
-            # The step runs, deferred, and the session's only triggerer follows it.
-            holder = wait_until(lambda: _state(api, run) == "deferred" and _holder(db, run), timeout=STEP_START_S,
-                                interval=0.5)
-            assert holder, f"{run}: not deferred on a triggerer (task {_state(api, run)}, log {_log(airflow, run)})"
-            sid = wait_until(lambda: _running_sid(jobs, run), timeout=STEP_START_S, interval=0.5)
-            assert sid, f"{run}: no running Ray job"
+    moving: Moving | None = None
+    try:
+        holder = wait_until(lambda: _state(api, run) == "deferred" and _holder(db, run), timeout=STEP_START_S,
+                            interval=0.5)
+        assert holder, f"{run}: not deferred on a triggerer (task {_state(api, run)}, log {_log(airflow, run)})"
+        sid = wait_until(lambda: _running_sid(jobs, run), timeout=STEP_START_S, interval=0.5)
+        assert sid, f"{run}: no running Ray job"
+        before = _triggerers(db)
+        second = _start_second_triggerer(first, tmp_path / "triggerer-2.log")
+        others = wait_until(lambda: _triggerers(db) - before, timeout=120, interval=0.5)
+        assert others, f"the second triggerer did not start:\n{_tail(tmp_path / 'triggerer-2.log')}"
+        moving = Moving(run=run, release=release, sid=sid, holder=holder,
+                        sessions={holder: first, next(iter(others)): second.pid})
+        yield moving
+    finally:
+        if moving is not None:
+            moving.let_go()
+        release.touch()
+        if second is not None:
+            _end(second)
 
-            before = _triggerers(db)
-            second = _start_second_triggerer(first, tmp_path / "triggerer-2.log")
-            others = wait_until(lambda: _triggerers(db) - before, timeout=120, interval=0.5)
-            assert others, f"the second triggerer did not start:\n{_tail(tmp_path / 'triggerer-2.log')}"
-            sessions = {holder: first, next(iter(others)): second.pid}
 
-            status = jobs.get(sid).status
-            assert status == JobStatus.RUNNING, f"Ray job {sid} is {status} already:\n{_log(airflow, run)[-3000:]}"
-            # Well past one checkpoint interval of lines relayed before the move, so a restart from the start shows.
-            assert wait_until(lambda: "tick 30" in _log(airflow, run), timeout=120, interval=0.5), _log(airflow, run)
-            # The holder misses its heartbeats until the other triggerer has taken the trigger over.
-            stopped = processes.session_members({sessions[holder]})
-            for pid in stopped:
-                processes.send_signal(pid, signal.SIGSTOP)
-            moved = wait_until(lambda: _holder(db, run) not in (None, holder), timeout=THRESHOLD_S + 120, interval=0.5)
-            assert moved, f"the trigger stayed on triggerer {holder}"
-            _continue(stopped)
-            stopped = set()
-            # Back, the old triggerer cancels the trigger it no longer owns, "by user action".
-            cancelled = wait_until(lambda: "Trigger cancelled by user action" in _log(airflow, run), timeout=120,
-                                   interval=0.5)
-            assert cancelled, f"the old triggerer did not cancel its trigger:\n{_log(airflow, run)[-3000:]}"
-            assert wait_until(lambda: "trigger completed" in _log(airflow, run), timeout=60, interval=0.5)
-            assert f"Ray job {sid}: stop requested" not in _log(airflow, run), "on_kill stopped the job"
-            status = jobs.get(sid).status
-            assert status == JobStatus.RUNNING, f"Ray job {sid} is {status} after the trigger moved"
+def _ends_with_its_result_from_one_job(airflow, api: httpx.Client, jobs: RayJobsClient, moving: Moving) -> None:
+    """The step succeeded with its result, and ran as its one Ray job."""
+    run, sid = moving.run, moving.sid
+    done = wait_until(lambda: _state(api, run) in ("success", "failed"), timeout=240, interval=1)
+    assert done and _state(api, run) == "success", f"task {_state(api, run)}:\n{_log(airflow, run)[-3000:]}"
+    assert _xcom(api, run)["value"] == run
+    assert jobs.get(sid).status == JobStatus.SUCCEEDED
+    ran = jobs_of_task(jobs.list_jobs(), Owner(dag_id=DAG_ID, run_id=run, task_id="step"))
+    assert [j.submission_id for j in ran] == [sid], "the step ran as more than one Ray job"
+    assert jobs.logs(sid).count("holding the slice until released") == 1
 
-            release.touch()
-            done = wait_until(lambda: _state(api, run) in ("success", "failed"), timeout=240, interval=1)
-            assert done and _state(api, run) == "success", f"task {_state(api, run)}:\n{_log(airflow, run)[-3000:]}"
-            assert _xcom(api, run)["value"] == run
-            assert jobs.get(sid).status == JobStatus.SUCCEEDED
-            ran = jobs_of_task(jobs.list_jobs(), Owner(dag_id=DAG_ID, run_id=run, task_id="step"))
-            assert [j.submission_id for j in ran] == [sid], "the step ran as more than one Ray job"
-            assert "moved to another triggerer" in _log(airflow, run)
-            _assert_relayed_once(_log(airflow, run))
-        finally:
-            _continue(stopped)
-            release.touch()
-            if second is not None:
-                _end(second)
+
+def test_a_trigger_moved_to_another_triggerer_leaves_its_job_running(airflow, api, cluster, tmp_path):
+    db = Path(airflow.home) / "airflow.db"
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as jobs, \
+            _step_on_two_triggerers(airflow, api, jobs, tmp_path, "mv") as moving:
+        run, sid = moving.run, moving.sid
+        status = jobs.get(sid).status
+        assert status == JobStatus.RUNNING, f"Ray job {sid} is {status} already:\n{_log(airflow, run)[-3000:]}"
+        # Past one checkpoint interval of lines relayed before the move, so a restart from the start shows.
+        ticks = int(2 * CHECKPOINT_S / 0.5) + 2
+        assert wait_until(lambda: f"tick {ticks}" in _log(airflow, run), timeout=120, interval=0.5), _log(airflow, run)
+        # The holder misses its heartbeats until the other triggerer has taken the trigger over.
+        moving.freeze_holder(db)
+        moving.let_go()
+        # Back, the old triggerer cancels the trigger it no longer owns, "by user action".
+        cancelled = wait_until(lambda: "Trigger cancelled by user action" in _log(airflow, run), timeout=120,
+                               interval=0.5)
+        assert cancelled, f"the old triggerer did not cancel its trigger:\n{_log(airflow, run)[-3000:]}"
+        assert wait_until(lambda: "trigger completed" in _log(airflow, run), timeout=60, interval=0.5)
+        assert f"Ray job {sid}: stop requested" not in _log(airflow, run), "on_kill stopped the job"
+        status = jobs.get(sid).status
+        assert status == JobStatus.RUNNING, f"Ray job {sid} is {status} after the trigger moved"
+
+        moving.release.touch()
+        _ends_with_its_result_from_one_job(airflow, api, jobs, moving)
+        assert "moved to another triggerer" in _log(airflow, run)
+        _assert_relayed_once(_log(airflow, run))
 
 
 def test_a_trigger_moved_after_the_result_line_ends_the_step_with_its_result(airflow, api, cluster, tmp_path):
     db = Path(airflow.home) / "airflow.db"
-    release = tmp_path / "release"
-    run = f"mr-{uuid.uuid4().hex[:8]}"
-    resp = api.post(f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run, "logical_date": None,
-                                                      "conf": {"release": str(release)}})
-    assert resp.status_code == 200, resp.text
-    first = airflow.record.sessions["triggerer"]
-    second: subprocess.Popen | None = None
-    stopped: set[int] = set()
-    held: set[int] = set()
-    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as jobs:
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as jobs, \
+            _step_on_two_triggerers(airflow, api, jobs, tmp_path, "mr") as moving:
+        run, sid = moving.run, moving.sid
+        # The driver prints the result and exits; its supervisor, held, cannot report the end.
+        supervisor = psutil.Process(_supervisor(cluster, sid))
+        held = {supervisor.pid}
+        moving.hold(held)
+        moving.release.touch()
+        assert wait_until(lambda: _driver_exited(supervisor), timeout=120, interval=0.5), \
+            "the step's driver did not exit"
+        assert jobs.get(sid).status == JobStatus.RUNNING
+        size = len(jobs.logs(sid))
+        # The holder recorded how far it relayed: past the result line, the driver's last.
+        assert wait_until(lambda: _recorded_offset(db, run) >= size, timeout=120, interval=0.5), \
+            f"no record past the result line ({_recorded_offset(db, run)} < {size}):\n{_log(airflow, run)[-3000:]}"
+        moving.freeze_holder(db)
+        assert wait_until(lambda: re.search(r"resuming the log of Ray job \S+ at character", _log(airflow, run)),
+                          timeout=120, interval=0.5), _log(airflow, run)[-3000:]
+        moving.let_go(moving.stopped - held)
+        # Back, the old triggerer cancels its trigger before the job's end could reach it.
+        assert wait_until(lambda: "Trigger cancelled by user action" in _log(airflow, run), timeout=120,
+                          interval=0.5), f"no cancel by the old triggerer:\n{_log(airflow, run)[-3000:]}"
+        moving.let_go(held)
+        _ends_with_its_result_from_one_job(airflow, api, jobs, moving)
+
+
+def test_a_trigger_moved_while_it_pushes_the_result_ends_the_step_with_it_once(airflow, api, cluster, tmp_path):
+    """Item 3's third moment: the holder is frozen inside the result's XCom push (the session's XCom
+    backend holds a `pt-` run's first `return_value` push until told, `parity_xcom.held_push`)."""
+    db = Path(airflow.home) / "airflow.db"
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as jobs, \
+            _step_on_two_triggerers(airflow, api, jobs, tmp_path, parity_xcom.HELD_RUN_PREFIX) as moving:
+        run = moving.run
+        pushing, go = parity_xcom.held_push_files(run, airflow.home)
         try:
-            holder = wait_until(lambda: _state(api, run) == "deferred" and _holder(db, run), timeout=STEP_START_S,
-                                interval=0.5)
-            assert holder, f"{run}: not deferred on a triggerer (task {_state(api, run)}, log {_log(airflow, run)})"
-            sid = wait_until(lambda: _running_sid(jobs, run), timeout=STEP_START_S, interval=0.5)
-            assert sid, f"{run}: no running Ray job"
-            before = _triggerers(db)
-            second = _start_second_triggerer(first, tmp_path / "triggerer-2.log")
-            others = wait_until(lambda: _triggerers(db) - before, timeout=120, interval=0.5)
-            assert others, f"the second triggerer did not start:\n{_tail(tmp_path / 'triggerer-2.log')}"
-
-            # The driver prints the result and exits; its supervisor, held, cannot report the end.
-            supervisor = psutil.Process(_supervisor(cluster, sid))
-            held = {supervisor.pid}
-            processes.send_signal(supervisor.pid, signal.SIGSTOP)
-            release.touch()
-            assert wait_until(lambda: _driver_exited(supervisor), timeout=120, interval=0.5), \
-                "the step's driver did not exit"
-            assert jobs.get(sid).status == JobStatus.RUNNING
-            size = len(jobs.logs(sid))
-            # The holder recorded how far it relayed: past the result line, the driver's last.
-            assert wait_until(lambda: _recorded_offset(db, run) >= size, timeout=120, interval=0.5), \
-                f"no record past the result line ({_recorded_offset(db, run)} < {size}):\n{_log(airflow, run)[-3000:]}"
-            stopped = processes.session_members({first})
-            for pid in stopped:
-                processes.send_signal(pid, signal.SIGSTOP)
-            moved = wait_until(lambda: _holder(db, run) not in (None, holder), timeout=THRESHOLD_S + 120, interval=0.5)
-            assert moved, f"the trigger stayed on triggerer {holder}"
-            assert wait_until(lambda: re.search(r"resuming the log of Ray job \S+ at character", _log(airflow, run)),
-                              timeout=120, interval=0.5), _log(airflow, run)[-3000:]
-            _continue(stopped)
-            stopped = set()
-            # Back, the old triggerer cancels its trigger before the job's end could reach it.
-            assert wait_until(lambda: "Trigger cancelled by user action" in _log(airflow, run), timeout=120,
-                              interval=0.5), f"no cancel by the old triggerer:\n{_log(airflow, run)[-3000:]}"
-            _continue(held)
-            held = set()
-
-            done = wait_until(lambda: _state(api, run) in ("success", "failed"), timeout=240, interval=1)
-            assert done and _state(api, run) == "success", f"task {_state(api, run)}:\n{_log(airflow, run)[-3000:]}"
-            assert _xcom(api, run)["value"] == run
-            assert jobs.get(sid).status == JobStatus.SUCCEEDED
-            ran = jobs_of_task(jobs.list_jobs(), Owner(dag_id=DAG_ID, run_id=run, task_id="step"))
-            assert [j.submission_id for j in ran] == [sid], "the step ran as more than one Ray job"
-            assert jobs.logs(sid).count("holding the slice until released") == 1
+            moving.release.touch()
+            assert wait_until(pushing.exists, timeout=180, interval=0.5), \
+                f"the result's push did not start:\n{_log(airflow, run)[-3000:]}"
+            assert _state(api, run) == "deferred"
+            moving.freeze_holder(db)
+            # The trigger that took over pushes the result (the backend holds only the first push) and ends the step.
+            _ends_with_its_result_from_one_job(airflow, api, jobs, moving)
+            moving.let_go()
         finally:
-            _continue(stopped)
-            _continue(held)
-            release.touch()
-            if second is not None:
-                _end(second)
+            go.touch()  # the frozen push completes (after the step's end: it writes the same value)
+        assert wait_until(lambda: "Trigger cancelled by user action" in _log(airflow, run), timeout=120,
+                          interval=0.5), f"no cancel by the old triggerer:\n{_log(airflow, run)[-3000:]}"
+        assert _state(api, run) == "success" and _xcom(api, run)["value"] == run
 
 
 # ---------------------------------------------------------------- helpers

@@ -262,6 +262,22 @@ def test_a_new_try_starts_without_the_last_tries_xcoms(dags, comms, monkeypatch)
     assert _stored(comms, "pair", "return_value") == {"a": 3, "b": [4]}
 
 
+def test_a_new_try_clears_the_last_tries_xcoms_though_it_recorded_no_submission_id(dags, comms, monkeypatch):
+    """A worker clears whatever its task instance holds (`xcom_keys_to_clear`), not only what a try that
+    recorded its submission id pushed: the earlier try's submission id push failed (the trigger only warns)."""
+    first = _trigger(dags, "pair", try_number=1)
+    asyncio.run(_end(first, {"a": 1, "b": [2]}, monkeypatch))
+    comms.xcoms.pop(("parity", "r", "pair", -1, SUBMISSION_ID_KEY))
+    asyncio.run(_trigger(dags, "pair", try_number=2)._build())
+    for key in ("return_value", "a", "b", RayJobLink().xcom_key, start_trigger.DEADLINE_KEY):
+        assert _stored(comms, "pair", key) is None, key
+
+
+def test_a_first_try_deletes_nothing(dags, comms, monkeypatch):
+    asyncio.run(_trigger(dags, "pair", try_number=1)._build())
+    assert [m for m in comms.sent if isinstance(m, messages.DeleteXCom)] == []
+
+
 def test_the_link_and_the_log_name_the_plugin_route_not_the_dashboard(dags, comms, monkeypatch, caplog):
     trigger = _trigger(dags, "lonely")
     with caplog.at_level(logging.INFO):

@@ -1,12 +1,14 @@
 """DAGs for tests/e2e/test_trigger_parity.py: the same DAG twice, steps started in the triggerer or on a worker.
 
 `tp_trigger` has default steps (start, run and end in the triggerer); `tp_worker` the same steps with
-`deferrable=False`. What DAG authors write around a step: mapping over its output (`.expand()`,
-`.expand_kwargs()`), `multiple_outputs`, a step mapped over an upstream output, a task group mapped
-over steps, upstream strings holding `{{ }}` and `{% %}`, arguments templated from `params` and
-`dag_run.conf`, callbacks, retries, and `all_done` / `none_failed` tasks after a step that fails once
-it is cleared (the run's conf names a file that makes it fail). Every step prints `@@` lines, which
-must reach its task log both ways.
+`deferrable=False`. What DAG authors write around a step: mapping over its output (`.expand()` over a
+list and over a dict, `.expand_kwargs()`), `multiple_outputs`, a step mapped over an upstream output,
+a task group mapped over steps, upstream strings holding `{{ }}` and `{% %}`, arguments templated
+from `params` and `dag_run.conf`, callbacks, retries, and `all_done` / `none_failed` tasks after a
+step that fails once it is cleared (the run's conf names a file that makes it fail). Every step
+prints `@@` lines, which must reach its task log both ways. The session Airflow keeps these DAGs'
+XComs elsewhere (tests/e2e/xcom_backend/parity_xcom.py, a custom XCom backend). As few steps as
+cover the patterns (one step's output serves several): each is a Ray job on a two-core CI machine.
 """
 
 from datetime import datetime, timedelta
@@ -48,31 +50,27 @@ def parity(mode: str):
     @dag(dag_id=f"tp_{mode}", schedule=None, start_date=START, catchup=False, max_active_tasks=16,
          params={"n": 2})
     def tp():
+        # One step's list of dicts is mapped over both ways: `.expand()` (a dict per index) and `.expand_kwargs()`.
         @task.ray_accelerator(**step)
         def shards() -> list:
             print("@@ shards", flush=True)
-            return [2, 3]
+            return [{"x": 2}, {"x": 3}]
 
         @task
-        def square(x: int) -> int:
-            return x * x
+        def square(x: dict) -> int:
+            return x["x"] * x["x"]
 
         @task
         def total(values: list) -> list:
             return sorted(values)
 
-        total(square.expand(x=shards()))
-
-        @task.ray_accelerator(**step)
-        def kwargs_list() -> list:
-            print("@@ kwargs_list", flush=True)
-            return [{"x": 1}, {"x": 2}]
-
         @task
         def add(x: int) -> int:
             return x + 10
 
-        add.expand_kwargs(kwargs_list())
+        listed = shards()
+        total(square.expand(x=listed))
+        add.expand_kwargs(listed)
 
         @task.ray_accelerator(**step, multiple_outputs=True)
         def pair() -> dict:
@@ -83,8 +81,13 @@ def parity(mode: str):
         def read_pair(a, b) -> list:
             return [a, b]
 
+        @task
+        def item(entry) -> list:  # mapped over a dict: one (key, value) per index
+            return list(entry)
+
         outputs = pair()
         read_pair(outputs["a"], outputs["b"])
+        item.expand(entry=outputs)
 
         @task
         def texts() -> list:
@@ -96,8 +99,7 @@ def parity(mode: str):
             return [value, tag]
 
         upstream = texts()
-        echo.override(task_id="echo_list")(value=upstream, tag="{{ params.n }}-{{ dag_run.conf.get('c') }}")
-        echo.partial(tag="{{ params.n }}").expand(value=upstream)
+        echo.partial(tag="{{ params.n }}-{{ dag_run.conf.get('c') }}").expand(value=upstream)
 
         @task_group  # the step's own output is the group's: `total_doubles` reads it per group index
         def group(x: int):
@@ -114,14 +116,15 @@ def parity(mode: str):
 
         total_doubles(group.expand(x=[1, 2]))
 
+        # Unmapped, it takes the upstream list (templates inside) whole, and a path from the run's conf.
         @task.ray_accelerator(**step, **callbacks, retries=1, retry_delay=timedelta(0), on_retry_callback=on_retry)
-        def flip(marker: str) -> str:
+        def flip(marker: str, value) -> list:
             import os
 
             print("@@ flip", flush=True)
             if os.path.exists(marker):
                 raise RuntimeError("flip fails on purpose")
-            return "flipped"
+            return [value, "flipped"]
 
         @task(trigger_rule="all_done")
         def after_all_done(value) -> list:
@@ -131,7 +134,7 @@ def parity(mode: str):
         def after_none_failed(value) -> list:
             return [value]
 
-        flipped = flip(marker="{{ dag_run.conf['marker'] }}")
+        flipped = flip(marker="{{ dag_run.conf['marker'] }}", value=upstream)
         after_all_done(flipped)
         after_none_failed(flipped)
 

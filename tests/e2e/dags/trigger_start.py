@@ -5,7 +5,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import dag, task
 
 START = datetime(2026, 1, 1)
-ITEMS = 16
+ITEMS = 6
 
 
 def work(item: int) -> dict:
