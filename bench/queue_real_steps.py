@@ -99,8 +99,18 @@ def run_once(record, seconds: float, step_s: float) -> dict:
 def main() -> None:
     args = parse_args(__doc__.split("\n")[0], default_reps=1, extra=lambda p: (
         p.add_argument("--seconds", type=float, default=80.0, help="how long the streams ask (s)"),
-        p.add_argument("--step-s", type=float, default=6.0, help="how long each one-slice step's body runs (s)")))
-    report = Report(NAME, args)
+        p.add_argument("--step-s", type=float, default=6.0, help="how long each one-slice step's body runs (s)"),
+        p.add_argument("--before", metavar="TREE", help="ship the launcher from another checkout's rayslice/ "
+                       "(e.g. the commit before a change) instead of this one's")))
+    if args.before:
+        from unittest import mock
+
+        from dispatch import shipped_from
+
+        from rayslice.client import submission
+
+        mock.patch.object(submission, "launcher_packages", lambda: shipped_from(args.before)).start()
+    report = Report(NAME + ("_before" if args.before else ""), args)
     table = Table(f"2 x v6e-16 step among four streams of one-slice {args.step_s:g} s steps for {args.seconds:g} s "
                   "(real steps, best-effort queue)",
                   ["run", "asked to body started", "to driver started", "to admitted", "to reserved",

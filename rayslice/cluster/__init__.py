@@ -256,9 +256,9 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
 
 
 def _hosts_runtime_env(spec: StepSpec) -> dict[str, Any] | None:
-    """The runtime env of every host process (`host_env.actor_runtime_env`; None: they inherit the job's)."""
+    """The user's runtime env for every host process (None: they inherit the job's, as before)."""
     env = host_env.actor_runtime_env(spec, ray.get_runtime_context().runtime_env)
-    if spec.runtime_env and env is not None:
+    if env is not None:
         log(f"host processes get the step's runtime_env: {', '.join(sorted(env))}")
     return env
 

@@ -20,17 +20,11 @@ JOINED = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 
 
 def actor_runtime_env(spec: StepSpec, job_env: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The runtime env of the step's host actors: the user's (after the launcher), else the launcher alone.
-
-    Without a user env, a shipped launcher's hosts get its `py_modules` and nothing else of the
-    job's env: the job's `working_dir` is the spec alone, a new package for every job that each
-    host's node would otherwise fetch and unpack before the host process could start (the hosts
-    get the spec as an argument). None: the job's own env, which an installed launcher has emptied.
-    """
-    launcher = list((job_env or {}).get("py_modules") or [])
+    """The runtime env of the step's host actors: None (the job's) unless the user gave one."""
     if not spec.runtime_env:
-        return {"py_modules": launcher} if launcher else None
+        return None
     env = {k: v for k, v in spec.runtime_env.items() if k != "excludes"}
+    launcher = list((job_env or {}).get("py_modules") or [])
     if launcher:  # a shipped launcher: the host processes import rayslice from it
         env["py_modules"] = launcher + [m for m in env.get("py_modules") or [] if m not in launcher]
     return env

@@ -13,14 +13,8 @@ def spec(**runtime_env):
     return StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["python"], runtime_env=runtime_env or None)
 
 
-def test_without_a_runtime_env_a_shipped_launchers_hosts_get_the_launcher_alone():
-    job = {"py_modules": LAUNCHER, "working_dir": "gcs://_ray_pkg_spec.zip", "env_vars": {"RAY_DEDUP_LOGS": "0"}}
-    assert host_env.actor_runtime_env(spec(), job) == {"py_modules": LAUNCHER}
-
-
-def test_without_a_runtime_env_an_installed_launchers_hosts_inherit_the_jobs_emptied_env():
-    assert host_env.actor_runtime_env(spec(), {}) is None
-    assert host_env.actor_runtime_env(spec(), None) is None
+def test_without_a_runtime_env_hosts_inherit_the_jobs():
+    assert host_env.actor_runtime_env(spec(), {"py_modules": LAUNCHER}) is None
 
 
 def test_the_shipped_launcher_stays_in_front_of_the_users_py_modules():
