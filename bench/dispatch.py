@@ -165,7 +165,7 @@ def main() -> None:
         for label, request in (SHAPES[s] for s in reversed(shapes)):  # the largest, most involved shape first
             shape_rows = [Row(r.label, r.run) for r in rows]
             results[label] = shape_rows
-            if label == SHAPES[shapes[-1]][0]:  # the first shape measured: one unrecorded run of each method
+            if label == SHAPES[shapes[-1]][0] and not args.no_warmup:  # the first shape: one unrecorded run each
                 log(f"{label}: warm-up (one unrecorded run of each method)")
                 for row in shape_rows:
                     if not _measure(ray, row, request, record=False):
@@ -184,6 +184,8 @@ def _flags(parser) -> None:
     parser.add_argument("--shape", action="append", choices=list(SHAPES),
                         help="measure only this shape (repeatable; default: all three in one run)")
     parser.add_argument("--nojax-rows", action="store_true", help="add (a) and (b) without JAX as extra rows")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the unrecorded run of each method (a cluster that has just run them)")
     parser.add_argument("--before", metavar="TREE",
                         help="add a row: the launcher shipped from another checkout's rayslice/ (e.g. the commit "
                         "before a change), interleaved with this checkout's in the same run")
@@ -261,13 +263,16 @@ def _rows(record: Any, slice_names: list[str], args: Any) -> list[Row]:
 BEFORE = "rayslice as a Ray job, launcher shipped from --before (run_step_job)"
 
 
+_THIS_LAUNCHER = submission.launcher_packages  # before any row patches it
+
+
 @functools.cache
 def shipped_from(tree: str) -> tuple[bytes, ...]:
     """What `launcher_packages()` ships, built from another checkout's `rayslice/` (cloudpickle: this one's)."""
     from rayslice.client.jobs_client import zip_directory
 
     return (zip_directory(Path(tree) / "rayslice", include=submission._cluster_side, include_parent_dir=True),
-            submission.launcher_packages()[1])
+            _THIS_LAUNCHER()[1])
 
 
 #: `--row` names.
