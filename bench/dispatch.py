@@ -30,6 +30,7 @@ phase times (`rayslice.cluster.phases`); the phase table gives their medians nex
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import os
@@ -43,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from _common import (
     ROOT,
@@ -60,6 +62,7 @@ from _common import (
     warm_up_workers,
 )
 
+from rayslice.client import submission
 from rayslice.cluster.phases import PHASES, parse_phases
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.step import Owner, StepSpec
@@ -136,6 +139,7 @@ class Row:
     running: Series = field(default_factory=Series)
     total: Series = field(default_factory=Series)
     phases: list[dict[str, float]] = field(default_factory=list)  # phase -> seconds since submission
+    segments: list[dict[str, float]] = field(default_factory=list)  # segment -> seconds (SEGMENTS)
     errors: list[str] = field(default_factory=list)
 
 
@@ -161,7 +165,7 @@ def main() -> None:
         for label, request in (SHAPES[s] for s in reversed(shapes)):  # the largest, most involved shape first
             shape_rows = [Row(r.label, r.run) for r in rows]
             results[label] = shape_rows
-            if label == SHAPES[shapes[-1]][0]:  # the first shape measured: one unrecorded run of each method
+            if label == SHAPES[shapes[-1]][0] and not args.no_warmup:  # the first shape: one unrecorded run each
                 log(f"{label}: warm-up (one unrecorded run of each method)")
                 for row in shape_rows:
                     if not _measure(ray, row, request, record=False):
@@ -172,6 +176,7 @@ def main() -> None:
                 log(f"{label}: rep {rep + 1}/{args.reps} done ({time.monotonic() - started:.0f} s)")
         report.add(_table(results))
         report.add(_phase_table(results))
+        report.add(_segment_table(results))
     report.write()
 
 
@@ -179,6 +184,13 @@ def _flags(parser) -> None:
     parser.add_argument("--shape", action="append", choices=list(SHAPES),
                         help="measure only this shape (repeatable; default: all three in one run)")
     parser.add_argument("--nojax-rows", action="store_true", help="add (a) and (b) without JAX as extra rows")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the unrecorded run of each method (a cluster that has just run them)")
+    parser.add_argument("--before", metavar="TREE",
+                        help="add a row: the launcher shipped from another checkout's rayslice/ (e.g. the commit "
+                        "before a change), interleaved with this checkout's in the same run")
+    parser.add_argument("--row", action="append", choices=list(ROW_KEYS),
+                        help="measure only this method (repeatable; default: all; the floor and (a) always run)")
 
 
 def _rows(record: Any, slice_names: list[str], args: Any) -> list[Row]:
@@ -187,8 +199,14 @@ def _rows(record: Any, slice_names: list[str], args: Any) -> list[Row]:
 
     package = zip_file(Path(__file__).with_name("_job_baseline.py"))
 
-    def rayslice_job(launcher: str, command: bool = False) -> Callable:
+    def rayslice_job(launcher: str, command: bool = False, tree: str | None = None) -> Callable:
         def run(request: TpuSliceRequest) -> tuple[float, list[dict], float, dict]:
+            if tree is not None:  # the launcher another checkout would ship, for this job only
+                with mock.patch.object(submission, "launcher_packages", lambda: shipped_from(tree)):
+                    return run_in(request)
+            return run_in(request)
+
+        def run_in(request: TpuSliceRequest) -> tuple[float, list[dict], float, dict]:
             lines: list[str] = []
             t0 = time.time()
             owner = Owner(submission_id=f"bench-{time.time_ns()}")
@@ -231,10 +249,80 @@ def _rows(record: Any, slice_names: list[str], args: Any) -> list[Row]:
     rows = [Row(RAYSLICE, rayslice_job("shipped")), Row(INSTALLED, rayslice_job("installed")),
             Row(COMMAND, rayslice_job("installed", command=True)), Row(HAND, baseline("a")),
             Row(ON_SLICE, baseline("b")), Row(FLOOR, floor)]
+    if args.before:
+        rows.insert(1, Row(BEFORE, rayslice_job("shipped", tree=args.before)))
+    if args.row:
+        wanted = {ROW_KEYS[key] for key in args.row} | {HAND, FLOOR, BEFORE}
+        rows = [row for row in rows if row.label in wanted]
     if args.nojax_rows:
         rows += [Row("(a) hand-written head-targeted pattern, no JAX, as a Ray job", baseline("a-nojax")),
                  Row("(b) run_on_slice (one-shot), no JAX, as a Ray job", baseline("b-nojax"))]
     return rows
+
+
+BEFORE = "rayslice as a Ray job, launcher shipped from --before (run_step_job)"
+
+
+_THIS_LAUNCHER = submission.launcher_packages  # before any row patches it
+
+
+@functools.cache
+def shipped_from(tree: str) -> tuple[bytes, ...]:
+    """What `launcher_packages()` ships, built from another checkout's `rayslice/` (cloudpickle: this one's)."""
+    from rayslice.client.jobs_client import zip_directory
+
+    return (zip_directory(Path(tree) / "rayslice", include=submission._cluster_side, include_parent_dir=True),
+            _THIS_LAUNCHER()[1])
+
+
+#: `--row` names.
+ROW_KEYS = {"shipped": RAYSLICE, "installed": INSTALLED, "command": COMMAND, "a": HAND, "b": ON_SLICE,
+            "floor": FLOOR}
+
+#: Where a step's start goes, segment by segment: (name, from moment, to moment). A moment is a phase
+#: of the job's `[rayslice] phases` record, one of its driver-side details, or a host moment at its
+#: latest host ("host:..."); "submitted" is the benchmark's submission. Consecutive, so they add up.
+SEGMENTS = (
+    ("Jobs API: submitted → accepted", "submitted", "accepted"),
+    ("Ray's job supervisor starts the driver", "accepted", "driver_started"),
+    ("driver: Python up, ray and the launcher imported (-m rayslice.cluster)", "driver_started", "main"),
+    ("driver: spec decoded, version checks", "main", "imported"),
+    ("driver: ray.init", "imported", "connected"),
+    ("driver: checks, orphan sweep", "connected", "queued"),
+    ("queue round trip (place taken → admitted)", "queued", "admitted"),
+    ("placement groups (admitted → reserved)", "admitted", "reserved"),
+    ("host actors requested", "reserved", "actors_created"),
+    ("host processes spawned (latest host)", "actors_created", "host:hosts_started"),
+    ("host: Ray worker boot, actor class import, __init__", "host:hosts_started", "host:actor_init"),
+    ("host: spec decoded, JAX imported", "host:actor_init", "host:jax_imported"),
+    ("host: step function loaded", "host:jax_imported", "host:prepared"),
+    ("jax.distributed rendezvous", "host:prepared", "host:jax_ready"),
+    ("step called", "host:jax_ready", "host:step_started"),
+)
+FLOOR_SEGMENTS = {"Jobs API: submitted → accepted": ("submitted", "hosts_started"),  # process start
+                  "host: spec decoded, JAX imported": ("hosts_started", "jax_imported"),
+                  "jax.distributed rendezvous": ("jax_imported", "jax_ready"),
+                  "step called": ("jax_ready", "step_started")}
+
+
+def segments(record: dict, t0: float) -> dict[str, float]:
+    """Seconds per SEGMENTS entry of one job's phases record (a segment whose ends are unknown is left out)."""
+    detail, hosts = record.get("detail", {}), record.get("hosts", [])
+
+    def moment(name: str) -> float | None:
+        if name == "submitted":
+            return t0
+        if name.startswith("host:"):
+            values = [h.get(name[5:]) for h in hosts]
+            return max(values) if values and None not in values else None
+        return record.get(name, detail.get(name))
+
+    out = {}
+    for name, start, end in SEGMENTS:
+        a, b = moment(start), moment(end)
+        if a is not None and b is not None:
+            out[name] = b - a
+    return out
 
 
 def floor(request: TpuSliceRequest) -> tuple[float, list[dict], float, dict]:
@@ -287,7 +375,11 @@ def _measure(ray: Any, row: Row, request: TpuSliceRequest, record: bool = True) 
     row.total.add(t1 - t0)
     if "relative" in phases:
         row.phases.append(phases["relative"] | {"result": t1 - t0})
+        at = {"submitted": 0.0, **phases["relative"]}
+        row.segments.append({name: at[b] - at[a] for name, (a, b) in FLOOR_SEGMENTS.items()}
+                            | {"total": at["step_started"]})
     elif phases:
+        row.segments.append(segments(phases, t0) | {"total": max(h["t"] for h in hosts) - t0})
         relative = {k: v - t0 for k, v in phases.items() if k in PHASES} | {"result": t1 - t0}
         detail, per_host = phases.get("detail", {}), phases.get("hosts", [])
         if "reserving" in detail and "reserved" in phases:
@@ -304,13 +396,14 @@ def _measure(ray: Any, row: Row, request: TpuSliceRequest, record: bool = True) 
 def _table(results: dict[str, list[Row]]) -> Table:
     table = Table(
         "Dispatch of a JAX step (median / p90 over n reps; ratios of medians)",
-        ["method", "n", "all hosts running", "p90", "× (a)", "− floor", "total wall", "p90", "× (a)", "× (b)",
-         "− floor"],
+        ["method", "n", "all hosts running", "p90", "× (a)", "× floor", "− floor", "total wall", "p90", "× (a)",
+         "× (b)", "− floor"],
     )
     for label, rows in results.items():
         table.section(label)
         by = {row.label: row for row in rows}
-        a, b, base = by[HAND], by[ON_SLICE], by[FLOOR]
+        a, base = by[HAND], by[FLOOR]
+        b = by.get(ON_SLICE, Row(ON_SLICE, floor))  # not measured (--row): its column stays empty
         for row in rows:
             above = (None if row.running.median() is None or base.running.median() is None
                      else row.running.median() - base.running.median())
@@ -322,6 +415,7 @@ def _table(results: dict[str, list[Row]]) -> Table:
                 fmt_s(row.running.median()),
                 fmt_s(row.running.p90()),
                 fmt_ratio(row.running.median(), a.running.median()),
+                fmt_ratio(row.running.median(), base.running.median()),
                 "—" if row is base else fmt_s(above),
                 fmt_s(row.total.median()),
                 fmt_s(row.total.p90()),
@@ -355,7 +449,7 @@ def _phase_table(results: dict[str, list[Row]]) -> Table:
     for label, rows in results.items():
         table.section(label)
         for row in rows:
-            if row.label not in (RAYSLICE, INSTALLED, FLOOR) or not row.phases:
+            if row.label not in (RAYSLICE, BEFORE, INSTALLED, FLOOR) or not row.phases:
                 continue
             cells = []
             for phase in shown:
@@ -376,6 +470,34 @@ def _phase_table(results: dict[str, list[Row]]) -> Table:
         "group REMOVED",
         "floor: hosts started = the latest process's first Python line, JAX ready = jax.distributed wired, "
         "step started = device_count() returned; result = every process exited",
+    ]
+    return table
+
+
+def _segment_table(results: dict[str, list[Row]]) -> Table:
+    shown = [row.label for row in next(iter(results.values()))
+             if row.label in (RAYSLICE, BEFORE, INSTALLED, FLOOR)]
+    short = {RAYSLICE: "shipped", BEFORE: "shipped, --before", INSTALLED: "installed", FLOOR: "floor"}
+    table = Table("Where every second of the start goes: seconds per segment (median over reps)",
+                  ["segment", *[short[label] for label in shown]])
+    for label, rows in results.items():
+        table.section(label)
+        by = {row.label: row for row in rows}
+        for name in [*(s[0] for s in SEGMENTS), "total"]:
+            cells = []
+            for key in shown:
+                values = [seg[name] for seg in by[key].segments if name in seg]
+                cells.append(f"{median(values):.2f}" if values else "")
+            table.add("submitted → all hosts running (sum)" if name == "total" else name, *cells)
+    table.notes = [
+        "each segment ends where the next begins (host moments at the latest host), so they add up to the total",
+        "floor: the first row is its processes' start (submitted → every process's first line), then JAX's import, "
+        "jax.distributed.initialize and device_count()",
+        "the driver's moments are its own `time.time()` (main: the driver's main() entered, after `python -m "
+        "rayslice.cluster` imported the package; imported: the spec decoded; connected: ray.init returned); "
+        "queued/admitted: the step's place in the admission queue taken and granted; host moments: each host's "
+        "process start (/proc), actor constructed, JAX imported, step function loaded, jax.distributed wired, "
+        "step called",
     ]
     return table
 

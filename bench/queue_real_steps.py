@@ -80,13 +80,16 @@ def run_once(record, seconds: float, step_s: float) -> dict:
         await asyncio.gather(big(), *(stream(k) for k in range(4)))
 
     asyncio.run(everything())
-    out["moments"] = []
+    out["moments"], out["holds"] = [], []
     with RayJobsClient(record.dashboard_url, token=record.token) as client:
         for sid, asked in sorted(out["asks"].items(), key=lambda item: item[1]):
             found = parse_phases(client.logs(sid))
             phases = found[-1] if found else {}
             if sid == out["sid"]:
                 out["phases"] = phases
+            if sid != out["sid"] and all(phases.get(k) for k in ("reserved", "step_started", "step_done", "released")):
+                out["holds"].append((phases["released"] - phases["reserved"],
+                                     phases["step_done"] - phases["step_started"]))
             at = {"asked": asked, "admitted": phases.get("detail", {}).get("admitted"),
                   **{phase: phases.get(phase) for phase in ("reserved", "jax_ready", "step_started", "released")}}
             out["moments"].append((sid.split("-")[2], {k: v - started if v else None for k, v in at.items()}))
@@ -96,14 +99,24 @@ def run_once(record, seconds: float, step_s: float) -> dict:
 def main() -> None:
     args = parse_args(__doc__.split("\n")[0], default_reps=1, extra=lambda p: (
         p.add_argument("--seconds", type=float, default=80.0, help="how long the streams ask (s)"),
-        p.add_argument("--step-s", type=float, default=6.0, help="how long each one-slice step's body runs (s)")))
-    report = Report(NAME, args)
+        p.add_argument("--step-s", type=float, default=6.0, help="how long each one-slice step's body runs (s)"),
+        p.add_argument("--before", metavar="TREE", help="ship the launcher from another checkout's rayslice/ "
+                       "(e.g. the commit before a change) instead of this one's")))
+    if args.before:
+        from unittest import mock
+
+        from dispatch import shipped_from
+
+        from rayslice.client import submission
+
+        mock.patch.object(submission, "launcher_packages", lambda: shipped_from(args.before)).start()
+    report = Report(NAME + ("_before" if args.before else ""), args)
     table = Table(f"2 x v6e-16 step among four streams of one-slice {args.step_s:g} s steps for {args.seconds:g} s "
                   "(real steps, best-effort queue)",
                   ["run", "asked to body started", "to driver started", "to admitted", "to reserved",
                    "to hosts started", "to JAX ready", "to step started", "one-slice steps (own results)",
                    "2-slice step ended at"])
-    asks, timelines = [], []
+    asks, timelines, holds = [], [], []
     with cluster(SPEC, NAME) as record, driver(record) as ray:
         queue.snapshot()  # the broker exists before the first run
         for rep in range(args.reps):
@@ -116,6 +129,7 @@ def main() -> None:
                 return fmt_s(at - asked) if at else "-"
 
             asks.append(out["first_host"] - asked)
+            holds += out["holds"]
             row = (str(rep + 1), fmt_s(out["first_host"] - asked), since(phases.get("driver_started")),
                    since(detail.get("admitted")), since(phases.get("reserved")), since(phases.get("hosts_started")),
                    since(phases.get("jax_ready")), since(phases.get("step_started")),
@@ -134,6 +148,15 @@ def main() -> None:
         "every step is a Ray job with its own driver; the streams keep one-slice requests waiting the whole time",
     ]
     report.add(table)
+    hold_table = Table("One-slice steps: how long each held its slice, against its body (median over every step)",
+                       ["steps", "hold (reserved → released)", "body (step started → done, latest host)",
+                        "hold ÷ body"])
+    if holds:
+        hold, body = median([h for h, _ in holds]), median([b for _, b in holds])
+        hold_table.add(len(holds), fmt_s(hold), fmt_s(body), f"{median([h / b for h, b in holds]):.2f}×")
+    hold_table.notes = ["hold ÷ body: the median of each step's own ratio; the rest of a hold is starting the "
+                        "step's host processes (worker, imports, JAX wired) and releasing"]
+    report.add(hold_table)
     for steps in timelines:
         report.add(steps)
     report.write()

@@ -14,14 +14,14 @@ import posixpath
 import time
 from datetime import UTC, datetime
 
-import fsspec
-
 ATTEMPTS_FILE = "_rayslice_attempts.jsonl"
 
 
 def describe_and_record(checkpoint_dir: str, *, try_number: int, preemption_attempt: int, submission_id: str) -> str:
     """One log line on what `checkpoint_dir` holds; appends this attempt to its record. Never raises."""
     try:
+        import fsspec  # here, not at the top: only a step with a checkpoint folder pays for its import
+
         fs, root = fsspec.core.url_to_fs(checkpoint_dir)
         fs.makedirs(root, exist_ok=True)
         attempts = _attempts(fs, root)

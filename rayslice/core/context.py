@@ -20,8 +20,6 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from fsspec.core import split_protocol
-
 from rayslice.core import goodput
 from rayslice.core.exceptions import RaysliceError
 from rayslice.core.step import Owner
@@ -122,6 +120,17 @@ class StepContext:
     def checkpoint_path(self) -> str | None:
         """`checkpoint_dir` as orbax (etils.epath) and most libraries take it: a plain path for `file://`."""
         return None if self.checkpoint_dir is None else as_path(self.checkpoint_dir)
+
+
+def split_protocol(url: str) -> tuple[str | None, str]:
+    """fsspec's own split of a URL into protocol and path, imported only when a URL is split.
+
+    fsspec's import costs every process that imports rayslice (each step's host processes among
+    them) about a tenth of a CPU-second, and only checkpoint folders need it.
+    """
+    from fsspec.core import split_protocol as split
+
+    return split(url)
 
 
 def as_path(url: str) -> str:

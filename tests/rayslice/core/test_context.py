@@ -78,3 +78,14 @@ def test_a_command_step_reads_its_context_from_documented_variables(monkeypatch)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert get_step_context() == context
+
+
+def test_a_host_process_imports_no_fsspec_until_a_checkpoint_url_is_split():
+    """Every host process imports the launcher's host module before JAX: fsspec is not part of that start."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, rayslice.cluster.gang, rayslice.cluster; assert 'fsspec' not in sys.modules\n"
+             "from rayslice.core.context import as_path; assert as_path('file:///ckpt') == '/ckpt'\n"
+             "assert 'fsspec' in sys.modules")
+    subprocess.run([sys.executable, "-c", probe], check=True)
