@@ -17,12 +17,18 @@ from datetime import UTC, datetime
 ATTEMPTS_FILE = "_rayslice_attempts.jsonl"
 
 
+def _filesystem(checkpoint_dir: str):
+    """fsspec's filesystem and path for `checkpoint_dir`; imported here, not at the top: only a step with a
+    checkpoint folder pays for fsspec's import."""
+    import fsspec
+
+    return fsspec.core.url_to_fs(checkpoint_dir)
+
+
 def describe_and_record(checkpoint_dir: str, *, try_number: int, preemption_attempt: int, submission_id: str) -> str:
     """One log line on what `checkpoint_dir` holds; appends this attempt to its record. Never raises."""
     try:
-        import fsspec  # here, not at the top: only a step with a checkpoint folder pays for its import
-
-        fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+        fs, root = _filesystem(checkpoint_dir)
         fs.makedirs(root, exist_ok=True)
         attempts = _attempts(fs, root)
         steps = sorted(
@@ -53,7 +59,7 @@ def newest_written(checkpoint_dir: str) -> float | None:
     After a preemption this is where the lost work starts: the resume redoes everything after it.
     """
     try:
-        fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+        fs, root = _filesystem(checkpoint_dir)
         steps = sorted((int(posixpath.basename(entry["name"].rstrip("/"))), entry)
                        for entry in fs.ls(root, detail=True)
                        if posixpath.basename(entry["name"].rstrip("/")).isdigit())
@@ -95,7 +101,7 @@ def _writer(attempts: list[dict], written: float | None) -> str | None:
 def complete_steps(checkpoint_dir: str) -> list[int]:
     """The whole-numbered (complete) step folders in `checkpoint_dir`, oldest first; [] when unreadable."""
     try:
-        fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+        fs, root = _filesystem(checkpoint_dir)
         return sorted(int(name) for entry in fs.ls(root, detail=False)
                       if (name := posixpath.basename(str(entry).rstrip("/"))).isdigit())
     except Exception:
