@@ -439,6 +439,9 @@ def restart_node(record: ClusterRecord, index: int, timeout: float = 180) -> Non
     node = record.nodes[index]
     if not node.args:
         raise RaysliceError(f"node {index} of {record.name!r} has no recorded start command")
+    gone_by = time.monotonic() + 10  # a node killed just now may take a moment to exit
+    while processes.alive(node.pid) and time.monotonic() < gone_by:
+        time.sleep(0.1)
     if processes.alive(node.pid):
         raise RaysliceError(f"node {index} of {record.name!r} is still running (pid {node.pid})")
     sockets = Path(record.temp_dir) / "session_latest" / "sockets"

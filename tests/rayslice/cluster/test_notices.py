@@ -114,6 +114,7 @@ def test_a_drained_host_suspends_a_training_step_which_checkpoints_frees_its_sli
 
     steps, every = 10, 4
     uninterrupted = run_step(_fit("uninterrupted", tmp_path, steps=steps, checkpoint_every=every))
+    capsys.readouterr()  # the uninterrupted run's lines are not the noticed step's
     spec = _fit("noticed", tmp_path, steps=steps, checkpoint_every=every, seconds_per_step=2.0)
     folder = Path(checkpoint_dir_for(f"file://{tmp_path / 'noticed'}", spec.owner).removeprefix("file://"))
     with Preemption(cluster, ray_driver, spec, lambda: _checkpoints(folder), seconds=30) as preemption:
