@@ -11,22 +11,13 @@ Runs inside Ray's autoscaler process (named by the cluster config's `provider.mo
 
 from __future__ import annotations
 
-import os
-
 from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider  # noqa: TID253 (runs in the autoscaler)
+
+from rayslice.local.processes import environ_overlaid
 
 
 class FakeTpuHostProvider(FakeMultiNodeProvider):
     def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):
         env = {str(k): str(v) for k, v in (node_config or {}).get("env", {}).items()}
-        with self.lock:  # nodes start one at a time under this lock; restore the environment after each
-            saved = {key: os.environ.get(key) for key in env}
-            os.environ.update(env)
-            try:
-                return super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
-            finally:
-                for key, value in saved.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
+        with self.lock, environ_overlaid(env):  # nodes start one at a time under this lock
+            return super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)

@@ -156,10 +156,45 @@ def up(
         record.nodes.append(NodeRecord(role="head", pid=local_cluster._launch(args, env, log)))
         record.save()
         _wait_for_head(record, time.monotonic() + timeout)
+        report_node_groups(record, host_node_types(pod_types))
     except BaseException:
         local_cluster.down(name)
         raise
     return record
+
+
+_REPORT = """
+import sys
+from ray._raylet import GcsClient, GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, GCS_AUTOSCALER_STATE_NAMESPACE
+GcsClient(sys.argv[1]).internal_kv_put(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode(), sys.stdin.buffer.read(),
+                                               True, GCS_AUTOSCALER_STATE_NAMESPACE.encode())
+"""
+
+
+def report_node_groups(record: ClusterRecord, types: dict[str, dict]) -> None:
+    """Tell the GCS the autoscaler's node groups and their maxima, as platforms do (Ray's ReportClusterConfig).
+
+    Ray 2.60's own autoscaler does not, and without them nothing on the cluster can tell a slice type
+    that may be added from one that never will (the queue, `check_satisfiable`). What the GCS's
+    ReportClusterConfig handler stores: a `ClusterConfig` in its internal key-value store.
+    """
+    import subprocess
+
+    from ray.core.generated import autoscaler_pb2
+
+    config = autoscaler_pb2.ClusterConfig()
+    for name, node_type in types.items():
+        group = config.node_group_configs.add(name=name, min_count=node_type["min_workers"],
+                                              max_count=node_type["max_workers"])
+        for resource, amount in node_type["resources"].items():
+            if resource != "object_store_memory":
+                group.resources[resource] = int(amount)
+    env = {**os.environ, **record.ray_env()}
+    done = subprocess.run([sys.executable, "-c", _REPORT, record.gcs_address], input=config.SerializeToString(),
+                          env=env, timeout=120, capture_output=True)
+    if done.returncode:
+        raise RaysliceError(f"could not report the node groups of {record.name!r} to its GCS: "
+                            f"{done.stderr.decode(errors='replace')[-2000:]}")
 
 
 def _wait_for_head(record: ClusterRecord, deadline: float) -> None:

@@ -396,9 +396,8 @@ def drain(record: ClusterRecord, node_ids: list[str], seconds: float, message: s
     from ray.core.generated import autoscaler_pb2
 
     deadline = time.time() + seconds
-    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    os.environ.update({k: v for k, v in record.ray_env().items() if k in saved})
-    try:
+    auth = {k: v for k, v in record.ray_env().items() if k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    with processes.environ_overlaid(auth):
         client = GcsClient(address=record.gcs_address)
         for node_id in node_ids:
             accepted, why = client.drain_node(node_id, autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION,
@@ -406,12 +405,6 @@ def drain(record: ClusterRecord, node_ids: list[str], seconds: float, message: s
                                               int(deadline * 1000))
             if not accepted:
                 raise RaysliceError(f"Ray refused to drain node {node_id}: {why}")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return deadline
 
 

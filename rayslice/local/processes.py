@@ -7,7 +7,9 @@ on the same machine. Each node or component runs in its own process session
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Mapping
 
 import psutil
 
@@ -54,3 +56,22 @@ def send_signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+@contextlib.contextmanager
+def environ_overlaid(env: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with `env` over it inside the block, put back as it was afterwards.
+
+    For what reads its settings from the environment only (Ray's GCS client's auth, a raylet started by
+    a library call); not thread-safe, so callers that start nodes concurrently hold a lock around it.
+    """
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

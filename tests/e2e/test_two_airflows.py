@@ -1,10 +1,13 @@
-"""Two Airflows on one Ray cluster keep to their own jobs and checkpoint folders (issue 26, item 7).
+"""Two Airflows on one Ray cluster keep to their own jobs, checkpoint folders and cloud resources (issue 26,
+item 7; issue 38, ownership).
 
 Staging and prod with the same DAGs and run ids: the same (dag, run, task) runs in both. Airflow B
 is `dag.test()` in its own AIRFLOW_HOME and metadata DB (a subprocess); Airflow A is the session's
 real stack. B's step holds a quarter GPU; A's try 1 of the same task fails and its try 2, which
 stops the earlier tries of its task, must not stop B's job; nor may `rayslice reap` against A.
-Each gets its own checkpoint folder.
+Each gets its own checkpoint folder. Both also create the same-named RayCluster through one fake
+Kubernetes API server (HTTP): B's comes first, and A neither adopts it on the name clash nor deletes
+it or its token Secret in its teardown; B's own teardown deletes both.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import pytest
 from rayslice.client import orphans
 from rayslice.client.jobs_client import JobStatus, RayJobsClient
 from rayslice.client.submission import jobs_of_task
+from rayslice.cloud.kuberay_client import OWNER_ANNOTATION
 from rayslice.core.step import Owner
 from tests.airflow_cli import get_json as _get
 from tests.conftest import wait_until
+from tests.fake_kubernetes import FakeKubernetes
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "sc_twin"
@@ -51,11 +56,19 @@ AIRFLOW_B = textwrap.dedent("""
                               run_conf={"mode": "hold", "release": sys.argv[4]})
     ti = env.task_instance(dr, "step")
     print("AIRFLOW_B " + json.dumps({"run_id": dr.run_id, "state": str(ti.state), "try_number": ti.try_number,
-                                     "xcom": env.xcom_values(dr, "step")}))
+                                     "xcom": env.xcom_values(dr, "step"), "tasks": env.task_states(dr),
+                                     "cluster_delete": env.xcom_values(dr, "cluster_delete")}))
 """)
 
 
-def test_two_airflows_with_the_same_task_keep_to_their_own_jobs(airflow, cluster, tmp_path):
+def test_two_airflows_with_the_same_task_keep_to_their_own_jobs(airflow, cluster, tmp_path, reference_crds):
+    with FakeKubernetes(crds=reference_crds) as kube:
+        _two_airflows(airflow, cluster, tmp_path, kube)
+
+
+def _two_airflows(airflow, cluster, tmp_path, kube: FakeKubernetes):
+    kuberay = {"conn_type": "ray", "extra": {"kuberay": {
+        "namespace": "ml", "name": "rs", "kubeconfig": str(kube.write_kubeconfig(tmp_path / "kubeconfig"))}}}
     home_b = tmp_path / "airflow-b"
     (home_b / "dags").mkdir(parents=True)
     shutil.copy(DAG_FILE, home_b / "dags" / DAG_FILE.name)
@@ -64,7 +77,7 @@ def test_two_airflows_with_the_same_task_keep_to_their_own_jobs(airflow, cluster
     # After the DAG's start_date (no task instances before it), before now (a manual run waits for its run_after).
     logical = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=random.randrange(2 * 10**7))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | {
-        "RAYSLICE_TEST_AIRFLOW_HOME": str(home_b)}
+        "RAYSLICE_TEST_AIRFLOW_HOME": str(home_b), "AIRFLOW_CONN_KUBERAY_TWIN": json.dumps(kuberay)}
     b = subprocess.Popen([sys.executable, "-c", AIRFLOW_B, cluster.dashboard_url, cluster.token or "",
                           logical.isoformat(), str(release)], cwd=REPO, env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -72,8 +85,11 @@ def test_two_airflows_with_the_same_task_keep_to_their_own_jobs(airflow, cluster
     with RayJobsClient(cluster.dashboard_url, token=cluster.token) as jobs, \
             httpx.Client(base_url=f"{airflow.url}/api/v2", timeout=60,
                          headers={"Authorization": f"Bearer {token}"}) as api:
+        resp = api.post("/connections", json={"connection_id": "kuberay_twin", "conn_type": "ray",
+                                               "extra": json.dumps(kuberay["extra"])})
+        assert resp.status_code in (201, 409), resp.text
         try:
-            # B's step runs and holds its GPU share.
+            # B's step runs and holds its GPU share; its RayCluster is made.
             held = wait_until(lambda: _holding(jobs, logical), timeout=480, interval=0.5)  # B migrates its DB first
             assert held, f"Airflow B's step did not start:\n{_finish(b, release)}"
             sid_b, run_id = held
@@ -83,10 +99,21 @@ def test_two_airflows_with_the_same_task_keep_to_their_own_jobs(airflow, cluster
             resp = api.post(f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run_id, "logical_date": logical.isoformat(),
                                                              "conf": {"mode": "fail_first"}})
             assert resp.status_code == 200, resp.text
-            done = wait_until(lambda: _ti(api, run_id).get("state") in ("success", "failed"), timeout=300, interval=1)
+            done = wait_until(lambda: _ti(api, run_id, "cluster_delete").get("state") in ("success", "failed"),
+                              timeout=300, interval=1)
             ti = _ti(api, run_id)
             assert done and ti["state"] == "success" and ti["try_number"] == 2, ti
             assert jobs.get(sid_b).status == JobStatus.RUNNING, f"A's retry stopped B's job {sid_b}"
+
+            # A's RayCluster of the same name: B's is there, so A's setup fails and its teardown leaves B's alone.
+            [deployment_b] = {(j.metadata or {}).get("deployment") for j in _task_jobs(jobs, run_id)
+                              if j.submission_id == sid_b}
+            theirs = kube.cluster("ml", "rs")
+            assert theirs and theirs["metadata"]["annotations"][OWNER_ANNOTATION] == f"{deployment_b}/{DAG_ID}/{run_id}"
+            assert _ti(api, run_id, "cluster_create")["state"] == "failed"
+            assert _xcom(api, run_id, "cluster_delete") == "not-owned"
+            assert ("ml", "rs-ray-token") in kube.secrets
+            assert not [r for r in kube.requests if r[0] == "DELETE"], "A deleted B's RayCluster or its Secret"
 
             # `rayslice reap` against A: B's job is not A's, though A's task of that name has ended.
             report = asyncio.run(orphans.reap(cluster.dashboard_url, token=cluster.token, airflow_url=airflow.url,
@@ -96,9 +123,12 @@ def test_two_airflows_with_the_same_task_keep_to_their_own_jobs(airflow, cluster
             a_result = _xcom(api, run_id)
         finally:
             outcome = _finish(b, release)
+            api.delete("/connections/kuberay_twin")
         b_result = json.loads(outcome.split("AIRFLOW_B ", 1)[1]) if "AIRFLOW_B " in outcome else None
         assert b_result and b_result["state"] == "success" and b_result["try_number"] == 1, outcome[-3000:]
         assert jobs.get(sid_b).status == JobStatus.SUCCEEDED
+        assert b_result["tasks"]["cluster_create"] == "success" and b_result["cluster_delete"] == ["deleted"]
+        assert kube.cluster("ml", "rs") is None and not kube.secrets  # B's teardown removed its own
         [b_value] = b_result["xcom"]
         assert b_value["value"] == "held" and a_result["value"] == "try 2"
         # Each Airflow's step has a checkpoint folder of its own, under its deployment's name.
@@ -134,12 +164,15 @@ def _finish(b: subprocess.Popen, release: Path) -> str:
 
 
 
-def _ti(api: httpx.Client, run_id: str) -> dict:
-    return _get(api, f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/step") or {}
+def _ti(api: httpx.Client, run_id: str, task: str = "step") -> dict:
+    return _get(api, f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task}") or {}
 
 
-def _xcom(api: httpx.Client, run_id: str):
-    entry = _get(api, f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/step/xcomEntries/return_value")
+def _xcom(api: httpx.Client, run_id: str, task: str = "step"):
+    entry = _get(api, f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task}/xcomEntries/return_value")
     assert entry is not None, f"no XCom for {DAG_ID}/{run_id}"
     value = entry["value"]
-    return json.loads(value) if isinstance(value, str) else value
+    try:
+        return json.loads(value) if isinstance(value, str) else value
+    except ValueError:  # a plain string ("not-owned")
+        return value

@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG
 from rayslice.operators.accelerator import AcceleratorOperator
+from rayslice.operators.kuberay import CreateRayClusterOperator, DeleteRayClusterOperator
 
 START = datetime(2026, 1, 1)
 
@@ -49,9 +50,17 @@ with DAG("sc_moved_trigger", schedule=None, start_date=START, catchup=False):
                         deferrable=True, poll_interval=0.5, retries=0,
                         op_kwargs={"release": "{{ dag_run.conf['release'] }}", "value": "{{ run_id }}"})
 
+# Each Airflow also makes a RayCluster through the test's fake Kubernetes API server (connection
+# `kuberay_twin`), with the same DAG, run id and cluster name in both: only its own is ever its own.
 with DAG("sc_twin", schedule=None, start_date=START, catchup=False):
-    AcceleratorOperator(task_id="step", accelerator="GPU", count=0.25, python_callable=twin, deferrable=False,
-                        poll_interval=0.5, retries=1, retry_delay=timedelta(0),
-                        op_kwargs={"mode": "{{ dag_run.conf['mode'] }}",
-                                   "release": "{{ dag_run.conf.get('release', '') }}",
-                                   "try_number": "{{ ti.try_number }}"})
+    create = CreateRayClusterOperator(task_id="cluster_create", ray_conn_id="kuberay_twin", tpus=["v6e-4"],
+                                      head_service_type="LoadBalancer", deferrable=False, poll_interval=0.05,
+                                      ready_timeout=60)
+    step = AcceleratorOperator(task_id="step", accelerator="GPU", count=0.25, python_callable=twin, deferrable=False,
+                               poll_interval=0.5, retries=1, retry_delay=timedelta(0), trigger_rule="all_done",
+                               op_kwargs={"mode": "{{ dag_run.conf['mode'] }}",
+                                          "release": "{{ dag_run.conf.get('release', '') }}",
+                                          "try_number": "{{ ti.try_number }}"})
+    delete = DeleteRayClusterOperator(task_id="cluster_delete", ray_conn_id="kuberay_twin", poll_interval=0.05,
+                                      trigger_rule="all_done")
+    create >> step >> delete

@@ -108,3 +108,21 @@ def test_a_leaked_slice_reservation_keeps_its_host_until_the_driver_gives_it_bac
         finally:
             client.stop(sid)  # the driver exits; Ray removes the placement groups it created
         assert watcher.wait(lambda alive: not alive, timeout=IDLE_S + GRACE), "host kept after the driver ended"
+
+
+def test_a_request_no_node_group_can_hold_is_refused_at_once(autoscaling_cluster):
+    """Issue 38 (4): every kind counted as one the autoscaler may add, so these waited out capacity_timeout.
+
+    The cluster reports its node groups (a v6e-4, and one 2-host v4-16, each at most one) to Ray: a
+    v6e-16, which no group provides, fails before it queues; two v4-16 slices, more than the group can
+    ever hold, are refused by the queue.
+    """
+    from rayslice.client.submission import run_step_job
+    from rayslice.core.exceptions import UnsatisfiableRequestError
+
+    for request, said in ((TpuSliceRequest(tpu="v6e-16"), "v6e-16 can never be scheduled"),
+                          (TpuSliceRequest(tpu="v4-16", num_slices=2), "at most 1 v4-16")):
+        spec = StepSpec.for_function(count_devices, request=request, capacity_timeout=600,
+                                     owner=Owner(run_id=f"as-{time.time_ns()}"))
+        with pytest.raises(UnsatisfiableRequestError, match=said):
+            asyncio.run(run_step_job(autoscaling_cluster.dashboard_url, spec, emit=print))
