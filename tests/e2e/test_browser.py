@@ -144,8 +144,10 @@ def _find_the_run_on_the_timeline(page, airflow: AirflowStack, run_id: str, slic
     for row in page.locator("table.by-task tr").all()[1:]:
         cells = [c.inner_text().strip() for c in row.locator("td").all()]
         rows[(cells[0], cells[1])] = cells[2:]
-    steps, chip_hours, gpu_hours = rows[(DAG_ID, "train")]
+    steps, chip_hours, gpu_hours, goodput = rows[(DAG_ID, "train")]
     assert int(steps) >= 1 and float(chip_hours.lstrip("<")) > 0 and gpu_hours == "0", rows
+    # Goodput of the train steps whose job log Ray still lists with the figures ("-" for none of them).
+    assert re.fullmatch(r"(\d+\.\d%( \(\d+ of \d+ steps\))?|-)", goodput), rows
     assert float(rows[(DAG_ID, "evaluate")][2].lstrip("<")) > 0, rows  # the quarter GPU, in GPU-hours
 
     task_link.click()  # the task instance in Airflow's UI
