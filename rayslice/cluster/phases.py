@@ -17,6 +17,7 @@ import json
 import os
 import time
 from itertools import pairwise
+from typing import Any
 
 from rayslice.core.step import PHASES_MARKER
 
@@ -72,16 +73,24 @@ class Timeline:
             self.spans.setdefault(kind, []).extend([float(a), float(b)] for a, b in found)
 
     def record(self) -> dict:
-        """This attempt as the goodput accounting reads it (the JSON line's content)."""
-        record: dict = {phase: at for phase, at in self.times.items()}
+        """This attempt's JSON record (the `[rayslice] phases: ` line, unrounded): what goodput reads."""
+        record: dict = {phase: self.times[phase] for phase in PHASES if phase in self.times}
+        if (queued := self.queue_wait()) is not None:
+            record["queue_wait_s"] = queued
+        if "notice" in self.detail and "released" in self.times:
+            record["notice_to_released_s"] = self.times["released"] - self.detail["notice"]
+        if self.resumed_after is not None:
+            record["suspended"] = self.resumed_after.record(self.times.get("step_started"))
         if self.detail:
             record["detail"] = dict(self.detail)
+        if self.per_host:
+            record["hosts"] = [dict(host) for host in self.per_host]
         if self.chips:
             record["chips"] = self.chips
         if self.outcome:
             record["outcome"] = self.outcome
         if self.spans:
-            record["spans"] = self.spans
+            record["spans"] = {kind: [list(span) for span in found] for kind, found in self.spans.items()}
         return record
 
     def note(self, moment: str, at: float | None = None) -> None:
@@ -121,25 +130,7 @@ class Timeline:
                + f" ({known[-1][1] - first:.2f} s in all"
                + (f", {queued:.2f} s of it in the admission queue" if queued is not None else "")
                + self._suspension_text() + ")"]
-        record: dict = {phase: round(at, 4) for phase, at in known}
-        if queued is not None:
-            record["queue_wait_s"] = round(queued, 4)
-        if "notice" in self.detail and "released" in self.times:
-            record["notice_to_released_s"] = round(self.times["released"] - self.detail["notice"], 4)
-        if self.resumed_after is not None:
-            record["suspended"] = self.resumed_after.record(self.times.get("step_started"))
-        if self.detail:
-            record["detail"] = {moment: round(at, 4) for moment, at in self.detail.items()}
-        if self.per_host:
-            record["hosts"] = [{k: round(v, 4) for k, v in host.items()} for host in self.per_host]
-        if self.chips:
-            record["chips"] = self.chips
-        if self.outcome:
-            record["outcome"] = self.outcome
-        if self.spans:
-            record["spans"] = {kind: [[round(a, 4), round(b, 4)] for a, b in found]
-                               for kind, found in self.spans.items()}
-        out.append(MARKER + json.dumps(record))
+        out.append(MARKER + json.dumps(_rounded(self.record())))
         return out
 
     def _suspension_text(self) -> str:
@@ -177,3 +168,13 @@ def job_accepted_time(submission_id: str) -> float | None:
     except Exception:  # a phase line must never fail the step
         return None
 
+
+def _rounded(value: Any) -> Any:
+    """`value` with every float rounded to 0.1 ms (the record's precision); flags and counts as they are."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return value
