@@ -85,9 +85,9 @@ def simulate(index: int, count: int, gcs: str, seconds: float, fill_s: float, ho
             _, n = heapq.heappop(due)
             launcher = launchers[n]
             if launcher["done_at"] is not None:  # ran its hold: leave, and a new launcher takes its slot
-                broker.leave.remote(launcher["entry"].id, sent=time.time())
+                broker.leave.remote(launcher["entry"].id)
                 launchers[n] = launcher = new(now)
-            ref = broker.heartbeat.remote(launcher["entry"].to_json(), beat_s=launcher["beat_s"], sent=time.time())
+            ref = broker.heartbeat.remote(launcher["entry"].to_json(), beat_s=launcher["beat_s"])
             pending[ref] = (n, now)
         if not pending:
             time.sleep(0.01)
@@ -109,7 +109,7 @@ def simulate(index: int, count: int, gcs: str, seconds: float, fill_s: float, ho
             next_at = launcher["done_at"] if launcher["done_at"] is not None else sent + launcher["beat_s"]
             heapq.heappush(due, (max(next_at, at), n))
     for launcher in launchers.values():
-        broker.leave.remote(launcher["entry"].id, sent=time.time())
+        broker.leave.remote(launcher["entry"].id)
     out.put({"rtts": rtts, "beats": beats, "admitted": admitted})
     ray.shutdown()
 

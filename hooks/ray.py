@@ -135,13 +135,15 @@ def _kuberay_extra(conn: Any) -> Any:
     return (conn.extra_dejson if conn.extra else {}).get("kuberay")
 
 
-def _resolve(conn: Any, timeout: float, cluster: str | None = None) -> tuple[str, str | None]:
+def _resolve(conn: Any, timeout: float, cluster: str | None = None,
+             owner: str | None = None) -> tuple[str, str | None]:
     """The dashboard URL and token: the host and password, or the RayCluster the ``kuberay`` extra names.
 
     For a RayCluster the URL is looked up through the Kubernetes API (blocking), and so is the token when
     the extra names its Secret (``token_secret``) and the connection has no password. ``cluster`` (a step's
-    ``kuberay_cluster``, e.g. the run's own) replaces the extra's name; its token is then in the Secret that
-    cluster's own ``authOptions`` names (each run's cluster has its own), else the extra's.
+    ``kuberay_cluster``) replaces the extra's name and is authenticated as the extra's cluster is. With
+    ``owner`` it is a DAG run's own cluster: it must carry that owner mark, and its token is the one its run
+    made (``<name>-ray-token``); the connection's password, the token of a shared cluster, is never sent to it.
     """
     kuberay = _kuberay_extra(conn)
     extra = conn.extra_dejson if conn.extra else {}
@@ -160,9 +162,11 @@ def _resolve(conn: Any, timeout: float, cluster: str | None = None) -> tuple[str
     from rayslice.cloud.kuberay_client import ClusterRef, resolve
 
     ref = ClusterRef.from_extra(kuberay, name=cluster)
+    if owner is not None:  # a run's own cluster: its own token, never the connection's
+        return resolve(replace(ref, token_secret=None), timeout=timeout, owner=owner)
     if conn.password:
         ref = replace(ref, token_secret=None)  # the connection's own token wins
-    url, token = resolve(ref, timeout=timeout, token_from_cluster=bool(cluster) and not conn.password)
+    url, token = resolve(ref, timeout=timeout)
     return url, conn.password or token
 
 
@@ -188,10 +192,10 @@ def check_extras(extra: Any) -> None:
 
 
 def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int = 3,
-                             cluster: str | None = None) -> RayConnectionSettings:
+                             cluster: str | None = None, cluster_owner: str | None = None) -> RayConnectionSettings:
     extra = conn.extra_dejson if conn.extra else {}
     check_extras(extra)
-    url, token = _resolve(conn, timeout, cluster)
+    url, token = _resolve(conn, timeout, cluster, cluster_owner)
     return RayConnectionSettings(
         dashboard_url=url,
         token=token,
@@ -263,7 +267,8 @@ class RayHook(BaseHook):
     ``client()`` / ``async_client()`` suit sync callers (operators); inside an event loop
     (triggers) use ``await hook.asettings()`` and its ``async_client()``, which fetch the
     connection without blocking the loop. ``cluster``: a RayCluster name that replaces the
-    ``kuberay`` extra's (a step's ``kuberay_cluster``, resolved: never ``"per-run"``).
+    ``kuberay`` extra's (a step's ``kuberay_cluster``, resolved: never ``"per-run"``);
+    ``cluster_owner``: the owner mark that cluster must carry (a run's own, ``kuberay_cluster="per-run"``).
     """
 
     conn_name_attr = "ray_conn_id"
@@ -272,10 +277,11 @@ class RayHook(BaseHook):
     hook_name = "Ray"
 
     def __init__(self, ray_conn_id: str = default_conn_name, *, timeout: float = 10.0, retries: int = 3,
-                 cluster: str | None = None, **kwargs: Any) -> None:
+                 cluster: str | None = None, cluster_owner: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ray_conn_id = ray_conn_id
         self.cluster = cluster or None
+        self.cluster_owner = cluster_owner or None
         self.timeout = timeout
         self.retries = retries
         self._settings: RayConnectionSettings | None = None
@@ -287,7 +293,7 @@ class RayHook(BaseHook):
         if self._settings is None:
             conn = self.get_connection(self.ray_conn_id)
             self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries,
-                                                      cluster=self.cluster)
+                                                      cluster=self.cluster, cluster_owner=self.cluster_owner)
         return self._settings
 
     async def asettings(self) -> RayConnectionSettings:
@@ -295,10 +301,11 @@ class RayHook(BaseHook):
             conn = await self.aget_connection(self.ray_conn_id)
             if _kuberay_extra(conn) in (None, "", {}):
                 self._settings = settings_from_connection(conn, timeout=self.timeout, retries=self.retries,
-                                                          cluster=self.cluster)
+                                                          cluster=self.cluster, cluster_owner=self.cluster_owner)
             else:  # the Kubernetes client blocks: keep it off the triggerer's event loop
                 self._settings = await asyncio.to_thread(settings_from_connection, conn, timeout=self.timeout,
-                                                         retries=self.retries, cluster=self.cluster)
+                                                         retries=self.retries, cluster=self.cluster,
+                                                         cluster_owner=self.cluster_owner)
         return self._settings
 
     def deployment(self) -> str:

@@ -89,7 +89,8 @@ class CreateRayClusterOperator(_ClusterOperator):
     :param auth: Ray token auth (default on). The token lives in the Secret ``token_secret`` (default
         ``<name>-ray-token``, key ``auth_token``): created with a random token before the cluster unless it
         exists, deleted by the teardown when this run made it. Give the `ray` connection's kuberay extra the
-        same ``token_secret`` so the steps authenticate.
+        same ``token_secret`` so the steps authenticate. Not with ``name="per-run"``: a run's own cluster
+        always keeps its token in ``<name>-ray-token``, which only its steps read.
     :param pods: ``rayslice.cloud.kuberay.PodSettings``: the pods' service account, labels, node selectors,
         tolerations, priority class, pull Secrets, head size (as the CLI's pod flags).
     :param manifest: a complete RayCluster instead of the rendering arguments (its ``authOptions`` and
@@ -111,6 +112,11 @@ class CreateRayClusterOperator(_ClusterOperator):
             raise InvalidRequestError(f"{self.task_id!r}: give either manifest or tpus/gpu_nodes, not both")
         if ready_timeout <= 0:
             raise InvalidRequestError(f"ready_timeout={ready_timeout} of {self.task_id!r} is invalid: use > 0")
+        if token_secret and self.name == cluster_names.PER_RUN:
+            raise InvalidRequestError(
+                f"token_secret={token_secret!r} of {self.task_id!r} cannot be used with name='per-run': each run's "
+                "cluster keeps its token in a Secret of its own (<name>-ray-token), made and deleted with it, and its "
+                "steps read only that one; drop token_secret")
         self.render_kwargs = {"tpus": list(tpus), "max_slices": max_slices, "gpu_nodes": gpu_nodes,
                               "gpu_type": gpu_type, "image": image, "gpu_image": gpu_image,
                               "idle_timeout_seconds": idle_timeout_seconds,
@@ -250,6 +256,9 @@ class DeleteRayClusterOperator(_ClusterOperator):
             outcome = kube.delete(owner=owner)
             if outcome == "not-owned":
                 self.log.warning("[rayslice] RayCluster %s was not created by %s: left alone", kube.ref, owner)
+            elif outcome == "absent" and self.name == cluster_names.PER_RUN:  # its setup made another name?
+                self.log.warning("[rayslice] RayCluster %s (this run's own) is not there: already gone, or its setup "
+                                 "did not create it under name='per-run' on connection %r", kube.ref, self.ray_conn_id)
             elif outcome == "absent":
                 self.log.info("[rayslice] RayCluster %s is already gone", kube.ref)
             else:

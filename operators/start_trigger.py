@@ -229,7 +229,7 @@ class RayStepStartTrigger(RayStepTrigger):
         hook = await asyncio.to_thread(operator.cluster_hook, context, deployment)
         operator._settings = await hook.asettings()
         self.ray_conn_id, self.poll_interval = operator.ray_conn_id, float(operator.poll_interval)
-        self.kuberay_cluster = operator._cluster
+        self.kuberay_cluster, self.kuberay_owner = operator._cluster, operator._cluster_owner
         request = operator.build_request()
         if note := getattr(request, "programs_note", None):
             self.log.info("[rayslice] %s", note)

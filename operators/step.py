@@ -305,6 +305,7 @@ class RayStepOperator(BaseOperator):
         self._submission_id: str | None = None
         self._settings: RayConnectionSettings | None = None
         self._cluster: str | None = None  # `kuberay_cluster` resolved for this run (never "per-run")
+        self._cluster_owner: str | None = None  # for "per-run": the owner mark the run's cluster must carry
 
     @property
     def entrypoint(self) -> str | None:
@@ -382,7 +383,8 @@ class RayStepOperator(BaseOperator):
             deadline = None if limit is None else started + limit
             metrics.deferred("worker")
             self.defer(
-                trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, kuberay_cluster=self._cluster, submission_id=sid,
+                trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, kuberay_cluster=self._cluster,
+                                       kuberay_owner=self._cluster_owner, submission_id=sid,
                                        poll_interval=self.poll_interval, deadline=deadline, deadline_reason=reason,
                                        resume_not_before=time.time() + self.min_deferral),
                 method_name="execute_complete",
@@ -393,14 +395,47 @@ class RayStepOperator(BaseOperator):
 
     def cluster_hook(self, context: Context, deployment: str | None = None) -> RayHook:
         """The connection's hook, aimed at ``kuberay_cluster`` as rendered (the run's own for "per-run")."""
+        if self._cluster is None and (note := self.setup_mismatch()):
+            self.log.warning("[rayslice] %s", note)
         if self.kuberay_cluster not in (None, "") and self._cluster is None:
             if deployment is None and self.kuberay_cluster == cluster_names.PER_RUN:
                 deployment = RayHook(self.ray_conn_id).deployment()
-            self._cluster = cluster_names.resolve_name(self.kuberay_cluster, context["ti"].dag_id,
-                                                       context["ti"].run_id, deployment or "",
+            ti = context["ti"]
+            self._cluster = cluster_names.resolve_name(self.kuberay_cluster, ti.dag_id, ti.run_id, deployment or "",
                                                        what=f"kuberay_cluster of {self.task_id!r}")
+            if self.kuberay_cluster == cluster_names.PER_RUN:
+                self._cluster_owner = cluster_names.owner_for_run(ti.dag_id, ti.run_id, deployment or "")
             self.log.info("[rayslice] on RayCluster %s (kuberay_cluster=%r)", self._cluster, self.kuberay_cluster)
-        return RayHook(self.ray_conn_id, cluster=self._cluster)
+        return RayHook(self.ray_conn_id, cluster=self._cluster, cluster_owner=self._cluster_owner)
+
+    def setup_mismatch(self) -> str | None:
+        """Why this step may not run on the cluster an upstream `CreateRayClusterOperator` makes (None: it does).
+
+        The names are compared as written (a templated one is not compared): a setup with ``name="per-run"``
+        and a step without ``kuberay_cluster="per-run"`` would run on the connection's shared cluster while
+        the run pays for its own.
+        """
+        from rayslice.operators.kuberay import CreateRayClusterOperator
+
+        mine = self.kuberay_cluster or None
+        seen: set[str] = set()
+        stack = list(getattr(self, "upstream_list", []))
+        while stack:
+            task = stack.pop()
+            if task.task_id in seen:
+                continue
+            seen.add(task.task_id)
+            stack.extend(task.upstream_list)
+            if not isinstance(task, CreateRayClusterOperator) or task.ray_conn_id != self.ray_conn_id:
+                continue
+            theirs = task.name or None
+            if theirs == mine or any(is_templated(n) for n in (theirs, mine) if n):
+                continue
+            return (f"{task.task_id!r} upstream creates the RayCluster "
+                    f"{f'name={theirs!r}' if theirs else 'the connection names'}, but this step runs on "
+                    f"{f'kuberay_cluster={mine!r}' if mine else 'the connection' + chr(39) + 's cluster'}: "
+                    f"give it kuberay_cluster={theirs!r} to run on the cluster the run made")
+        return None
 
     def deferral_limit(self) -> tuple[float | None, str]:
         """Seconds from the start of `execute` the step may take, and what sets them (None: no limit).

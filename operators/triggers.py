@@ -91,10 +91,12 @@ class RayStepTrigger(BaseTrigger):
         resume_not_before: float | None = None,
         deadline_reason: str = "execution_timeout",
         kuberay_cluster: str | None = None,
+        kuberay_owner: str | None = None,
     ) -> None:
         super().__init__()
         self.ray_conn_id = ray_conn_id
         self.kuberay_cluster = kuberay_cluster  # the step's RayCluster, resolved (a run's own), else the extra's
+        self.kuberay_owner = kuberay_owner  # a run's own cluster: the owner mark it must carry
         self.submission_id = submission_id
         self.poll_interval = float(poll_interval)
         self.log_offset = int(log_offset)
@@ -117,12 +119,14 @@ class RayStepTrigger(BaseTrigger):
                 "resume_not_before": self.resume_not_before,
                 "deadline_reason": self.deadline_reason,
                 "kuberay_cluster": self.kuberay_cluster,
+                "kuberay_owner": self.kuberay_owner,
             },
         )
 
     def _hook(self) -> RayHook:
         # Each attempt is bounded by the client's timeout; the whole poll by call_timeout.
-        return RayHook(self.ray_conn_id, timeout=min(10.0, self.call_timeout), retries=2, cluster=self.kuberay_cluster)
+        return RayHook(self.ray_conn_id, timeout=min(10.0, self.call_timeout), retries=2, cluster=self.kuberay_cluster,
+                       cluster_owner=self.kuberay_owner)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         async for event in self._follow():

@@ -17,7 +17,7 @@ import re
 
 from rayslice.core.exceptions import InvalidRequestError
 
-__all__ = ["MAX_NAME", "PER_RUN", "check_name", "per_run_name", "resolve_name"]
+__all__ = ["MAX_NAME", "PER_RUN", "check_name", "owner_for_run", "per_run_name", "resolve_name"]
 
 #: Stands for the DAG run's own RayCluster name (``per_run_name``). Not a name itself: "per-run" is reserved.
 PER_RUN = "per-run"
@@ -58,3 +58,13 @@ def resolve_name(value: str | None, dag_id: str, run_id: str, deployment: str = 
         return None
     check_name(value, what)
     return per_run_name(dag_id, run_id, deployment) if value == PER_RUN else value
+
+
+def owner_for_run(dag_id: str, run_id: str, deployment: str) -> str:
+    """The owner mark of clusters (and their token Secrets) made by one DAG run of one Airflow.
+
+    An annotation, so any length and characters. The deployment comes first: a staging Airflow with
+    prod's DAGs and run ids must not adopt, delete or send a token to prod's cluster. A step with
+    ``kuberay_cluster="per-run"`` checks it too: it runs only on the cluster its own run made.
+    """
+    return f"{deployment}/{dag_id}/{run_id}"

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from rayslice.cloud import kuberay
+from rayslice.cloud.cluster_names import owner_for_run
 from rayslice.cloud.kuberay_crds import CrdUnavailableError, KubeRayCrds
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 
@@ -31,6 +32,7 @@ __all__ = [
     "KubeRayError",
     "KubeRayNotReadyError",
     "load_api_client",
+    "owner_for_run",
     "resolve",
     "resolve_dashboard_url",
 ]
@@ -308,8 +310,11 @@ class KubeRayClient:
 
         return client.CoreV1Api(self._api)
 
-    def read_token(self, secret: str) -> str:
-        """The Ray auth token in ``secret`` (key ``auth_token``), for the `ray` connection."""
+    def read_token(self, secret: str, *, owner: str | None = None) -> str:
+        """The Ray auth token in ``secret`` (key ``auth_token``), for the `ray` connection.
+
+        ``owner``: read it only if it carries that owner mark (a Secret a DAG run made for its own cluster).
+        """
         import base64
 
         try:
@@ -320,6 +325,9 @@ class KubeRayClient:
                 raise KubeRayError(f"no Secret {self.ref.namespace}/{secret} with the Ray token of {self.ref}: "
                                    "create it, or fix the kuberay extra's 'token_secret'", status_code=404) from None
             raise
+        if owner is not None and ((obj.metadata and obj.metadata.annotations) or {}).get(OWNER_ANNOTATION) != owner:
+            raise KubeRayError(f"the Secret {self.ref.namespace}/{secret} was not made by this DAG run ({owner}): "
+                               f"its token is not used for {self.ref}")
         value = (obj.data or {}).get(kuberay.TOKEN_SECRET_KEY)
         if not value:
             raise KubeRayError(f"the Secret {self.ref.namespace}/{secret} has no '{kuberay.TOKEN_SECRET_KEY}' key")
@@ -485,26 +493,26 @@ def resolve_dashboard_url(ref: ClusterRef, *, timeout: float = 10.0, api_client:
 
 
 def resolve(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None,
-            token_from_cluster: bool = False) -> tuple[str, str | None]:
+            owner: str | None = None) -> tuple[str, str | None]:
     """The dashboard URL of ``ref``'s RayCluster, and its Ray token when ``ref.token_secret`` names its Secret.
 
-    ``token_from_cluster``: the token's Secret is the one the cluster's own ``authOptions`` names (a cluster
-    of one DAG run has a Secret of its own), else ``ref.token_secret``.
+    ``owner``: the cluster is one DAG run's own (a step's ``kuberay_cluster="per-run"``). It must carry that
+    owner mark, else it is refused before any token is read or sent: anyone who may create RayClusters in the
+    namespace could otherwise make one under the run's (predictable) name and be sent a token. Its token is
+    read only from the Secret its run made for it (``<name>-ray-token``, with the same mark), never from a
+    Secret the cluster object names: the cluster's spec is not trusted to choose which Secret Airflow reads.
     """
     with KubeRayClient(ref, timeout=timeout, api_client=api_client) as kube:
         obj = kube.get()
+        if owner is not None and obj is not None and _owner_of(obj) != owner:
+            made_by = _owner_of(obj) or "someone else (no rayslice owner mark)"
+            raise KubeRayError(f"RayCluster {ref} was made by {made_by}, not by this DAG run ({owner}): a step with "
+                               "kuberay_cluster='per-run' runs only on the cluster its own run's "
+                               "CreateRayClusterOperator made, and is sent no token otherwise")
         url = kube.dashboard_url(obj)
-        secret = ref.token_secret
+        if owner is None:
+            return url, kube.read_token(ref.token_secret) if ref.token_secret else None
         options = ((obj or {}).get("spec") or {}).get("authOptions") or {}
-        if token_from_cluster and options.get("mode") == "token":
-            secret = options.get("secretName") or secret
-        return url, kube.read_token(secret) if secret else None
-
-
-def owner_for_run(dag_id: str, run_id: str, deployment: str) -> str:
-    """The owner mark of clusters made by one DAG run of one Airflow (an annotation, so any length/characters).
-
-    The deployment comes first: a staging Airflow with prod's DAGs and run ids must not adopt, nor
-    delete, prod's cluster and its token Secret.
-    """
-    return f"{deployment}/{dag_id}/{run_id}"
+        if options.get("mode") != "token":
+            return url, None
+        return url, kube.read_token(kuberay.token_secret_name(ref.name), owner=owner)

@@ -117,7 +117,7 @@ class Recorder:
         while not stop.wait(QUEUE_POLL_S):
             try:
                 broker = ray.get_actor(queue.BROKER_NAME, namespace=queue.NAMESPACE)
-                entries = queue.call_sent(broker.snapshot, timeout=10)["entries"]
+                entries = ray.get(broker.snapshot.remote(), timeout=10)["entries"]
             except Exception:  # no broker yet, or it restarts: the gauges keep their last values
                 continue
             self.set_queue(entries)

@@ -21,10 +21,12 @@ Cost: a heartbeat is O(1) (its entry refreshed, its standing read from the last 
 at once after a change when the last one is `PLAN_S` old, else on a later call (arrivals batched),
 and at least every `REPLAN_S`. Entries far back in their line beat every `SLOW_BEAT_S` or more
 (`SLOW_BEATS_PER_S` in all) instead of `HEARTBEAT_S` (the broker says so in its answer), and a place
-expires after three missed beats, counted on the broker's progress rather than its clock: every call
-carries when it was sent, and a place expires only while the broker works on a call sent after the
-place's deadline. A busy broker's backlog (a burst of leaves, thousands of beats) therefore never
-expires a launcher whose beat waits in that backlog.
+expires after three missed beats, counted on the broker's progress rather than its clock: the broker
+sends itself a probe (a call stamped with its own monotonic clock) through its own queue, and a
+place expires only once a probe sent after the place's deadline has come through, with no beat of
+it before. A busy broker's backlog (a burst of leaves, thousands of beats) therefore never expires a
+launcher whose beat waits in that backlog, and no one's clock (a launcher's set ahead, the head's
+stepped by NTP) moves the deadline: only the broker's monotonic clock and its queue's order count.
 """
 
 from __future__ import annotations
@@ -55,8 +57,6 @@ MAX_BEAT_S = 60.0
 FRONT = 16
 #: A launcher not heard from for this long, or three of its beats, has lost its place.
 EXPIRE_S = 3.0
-#: A call that says nothing of when it was sent (an older client's) counts as sent this long before it ran.
-MAX_LAG_S = 60.0
 #: After a fresh start while launchers held places, the broker admits nothing this long (they re-register).
 RECOVERY_S = 3.0
 #: How long the broker reuses its reading of the cluster's capacity, and of its settings.
@@ -112,7 +112,7 @@ class Broker:
         self.entries: dict[str, rules.Entry] = {}
         self.lines: rules.Lines = {}  # kind -> its waiting entries in rank order (kept sorted as they come and go)
         self.running: dict[str, rules.Entry] = {}  # the admitted entries
-        self.expires: dict[str, float] = {}  # id -> (wall) time its place is lost unless heard from before
+        self.expires: dict[str, float] = {}  # id -> (monotonic) time its place is lost unless heard from before
         self.settings = operator_settings()
         self.reasons: dict[str, str] = {}
         self.suspending: dict[str, str] = {}  # running id -> why a waiting request of higher priority suspends it
@@ -132,17 +132,18 @@ class Broker:
         self._dirty = True
         self.plan_ms: list[float] = []  # the last plans' durations (`stats`)
         self.expired = 0  # places lost to silence (`stats`)
-        self.lag = 0.0  # how old the last call was when it ran (a busy broker's backlog; `stats`)
-        self.caught_up = 0.0  # every call sent before this (wall) time has run: the sweep's clock
+        self.lag = 0.0  # how long the last probe waited in the broker's queue (a busy broker's backlog; `stats`)
+        self.caught_up = 0.0  # every call queued before this (monotonic) time has run: the sweep's clock
+        self._probing = False  # a probe (`caught_up_to`) is on its way through the queue
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
                   beat_s: float = HEARTBEAT_S, sent: float | None = None, **newer: Any) -> dict[str, Any]:
         """Register or refresh a place (a re-registration keeps the arrival it carries); where it stands now.
 
         `settings` (sent by launchers before issue 38) is ignored: the policy is the operator's. `beat_s`:
-        how often this launcher beats now; `sent`: when (its clock). Arguments from newer launchers are ignored.
+        how often this launcher beats now. `sent` (the caller's clock, sent by earlier launchers) is ignored:
+        a clock set ahead made live places behind a backlog expire. Arguments from newer launchers are ignored.
         """
-        self._progress(sent)
         mine = self.entries.get(entry["id"])
         if mine is None:  # a new place, or one a restart lost
             mine = rules.Entry.from_json(entry)
@@ -167,24 +168,23 @@ class Broker:
         self._expire_after(mine.id, max(float(beat_s), state["beat_s"]))
         return state
 
-    def _progress(self, sent: float | None) -> None:
-        """The call now running was sent at `sent` (its caller's clock): calls sent before it have run.
-
-        A caller's clock ahead of this one counts as this one; one behind only delays expiry. A call
-        without `sent` (an older client) counts as sent MAX_LAG_S ago.
-        """
-        now = time.time()
-        at = now - MAX_LAG_S if sent is None else max(now - MAX_LAG_S, min(now, float(sent)))
-        self.lag = now - at
+    def caught_up_to(self, at: float) -> None:
+        """A probe the broker sent itself at `at` (its monotonic clock) has come through its queue: every call
+        queued before it has run. Plans nothing and sends no probe (that waits for the next real call)."""
         self.caught_up = max(self.caught_up, at)
+        self.lag = time.monotonic() - at
+        self._probing = False
+
+    def _send_probe(self, at: float) -> None:
+        """Queue `caught_up_to(at)` behind every call already waiting (a call to itself: not waited for)."""
+        ray.get_runtime_context().current_actor.caught_up_to.remote(at)
 
     def _expire_after(self, id: str, beat_s: float) -> None:
         """Three beats from now (at the slower of what the launcher said and what it is told): the place
-        expires once a call sent after that runs with no beat of it in between (`_tick`)."""
-        self.expires[id] = time.time() + max(EXPIRE_S, 3 * min(beat_s, MAX_BEAT_S))
+        expires once a probe sent after that comes through with no beat of it in between (`_tick`)."""
+        self.expires[id] = time.monotonic() + max(EXPIRE_S, 3 * min(beat_s, MAX_BEAT_S))
 
     def leave(self, id: str, sent: float | None = None, **newer: Any) -> None:
-        self._progress(sent)
         self._drop(id)
         self.expires.pop(id, None)
         self._tick()
@@ -199,7 +199,6 @@ class Broker:
 
     def snapshot(self, sent: float | None = None, **newer: Any) -> dict[str, Any]:
         """Every entry, running ones first, then the waiting ones in order; and the settings."""
-        self._progress(sent)
         self._tick(force=True)
         running = sorted(self.running.values(), key=lambda e: e.admitted_at or 0)
         return {"entries": [{**e.to_json(), "reason": self.suspending.get(e.id) or self.reasons.get(e.id, "")}
@@ -250,10 +249,13 @@ class Broker:
         now = time.monotonic()
         if now - self._swept >= HEARTBEAT_S:
             self._swept = now
-            for id in [id for id, at in self.expires.items() if at < self.caught_up]:  # not `now`: see _progress
+            for id in [id for id, at in self.expires.items() if at < self.caught_up]:  # not `now`: see the module
                 self._drop(id)
                 self.expires.pop(id, None)
                 self.expired += 1
+            if not self._probing:
+                self._probing = True
+                self._send_probe(now)
             if bool(self.entries) != self._busy:  # only on a change: empty <-> not
                 self._busy = bool(self.entries)
                 _kv_put(BUSY_KEY, b"1" if self._busy else b"0")
@@ -281,11 +283,11 @@ class Broker:
             self.running[id] = e
         self.reasons = decided.reasons
         if self.settings.preemption == "lower-priority":
-            self._choose_suspensions(totals)
+            self._choose_suspensions(totals, devices)
         self._planned, self._dirty = time.monotonic(), False
         self.plan_ms = [*self.plan_ms[-999:], (time.perf_counter() - started) * 1000]
 
-    def _choose_suspensions(self, totals: dict[str, float]) -> None:
+    def _choose_suspensions(self, totals: dict[str, float], devices: dict[str, list[float]]) -> None:
         """`preemption: lower-priority`: the first waiting request of each kind may suspend preemptible steps.
 
         Only a request that waits for capacity (not for its team's quota, nor held back by another)
@@ -296,7 +298,8 @@ class Broker:
             head = line[0][1]
             if not self.reasons.get(head.id, "").startswith("first in line"):
                 continue
-            for victim in rules.victims(head, running, totals.get(kind, 0), frozenset(self.suspending)):
+            for victim in rules.victims(head, running, totals.get(kind, 0), frozenset(self.suspending),
+                                        devices.get(kind)):
                 self.suspending[victim.id] = (f"suspended for {rules.seen_by(head, victim)} (priority {head.priority}, "
                                               f"waiting for {head.what}; this step's priority is {victim.priority})")
 
@@ -375,18 +378,7 @@ def broker() -> Any:
 
 def snapshot(timeout: float = 10.0) -> dict[str, Any]:
     """The queue as the broker holds it (`Broker.snapshot`)."""
-    return call_sent(broker().snapshot, timeout=timeout)
-
-
-def call_sent(method: Any, *args: Any, timeout: float) -> Any:
-    """`method.remote(*args, sent=now)`'s result; without `sent` for a broker started before it took one (its
-    detached actor lives on across an upgrade), which then counts the call as up to MAX_LAG_S old."""
-    try:
-        return ray.get(method.remote(*args, sent=time.time()), timeout=timeout)
-    except ray.exceptions.RayTaskError as exc:
-        if not (isinstance(exc.cause, TypeError) and "sent" in str(exc.cause)):
-            raise
-    return ray.get(method.remote(*args), timeout=timeout)
+    return ray.get(broker().snapshot.remote(), timeout=timeout)
 
 
 class Place:
@@ -414,7 +406,7 @@ class Place:
         try:
             if self._broker is None:
                 self._broker = broker()
-            beat = self._broker.heartbeat.remote(self.entry.to_json(), beat_s=self.beat_s, sent=time.time())
+            beat = self._broker.heartbeat.remote(self.entry.to_json(), beat_s=self.beat_s)
             state = ray.get(beat, timeout=5 + self.beat_s)
         except Exception:  # the broker restarts: its handle stays good, the next beat re-registers
             self._broker = None
@@ -487,7 +479,7 @@ class Place:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=6)  # a beat in flight must not re-register the place after it left
         try:
-            call_sent((self._broker or broker()).leave, self.entry.id, timeout=5)
+            ray.get((self._broker or broker()).leave.remote(self.entry.id), timeout=5)
         except Exception:
             pass  # the broker forgets a silent launcher within EXPIRE_S anyway
 

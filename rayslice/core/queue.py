@@ -231,7 +231,9 @@ class Devices:
 
     Ray gives a 0.5 and a 0.75 GPU two devices, and a 1-GPU step waits for a device nobody holds any of,
     so counting the cluster's sum would admit steps Ray cannot place. Fractions are packed best-fit
-    (the fullest device they fit on), as Ray's raylet packs them.
+    (the fullest device they fit on), as Ray's raylet packs them. A whole request more than any node
+    has counts as fitting, as a slice type the cluster holds too few of does: Ray waits for a node
+    that big (its `capacity_timeout` bounds the wait), and the steps behind it are not held up.
     """
 
     def __init__(self, per_node: list[float]) -> None:
@@ -249,6 +251,8 @@ class Devices:
                 self.free[n][d] -= amount
             return True
         whole = int(round(amount))
+        if all(len(node) < whole for node in self.free):
+            return True  # no node that big: Ray waits for one, taking nothing here
         nodes = [(sum(free >= 1 - 1e-9 for free in node), n) for n, node in enumerate(self.free)]
         nodes = [(count, n) for count, n in nodes if count >= whole]
         if not nodes:
@@ -398,38 +402,50 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     return Plan(admit=admit, reasons=reasons)
 
 
-def victims(waiting: Entry, running: list[Entry], total: float,
-            suspending: frozenset[str] = frozenset()) -> list[Entry]:
+def victims(waiting: Entry, running: list[Entry], total: float, suspending: frozenset[str] = frozenset(),
+            devices: list[float] | None = None) -> list[Entry]:
     """Which running steps to suspend so that `waiting` fits (policy `preemption: lower-priority`); [] for none.
 
     Candidates: running whole-slice or accelerator steps of the same kind, declared preemptible, of
     lower priority than `waiting`, not already being suspended. They are taken lowest priority first,
-    then the youngest (latest admitted) first, until what they hold and what is free covers the
-    request; then each taken one that is not needed after all is given back (newest taken first), so
-    no more steps are suspended than the request needs. If all candidates together would not make
-    room, nothing is suspended. Capacity already being freed (`suspending`) counts as free.
+    then the youngest (latest admitted) first, until the request fits; then each taken one that is not
+    needed after all is given back (newest taken first), so no more steps are suspended than the
+    request needs. If all candidates together would not make room, nothing is suspended. Capacity
+    already being freed (`suspending`) counts as free. `devices` (each node's device count, for an
+    accelerator of fixed nodes): the request must fit on one node's devices, as `plan_lines` admits
+    it, with the running steps packed as Ray packs them (`Devices`, in the order they were admitted);
+    else what the kind holds cluster-wide counts.
     """
     if waiting.part or math.isinf(total):
         return []
-    held = [e for e in running if e.kind == waiting.kind]
-    free = total - sum(e.amount for e in held if not e.part) - math.ceil(sum(e.amount for e in held if e.part) - 1e-9)
-    free += sum(e.amount for e in held if e.id in suspending and not e.part)
-    if free + 1e-9 >= waiting.amount:
+    held = sorted((e for e in running if e.kind == waiting.kind), key=lambda e: (e.admitted_at or e.arrival, e.id))
+
+    def room(gone: set[str]) -> bool:
+        staying = [e for e in held if e.id not in gone]
+        if devices is not None:
+            pack = Devices(devices)
+            for e in staying:
+                pack.place(e.amount)
+            return pack.place(waiting.amount, take=False)
+        free = total - sum(e.amount for e in staying if not e.part) \
+            - math.ceil(sum(e.amount for e in staying if e.part) - 1e-9)
+        return free + 1e-9 >= waiting.amount
+
+    gone = set(suspending)
+    if room(gone):
         return []
     candidates = sorted((e for e in held if e.preemptible and not e.part and e.priority < waiting.priority
                          and e.id not in suspending), key=lambda e: (e.priority, -(e.admitted_at or e.arrival), e.id))
     chosen: list[Entry] = []
     for e in candidates:
         chosen.append(e)
-        free += e.amount
-        if free + 1e-9 >= waiting.amount:
+        if room(gone | {c.id for c in chosen}):
             break
     else:
         return []
     for e in reversed(chosen[:-1]):  # the last one taken made it fit; an earlier one may be unneeded now
-        if free - e.amount + 1e-9 >= waiting.amount:
+        if room(gone | {c.id for c in chosen if c is not e}):
             chosen.remove(e)
-            free -= e.amount
     return chosen
 
 

@@ -153,27 +153,90 @@ def test_the_hook_reads_the_token_from_the_clusters_secret(fake, monkeypatch, tm
         RayHook(CONN).settings()
 
 
-def test_a_steps_cluster_replaces_the_extras_name_and_its_token_is_that_clusters_own(fake, monkeypatch, tmp_path):
-    """kuberay_cluster: the same API server and namespace, another RayCluster, the Secret its authOptions name."""
+def _token_secret(fake: FakeKubernetes, name: str, token: str, owner: str | None = None) -> None:
     import base64
 
+    meta = {"name": name, **({"annotations": {OWNER_ANNOTATION: owner}} if owner else {})}
+    fake.secrets[("ml", name)] = {"apiVersion": "v1", "kind": "Secret", "metadata": meta,
+                                  "data": {"auth_token": base64.b64encode(token.encode()).decode()}}
+
+
+def _cluster(fake: FakeKubernetes, name: str, *, owner: str | None = None, token_secret: str | None = None) -> None:
+    manifest = kuberay.render_raycluster(name, tpus=["v6e-4"], namespace="ml", token_secret=token_secret)
+    manifest["spec"]["headGroupSpec"]["serviceType"] = "LoadBalancer"
+    if owner:
+        manifest["metadata"].setdefault("annotations", {})[OWNER_ANNOTATION] = owner
+    fake.add_cluster(manifest)
+
+
+def test_a_steps_named_cluster_is_authenticated_as_the_connections_never_by_a_secret_the_cluster_names(
+        fake, monkeypatch):
+    """kuberay_cluster="<name>": the same API server and namespace, another RayCluster, the connection's token.
+
+    The cluster's spec does not choose which Secret Airflow reads: whoever may create a RayCluster in the
+    namespace could otherwise point its authOptions at another team's token Secret and be sent that token.
+    """
     from rayslice.hooks.ray import RayHook
 
     fake.load_balancer_ip = "198.51.100.4"
-    manifest = kuberay.render_raycluster("rs-run-2", tpus=["v6e-4"], namespace="ml", token_secret="run-2-token")
-    manifest["spec"]["headGroupSpec"]["serviceType"] = "LoadBalancer"
-    fake.add_cluster(manifest)
-    fake.secrets[("ml", "run-2-token")] = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "run-2-token"},
-                                           "data": {"auth_token": base64.b64encode(b"run-2").decode()}}
+    _cluster(fake, "rs-other", token_secret="victim-token")
+    _token_secret(fake, "victim-token", "victim")
+    _token_secret(fake, "rs-ray-token", "shared")
     extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig,
-                         "token_secret": "rs-ray-token"}}  # the fixed cluster's Secret: not this cluster's
+                         "token_secret": "rs-ray-token"}}
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
-    for settings in (RayHook(CONN, cluster="rs-run-2").settings(),
-                     asyncio.run(RayHook(CONN, cluster="rs-run-2").asettings())):
-        assert (settings.dashboard_url, settings.token) == ("http://198.51.100.4:8265", "run-2")
-    assert not [p for _, p, _ in fake.requests if p.endswith("/rayclusters/rs") or "rs-ray-token" in p]
+    for settings in (RayHook(CONN, cluster="rs-other").settings(),
+                     asyncio.run(RayHook(CONN, cluster="rs-other").asettings())):
+        assert (settings.dashboard_url, settings.token) == ("http://198.51.100.4:8265", "shared")
+    assert not [p for _, p, _ in fake.requests if p.endswith("/rayclusters/rs") or "victim-token" in p]
     with pytest.raises(KubeRayError, match="no RayCluster ml/rs-run-3"):
         RayHook(CONN, cluster="rs-run-3").settings()
+
+
+def test_a_runs_own_cluster_gets_its_runs_token_never_the_connections(fake, monkeypatch):
+    """kuberay_cluster="per-run": the cluster and its Secret carry the run's owner mark; the shared password stays."""
+    from rayslice.hooks.ray import RayHook
+
+    owner = "prod/dag/run-2"
+    fake.load_balancer_ip = "198.51.100.4"
+    _cluster(fake, "rs-run-2", owner=owner)
+    _token_secret(fake, "rs-run-2-ray-token", "run-2", owner=owner)
+    extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig}}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
+                       json.dumps({"conn_type": "ray", "password": "shared-cluster-token", "extra": extra}))
+    for settings in (RayHook(CONN, cluster="rs-run-2", cluster_owner=owner).settings(),
+                     asyncio.run(RayHook(CONN, cluster="rs-run-2", cluster_owner=owner).asettings())):
+        assert (settings.dashboard_url, settings.token) == ("http://198.51.100.4:8265", "run-2")
+
+
+@pytest.mark.parametrize("made_by", [None, "staging/dag/run-2"])
+def test_a_runs_own_cluster_made_by_someone_else_is_refused_before_any_token(fake, monkeypatch, made_by):
+    """A RayCluster under the run's (predictable) name that the run did not make gets no token, and no step."""
+    from rayslice.hooks.ray import RayHook
+
+    _cluster(fake, "rs-run-2", owner=made_by, token_secret="victim-token")
+    _token_secret(fake, "victim-token", "victim")
+    _token_secret(fake, "rs-run-2-ray-token", "squatted", owner=made_by)
+    extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig}}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
+                       json.dumps({"conn_type": "ray", "password": "shared-cluster-token", "extra": extra}))
+    fake.requests.clear()
+    with pytest.raises(KubeRayError, match=r"RayCluster ml/rs-run-2 was made by .*not by this DAG run "
+                                           r"\(prod/dag/run-2\).*is sent no token"):
+        RayHook(CONN, cluster="rs-run-2", cluster_owner="prod/dag/run-2").settings()
+    assert not [p for _, p, _ in fake.requests if "/secrets/" in p]
+
+
+def test_a_runs_own_cluster_with_a_token_secret_it_did_not_make_is_refused(fake, monkeypatch):
+    from rayslice.hooks.ray import RayHook
+
+    owner = "prod/dag/run-2"
+    _cluster(fake, "rs-run-2", owner=owner)
+    _token_secret(fake, "rs-run-2-ray-token", "planted")  # no owner mark: someone else's
+    extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig}}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
+    with pytest.raises(KubeRayError, match="Secret ml/rs-run-2-ray-token was not made by this DAG run"):
+        RayHook(CONN, cluster="rs-run-2", cluster_owner=owner).settings()
 
 
 def test_a_steps_cluster_needs_a_kuberay_connection(monkeypatch):
@@ -245,6 +308,7 @@ def test_the_connection_form_has_the_kuberay_field():
         ('manifest=render_raycluster("x", tpus=["v6e-4"], auth=False) | {"spec": {"headGroupSpec": '
          '{"serviceType": "LoadBalancer"}}}', "without Ray token auth"),
         ('tpus=["v6e-16"], auth=False, token_secret="mine"', "needs auth on"),
+        ('tpus=["v6e-16"], name="per-run", token_secret="mine"', "cannot be used with name='per-run'"),
         ('tpus=["v6e-16"], manifest={"kind": "RayCluster"}', "either manifest or tpus"),
         ('manifest={"kind": "Pod"}', "must be a RayCluster"),
         ('tpus=["v6e-16"], ready_timeout=0', "ready_timeout=0"),
@@ -507,3 +571,27 @@ def test_a_failed_setups_delete_goes_through_passing_api_failures(fake):
         fake.fail_next("DELETE", r"/rayclusters/rs$", 403)  # a lasting failure is not asked again
         with pytest.raises(KubeRayError, match="403"):
             retry_passing(lambda: kube.delete(owner=OWNER), pause=0.01)
+
+
+def test_a_step_aimed_elsewhere_than_its_upstream_setups_cluster_is_warned_about():
+    """Reviewer of issue 41: a setup with name="per-run" and a step without kuberay_cluster="per-run" ran the step on
+    the connection's shared cluster, without a word, while the run paid for its own."""
+    from airflow.sdk import DAG
+    from rayslice.operators.accelerator import AcceleratorOperator
+    from rayslice.operators.kuberay import CreateRayClusterOperator
+
+    def step(task_id, **kwargs):
+        return AcceleratorOperator(task_id=task_id, ray_conn_id=CONN, accelerator="GPU", count=0.5,
+                                   callable="m:f", **kwargs)
+
+    with DAG("kr_mismatch", schedule=None):
+        create = CreateRayClusterOperator(task_id="create", ray_conn_id=CONN, name="per-run", tpus=["v6e-4"])
+        shared, own, other_conn = step("shared"), step("own", kuberay_cluster="per-run"), step("x")
+        other_conn.ray_conn_id = "another"
+        templated = step("templated", kuberay_cluster="{{ params.c }}")
+        create >> [shared, own, other_conn, templated]
+    assert shared.setup_mismatch() == ("'create' upstream creates the RayCluster name='per-run', but this step runs "
+                                       "on the connection's cluster: give it kuberay_cluster='per-run' to run on the "
+                                       "cluster the run made")
+    assert own.setup_mismatch() is None and other_conn.setup_mismatch() is None
+    assert templated.setup_mismatch() is None

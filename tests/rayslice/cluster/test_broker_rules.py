@@ -30,7 +30,7 @@ def broker(monkeypatch):
     monkeypatch.setattr(queue, "_kv_get", kv.get, raising=False)
     monkeypatch.setattr(queue, "_kv_put", kv.__setitem__, raising=False)
     monkeypatch.setattr(queue.time, "monotonic", clock)
-    monkeypatch.setattr(queue.time, "time", clock)  # one clock: the launchers' `sent` and the broker's
+    monkeypatch.setattr(queue.time, "time", clock)
     monkeypatch.setattr(queue.ray, "get_runtime_context",
                         lambda: type("Context", (), {"was_current_actor_reconstructed": False})())
     Broker = queue.Broker.__ray_actor_class__  # the plain class under @ray.remote
@@ -38,7 +38,12 @@ def broker(monkeypatch):
     plans = []
     real = rules.plan
     monkeypatch.setattr(rules, "plan", lambda *a, **k: plans.append(1) or real(*a, **k))
+    # The probe the broker sends itself through its queue: through at once, or (`backlogged`) held in `probes`
+    # until the test says the calls queued before it have run.
+    monkeypatch.setattr(Broker, "_send_probe", lambda self, at: self.probes.append(at)
+                        if getattr(self, "backlogged", False) else self.caught_up_to(at), raising=False)
     b = Broker()
+    b.probes, b.backlogged = [], False
     b.clock, b.kv, b.plans = clock, kv, plans
     return b
 
@@ -64,22 +69,25 @@ def test_a_heartbeat_does_not_replan_the_queue(broker):
 
 def test_a_slow_beating_place_is_kept_and_a_silent_one_expires(broker):
     clock = broker.clock
-    broker.heartbeat(entry(0, tpu="v6e-4"), sent=clock.now)  # admitted: holds the v6e-4
-    broker.heartbeat(entry(1, tpu="v6e-4"), beat_s=queue.SLOW_BEAT_S, sent=clock.now)
-    clock.now += 2 * queue.SLOW_BEAT_S  # two slow beats missed: still there
-    broker.heartbeat(entry(0, tpu="v6e-4"), sent=clock.now)
+    broker.heartbeat(entry(0, tpu="v6e-4"))  # admitted: holds the v6e-4
+    broker.heartbeat(entry(1, tpu="v6e-4"), beat_s=queue.SLOW_BEAT_S)
+    for _ in range(4):  # two slow beats missed: still there
+        clock.now += queue.SLOW_BEAT_S / 2
+        broker.heartbeat(entry(0, tpu="v6e-4"))
     assert set(broker.entries) == {"e0", "e1"}
-    clock.now += 2 * queue.SLOW_BEAT_S  # three missed: gone
-    broker.heartbeat(entry(0, tpu="v6e-4"), sent=clock.now)
-    assert set(broker.entries) == {"e0"}
+    for _ in range(4):  # three missed: gone (once a probe sent after its deadline has come through)
+        clock.now += queue.SLOW_BEAT_S / 2
+        broker.heartbeat(entry(0, tpu="v6e-4"))
+    assert set(broker.entries) == {"e0"} and broker.expired == 1
 
 
 def test_no_place_expires_while_its_beats_wait_behind_a_backlog(broker):
     """Issue 38, scale: at 10,000 waiting, 273 live places expired while the broker worked through bursts of
     2,500 leaves: its sweep ran on those calls, at its own clock, with the places' beats queued behind them.
 
-    Expiry is measured against what the broker has processed (the `sent` time of the call it is on), so a
-    place expires only once a call sent after its deadline comes through, with no beat of it before.
+    Expiry is measured against what the broker has processed: a probe it sends itself through its own
+    queue. One of the burst's callers has a clock an hour ahead (it used to move the sweep's clock to the
+    broker's now, expiring every place whose beat waited behind the burst).
     """
     clock = broker.clock
     for i in range(4):  # e0 runs on the v6e-4; e1..e3 wait
@@ -87,21 +95,35 @@ def test_no_place_expires_while_its_beats_wait_behind_a_backlog(broker):
     for i in range(100, 2600):
         broker.heartbeat(entry(i, tpu="v6e-16"), beat_s=queue.SLOW_BEAT_S, sent=clock.now)
     burst = clock.now + 0.1  # a process leaves its 2,500 places at once; e0..e3 beat right after (sent 0.2 s later)
+    broker.backlogged = True  # from here the broker's queue holds the burst: a probe waits behind it
     for i in range(100, 2600):
         clock.now += 0.01  # the broker works through the burst for 25 s: far past every 3-beat deadline
-        broker.leave(f"e{i}", sent=burst)
+        broker.leave(f"e{i}", sent=burst + 3600 if i == 2599 else burst)
     assert broker.expired == 0 and {"e0", "e1", "e2", "e3"} <= set(broker.entries)
+    clock.now += queue.HEARTBEAT_S
     for i in range(4):  # their beats come through, sent before the deadline
         state = broker.heartbeat(entry(i, tpu="v6e-4"), sent=burst + 0.2)
     assert broker.expired == 0 and not state["admitted"]
+    broker.caught_up_to(broker.probes.pop(0))  # then the probe sent as the burst began
     assert [e.id for e in broker.running.values()] == ["e0"]  # nobody else admitted onto e0's v6e-4
-    clock.now += 4 * queue.HEARTBEAT_S  # caught up, and e3's launcher is gone: its place expires
-    for i in range(3):
-        broker.heartbeat(entry(i, tpu="v6e-4"), sent=clock.now)
-    clock.now += 4 * queue.HEARTBEAT_S
-    for i in range(3):
-        broker.heartbeat(entry(i, tpu="v6e-4"), sent=clock.now)
+    broker.backlogged = False
+    for _ in range(6):  # caught up, and e3's launcher is gone: its place expires
+        clock.now += 2 * queue.HEARTBEAT_S
+        for i in range(3):
+            broker.heartbeat(entry(i, tpu="v6e-4"), sent=clock.now)
     assert "e3" not in broker.entries and broker.expired == 1
+
+
+def test_a_step_of_the_heads_wall_clock_expires_nobody(broker, monkeypatch):
+    """NTP steps the head's clock an hour ahead while the launchers' stay: no place is lost, none skipped."""
+    for i in range(4):
+        broker.heartbeat(entry(i, tpu="v6e-4"))
+    monkeypatch.setattr(queue.time, "time", lambda: broker.clock.now + 3600)
+    for _ in range(3):
+        broker.clock.now += queue.HEARTBEAT_S
+        states = [broker.heartbeat(entry(i, tpu="v6e-4")) for i in range(4)]
+    assert broker.expired == 0 and set(broker.entries) == {"e0", "e1", "e2", "e3"}
+    assert [s.get("rank") for s in states] == [None, 1, 2, 3] and states[0]["admitted"]
 
 
 def test_a_broker_made_anew_while_places_were_held_holds_admissions_until_they_are_back(broker, monkeypatch):
@@ -178,11 +200,11 @@ def test_an_autoscaling_cluster_admits_up_to_its_groups_maxima_and_refuses_what_
     monkeypatch.setattr(queue, "group_maxima", lambda: {}, raising=False)  # Ray's autoscaler reports no groups
     broker.settings = rules.QueueSettings(max_capacity={"v6e-16": 2})
     for i in range(3):
-        broker.heartbeat(entry(i), sent=broker.clock.now)
+        broker.heartbeat(entry(i))
     broker.clock.now += 2 * queue.PLAN_S  # the arrivals are planned together
-    states = [broker.heartbeat(entry(i), sent=broker.clock.now) for i in range(3)]
+    states = [broker.heartbeat(entry(i)) for i in range(3)]
     assert [s["admitted"] for s in states] == [True, True, False]  # the group holds two: the third waits
-    state = broker.heartbeat(entry(9, tpu="v5p-8"), sent=broker.clock.now)
+    state = broker.heartbeat(entry(9, tpu="v5p-8"))
     assert "none of its autoscaler's node groups provides v5p-8" in state["refused"] and "e9" not in broker.entries
     big = rules.entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=3), id="big", label="d.big", arrival=9)
-    assert "at most 2 v6e-16" in broker.heartbeat(big.to_json(), sent=broker.clock.now)["refused"]
+    assert "at most 2 v6e-16" in broker.heartbeat(big.to_json())["refused"]

@@ -79,3 +79,22 @@ def test_the_policy_is_opt_in_and_a_typo_is_refused_naming_the_choices():
     assert QueueSettings.checked({"preemption": "lower-priority"}, "RAYSLICE_QUEUE").preemption == "lower-priority"
     with pytest.raises(ValueError, match="RAYSLICE_QUEUE"):
         QueueSettings.checked({"preemption": "always"}, "RAYSLICE_QUEUE")
+
+
+def gpus(id: str, count: float, priority: int = 0, admitted_at: float | None = None, preemptible: bool = True):
+    e = entry_for(AcceleratorRequest(resource="GPU", count=count), id=id, label=id, priority=priority,
+                  preemptible=preemptible)
+    if admitted_at is not None:
+        e.admitted, e.admitted_at = True, admitted_at
+    return e
+
+
+def test_a_whole_gpu_request_suspends_what_frees_one_node_not_what_frees_the_cluster():
+    """Reviewer of issue 38: victims counted GPUs cluster-wide while admission counts them per node. Nodes of 2 and
+    3 GPUs, a preemptible 1-GPU step on the first and a 2-GPU one on the second: 2 GPUs are free cluster-wide, none
+    on one node, so a 2-GPU priority-10 request waited and nothing was suspended."""
+    held = [gpus("low-one", 1, admitted_at=1), gpus("pinned-pair", 2, admitted_at=2, preemptible=False)]
+    urgent = gpus("urgent", 2, priority=10)
+    assert ids(victims(urgent, held, total=5, devices=[2, 3])) == ["low-one"]
+    assert victims(urgent, held, total=5) == []  # counted cluster-wide, it "fits" already
+    assert victims(gpus("urgent", 4, priority=10), held, total=5, devices=[2, 3]) == []  # bigger than any node

@@ -168,7 +168,17 @@ def test_a_whole_gpu_is_admitted_only_onto_a_whole_free_device_and_fractions_pac
     assert plan([gpu("a", 0.5, admitted=True), gpu("b", 0.5, at=1), gpu("c", 1, at=2)], TOTALS, BEST_EFFORT,
                 now=5, devices={"GPU": [2]}).admit == ["b", "c"]
     # two whole GPUs on one node: two nodes of one free device each do not make them
-    assert plan([gpu("two", 2, at=1)], TOTALS, BEST_EFFORT, now=5, devices={"GPU": [1, 1, 1]}).admit == []
+    assert plan([gpu("one", 1, admitted=True), gpu("pair", 2, admitted=True), gpu("two", 2, at=1)], TOTALS,
+                BEST_EFFORT, now=5, devices={"GPU": [2, 3]}).admit == []
+
+
+def test_a_whole_gpu_request_bigger_than_any_node_does_not_hold_up_the_gpu_line():
+    """Reviewer of issue 38 (7): a 4-GPU step on 2-GPU nodes never fitted, so every GPU step behind it waited out
+    its capacity_timeout. It counts as fitting, as a slice type the cluster holds too few of: Ray waits for a node
+    that big (bounded by the step's own capacity_timeout) and the steps behind it run."""
+    decided = plan([gpu("huge", 4, at=1), gpu("half", 0.5, at=2), gpu("whole", 1, at=3)], TOTALS, BEST_EFFORT,
+                   now=5, devices={"GPU": [2, 2]})
+    assert decided.admit == ["huge", "half", "whole"]
 
 
 def test_an_autoscaled_kind_is_admitted_up_to_what_its_node_groups_can_hold():
