@@ -141,9 +141,9 @@ def _resolve(conn: Any, timeout: float, cluster: str | None = None,
 
     For a RayCluster the URL is looked up through the Kubernetes API (blocking), and so is the token when
     the extra names its Secret (``token_secret``) and the connection has no password. ``cluster`` (a step's
-    ``kuberay_cluster``) replaces the extra's name and is authenticated as the extra's cluster is. With
-    ``owner`` it is a DAG run's own cluster: it must carry that owner mark, and its token is the one its run
-    made (``<name>-ray-token``); the connection's password, the token of a shared cluster, is never sent to it.
+    ``kuberay_cluster``) replaces the extra's name: a cluster a rayslice setup made is sent only its own token,
+    never the connection's (``resolve_step_cluster``); any other is authenticated as the extra's cluster is.
+    With ``owner`` it must be that DAG run's own cluster.
     """
     kuberay = _kuberay_extra(conn)
     extra = conn.extra_dejson if conn.extra else {}
@@ -159,13 +159,14 @@ def _resolve(conn: Any, timeout: float, cluster: str | None = None,
     if (conn.host or "").strip():
         raise InvalidRequestError("the `ray` connection has both a host and a 'kuberay' extra: keep the host "
                                   "(a fixed dashboard URL) or the extra (a RayCluster to look up), not both")
-    from rayslice.cloud.kuberay_client import ClusterRef, resolve
+    from rayslice.cloud.kuberay_client import ClusterRef, resolve, resolve_step_cluster
 
     ref = ClusterRef.from_extra(kuberay, name=cluster)
-    if owner is not None:  # a run's own cluster: its own token, never the connection's
-        return resolve(replace(ref, token_secret=None), timeout=timeout, owner=owner)
     if conn.password:
         ref = replace(ref, token_secret=None)  # the connection's own token wins
+    if cluster:  # a cluster a rayslice setup made has a token of its own: the connection's is never sent to it
+        url, token, own = resolve_step_cluster(ref, owner=owner, timeout=timeout)
+        return url, token if own else (conn.password or token)
     url, token = resolve(ref, timeout=timeout)
     return url, conn.password or token
 

@@ -173,6 +173,8 @@ class CreateRayClusterOperator(_ClusterOperator):
                 kube.check(manifest)  # a cluster without KubeRay (or a bad manifest) fails before the Secret is made
                 if secret := self._token_secret(manifest):
                     made = kube.ensure_token_secret(secret, owner=owner)
+                    if not made and self.name == cluster_names.PER_RUN:  # only this run's own (an earlier try's)
+                        kube.read_token(secret, owner=owner)
                     self.log.info("[rayslice] Ray token auth on: the token is in Secret %s/%s (%s)",
                                   kube.ref.namespace, secret, "made now" if made else "already there, used as is")
                     # The teardown deletes the Secret this names (a given manifest may name any).

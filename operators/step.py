@@ -417,9 +417,11 @@ class RayStepOperator(BaseOperator):
         """
         from rayslice.operators.kuberay import CreateRayClusterOperator
 
+        if not self.has_dag():  # rebuilt in the triggerer outside its DAG: no upstream to compare with
+            return None
         mine = self.kuberay_cluster or None
         seen: set[str] = set()
-        stack = list(getattr(self, "upstream_list", []))
+        stack = list(self.upstream_list)
         while stack:
             task = stack.pop()
             if task.task_id in seen:

@@ -92,6 +92,7 @@ class RayStepTrigger(BaseTrigger):
         deadline_reason: str = "execution_timeout",
         kuberay_cluster: str | None = None,
         kuberay_owner: str | None = None,
+        **newer: Any,  # arguments a newer worker added: this triggerer follows the job without them
     ) -> None:
         super().__init__()
         self.ray_conn_id = ray_conn_id

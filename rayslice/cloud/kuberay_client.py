@@ -35,6 +35,7 @@ __all__ = [
     "owner_for_run",
     "resolve",
     "resolve_dashboard_url",
+    "resolve_step_cluster",
 ]
 
 logger = logging.getLogger(__name__)
@@ -326,8 +327,8 @@ class KubeRayClient:
                                    "create it, or fix the kuberay extra's 'token_secret'", status_code=404) from None
             raise
         if owner is not None and ((obj.metadata and obj.metadata.annotations) or {}).get(OWNER_ANNOTATION) != owner:
-            raise KubeRayError(f"the Secret {self.ref.namespace}/{secret} was not made by this DAG run ({owner}): "
-                               f"its token is not used for {self.ref}")
+            raise KubeRayError(f"the Secret {self.ref.namespace}/{secret} was not made by the DAG run that made "
+                               f"{self.ref} ({owner}): its token is not used for that cluster")
         value = (obj.data or {}).get(kuberay.TOKEN_SECRET_KEY)
         if not value:
             raise KubeRayError(f"the Secret {self.ref.namespace}/{secret} has no '{kuberay.TOKEN_SECRET_KEY}' key")
@@ -492,27 +493,39 @@ def resolve_dashboard_url(ref: ClusterRef, *, timeout: float = 10.0, api_client:
     return resolve(ref, timeout=timeout, api_client=api_client)[0]
 
 
-def resolve(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None,
-            owner: str | None = None) -> tuple[str, str | None]:
-    """The dashboard URL of ``ref``'s RayCluster, and its Ray token when ``ref.token_secret`` names its Secret.
+def resolve(ref: ClusterRef, *, timeout: float = 10.0, api_client: Any = None) -> tuple[str, str | None]:
+    """The dashboard URL of ``ref``'s RayCluster, and its Ray token when ``ref.token_secret`` names its Secret."""
+    with KubeRayClient(ref, timeout=timeout, api_client=api_client) as kube:
+        url = kube.dashboard_url()
+        return url, kube.read_token(ref.token_secret) if ref.token_secret else None
 
-    ``owner``: the cluster is one DAG run's own (a step's ``kuberay_cluster="per-run"``). It must carry that
-    owner mark, else it is refused before any token is read or sent: anyone who may create RayClusters in the
-    namespace could otherwise make one under the run's (predictable) name and be sent a token. Its token is
-    read only from the Secret its run made for it (``<name>-ray-token``, with the same mark), never from a
-    Secret the cluster object names: the cluster's spec is not trusted to choose which Secret Airflow reads.
+
+def resolve_step_cluster(ref: ClusterRef, *, owner: str | None = None, timeout: float = 10.0,
+                         api_client: Any = None) -> tuple[str, str | None, bool]:
+    """A step's ``kuberay_cluster``: its dashboard URL, its token, and whether that token is the cluster's own.
+
+    A cluster a rayslice setup made (it carries an owner mark) has a token of its own: the one in the Secret
+    its ``authOptions`` name, used only if that Secret carries the same owner mark (a cluster's spec may not
+    choose another team's Secret for Airflow to read), and the connection's password (a shared cluster's
+    token) is never sent to it. Any other cluster is authenticated as the connection's own (``ref.token_secret``,
+    or the caller's password). ``owner``: the cluster must be this DAG run's own (``kuberay_cluster="per-run"``)
+    and carry that mark, else it is refused before any token is read or sent.
     """
     with KubeRayClient(ref, timeout=timeout, api_client=api_client) as kube:
         obj = kube.get()
-        if owner is not None and obj is not None and _owner_of(obj) != owner:
-            made_by = _owner_of(obj) or "someone else (no rayslice owner mark)"
-            raise KubeRayError(f"RayCluster {ref} was made by {made_by}, not by this DAG run ({owner}): a step with "
-                               "kuberay_cluster='per-run' runs only on the cluster its own run's "
-                               "CreateRayClusterOperator made, and is sent no token otherwise")
+        if obj is None:
+            raise KubeRayError(f"no RayCluster {ref}: create it (CreateRayClusterOperator, kubectl apply) or fix the "
+                               "step's kuberay_cluster", status_code=404)
+        mark = _owner_of(obj)
+        if owner is not None and mark != owner:
+            raise KubeRayError(f"RayCluster {ref} was made by {mark or 'someone else (no rayslice owner mark)'}, not "
+                               f"by this DAG run ({owner}): a step with kuberay_cluster='per-run' runs only on the "
+                               "cluster its own run's CreateRayClusterOperator made, and is sent no token otherwise")
         url = kube.dashboard_url(obj)
-        if owner is None:
-            return url, kube.read_token(ref.token_secret) if ref.token_secret else None
-        options = ((obj or {}).get("spec") or {}).get("authOptions") or {}
+        if mark is None:
+            return url, kube.read_token(ref.token_secret) if ref.token_secret else None, False
+        options = (obj.get("spec") or {}).get("authOptions") or {}
         if options.get("mode") != "token":
-            return url, None
-        return url, kube.read_token(kuberay.token_secret_name(ref.name), owner=owner)
+            return url, None, True
+        secret = options.get("secretName") or kuberay.token_secret_name(ref.name)
+        return url, kube.read_token(secret, owner=mark), True

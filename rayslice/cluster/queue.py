@@ -57,6 +57,8 @@ MAX_BEAT_S = 60.0
 FRONT = 16
 #: A launcher not heard from for this long, or three of its beats, has lost its place.
 EXPIRE_S = 3.0
+#: A probe not back after this long is taken as lost, and another is sent.
+PROBE_LOST_S = 30.0
 #: After a fresh start while launchers held places, the broker admits nothing this long (they re-register).
 RECOVERY_S = 3.0
 #: How long the broker reuses its reading of the cluster's capacity, and of its settings.
@@ -134,7 +136,7 @@ class Broker:
         self.expired = 0  # places lost to silence (`stats`)
         self.lag = 0.0  # how long the last probe waited in the broker's queue (a busy broker's backlog; `stats`)
         self.caught_up = 0.0  # every call queued before this (monotonic) time has run: the sweep's clock
-        self._probing = False  # a probe (`caught_up_to`) is on its way through the queue
+        self._probe: float | None = None  # when the probe on its way through the queue was sent (`caught_up_to`)
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
                   beat_s: float = HEARTBEAT_S, sent: float | None = None, **newer: Any) -> dict[str, Any]:
@@ -148,8 +150,8 @@ class Broker:
         if mine is None:  # a new place, or one a restart lost
             mine = rules.Entry.from_json(entry)
             if not mine.admitted:  # one that can never run is told so now, not after its capacity_timeout
-                totals, autoscaled, _ = self._capacity({(mine.family, mine.kind)})
-                why = rules.refusal(mine, totals, autoscaled)
+                totals, autoscaled, devices = self._capacity({(mine.family, mine.kind)})
+                why = rules.refusal(mine, totals, autoscaled, devices)
                 if why:
                     return {"admitted": False, "refused": why, "beat_s": HEARTBEAT_S}
             self.entries[mine.id] = mine
@@ -164,16 +166,21 @@ class Broker:
                 _kv_put(BUSY_KEY, b"1")
         self._expire_after(mine.id, float(beat_s))
         self._tick()
+        if mine.id not in self.entries:  # its deadline is ahead, so this sweep cannot drop it; if one did, re-register
+            return self.heartbeat(entry, beat_s=beat_s)
         state = self._standing(mine)
         self._expire_after(mine.id, max(float(beat_s), state["beat_s"]))
         return state
 
     def caught_up_to(self, at: float) -> None:
         """A probe the broker sent itself at `at` (its monotonic clock) has come through its queue: every call
-        queued before it has run. Plans nothing and sends no probe (that waits for the next real call)."""
-        self.caught_up = max(self.caught_up, at)
+        queued before it has run. Plans nothing and sends no probe (that waits for the next real call).
+        Any other call of it (a stray one, one from a past life of the broker) changes nothing."""
+        if at != self._probe:
+            return
+        self.caught_up = max(self.caught_up, min(at, time.monotonic()))
         self.lag = time.monotonic() - at
-        self._probing = False
+        self._probe = None
 
     def _send_probe(self, at: float) -> None:
         """Queue `caught_up_to(at)` behind every call already waiting (a call to itself: not waited for)."""
@@ -253,9 +260,12 @@ class Broker:
                 self._drop(id)
                 self.expires.pop(id, None)
                 self.expired += 1
-            if not self._probing:
-                self._probing = True
-                self._send_probe(now)
+            if self._probe is None or now - self._probe > PROBE_LOST_S:  # none on its way, or one lost
+                self._probe = now
+                try:
+                    self._send_probe(now)
+                except Exception:  # the next sweep tries again: places only expire later meanwhile
+                    self._probe = None
             if bool(self.entries) != self._busy:  # only on a change: empty <-> not
                 self._busy = bool(self.entries)
                 _kv_put(BUSY_KEY, b"1" if self._busy else b"0")

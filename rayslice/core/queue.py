@@ -232,8 +232,7 @@ class Devices:
     Ray gives a 0.5 and a 0.75 GPU two devices, and a 1-GPU step waits for a device nobody holds any of,
     so counting the cluster's sum would admit steps Ray cannot place. Fractions are packed best-fit
     (the fullest device they fit on), as Ray's raylet packs them. A whole request more than any node
-    has counts as fitting, as a slice type the cluster holds too few of does: Ray waits for a node
-    that big (its `capacity_timeout` bounds the wait), and the steps behind it are not held up.
+    has is refused when it asks (`refusal`), so it never holds up the steps behind it.
     """
 
     def __init__(self, per_node: list[float]) -> None:
@@ -251,8 +250,6 @@ class Devices:
                 self.free[n][d] -= amount
             return True
         whole = int(round(amount))
-        if all(len(node) < whole for node in self.free):
-            return True  # no node that big: Ray waits for one, taking nothing here
         nodes = [(sum(free >= 1 - 1e-9 for free in node), n) for n, node in enumerate(self.free)]
         nodes = [(count, n) for count, n in nodes if count >= whole]
         if not nodes:
@@ -264,8 +261,16 @@ class Devices:
         return True
 
 
-def refusal(e: Entry, totals: dict[str, float], autoscaled: set[str]) -> str | None:
-    """Why `e` can never run where an autoscaler bounds its kind (None: it may), for a clear error at once."""
+def refusal(e: Entry, totals: dict[str, float], autoscaled: set[str],
+            devices: dict[str, list[float]] | None = None) -> str | None:
+    """Why `e` can never run where an autoscaler bounds its kind, or on fixed nodes none of which has as many
+    devices as it asks for on one node (None: it may), for a clear error at once."""
+    nodes = (devices or {}).get(e.kind)
+    if nodes and e.kind not in autoscaled and not e.part and e.amount > max(nodes) + 1e-9:
+        sizes = ", ".join(f"{n:g}" for n in sorted(nodes, reverse=True))
+        return (f"{e.what} can never run on this cluster: a step's {e.kind} must be on one node, and its largest "
+                f"{e.kind} node has {max(nodes):g} (nodes: {sizes}); ask for at most {max(nodes):g}, or add a bigger "
+                "node")
     total = totals.get(e.kind, 0)
     if e.kind not in autoscaled or math.isinf(total) or e.amount <= total + 1e-9:
         return None
@@ -413,12 +418,12 @@ def victims(waiting: Entry, running: list[Entry], total: float, suspending: froz
     request needs. If all candidates together would not make room, nothing is suspended. Capacity
     already being freed (`suspending`) counts as free. `devices` (each node's device count, for an
     accelerator of fixed nodes): the request must fit on one node's devices, as `plan_lines` admits
-    it, with the running steps packed as Ray packs them (`Devices`, in the order they were admitted);
+    it, with the running steps packed as it packs them (`Devices`, in `running`'s order, as given to it);
     else what the kind holds cluster-wide counts.
     """
     if waiting.part or math.isinf(total):
         return []
-    held = sorted((e for e in running if e.kind == waiting.kind), key=lambda e: (e.admitted_at or e.arrival, e.id))
+    held = [e for e in running if e.kind == waiting.kind]  # in the order `plan_lines` packs them (admission order)
 
     def room(gone: set[str]) -> bool:
         staying = [e for e in held if e.id not in gone]

@@ -227,6 +227,26 @@ def test_a_runs_own_cluster_made_by_someone_else_is_refused_before_any_token(fak
     assert not [p for _, p, _ in fake.requests if "/secrets/" in p]
 
 
+def test_a_cluster_a_setup_made_gets_its_own_token_even_when_the_step_names_it_or_an_old_trigger_lost_the_owner(
+        fake, monkeypatch):
+    """Reviewer of issue 41: a trigger serialized before the owner was carried, or a templated name, reached a run's
+    cluster as a named one, and was sent the connection's password. A cluster a rayslice setup made (it carries an
+    owner mark) is sent only the token of the Secret it names, and only if that Secret carries the same mark."""
+    from rayslice.hooks.ray import RayHook
+
+    fake.load_balancer_ip = "198.51.100.4"
+    _cluster(fake, "rs-run-2", owner="prod/dag/run-2", token_secret="run-2-token")
+    _token_secret(fake, "run-2-token", "run-2", owner="prod/dag/run-2")
+    _cluster(fake, "rs-bad", owner="prod/dag/run-3", token_secret="victim-token")
+    _token_secret(fake, "victim-token", "victim", owner="prod/other/run-9")
+    extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig}}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
+                       json.dumps({"conn_type": "ray", "password": "shared-cluster-token", "extra": extra}))
+    assert RayHook(CONN, cluster="rs-run-2").settings().token == "run-2"
+    with pytest.raises(KubeRayError, match="Secret ml/victim-token was not made by the DAG run that made ml/rs-bad"):
+        RayHook(CONN, cluster="rs-bad").settings()
+
+
 def test_a_runs_own_cluster_with_a_token_secret_it_did_not_make_is_refused(fake, monkeypatch):
     from rayslice.hooks.ray import RayHook
 
@@ -235,7 +255,7 @@ def test_a_runs_own_cluster_with_a_token_secret_it_did_not_make_is_refused(fake,
     _token_secret(fake, "rs-run-2-ray-token", "planted")  # no owner mark: someone else's
     extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig}}
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
-    with pytest.raises(KubeRayError, match="Secret ml/rs-run-2-ray-token was not made by this DAG run"):
+    with pytest.raises(KubeRayError, match="Secret ml/rs-run-2-ray-token was not made by the DAG run that made"):
         RayHook(CONN, cluster="rs-run-2", cluster_owner=owner).settings()
 
 
@@ -595,3 +615,27 @@ def test_a_step_aimed_elsewhere_than_its_upstream_setups_cluster_is_warned_about
                                        "cluster the run made")
     assert own.setup_mismatch() is None and other_conn.setup_mismatch() is None
     assert templated.setup_mismatch() is None
+
+
+def test_a_runs_own_setup_refuses_a_token_secret_someone_else_planted_under_its_name(fake, monkeypatch):
+    """Reviewer of issue 41: an existing `<name>-ray-token` was "used as is", so whoever planted it knew the token
+    of the run's cluster. For a run's own cluster only a Secret an earlier try of the same run made is used."""
+    from types import SimpleNamespace
+
+    from rayslice.operators.kuberay import CreateRayClusterOperator
+
+    from rayslice.cloud.cluster_names import owner_for_run, per_run_name
+
+    extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig}, "deployment": "prod"}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
+    context = {"dag_run": SimpleNamespace(dag_id="d", run_id="r1")}
+    name = per_run_name("d", "r1", "prod")
+    op = CreateRayClusterOperator(task_id="create", ray_conn_id=CONN, name="per-run", tpus=["v6e-4"],
+                                  deferrable=False, ready_timeout=0.2, poll_interval=0.05)
+    _token_secret(fake, f"{name}-ray-token", "planted")
+    with pytest.raises(KubeRayError, match=f"Secret ml/{name}-ray-token was not made by the DAG run"):
+        op.execute(context)
+    assert ("ml", name) not in fake.clusters
+    _token_secret(fake, f"{name}-ray-token", "earlier-try", owner=owner_for_run("d", "r1", "prod"))
+    with pytest.raises(Exception, match="head Service .* is ClusterIP"):  # an earlier try's Secret: it goes on
+        op.execute(context)

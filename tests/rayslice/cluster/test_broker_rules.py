@@ -208,3 +208,33 @@ def test_an_autoscaling_cluster_admits_up_to_its_groups_maxima_and_refuses_what_
     assert "none of its autoscaler's node groups provides v5p-8" in state["refused"] and "e9" not in broker.entries
     big = rules.entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=3), id="big", label="d.big", arrival=9)
     assert "at most 2 v6e-16" in broker.heartbeat(big.to_json())["refused"]
+
+
+def test_a_stray_probe_changes_nothing_and_a_failed_send_is_tried_again(broker, monkeypatch):
+    """Reviewer of issue 38: a call of `caught_up_to` stamped in the future expired every place at every sweep, and
+    one failed probe send stopped expiry for the broker's whole life (its flag was set before the send)."""
+    clock = broker.clock
+    for i in range(3):
+        broker.heartbeat(entry(i, tpu="v6e-4"))
+    broker.caught_up_to(clock.now + 3600)  # not the probe on its way: ignored
+    for _ in range(3):
+        clock.now += queue.HEARTBEAT_S
+        for i in range(3):
+            broker.heartbeat(entry(i, tpu="v6e-4"))
+    assert broker.expired == 0 and set(broker.entries) == {"e0", "e1", "e2"}
+
+    failing = {"left": 2}
+
+    def send(self, at):
+        if failing["left"]:
+            failing["left"] -= 1
+            raise RuntimeError("the actor handle is not there yet")
+        self.caught_up_to(at)
+
+    monkeypatch.setattr(type(broker), "_send_probe", send)
+    broker._probe = None
+    for _ in range(12):  # e2's launcher is gone: its place expires once a probe gets through
+        clock.now += queue.HEARTBEAT_S
+        for i in range(2):
+            broker.heartbeat(entry(i, tpu="v6e-4"))
+    assert "e2" not in broker.entries and broker.expired == 1 and failing["left"] == 0

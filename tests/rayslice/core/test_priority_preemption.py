@@ -98,3 +98,20 @@ def test_a_whole_gpu_request_suspends_what_frees_one_node_not_what_frees_the_clu
     assert ids(victims(urgent, held, total=5, devices=[2, 3])) == ["low-one"]
     assert victims(urgent, held, total=5) == []  # counted cluster-wide, it "fits" already
     assert victims(gpus("urgent", 4, priority=10), held, total=5, devices=[2, 3]) == []  # bigger than any node
+
+
+def test_victims_pack_the_running_steps_in_the_order_the_plan_does():
+    """Reviewer of issue 38: victims re-sorted the running steps by (admitted_at, id) while the plan packs them in
+    admission order; steps admitted in one plan share admitted_at, so the two disagreed on where the room was.
+    One 3-GPU node, 0.4, 0.4, 0.6, 0.6 admitted in that order: the plan finds no whole device free."""
+    from rayslice.core.queue import plan
+
+    held = [gpus(id, amount, admitted_at=1) for id, amount in (("d", 0.4), ("c", 0.4), ("b", 0.6), ("a", 0.6))]
+    urgent = gpus("urgent", 1, priority=10)
+    assert plan([*held, urgent], {"GPU": 3}, QueueSettings(), now=5, devices={"GPU": [3]}).admit == []
+    assert ids(victims(urgent, held, total=3, devices=[3])) == ["a"]  # the youngest taken first, and it is enough
+    assert plan([*held[:3], urgent], {"GPU": 3}, QueueSettings(), now=5, devices={"GPU": [3]}).admit == ["urgent"]
+    whole = [gpus("w1", 1, admitted_at=1), gpus("w0", 1, admitted_at=1, preemptible=False),
+             gpus("w2", 1, admitted_at=1, preemptible=False)]
+    assert plan([*whole, urgent], {"GPU": 3}, QueueSettings(), now=5, devices={"GPU": [3]}).admit == []
+    assert ids(victims(urgent, whole, total=3, devices=[3])) == ["w1"]

@@ -172,13 +172,18 @@ def test_a_whole_gpu_is_admitted_only_onto_a_whole_free_device_and_fractions_pac
                 BEST_EFFORT, now=5, devices={"GPU": [2, 3]}).admit == []
 
 
-def test_a_whole_gpu_request_bigger_than_any_node_does_not_hold_up_the_gpu_line():
+def test_a_whole_gpu_request_bigger_than_any_node_is_refused_when_it_asks():
     """Reviewer of issue 38 (7): a 4-GPU step on 2-GPU nodes never fitted, so every GPU step behind it waited out
-    its capacity_timeout. It counts as fitting, as a slice type the cluster holds too few of: Ray waits for a node
-    that big (bounded by the step's own capacity_timeout) and the steps behind it run."""
-    decided = plan([gpu("huge", 4, at=1), gpu("half", 0.5, at=2), gpu("whole", 1, at=3)], TOTALS, BEST_EFFORT,
-                   now=5, devices={"GPU": [2, 2]})
-    assert decided.admit == ["huge", "half", "whole"]
+    its capacity_timeout. It is refused at once, in words that say what the nodes have."""
+    from rayslice.core.queue import refusal
+
+    devices = {"GPU": [2, 1]}
+    assert refusal(gpu("huge", 4), TOTALS, set(), devices) == (
+        "4 GPU can never run on this cluster: a step's GPU must be on one node, and its largest GPU node has 2 "
+        "(nodes: 2, 1); ask for at most 2, or add a bigger node")
+    assert refusal(gpu("pair", 2), TOTALS, set(), devices) is None
+    assert refusal(gpu("half", 0.5), TOTALS, set(), devices) is None
+    assert refusal(gpu("huge", 4), {"GPU": float("inf")}, {"GPU"}, devices) is None  # an autoscaler may add one
 
 
 def test_an_autoscaled_kind_is_admitted_up_to_what_its_node_groups_can_hold():
