@@ -203,11 +203,12 @@ def _check_usage(url: str, token: str | None, ids: dict[str, str]) -> None:
     for sid in ids.values():
         figures = Account.from_json(found.goodput[sid])
         log = httpx.get(f"{url}/api/jobs/{sid}/logs", headers=headers, timeout=30).json()["logs"]
-        # As published (to_json rounds chip-seconds to 4 places): a step whose body is a few ms, as tpu2's is once
-        # the flag exists, has a goodput that the rounding moves by more than 0.1%.
-        timeline = Account.from_json(step_account(parse_phases(log)).to_json())
-        assert figures.held_chip_s == pytest.approx(timeline.held_chip_s, rel=1e-6) and figures.held_chip_s > 0
-        assert figures.goodput == pytest.approx(timeline.goodput, rel=1e-6) and 0 < figures.goodput < 1
+        # The figures come from the job's goodput record, the timeline from its phase lines: each rounds its times
+        # (to the ms) on its own, and a step whose body is a few ms (tpu2's, once the flag exists) has a goodput that
+        # rounding moves by more than 0.1% of itself. So: equal up to a few ms of each phase, on every chip.
+        timeline = step_account(parse_phases(log))
+        assert figures.held_chip_s == pytest.approx(timeline.held_chip_s, abs=0.005 * 16) and figures.held_chip_s > 0
+        assert figures.goodput == pytest.approx(timeline.goodput, abs=1e-3) and 0 < figures.goodput < 1
         assert sum(figures.chip_s[c] for c in HELD) == pytest.approx(figures.held_chip_s, rel=0.01)
         assert "[rayslice] goodput: " in log and figures.attempts == 1
     assert Account.from_json(found.goodput[ids["tpu2"]]).seconds["waiting"] > max(
