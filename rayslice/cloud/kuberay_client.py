@@ -26,6 +26,7 @@ from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 
 __all__ = [
     "MANAGED_BY_LABEL",
+    "CLUSTER_ANNOTATION",
     "OWNER_ANNOTATION",
     "ClusterRef",
     "KubeRayClient",
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 OWNER_ANNOTATION = "rayslice.io/owner"
+#: On a token Secret a setup made: the RayCluster it was made for (only who may write Secrets can forge it).
+CLUSTER_ANNOTATION = "rayslice.io/cluster"
 DEFAULT_DASHBOARD_PORT = 8265
 ADDRESS_MODES = ("auto", "load-balancer", "service-dns", "cluster-ip")
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -311,10 +314,11 @@ class KubeRayClient:
 
         return client.CoreV1Api(self._api)
 
-    def read_token(self, secret: str, *, owner: str | None = None) -> str:
+    def read_token(self, secret: str, *, owner: str | None = None, made_for: str | None = None) -> str:
         """The Ray auth token in ``secret`` (key ``auth_token``), for the `ray` connection.
 
         ``owner``: read it only if it carries that owner mark (a Secret a DAG run made for its own cluster).
+        ``made_for``: only if a setup made it for the RayCluster of that name (its cluster annotation).
         """
         import base64
 
@@ -326,9 +330,14 @@ class KubeRayClient:
                 raise KubeRayError(f"no Secret {self.ref.namespace}/{secret} with the Ray token of {self.ref}: "
                                    "create it, or fix the kuberay extra's 'token_secret'", status_code=404) from None
             raise
-        if owner is not None and ((obj.metadata and obj.metadata.annotations) or {}).get(OWNER_ANNOTATION) != owner:
+        marks = (obj.metadata and obj.metadata.annotations) or {}
+        if owner is not None and marks.get(OWNER_ANNOTATION) != owner:
             raise KubeRayError(f"the Secret {self.ref.namespace}/{secret} was not made by the DAG run that made "
                                f"{self.ref} ({owner}): its token is not used for that cluster")
+        if made_for is not None and marks.get(CLUSTER_ANNOTATION) != made_for:
+            raise KubeRayError(f"the Secret {self.ref.namespace}/{secret}, which RayCluster {self.ref} names, was not "
+                               f"made by a setup for that cluster: its token is not sent there (name it in the "
+                               "kuberay extra's 'token_secret' if it is meant for it)")
         value = (obj.data or {}).get(kuberay.TOKEN_SECRET_KEY)
         if not value:
             raise KubeRayError(f"the Secret {self.ref.namespace}/{secret} has no '{kuberay.TOKEN_SECRET_KEY}' key")
@@ -337,8 +346,9 @@ class KubeRayClient:
     def ensure_token_secret(self, secret: str, *, owner: str) -> bool:
         """Make ``secret`` with a fresh random token unless it exists; True when this call made it.
 
-        An existing Secret is used as it is (a token the operator rotates or shares); a new one carries the
-        owner mark, so ``delete_token_secret`` removes only what this owner made.
+        An existing Secret is used as it is (a token the operator rotates or shares: name it in the kuberay
+        extra's ``token_secret`` too, so that steps may read it); a new one carries the owner mark, so
+        ``delete_token_secret`` removes only what this owner made, and the cluster it is for.
         """
         import secrets as random
 
@@ -347,7 +357,8 @@ class KubeRayClient:
         body = client.V1Secret(
             metadata=client.V1ObjectMeta(name=secret, namespace=self.ref.namespace,
                                          labels={MANAGED_BY_LABEL: "rayslice"},
-                                         annotations={OWNER_ANNOTATION: owner}),
+                                         annotations={OWNER_ANNOTATION: owner,
+                                                      CLUSTER_ANNOTATION: self.ref.name}),
             type="Opaque", string_data={kuberay.TOKEN_SECRET_KEY: random.token_hex(32)})
         try:
             self._call("create the Ray token Secret of", self._core().create_namespaced_secret,
@@ -505,10 +516,11 @@ def resolve_step_cluster(ref: ClusterRef, *, owner: str | None = None, timeout: 
     """A step's ``kuberay_cluster``: its dashboard URL, its token, and whether that token is the cluster's own.
 
     A cluster a rayslice setup made (it carries an owner mark) has a token of its own: the one in the Secret
-    its ``authOptions`` name, used only if that Secret carries the same owner mark (a cluster's spec may not
-    choose another team's Secret for Airflow to read), and the connection's password (a shared cluster's
-    token) is never sent to it. Any other cluster is authenticated as the connection's own (``ref.token_secret``,
-    or the caller's password). ``owner``: the cluster must be this DAG run's own (``kuberay_cluster="per-run"``)
+    its ``authOptions`` name, used only if a setup made that Secret for a cluster of this name (its cluster
+    annotation: writing it takes the right to write Secrets, not only RayClusters), or if the connection's
+    admin named it (the extra's ``token_secret``). A cluster's spec may thus not choose another team's
+    Secret for Airflow to read, and the connection's password (a shared cluster's token) is never sent to it.
+    Any other cluster is authenticated as the connection's own (``ref.token_secret``, or the caller's password). ``owner``: the cluster must be this DAG run's own (``kuberay_cluster="per-run"``)
     and carry that mark, else it is refused before any token is read or sent.
     """
     with KubeRayClient(ref, timeout=timeout, api_client=api_client) as kube:
@@ -528,4 +540,6 @@ def resolve_step_cluster(ref: ClusterRef, *, owner: str | None = None, timeout: 
         if options.get("mode") != "token":
             return url, None, True
         secret = options.get("secretName") or kuberay.token_secret_name(ref.name)
-        return url, kube.read_token(secret, owner=mark), True
+        if owner is not None:  # a run's own: made by that run, for this cluster
+            return url, kube.read_token(secret, owner=owner, made_for=ref.name), True
+        return url, kube.read_token(secret, made_for=None if secret == ref.token_secret else ref.name), True

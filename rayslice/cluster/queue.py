@@ -136,7 +136,8 @@ class Broker:
         self.expired = 0  # places lost to silence (`stats`)
         self.lag = 0.0  # how long the last probe waited in the broker's queue (a busy broker's backlog; `stats`)
         self.caught_up = 0.0  # every call queued before this (monotonic) time has run: the sweep's clock
-        self._probe: float | None = None  # when the probe on its way through the queue was sent (`caught_up_to`)
+        self._probes: list[float] = []  # when the probes on their way through the queue were sent (`caught_up_to`)
+        self._known_devices: dict[str, list[float]] = {}  # each node's devices, dead nodes too (`refusal`)
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
                   beat_s: float = HEARTBEAT_S, sent: float | None = None, **newer: Any) -> dict[str, Any]:
@@ -150,8 +151,9 @@ class Broker:
         if mine is None:  # a new place, or one a restart lost
             mine = rules.Entry.from_json(entry)
             if not mine.admitted:  # one that can never run is told so now, not after its capacity_timeout
-                totals, autoscaled, devices = self._capacity({(mine.family, mine.kind)})
-                why = rules.refusal(mine, totals, autoscaled, devices)
+                totals, autoscaled, _ = self._capacity({(mine.family, mine.kind)})
+                # Nodes down now count: a step waiting for its big node must not fail when it re-registers.
+                why = rules.refusal(mine, totals, autoscaled, self._known_devices)
                 if why:
                     return {"admitted": False, "refused": why, "beat_s": HEARTBEAT_S}
             self.entries[mine.id] = mine
@@ -175,12 +177,14 @@ class Broker:
     def caught_up_to(self, at: float) -> None:
         """A probe the broker sent itself at `at` (its monotonic clock) has come through its queue: every call
         queued before it has run. Plans nothing and sends no probe (that waits for the next real call).
-        Any other call of it (a stray one, one from a past life of the broker) changes nothing."""
-        if at != self._probe:
+        Any other call of it (a stray one, one from a past life of the broker) changes nothing. A probe
+        taken as lost (resent) still counts when it comes back: a backlog longer than PROBE_LOST_S must
+        not stop expiry."""
+        if at not in self._probes:
             return
+        self._probes = [p for p in self._probes if p > at]
         self.caught_up = max(self.caught_up, min(at, time.monotonic()))
         self.lag = time.monotonic() - at
-        self._probe = None
 
     def _send_probe(self, at: float) -> None:
         """Queue `caught_up_to(at)` behind every call already waiting (a call to itself: not waited for)."""
@@ -260,12 +264,12 @@ class Broker:
                 self._drop(id)
                 self.expires.pop(id, None)
                 self.expired += 1
-            if self._probe is None or now - self._probe > PROBE_LOST_S:  # none on its way, or one lost
-                self._probe = now
+            if not self._probes or now - self._probes[-1] > PROBE_LOST_S:  # none on its way, or it looks lost
+                self._probes = [*self._probes[-99:], now]
                 try:
                     self._send_probe(now)
                 except Exception:  # the next sweep tries again: places only expire later meanwhile
-                    self._probe = None
+                    self._probes.pop()
             if bool(self.entries) != self._busy:  # only on a change: empty <-> not
                 self._busy = bool(self.entries)
                 _kv_put(BUSY_KEY, b"1" if self._busy else b"0")
@@ -328,7 +332,11 @@ class Broker:
 
         totals: dict[str, float] = {}
         devices: dict[str, list[float]] = {}
+        known: dict[str, list[float]] = {}
         for node in ray.nodes():
+            for resource, amount in node["Resources"].items() if node.get("Resources") else ():
+                if resource in VISIBLE_DEVICES_ENV:
+                    known.setdefault(resource, []).append(amount)
             if not node["Alive"]:
                 continue
             labels = node.get("Labels", {})
@@ -353,6 +361,7 @@ class Broker:
                 totals[kind] = max(totals.get(kind, 0), most)
             totals.setdefault(kind, 0)
         found = (totals, autoscaled, {k: v for k, v in devices.items() if k not in autoscaled})
+        self._known_devices = known
         self._totals = (time.monotonic(), found)
         return found
 

@@ -153,10 +153,15 @@ def test_the_hook_reads_the_token_from_the_clusters_secret(fake, monkeypatch, tm
         RayHook(CONN).settings()
 
 
-def _token_secret(fake: FakeKubernetes, name: str, token: str, owner: str | None = None) -> None:
+def _token_secret(fake: FakeKubernetes, name: str, token: str, owner: str | None = None,
+                  made_for: str | None = None) -> None:
+    """A token Secret; with `owner` and `made_for`, as a setup makes it for the RayCluster `made_for`."""
     import base64
 
-    meta = {"name": name, **({"annotations": {OWNER_ANNOTATION: owner}} if owner else {})}
+    from rayslice.cloud.kuberay_client import CLUSTER_ANNOTATION
+
+    marks = {**({OWNER_ANNOTATION: owner} if owner else {}), **({CLUSTER_ANNOTATION: made_for} if made_for else {})}
+    meta = {"name": name, **({"annotations": marks} if marks else {})}
     fake.secrets[("ml", name)] = {"apiVersion": "v1", "kind": "Secret", "metadata": meta,
                                   "data": {"auth_token": base64.b64encode(token.encode()).decode()}}
 
@@ -200,7 +205,7 @@ def test_a_runs_own_cluster_gets_its_runs_token_never_the_connections(fake, monk
     owner = "prod/dag/run-2"
     fake.load_balancer_ip = "198.51.100.4"
     _cluster(fake, "rs-run-2", owner=owner)
-    _token_secret(fake, "rs-run-2-ray-token", "run-2", owner=owner)
+    _token_secret(fake, "rs-run-2-ray-token", "run-2", owner=owner, made_for="rs-run-2")
     extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig}}
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
                        json.dumps({"conn_type": "ray", "password": "shared-cluster-token", "extra": extra}))
@@ -236,15 +241,46 @@ def test_a_cluster_a_setup_made_gets_its_own_token_even_when_the_step_names_it_o
 
     fake.load_balancer_ip = "198.51.100.4"
     _cluster(fake, "rs-run-2", owner="prod/dag/run-2", token_secret="run-2-token")
-    _token_secret(fake, "run-2-token", "run-2", owner="prod/dag/run-2")
+    _token_secret(fake, "run-2-token", "run-2", owner="prod/dag/run-2", made_for="rs-run-2")
     _cluster(fake, "rs-bad", owner="prod/dag/run-3", token_secret="victim-token")
-    _token_secret(fake, "victim-token", "victim", owner="prod/other/run-9")
+    _token_secret(fake, "victim-token", "victim", owner="prod/other/run-9", made_for="victim")
     extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig}}
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
                        json.dumps({"conn_type": "ray", "password": "shared-cluster-token", "extra": extra}))
     assert RayHook(CONN, cluster="rs-run-2").settings().token == "run-2"
-    with pytest.raises(KubeRayError, match="Secret ml/victim-token was not made by the DAG run that made ml/rs-bad"):
+    with pytest.raises(KubeRayError, match="Secret ml/victim-token, which RayCluster ml/rs-bad names, was not made "
+                                           "by a setup for that cluster"):
         RayHook(CONN, cluster="rs-bad").settings()
+
+
+def test_a_cluster_that_copies_a_teams_owner_mark_is_not_sent_that_teams_token(fake, monkeypatch):
+    """Second reviewer of issue 41: who may create RayClusters (not Secrets) copied team A's owner mark onto a cluster
+    of theirs and pointed its authOptions at team A's Secret; a step naming it was sent team A's token."""
+    from rayslice.hooks.ray import RayHook
+
+    _cluster(fake, "scratch", owner="prod/team-a/run-1", token_secret="teama-ray-token")
+    _token_secret(fake, "teama-ray-token", "team-a", owner="prod/team-a/run-1", made_for="teama")
+    extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig}}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
+    with pytest.raises(KubeRayError, match="was not made by a setup for that cluster"):
+        RayHook(CONN, cluster="scratch").settings()
+
+
+def test_a_named_setups_reused_or_admin_secret_still_authenticates_its_steps(fake, monkeypatch):
+    """Second reviewer of issue 41 (upgrade): a named setup that reused a Secret (a stale one of an earlier run of
+    that cluster, or the admin's, named in the extra's token_secret) left steps that failed. Both still work."""
+    from rayslice.hooks.ray import RayHook
+
+    fake.load_balancer_ip = "198.51.100.4"
+    _cluster(fake, "train", owner="prod/dag/run-2", token_secret="train-ray-token")
+    _token_secret(fake, "train-ray-token", "stale", owner="prod/dag/run-1", made_for="train")  # run 1's, kept
+    _cluster(fake, "eval", owner="prod/dag/run-2", token_secret="admin-token")
+    _token_secret(fake, "admin-token", "admins")  # external-secrets' Secret: no rayslice marks
+    extra = {"kuberay": {"namespace": "ml", "name": "rs", "kubeconfig": fake.kubeconfig,
+                         "token_secret": "admin-token"}}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({"conn_type": "ray", "extra": extra}))
+    assert RayHook(CONN, cluster="train").settings().token == "stale"
+    assert RayHook(CONN, cluster="eval").settings().token == "admins"
 
 
 def test_a_runs_own_cluster_with_a_token_secret_it_did_not_make_is_refused(fake, monkeypatch):

@@ -232,9 +232,39 @@ def test_a_stray_probe_changes_nothing_and_a_failed_send_is_tried_again(broker, 
         self.caught_up_to(at)
 
     monkeypatch.setattr(type(broker), "_send_probe", send)
-    broker._probe = None
+    broker._probes = []
     for _ in range(12):  # e2's launcher is gone: its place expires once a probe gets through
         clock.now += queue.HEARTBEAT_S
         for i in range(2):
             broker.heartbeat(entry(i, tpu="v6e-4"))
     assert "e2" not in broker.entries and broker.expired == 1 and failing["left"] == 0
+
+
+def test_a_backlog_longer_than_a_lost_probe_still_lets_places_expire(broker):
+    """Second reviewer of issue 38: a probe taken as lost (resent after PROBE_LOST_S) was ignored when it came back,
+    so with every probe queued longer than that, nothing ever expired and dead places held capacity."""
+    clock = broker.clock
+    for i in range(2):
+        broker.heartbeat(entry(i, tpu="v6e-4"))  # e0 holds the v6e-4; e1's launcher dies now
+    broker.backlogged = True
+    for _ in range(6):  # a 40 s backlog: every probe comes back after PROBE_LOST_S, behind a resent one
+        for _ in range(int(40 / queue.HEARTBEAT_S)):
+            clock.now += queue.HEARTBEAT_S
+            broker.heartbeat(entry(0, tpu="v6e-4"))
+        broker.caught_up_to(broker.probes.pop(0))
+    assert "e1" not in broker.entries and broker.expired == 1
+
+
+def test_a_whole_gpu_step_is_refused_only_beyond_every_node_the_cluster_has_known(broker, monkeypatch):
+    """Second reviewer of issue 38: the size check saw live nodes only, so a waiting 8-GPU step that re-registered
+    (after a broker restart) while its 8-GPU node was down failed for good. Nodes down count; never-seen sizes not."""
+    from rayslice.core.accelerators import AcceleratorRequest
+
+    def gpus(id, count):
+        return rules.entry_for(AcceleratorRequest(resource="GPU", count=count), id=id, label=f"d.{id}").to_json()
+
+    monkeypatch.setattr(type(broker), "_capacity", lambda self, kinds: ({"GPU": 4}, set(), {"GPU": [4]}))
+    broker._known_devices = {"GPU": [8, 4]}  # the 8-GPU node is down now (alive: the 4); Ray still knows it
+    assert "refused" not in broker.heartbeat(gpus("big", 8))
+    refused = broker.heartbeat(gpus("huge", 16))["refused"]
+    assert refused.startswith("16 GPU can never run on this cluster") and "its largest GPU node has 8" in refused
