@@ -520,8 +520,9 @@ def resolve_step_cluster(ref: ClusterRef, *, owner: str | None = None, timeout: 
     annotation: writing it takes the right to write Secrets, not only RayClusters), or if the connection's
     admin named it (the extra's ``token_secret``). A cluster's spec may thus not choose another team's
     Secret for Airflow to read, and the connection's password (a shared cluster's token) is never sent to it.
-    Any other cluster is authenticated as the connection's own (``ref.token_secret``, or the caller's password). ``owner``: the cluster must be this DAG run's own (``kuberay_cluster="per-run"``)
-    and carry that mark, else it is refused before any token is read or sent.
+    Any other cluster is authenticated as the connection's own (``ref.token_secret``, or the caller's password).
+    ``owner``: the cluster must be this DAG run's own (``kuberay_cluster="per-run"``) and carry that mark,
+    else it is refused before any token is read or sent.
     """
     with KubeRayClient(ref, timeout=timeout, api_client=api_client) as kube:
         obj = kube.get()
