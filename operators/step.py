@@ -363,6 +363,8 @@ class RayStepOperator(BaseOperator):
                 self.log.info("[rayslice] %s", note)
             self._check_zone_offers(hook, request)
             deployment = hook.deployment()
+            if note := self.setup_mismatch():  # once, as the step starts (not again as it resumes or is killed)
+                self.log.warning("[rayslice] %s", note)
             self._settings = self.cluster_hook(context, deployment).settings()
             self._check_checkpoint_root(self.checkpoint_root)
         except InvalidRequestError as exc:
@@ -395,8 +397,6 @@ class RayStepOperator(BaseOperator):
 
     def cluster_hook(self, context: Context, deployment: str | None = None) -> RayHook:
         """The connection's hook, aimed at ``kuberay_cluster`` as rendered (the run's own for "per-run")."""
-        if self._cluster is None and (note := self.setup_mismatch()):
-            self.log.warning("[rayslice] %s", note)
         if self.kuberay_cluster not in (None, "") and self._cluster is None:
             if deployment is None and self.kuberay_cluster == cluster_names.PER_RUN:
                 deployment = RayHook(self.ray_conn_id).deployment()
