@@ -45,18 +45,23 @@ def train(steps: int, every: int, seconds_per_step: float, progress: str) -> int
     import numpy as np
     import orbax.checkpoint as ocp
     from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from rayslice import StepSuspended, get_step_context
 
     context = get_step_context()
     manager = ocp.CheckpointManager(context.checkpoint_path,
                                     options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
-    w = jnp.zeros(4)
+    # A global array replicated over every host's devices: orbax saves only global arrays in a multi-host run.
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P())
+    w = jax.device_put(jnp.zeros(4), replicated)
     start = manager.latest_step() or 0
     if start:
         w = manager.restore(start, args=ocp.args.StandardRestore({"w": w}))["w"]
     for i in range(start, steps):
-        w = w + float(multihost_utils.process_allgather(np.array([i], dtype=np.int32)).sum())
+        w = jax.jit(lambda w, d: w + d, out_shardings=replicated)(
+            w, float(multihost_utils.process_allgather(np.array([i], dtype=np.int32)).sum()))
         if jax.process_index() == 0:
             with open(progress, "a") as f:
                 f.write(f"{i}\n")
@@ -70,7 +75,7 @@ def train(steps: int, every: int, seconds_per_step: float, progress: str) -> int
             raise StepSuspended(f"saved step {i + 1}")
         time.sleep(seconds_per_step)
     manager.wait_until_finished()
-    return int(float(w[0]))
+    return int(float(w.addressable_data(0)[0]))  # replicated: every host holds the whole value
 
 
 def _slice_under(ray, group: str) -> str | None:

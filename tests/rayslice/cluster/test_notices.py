@@ -97,13 +97,18 @@ def _checkpoints(folder: Path) -> list[int]:
     return sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit())
 
 
-def _fit(name: str, tmp_path: Path, **kwargs) -> StepSpec:
+ONE_SLICE = TpuSliceRequest(tpu="v6e-16")
+
+
+def _fit(name: str, tmp_path: Path, request: TpuSliceRequest = ONE_SLICE,
+         priority: int = 3, preemptible: bool = False, **kwargs) -> StepSpec:
     from rayslice.dags.training_pipeline import fit
 
     return StepSpec.for_function(
-        fit, request=TpuSliceRequest(tpu="v6e-16"), checkpoint_root=f"file://{tmp_path / name}",
+        fit, request=request, checkpoint_root=f"file://{tmp_path / name}",
         kwargs={"dataset": DATASET, "learning_rate": 0.05, **kwargs},
-        owner=Owner(submission_id=f"test-{name}-{time.time_ns()}"), preemption_retries=1, priority=3,
+        owner=Owner(submission_id=f"test-{name}-{time.time_ns()}"), preemption_retries=1, priority=priority,
+        preemptible=preemptible,
     )
 
 
@@ -211,5 +216,74 @@ def test_a_command_step_gets_sigterm_and_the_notice_file_saves_and_resumes_on_th
     assert saved_on_notice, steps
     assert {r["started_at"] for r in resumed} == {saved_on_notice[0]}
     assert first["released"] < preemption.deadline and preemption.free_before_deadline
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU-v6e-16-head") == 2, timeout=120)
+    assert_all_released(ray_driver)
+
+
+def evaluate() -> float:
+    """The urgent evaluation's body: when it started on this host."""
+    return time.time()
+
+
+def test_a_priority_10_evaluation_suspends_a_preemptible_two_slice_training_which_resumes_with_the_same_result(
+    cluster, ray_driver, tmp_path, capsys
+):
+    """Issue 39's priority case: under `preemption: lower-priority`, a one-slice evaluation asking while a
+    preemptible 2-slice training holds both v6e-16 starts within the grace plus its own start-up; the
+    training checkpoints, releases, waits and resumes when a slice frees, ending as an uninterrupted run."""
+    import asyncio
+
+    from rayslice.client.jobs_client import RayJobsClient
+    from rayslice.client.submission import run_step_job
+    from rayslice.cluster import queue, run_step
+    from rayslice.cluster.phases import parse_phases
+    from rayslice.core.queue import QueueSettings
+
+    two = TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True)
+    steps, every, grace = 8, 4, 20
+    uninterrupted = run_step(_fit("two-uninterrupted", tmp_path, request=two, steps=steps, checkpoint_every=every))
+    capsys.readouterr()
+    train = _fit("two-preemptible", tmp_path, request=two, priority=0, preemptible=True, steps=steps,
+                 checkpoint_every=every, seconds_per_step=2.0)
+    folder = Path(checkpoint_dir_for(f"file://{tmp_path / 'two-preemptible'}", train.owner).removeprefix("file://"))
+    urgent = StepSpec.for_function(evaluate, request=TpuSliceRequest(tpu="v6e-16"), priority=10,
+                                   capacity_timeout=300, owner=Owner(submission_id=f"test-eval-{time.time_ns()}"))
+    seen: dict = {}
+
+    def evaluation_asks_after_the_first_checkpoint() -> None:
+        if wait_until(lambda: _checkpoints(folder), timeout=300, interval=0.2):
+            seen["asked"] = time.time()
+            seen["starts"] = asyncio.run(run_step_job(cluster.dashboard_url, urgent, token=cluster.token,
+                                                      emit=lambda line: None))
+
+    ray_driver.get(queue.broker().set_settings.remote(
+        QueueSettings(preemption="lower-priority", preemption_grace_s=grace).model_dump()), timeout=10)
+    asker = threading.Thread(target=evaluation_asks_after_the_first_checkpoint)
+    try:
+        asker.start()
+        resumed = run_step(train)
+        asker.join()
+    finally:
+        ray_driver.get(queue.broker().set_settings.remote(QueueSettings().model_dump()), timeout=10)
+    out = capsys.readouterr().out
+    assert "asked" in seen, "the training ended before its first checkpoint"
+    with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
+        evaluation = parse_phases(client.logs(urgent.owner.submission_id))[-1]
+    first, second = _attempts(out)
+    # The training was suspended for the evaluation, by the queue, and kept its one try.
+    assert "suspended for" in out and "priority 10" in out, out
+    assert "no Airflow retry" in out
+    # The evaluation started within the grace plus its own start-up (its reservation to its body's start),
+    # with a few queue heartbeats of slack for the suspension to be asked and the release to be seen.
+    own_startup = evaluation["step_started"] - evaluation["reserved"]
+    assert evaluation["step_started"] - seen["asked"] <= grace + own_startup + 4 * queue.REPLAN_S + 5, (
+        evaluation, seen["asked"])
+    assert min(seen["starts"]) >= first["released"] - 1  # no step body ran on a slice the training still held
+    # The training resumed only once a slice was free again (after the evaluation released it), and ended
+    # exactly where an uninterrupted 2-slice run ends.
+    assert second["reserved"] >= evaluation["released"] - 1
+    for after, without in zip(resumed, uninterrupted, strict=True):
+        assert after["loss"] == pytest.approx(without["loss"], abs=1e-4)
+        assert after["weights"] == pytest.approx(without["weights"], abs=1e-4)
     assert wait_until(lambda: ray_driver.available_resources().get("TPU-v6e-16-head") == 2, timeout=120)
     assert_all_released(ray_driver)
