@@ -1,6 +1,6 @@
 """Preemption with a notice against today's kill-and-retry: notice -> slice free, notice -> resumed, work lost.
 
-A v6e-16 training step (orbax checkpoints every 4 steps, `preemption_retries=1`) is preempted
+A v6e-16 training step (40 steps of 1.5 s, orbax checkpoints every 8 steps, `preemption_retries=1`) is preempted
 after its first checkpoint: the platform gives host 2's node a 30 s notice (Ray's `DrainNode`,
 reason preemption) and kills the node at the deadline. Two rows, in one run on one cluster:
 
@@ -32,7 +32,8 @@ from rayslice.local import local_cluster
 
 NAME = "preemption_notice"
 SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16"))
-STEPS, EVERY, SECONDS_PER_STEP, NOTICE_S = 16, 4, 1.5, 30
+#: The run must outlast its first checkpoint plus the notice, or the kill finds nothing running.
+STEPS, EVERY, SECONDS_PER_STEP, NOTICE_S = 40, 8, 1.5, 30
 
 
 def train(steps: int, every: int, seconds_per_step: float, progress: str) -> int:
@@ -92,11 +93,12 @@ def one(record, ray, mode: str, root: Path) -> dict:
     from rayslice.cluster import run_step
     from rayslice.core.context import checkpoint_dir_for
 
-    progress = root / f"{mode}.progress"
+    run = f"bench-{mode}-{time.time_ns()}"
+    progress = root / f"{run}.progress"  # one file per run: "steps run twice" counts this run's alone
     spec = StepSpec.for_function(
         train, request=TpuSliceRequest(tpu="v6e-16"), checkpoint_root=f"file://{root / mode}",
         kwargs={"steps": STEPS, "every": EVERY, "seconds_per_step": SECONDS_PER_STEP, "progress": str(progress)},
-        owner=Owner(submission_id=f"bench-{mode}-{time.time_ns()}"), preemption_retries=1)
+        owner=Owner(submission_id=run), preemption_retries=1)
     folder = Path(checkpoint_dir_for(f"file://{root / mode}", spec.owner).removeprefix("file://"))
     seen: dict = {}
 
@@ -123,7 +125,10 @@ def one(record, ray, mode: str, root: Path) -> dict:
     local_cluster.restart_node(record, seen["index"])
     from rayslice.cluster.phases import parse_phases
 
-    first, second = parse_phases(out.getvalue())[:2]
+    attempts = parse_phases(out.getvalue())
+    if len(attempts) < 2:
+        raise SystemExit(f"{mode}: the step ran in one attempt; its log:\n{out.getvalue()[-6000:]}")
+    first, second = attempts[:2]
     done = [int(line) for line in progress.read_text().split()]
     return {"free": first["released"] - seen["notice"], "resumed": second["step_started"] - seen["notice"],
             "lost": len(done) - STEPS}
