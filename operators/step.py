@@ -51,6 +51,7 @@ from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
 from rayslice.core.queue import TEAM_PATTERN, team_for
 from rayslice.core.step import (
+    PREEMPTIBLE_NEEDS_RETRIES,
     Owner,
     StepSpec,
     notice_signal_name,
@@ -263,6 +264,8 @@ class RayStepOperator(BaseOperator):
             )
         if not isinstance(preemptible, bool):
             raise InvalidRequestError(f"preemptible of {self.task_id!r} must be True or False, got {preemptible!r}")
+        if preemptible and preemption_retries < 1:
+            raise InvalidRequestError(f"{PREEMPTIBLE_NEEDS_RETRIES} (task {self.task_id!r})")
         try:
             notice_signal = notice_signal_name(notice_signal)
         except InvalidRequestError as exc:

@@ -92,6 +92,7 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
                                                 preemption_attempt=attempt, submission_id=spec.owner.submission_id))
         timeline.note("checkpoint_described")
         step = gang.Attempt(preemption_attempt=attempt, checkpoint_dir=checkpoint_dir)
+        waits.resumptions_left = spec.preemption_retries - attempt
         timeline.chips = (spec.request.total_chips if isinstance(spec.request, TpuSliceRequest)
                           else spec.request.count)
         timeline.outcome = "failed"
@@ -118,6 +119,9 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             waits.suspended = str(exc) if suspended is not None else ""
             if suspended is not None:
                 log(suspend.requeued(spec, exc, waits.arrival, attempt + 1, checkpoint_dir))
+                # Not the step's own doing: its wait to come back (behind whoever suspended it, for as long as
+                # that runs) and its hosts' start get their whole budgets again.
+                waits.capacity, waits.start = spec.capacity_timeout, gang.HOST_START_TIMEOUT_S
             else:
                 log(f"preempted: {exc}; retrying the whole gang ({attempt + 1} of {spec.preemption_retries})"
                     + (f", avoiding {exc.slice_name}" if getattr(exc, "slice_name", "") else ""))
@@ -151,7 +155,8 @@ class Waits:
     """What a step may still spend waiting, over all its attempts together (preemption retries included).
 
     Capacity: `capacity_timeout` in all; host processes starting: `HOST_START_TIMEOUT_S` in all.
-    So a step never waits longer than capacity_timeout + 300 s in total, however many retries.
+    So a step never waits longer than capacity_timeout + 300 s in total, however many retries; after
+    a suspension (a preemption notice, a higher-priority step) both budgets start again.
     """
 
     capacity: float
@@ -159,6 +164,7 @@ class Waits:
     lost_nodes: frozenset[str] = frozenset()
     arrival: float = field(default_factory=time.time)  # in the admission queue: kept by a retried gang
     suspended: str = ""  # why the last attempt was suspended (shown while the step waits in the queue again)
+    resumptions_left: int = 0  # preemption retries left: a step with none left is no priority victim
 
     def spend(self, kind: str, since: float) -> None:
         setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
@@ -217,7 +223,8 @@ def _reap_orphans(spec: StepSpec) -> None:
 
 def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline) -> admission.Place:
     """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted."""
-    place = admission.place_for(spec, arrival=waits.arrival)
+    place = admission.place_for(spec, arrival=waits.arrival,
+                                preemptible=spec.preemptible and waits.resumptions_left > 0)
     started = time.monotonic()
     timeline.note("queued")
     marker = None
@@ -390,6 +397,11 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
         **options
     ).remote(str(request), spec.model_dump_json(), plan)
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
+    # A preemptible fraction hears the queue's word (a higher-priority step needs its accelerator) as a notice.
+    watch = notices.Watch(f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}",
+                          {}, requested=lambda: place.suspend)
+    attempt = replace(attempt, notice_key=watch.key)
+    watch.__enter__()
     try:
         ready, _ = ray.wait([actor.free_port.remote()], timeout=waits.capacity)
         waits.spend("capacity", placing)
@@ -400,7 +412,7 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
             )
         log(f"running on {request}")
         try:
-            result = gang.run_gang([actor], [plan], spec, attempt, timeline)[0]
+            result = gang.run_gang([actor], [plan], spec, attempt, timeline, watch)[0]
         except BaseException as exc:
             drain_from = [str(request)] if gang.raised_on(exc, [plan]) else []  # the actor's label
             if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
@@ -409,6 +421,9 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
         drain_from, quiet = [str(request)], 0.0
         return result
     finally:
+        watch.__exit__(None, None, None)
+        if watch.noticed_at is not None:
+            timeline.note("notice", watch.noticed_at)
         gang.kill([actor])
         place.leave()
         timeline.mark("released")

@@ -85,12 +85,15 @@ def program_env(env: Mapping[str, str], report_dir: str, hang_interval: float = 
 
 
 def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval: float = 0.0,
-        on_start: Callable[[int], None] | None = None) -> Any:
+        on_start: Callable[[int], None] | None = None,
+        linger_until: Callable[[], float | None] | None = None) -> Any:
     """Run `argv` to its end, relaying its output; its result file's JSON, None, or CommandExitError.
 
     `report_dir` is an empty folder of this host's: the program's result file and its reports go there.
     `python` means the host's own Python (the runtime env's, with its packages): its folder goes first on PATH.
     `on_start(pid)` is called once the program runs (its pid is its process group: a preemption notice signals it).
+    `linger_until()`: once a preemption notice came, until when (epoch seconds) the program's other
+    processes may still run after its first process ended, to finish their checkpoint; None: not at all.
     """
     env = program_env(env, report_dir, hang_interval)
     if argv[0] in ("python", "python3"):
@@ -111,6 +114,9 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
     try:
         code, ended_at = _wait(child, os.path.join(report_dir, EXIT_FILE))
     finally:  # also when this actor is interrupted: nothing of the program outlives its end
+        until = linger_until() if linger_until is not None else None
+        if until is not None:
+            _linger(os.fsencode(marker), until)
         program_group.end(child.pid, os.fsencode(marker))
         child.wait()
         if guard is not None:
@@ -133,6 +139,12 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
     except ValueError as exc:
         raise CommandExitError(f"the command's ${RESULT_FILE_ENV} holds no JSON ({exc}): {text[:200]!r}", 0,
                                ended_at) from None
+
+
+def _linger(marker: bytes, until: float) -> None:
+    """Wait (until `until`) while processes of the program still run: after a notice they may be saving."""
+    while time.time() < until and program_group.marked(marker):
+        time.sleep(0.1)
 
 
 def _wait(child: subprocess.Popen, exit_file: str) -> tuple[int, float]:

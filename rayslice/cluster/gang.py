@@ -52,6 +52,10 @@ COORDINATOR_DEATH_WINDOW_S = 1.0
 PROGRAM_END_WINDOW_S = 2.0
 #: How long hosts that all returned may take to leave their JAX groups before they are killed anyway.
 LEAVE_TIMEOUT_S = 10.0
+#: Once a host has ended for a preemption notice, how much longer its peers may take to end too (bounded
+#: by the stop before the deadline): a peer stuck in a collective the first one left must not hold the
+#: slice through a long notice (a maintenance notice an hour ahead, a long priority grace).
+PEERS_STOP_S = 60.0
 #: Failures that may be a peer's death: JAX/XLA runtime errors, and what a broken link says.
 RUNTIME_ERRORS = ("JaxRuntimeError", "XlaRuntimeError")
 PEER_LOSS_SIGNS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "UNAVAILABLE",
@@ -145,7 +149,7 @@ class HostProcess:
                                                              goodput.SPANS_FILE_ENV: spans_file,
                                                              NOTICE_FILE_ENV: notice.path},
                                               report_dir, attempt.hang_interval if watched else 0.0,
-                                              on_start=notice.started)
+                                              on_start=notice.started, linger_until=notice.linger_until)
                 else:
                     set_step_context(context)
                     try:
@@ -284,9 +288,9 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
             if watch is not None:
                 timeout = notices.POLL_S if timeout is None else min(timeout, notices.POLL_S)
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-            if watch is not None and (stop_at := watch.stop_at()) is not None and time.time() >= stop_at:
-                raise _suspension(watch, plans, stopped=True)
-            if not ready:
+            if not ready:  # a host that already returned counts, even when the stop is due: its body is done
+                if watch is not None and (stop_at := watch.stop_at()) is not None and time.time() >= stop_at:
+                    raise _suspension(watch, plans, stopped=True)
                 if deadline is not None and time.monotonic() >= deadline:
                     slow = ", ".join(plans[refs[r]].label for r in pending)
                     raise StepTimeoutError(
@@ -299,9 +303,10 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
             except StepFailedError as exc:
                 if watch is not None and watch.notice is not None:
                     # After a notice, an end short of success is the step stopping for it (or its node going):
-                    # the others get until shortly before the deadline to finish their checkpoint too.
-                    stopped = _wait_until(pending, watch.stop_at())
-                    raise _suspension(watch, plans, stopped=stopped) from None
+                    # the others get until shortly before the deadline (at most PEERS_STOP_S more) to finish
+                    # their checkpoint too. The host's own error stays in the message and as the cause.
+                    stopped = _wait_until(pending, min(watch.stop_at(), time.time() + PEERS_STOP_S))
+                    raise _suspension(watch, plans, stopped=stopped, ended=exc) from exc
                 if isinstance(exc, HostLostError):
                     index, error = _coordinator_first(index, exc, pending, refs, plans)
                     raise error from None
@@ -329,6 +334,14 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     _leave_group(actors, plans, reports)
     if timeline is not None:
         timeline.hosts(reports)
+    if watch is not None and watch.notice is not None:
+        if spec.command is not None and all(r is None for r in results):
+            # A program that exits 0 once noticed (MaxText: save, then `sys.exit()`) wrote no result: it stopped
+            # for the notice, unfinished. (One that finished anyway resumes from its last checkpoint and ends.)
+            kill(actors)
+            raise _suspension(watch, plans, stopped=False)
+        print("[rayslice] the step returned after a preemption notice: its value is taken as the step's result "
+              "(raise rayslice.StepSuspended instead to be resumed from the checkpoint)", flush=True)
     return results
 
 
@@ -340,12 +353,20 @@ def _wait_until(pending: list[Any], until: float | None) -> bool:
     return bool(left)
 
 
-def _suspension(watch: notices.Watch, plans: list[HostPlan], *, stopped: bool) -> SuspendedError:
-    """The suspension error: which notice, which host's node, whether the step stopped by itself."""
+def _suspension(watch: notices.Watch, plans: list[HostPlan], *, stopped: bool,
+                ended: StepFailedError | None = None) -> SuspendedError:
+    """The suspension error: which notice, which host's node, whether the step stopped by itself, and how.
+
+    `ended`: the first host's end after the notice, kept in the message (a host that raised a real
+    error as the notice came must not vanish into "suspended").
+    """
     notice = watch.notice
     assert notice is not None
     how = ("it was still running shortly before the deadline and was stopped: it resumes from its last checkpoint"
            if stopped else "the step stopped for it")
+    if ended is not None and not ended.cause.startswith("StepSuspended"):
+        first = str(ended).strip().splitlines()[0][:300] if str(ended).strip() else type(ended).__name__
+        how += f" (the first host to end: {first})"
     host = next((p.ip for p in plans if p.node_id == notice.node), None)
     error = SuspendedError(f"suspended by a preemption notice ({notice.reason}); {how}", cause="preemption notice",
                            host=host)

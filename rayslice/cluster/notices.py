@@ -35,6 +35,8 @@ NAMESPACE = "rayslice-notices"
 #: How long before the deadline the launcher stops a step that is still running: its capacity must be free
 #: before the platform takes the node.
 STOP_MARGIN_S = 3.0
+#: The least time a step gets from hearing its notice to being stopped, whatever the deadline says.
+MIN_GRACE_S = 5.0
 #: A notice without a deadline (Ray's 0): how long the step may take to checkpoint and return.
 DEFAULT_GRACE_S = 30.0
 
@@ -68,7 +70,7 @@ class Watch:
         self._poll = poll
         self.notice: PreemptionNotice | None = None
         self.noticed_at: float | None = None
-        self._seen = threading.Event()
+        self._told = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rayslice-notice-watch", daemon=True)
 
@@ -83,40 +85,72 @@ class Watch:
             internal_kv._internal_kv_del(self.key, namespace=NAMESPACE)
 
     def _loop(self) -> None:
+        """Until the attempt ends: a drained node, or the queue's word, becomes the notice; an earlier one replaces it.
+
+        The watch keeps looking after the first notice: a priority notice (its grace) followed by a
+        drain of one of the step's nodes with less time left must move the stop to that node's
+        deadline, and name the node, so the retry avoids its slice. Telling the hosts is retried
+        until the GCS takes it.
+        """
         while not self._stop.is_set():
             try:
-                found = draining(self._nodes)
+                found = draining(self._nodes) if self._nodes else {}
             except Exception:  # a busy GCS: the next poll asks again
                 found = {}
-            asked = self._requested() if self._requested is not None else None
-            if asked is not None and not found:
-                why, grace = asked
-                self.publish(PreemptionNotice(deadline=time.time() + grace, reason=why))
-                return
             if found:
                 node, deadline = min(found.items(), key=lambda item: item[1] or float("inf"))
                 self.publish(PreemptionNotice(
                     deadline=deadline or time.time() + DEFAULT_GRACE_S,
                     reason=f"node {node[:12]} (host {self._nodes[node]}) is being drained for preemption",
                     node=node))
-                return
+            elif self.notice is None and (asked := self._requested() if self._requested is not None else None):
+                why, grace = asked
+                self.publish(PreemptionNotice(deadline=time.time() + grace, reason=why))
+            if self.notice is not None and not self._told:
+                self._tell_hosts()
             self._stop.wait(self._poll)
 
     def publish(self, notice: PreemptionNotice) -> None:
-        """Make `notice` the step's (the first one wins) and tell every host."""
-        if self._seen.is_set():
+        """Make `notice` the step's, and tell every host.
+
+        The first notice wins, unless a later one is a drained node of the step with an earlier
+        deadline than the notice's (or the first named no node): then it replaces it.
+        """
+        current = self.notice
+        if current is not None and not (notice.node and (not current.node or notice.deadline < current.deadline)):
             return
-        self.notice, self.noticed_at = notice, time.time()
-        self._seen.set()
-        internal_kv._internal_kv_put(self.key, notice.to_json(), namespace=NAMESPACE)
-        print(f"[rayslice] preemption notice: {notice.reason}; deadline in {notice.seconds_left:.0f} s: every host "
-              "was told; the step may checkpoint and stop, or it is stopped before the deadline", flush=True)
+        self.notice = notice
+        if self.noticed_at is None:
+            self.noticed_at = time.time()
+        self._told = False
+        self._tell_hosts()
+        if current is None:
+            print(f"[rayslice] preemption notice: {notice.reason}; deadline in {notice.seconds_left:.0f} s: every "
+                  "host is told; the step may checkpoint and stop, or it is stopped before the deadline", flush=True)
+        else:
+            print(f"[rayslice] preemption notice replaced: {notice.reason}; deadline in {notice.seconds_left:.0f} s "
+                  f"(was {current.reason})", flush=True)
+
+    def _tell_hosts(self) -> None:
+        """Put the notice where the hosts read it; on a GCS error the watch's next poll tries again."""
+        try:
+            internal_kv._internal_kv_put(self.key, self.notice.to_json(), namespace=NAMESPACE)
+        except Exception as exc:
+            print(f"[rayslice] could not tell the hosts of the preemption notice yet ({type(exc).__name__}: {exc}); "
+                  "trying again", flush=True)
+            return
+        self._told = True
 
     def stop_at(self) -> float | None:
-        """When the launcher stops the step (epoch seconds): a little before the deadline; None without a notice."""
+        """When the launcher stops the step (epoch seconds): a little before the deadline; None without a notice.
+
+        At least `MIN_GRACE_S` after the notice was heard: a deadline already past on this
+        machine's clock (a drainer's clock ahead of it, a notice heard late) still leaves the step
+        a moment to checkpoint.
+        """
         if self.notice is None:
             return None
-        return self.notice.deadline - STOP_MARGIN_S
+        return max(self.notice.deadline - STOP_MARGIN_S, (self.noticed_at or time.time()) + MIN_GRACE_S)
 
 
 class HostListener:
@@ -183,6 +217,16 @@ class CommandNotice:
         print(f"[rayslice] preemption notice delivered to the program: {notice.reason}; "
               f"{notice.seconds_left:.0f} s to the deadline" + (f" ({self._signal.name} sent)" if self._signal else ""),
               flush=True)
+
+    def linger_until(self) -> float | None:
+        """Once a notice was delivered: until when the program's other processes may finish after its first ends.
+
+        A shell wrapper (`bash train.sh`) dies of the signal at once while the Python it started is
+        still saving its checkpoint: that save gets until shortly before the deadline.
+        """
+        with self._lock:
+            notice = self._pending
+        return None if notice is None else max(notice.deadline - STOP_MARGIN_S, time.time())
 
     def _signal_program(self) -> None:
         if self._signal is None or self._pid is None:

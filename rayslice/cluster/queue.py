@@ -118,6 +118,7 @@ class Broker:
         self.settings = operator_settings()
         self.reasons: dict[str, str] = {}
         self.suspending: dict[str, str] = {}  # running id -> why a waiting request of higher priority suspends it
+        self.told: set[str] = set()  # the suspending ids whose launchers heard it (no taking those back)
         with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id`: no warning for users
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -226,6 +227,7 @@ class Broker:
             return
         self._dirty = True
         self.suspending.pop(id, None)
+        self.told.discard(id)
         if self.running.pop(id, None) is None:
             self._unline(e)
 
@@ -241,6 +243,7 @@ class Broker:
         """Where an entry stands in its line (O(log n)), and how often its launcher should beat."""
         if mine.admitted:
             if mine.id in self.suspending:  # its launcher sends its step a preemption notice with this grace
+                self.told.add(mine.id)
                 return {"admitted": True, "beat_s": HEARTBEAT_S, "suspend": self.suspending[mine.id],
                         "grace_s": self.settings.preemption_grace_s}
             return {"admitted": True, "beat_s": HEARTBEAT_S}
@@ -296,6 +299,9 @@ class Broker:
             e.admitted, e.admitted_at = True, admitted_at
             self.running[id] = e
         self.reasons = decided.reasons
+        # A suspension not yet heard is chosen again at every plan: one whose request left, or was admitted on
+        # capacity freed otherwise, is taken back before its step hears it.
+        self.suspending = {id: why for id, why in self.suspending.items() if id in self.told}
         if self.settings.preemption == "lower-priority":
             self._choose_suspensions(totals, devices)
         self._planned, self._dirty = time.monotonic(), False
@@ -503,8 +509,13 @@ class Place:
             pass  # the broker forgets a silent launcher within EXPIRE_S anyway
 
 
-def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | None = None) -> Place:
-    """The queue place of a step: its request (TPU chips: on which slice type), priority, team, label (dag.task)."""
+def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | None = None,
+              preemptible: bool | None = None) -> Place:
+    """The queue place of a step: its request (TPU chips: on which slice type), priority, team, label (dag.task).
+
+    `preemptible`: whether a higher-priority step may suspend it now (default: as the step declares;
+    the launcher says False once the step has no preemption retry left to resume with).
+    """
     owner = spec.owner
     label = f"{owner.dag_id}.{owner.task_id}" if owner.dag_id else (owner.submission_id or "adhoc")
     if owner.map_index >= 0:
@@ -515,7 +526,7 @@ def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | 
         chips_on = chip_slice(request, ray.nodes() if nodes is None else nodes)
     entry = rules.entry_for(request, id=f"{owner.submission_id or 'adhoc'}/{time.time_ns()}", label=label,
                             priority=spec.priority or 0, team=spec.team, arrival=arrival, chips_on=chips_on,
-                            preemptible=spec.preemptible)
+                            preemptible=spec.preemptible if preemptible is None else preemptible)
     entry.dag = f"{owner.deployment}/{owner.dag_id}"
     return Place(entry)
 

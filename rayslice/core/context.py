@@ -105,7 +105,10 @@ class StepContext:
 
     @property
     def preempted(self) -> bool:
-        """True once a preemption notice came: checkpoint now, then raise `rayslice.StepSuspended` (or return)."""
+        """True once a preemption notice came: checkpoint now, then raise `rayslice.StepSuspended` to be resumed.
+
+        A step that returns instead has ended: its value is the step's result.
+        """
         return self.preemption_notice is not None
 
     def on_preemption(self, callback: Callable[[PreemptionNotice], None]) -> None:

@@ -77,8 +77,9 @@ class QueueSettings(BaseModel):
 
     preemption: Preemption = Field("never", description="'lower-priority': a waiting request that cannot be "
                                    "admitted suspends running preemptible steps of lower priority (docs/preemption.md)")
-    preemption_grace_s: float = Field(30.0, gt=0, le=3600, description="the notice a suspended step gets: how long "
-                                      "it may take to checkpoint before it is stopped")
+    preemption_grace_s: float = Field(30.0, ge=10, le=3600, description="the notice a suspended step gets: how "
+                                      "long it may take to checkpoint before it is stopped (the launcher stops a "
+                                      "step 3 s before its deadline, so at least 10 s)")
 
     def priority_of(self, priority: int, team: str | None) -> int:
         """A step's priority as queued: capped by its team's (or a team above it's) `max_priority`, else '*'."""

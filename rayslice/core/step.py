@@ -110,6 +110,12 @@ def notice_signal_name(value: Any) -> str:
     return name
 
 
+#: A preemptible step is suspended and resumed: its resumption counts within `preemption_retries`.
+PREEMPTIBLE_NEEDS_RETRIES = (
+    "preemptible=True needs preemption_retries of at least 1: a step suspended for a higher-priority one resumes "
+    "within its preemption_retries, and with none the suspension would fail the task")
+
+
 class StepSpec(BaseModel):
     """Everything the launcher needs to run one step; the job's `spec.json`."""
 
@@ -195,6 +201,8 @@ class StepSpec(BaseModel):
                                       f"or `command` (an argv list){'; got ' + ', '.join(given) if given else ''}")
         if self.callable is not None and ":" not in self.callable:
             raise InvalidRequestError(f"callable {self.callable!r} must look like 'package.module:function'")
+        if self.preemptible and self.preemption_retries < 1:
+            raise InvalidRequestError(PREEMPTIBLE_NEEDS_RETRIES)
         return self
 
     @property

@@ -268,3 +268,61 @@ def test_a_whole_gpu_step_is_refused_only_beyond_every_node_the_cluster_has_know
     assert "refused" not in broker.heartbeat(gpus("big", 8))
     refused = broker.heartbeat(gpus("huge", 16))["refused"]
     assert refused.startswith("16 GPU can never run on this cluster") and "its largest GPU node has 8" in refused
+
+
+def _slices(id, n=1, priority=0, preemptible=False, at=0.0):
+    return rules.entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=n), id=id, label=f"d.{id}", priority=priority,
+                           preemptible=preemptible, arrival=1000.0 + at).to_json()
+
+
+def test_a_suspension_whose_request_left_before_its_step_heard_it_is_taken_back(broker):
+    """The evaluation that asked is cancelled right after the plan chose the training: nobody needs its slice."""
+    broker.set_settings({"preemption": "lower-priority"})
+    broker.clock.now += queue.REPLAN_S
+    train = _slices("train", n=2, preemptible=True)
+    assert broker.heartbeat(train)["admitted"]
+    broker.clock.now += queue.REPLAN_S
+    evaluation = _slices("eval", priority=10, at=1)
+    broker.heartbeat(evaluation)
+    broker.clock.now += queue.REPLAN_S
+    broker.heartbeat(evaluation)
+    assert "train" in broker.suspending
+    broker.leave("eval")
+    broker.clock.now += queue.REPLAN_S
+    assert "suspend" not in broker.heartbeat(train)
+
+
+def test_a_suspension_is_taken_back_when_its_request_is_admitted_on_capacity_freed_otherwise(broker):
+    broker.set_settings({"preemption": "lower-priority"})
+    broker.clock.now += queue.REPLAN_S
+    assert broker.heartbeat(_slices("a"))["admitted"]
+    broker.clock.now += queue.REPLAN_S
+    victim = _slices("v", preemptible=True, at=1)
+    assert broker.heartbeat(victim)["admitted"]
+    urgent = _slices("h", priority=10, at=2)
+    broker.clock.now += queue.REPLAN_S
+    broker.heartbeat(urgent)
+    broker.clock.now += queue.REPLAN_S
+    broker.heartbeat(urgent)
+    assert "v" in broker.suspending
+    broker.leave("a")  # it ended by itself: the request runs on its slice
+    broker.clock.now += queue.REPLAN_S
+    assert broker.heartbeat(urgent)["admitted"]
+    broker.clock.now += queue.REPLAN_S
+    assert "suspend" not in broker.heartbeat(victim)
+
+
+def test_a_suspension_its_step_heard_stands(broker):
+    broker.set_settings({"preemption": "lower-priority"})
+    broker.clock.now += queue.REPLAN_S
+    train = _slices("train", n=2, preemptible=True)
+    assert broker.heartbeat(train)["admitted"]
+    broker.clock.now += queue.REPLAN_S
+    evaluation = _slices("eval", priority=10, at=1)
+    broker.heartbeat(evaluation)
+    broker.clock.now += queue.REPLAN_S
+    broker.heartbeat(evaluation)
+    assert "suspend" in broker.heartbeat(train)  # heard: its hosts are checkpointing now
+    broker.leave("eval")
+    broker.clock.now += queue.REPLAN_S
+    assert "suspend" in broker.heartbeat(train)

@@ -1,0 +1,317 @@
+"""What a preemption notice does to a running gang, without a cluster (issue 39's review).
+
+`run_gang` and the driver's `Watch` are driven with a stand-in for `ray` (results ready at once, or
+never), the KV store a dict; a command step's notice runs real programs through `commands.run`.
+Each test is a way the first build lost a checkpoint, a result or the slice.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import textwrap
+import threading
+import time
+import types
+
+import pytest
+from ray.exceptions import RayTaskError
+
+from rayslice import StepSuspended
+from rayslice.cluster import commands, gang, notices
+from rayslice.cluster.environments import HostPlan
+from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.context import NOTICE_FILE_ENV, PreemptionNotice
+from rayslice.core.exceptions import InvalidRequestError, StepFailedError, SuspendedError
+from rayslice.core.queue import QueueSettings
+from rayslice.core.step import StepSpec
+
+HANG = object()  # a host that never returns
+
+
+class FakeRay:
+    """`ray.wait`/`get`/`kill` over results known in advance; records every wait's timeout."""
+
+    def __init__(self) -> None:
+        self.waits: list[float | None] = []
+
+    def wait(self, pending, num_returns=1, timeout=None):
+        self.waits.append(timeout)
+        ready = [r for r in pending if r.outcome is not HANG][:num_returns]
+        return ready, [r for r in pending if r not in ready]
+
+    def get(self, ref):
+        if isinstance(ref.outcome, BaseException):
+            raise RayTaskError("run", "Traceback: ...", ref.outcome)
+        return ref.outcome, {}
+
+    def kill(self, actor, no_restart=True):
+        pass
+
+
+class Ref:
+    def __init__(self, outcome) -> None:
+        self.outcome = outcome
+
+
+def _actor(outcome):
+    ref = Ref(outcome)
+    return types.SimpleNamespace(run=types.SimpleNamespace(remote=lambda *a: ref))
+
+
+def _plans(n):
+    return [HostPlan(slice_index=0, slice_name="v6e-16-a", worker_id=i, ip=f"10.0.0.{i}", process_id=i,
+                     num_processes=1, coordinator="", megascale_coordinator="", node_id=f"node{i}")
+            for i in range(n)]
+
+
+COMMAND = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=["python", "train.py"], hang_timeout=None,
+                   preemption_retries=1)
+FUNCTION = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), callable="train:fit", hang_timeout=None,
+                    preemption_retries=1)
+
+
+@pytest.fixture
+def kv(monkeypatch):
+    store: dict[str, bytes] = {}
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_put",
+                        lambda k, v, namespace=None, **kw: store.__setitem__(k, v))
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_del", lambda k, namespace=None, **kw: store.pop(k, None))
+    return store
+
+
+@pytest.fixture
+def fake(monkeypatch, kv):
+    ray = FakeRay()
+    monkeypatch.setattr(gang, "ray", ray)
+    return ray
+
+
+def _noticed(seconds_left: float) -> notices.Watch:
+    watch = notices.Watch("k", {"node0": "v6e-16-a/host0"})
+    watch.publish(PreemptionNotice(deadline=time.time() + seconds_left, reason="node0 is being drained", node="node0"))
+    return watch
+
+
+def _run(spec, outcomes, watch):
+    return gang.run_gang([_actor(o) for o in outcomes], _plans(len(outcomes)), spec, gang.Attempt(), None, watch)
+
+
+def test_a_program_that_saves_and_exits_0_on_the_notice_is_suspended_not_done(fake):
+    """MaxText's preemption path ends in `sys.exit()` (status 0) with no result written: unfinished, not done."""
+    with pytest.raises(SuspendedError, match="the step stopped for it"):
+        _run(COMMAND, [None, None], _noticed(30))
+
+
+def test_a_program_that_writes_its_result_after_a_notice_and_a_function_that_returns_are_done(fake, capsys):
+    assert _run(COMMAND, [{"loss": 0.1}, None], _noticed(30)) == [{"loss": 0.1}, None]
+    assert _run(FUNCTION, [1, 1], _noticed(30)) == [1, 1]
+    assert "returned after a preemption notice: its value is taken" in capsys.readouterr().out
+
+
+def test_a_body_that_already_returned_is_kept_when_the_driver_looks_after_the_stop_time(fake):
+    watch = _noticed(-10)  # the stop is due at once (a notice heard late)
+    watch.noticed_at -= notices.MIN_GRACE_S
+    assert _run(COMMAND, [{"done": True}], watch) == [{"done": True}]
+
+
+def test_a_step_suspended_without_a_notice_is_a_plain_failure_not_a_free_retry(fake):
+    with pytest.raises(StepFailedError) as info:
+        _run(FUNCTION, [StepSuspended("no notice came")], notices.Watch("k", {"node0": "h"}))
+    assert not isinstance(info.value, SuspendedError)
+
+
+def test_peers_stuck_after_one_host_stopped_for_the_notice_hold_the_slice_a_minute_not_until_the_deadline(fake):
+    """A one-hour maintenance notice: host 0 saved and stopped, host 1 sits in a collective it left."""
+    with pytest.raises(SuspendedError):
+        _run(FUNCTION, [StepSuspended("saved"), HANG], _noticed(3600))
+    assert max(t for t in fake.waits if t is not None) <= gang.PEERS_STOP_S
+
+
+def test_a_hosts_real_error_after_a_notice_stays_in_the_suspension(fake):
+    with pytest.raises(SuspendedError) as info:
+        _run(FUNCTION, [ZeroDivisionError("the real bug")], _noticed(3600))
+    assert "the real bug" in str(info.value)
+    assert isinstance(info.value.__cause__, StepFailedError)
+
+
+def test_a_drain_with_an_earlier_deadline_after_a_priority_notice_moves_the_stop_and_names_the_node(monkeypatch, kv):
+    drained: dict[str, float] = {}
+    monkeypatch.setattr(notices, "draining", lambda nodes: dict(drained))
+    with notices.Watch("k", {"node0": "v6e-16-a/host0"}, poll=0.02,
+                       requested=lambda: ("suspended for d.eval (priority 10)", 30.0)) as watch:
+        assert _until(lambda: watch.notice is not None)
+        assert watch.notice.node == ""
+        deadline = time.time() + 10
+        drained["node0"] = deadline
+        assert _until(lambda: watch.notice.node == "node0")
+        assert watch.stop_at() == pytest.approx(deadline - notices.STOP_MARGIN_S)
+
+
+def test_a_deadline_already_past_on_this_clock_still_leaves_the_step_its_minimum_grace(monkeypatch, kv):
+    """The drainer's clock 40 s ahead of the driver's: a 30 s notice reads as expired 10 s ago."""
+    monkeypatch.setattr(notices, "draining", lambda nodes: {"node0": time.time() - 10})
+    with notices.Watch("k", {"node0": "v6e-16-a/host0"}, poll=0.02) as watch:
+        assert _until(lambda: watch.notice is not None)
+        assert watch.stop_at() == pytest.approx(watch.noticed_at + notices.MIN_GRACE_S)
+
+
+def test_a_notice_the_gcs_refused_once_still_reaches_the_hosts(monkeypatch, kv):
+    calls = []
+
+    def flaky_put(key, value, namespace=None, **kw):
+        calls.append(key)
+        if len(calls) == 1:
+            raise ConnectionError("GCS unavailable")
+        kv[key] = value
+
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_put", flaky_put)
+    monkeypatch.setattr(notices, "draining", lambda nodes: {"node0": time.time() + 30})
+    with notices.Watch("k", {"node0": "v6e-16-a/host0"}, poll=0.02) as watch:
+        assert _until(lambda: "k" in kv), "the hosts' key was never written"
+        assert watch.notice is not None
+
+
+def _until(condition, timeout=3.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+SAVER = textwrap.dedent("""
+    import signal, sys, time
+    def on_term(*_):
+        time.sleep(1.5)                      # the emergency checkpoint takes a moment
+        open(sys.argv[1], "w").write("saved")
+        sys.exit(75)
+    signal.signal(signal.SIGTERM, on_term)
+    print("training", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["python", "bash-wrapper"])
+def test_a_programs_checkpoint_on_sigterm_is_saved_even_behind_a_shell_wrapper(tmp_path, wrapped):
+    """`command=["bash", "train.sh"]`: bash dies of the group's SIGTERM at once; its Python child still saves."""
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER)
+    saved = tmp_path / "saved"
+    argv = ["python", str(script), str(saved)]
+    if wrapped:
+        (tmp_path / "train.sh").write_text(f"echo preflight\n{' '.join(argv)}\necho done\n")
+        argv = ["bash", str(tmp_path / "train.sh")]
+    report = tempfile.mkdtemp(dir=tmp_path)
+    notice = notices.CommandNotice(os.path.join(report, "notice.json"), "SIGTERM")
+    ended: dict = {}
+
+    def run() -> None:
+        try:
+            ended["result"] = commands.run(argv, {**os.environ, NOTICE_FILE_ENV: notice.path}, report,
+                                           on_start=notice.started, linger_until=notice.linger_until)
+        except commands.CommandExitError as exc:
+            ended["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)
+    notice.deliver(PreemptionNotice(deadline=time.time() + 30, reason="test drain", node="n"))
+    thread.join(20)
+    assert saved.read_text() == "saved", ended
+    assert "error" in ended  # killed by the signal (bash) or exit 75: the gang reads a suspension
+
+
+def test_a_preemptible_step_needs_a_preemption_retry_to_resume_with():
+    with pytest.raises(ValueError, match="preemptible=True needs preemption_retries of at least 1"):
+        StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=["true"], preemptible=True)
+    from rayslice.operators.tpu_slice import TpuSliceOperator
+
+    with pytest.raises(InvalidRequestError, match="task 'train'"):
+        TpuSliceOperator(task_id="train", tpu="v6e-16", command=["true"], preemptible=True)
+
+
+def test_a_grace_shorter_than_the_launchers_stop_margin_is_refused():
+    with pytest.raises(ValueError, match="preemption_grace_s"):
+        QueueSettings.checked({"preemption": "lower-priority", "preemption_grace_s": 1}, "RAYSLICE_QUEUE")
+
+
+class _Place:
+    """An admission place that is admitted at once and records what the launcher asked of the queue."""
+
+    entry = types.SimpleNamespace(part=False)
+
+    def __init__(self, asked: list, waits: list, preemptible: bool) -> None:
+        self.asked, self.waits, self.preemptible, self.suspend = asked, waits, preemptible, None
+        asked.append(preemptible)
+
+    def join(self):
+        self.admitted = types.SimpleNamespace(is_set=lambda: True)
+        return self
+
+    def wait(self, timeout):
+        self.waits.append(timeout)
+        return 0.0
+
+    def leave(self):
+        pass
+
+
+def test_a_suspended_step_waits_its_whole_capacity_timeout_again_and_is_no_victim_without_a_retry_left(monkeypatch):
+    """Before: the requeued step had only what its first wait left of capacity_timeout, and a step on its
+    last resumption was still offered as a priority victim (its suspension would fail the task)."""
+    import rayslice.cluster as launcher
+
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=["true"], preemption_retries=1,
+                    preemptible=True, capacity_timeout=600)
+    asked, waits_seen, runs = [], [], []
+
+    def reserve_and_run(spec, request, attempt, timeline, waits, name, started, place):
+        runs.append(1)
+        if len(runs) == 1:
+            error = SuspendedError("suspended by a preemption notice (suspended for d.eval (priority 10)); stopped")
+            error.node_id, error.slice_name, error.stopped_at_deadline = "", "", False
+            raise error
+        return ["done"]
+
+    monkeypatch.setattr(launcher, "check_satisfiable", lambda *a, **k: set())
+    monkeypatch.setattr(launcher.admission, "place_for",
+                        lambda spec, arrival=None, preemptible=None: _Place(asked, waits_seen, preemptible))
+    monkeypatch.setattr(launcher, "_reserve_and_run_on_slices", reserve_and_run)
+    monkeypatch.setattr(launcher.metrics.sender, "attempt", lambda *a, **k: None)
+    waits = launcher.Waits(capacity=5.0, start=1.0)  # as if the first wait had used most of both budgets
+    assert launcher._attempts(spec, launcher.phases.Timeline(), None, waits, [], None) == ["done"]
+    assert waits_seen == [5.0, 600.0]
+    assert asked == [True, False]
+
+
+def test_a_preemptible_gpu_fraction_hears_the_queues_word_as_a_notice(monkeypatch):
+    """The broker may choose a GPU step as a victim: its launcher must turn that into a notice, as a slice's does."""
+    import rayslice.cluster as launcher
+
+    spec = StepSpec(request=AcceleratorRequest(resource="GPU", count=1), command=["true"], preemption_retries=1,
+                    preemptible=True)
+    place = _Place([], [], True)
+    place.suspend = ("suspended for d.urgent (priority 10)", 30.0)
+    port = types.SimpleNamespace(remote=lambda: "port")
+    actor = types.SimpleNamespace(free_port=port)
+    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+                        lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
+    monkeypatch.setattr(launcher.ray, "wait", lambda refs, timeout=None: (refs, []))
+    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec: None)
+    monkeypatch.setattr(launcher.gang, "kill", lambda actors: None)
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_put", lambda *a, **k: None)
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_del", lambda *a, **k: None)
+    heard = {}
+
+    def run_gang(actors, plans, spec, attempt, timeline, watch=None):
+        heard["notice"] = _until(lambda: watch is not None and watch.notice is not None) and watch.notice.reason
+        heard["key"] = attempt.notice_key == watch.key
+        return ["done"]
+
+    monkeypatch.setattr(launcher.gang, "run_gang", run_gang)
+    result = launcher._place_and_run_fraction(spec, spec.request, launcher.gang.Attempt(), launcher.phases.Timeline(),
+                                              launcher.Waits(capacity=10, start=10), time.monotonic(), place)
+    assert result == "done"
+    assert heard == {"notice": "suspended for d.urgent (priority 10)", "key": True}
