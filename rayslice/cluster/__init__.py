@@ -150,6 +150,10 @@ def _note_lost_work(timeline: phases.Timeline, checkpoint_dir: str | None) -> No
         timeline.add_spans({"lost": [[written, ended]]})
 
 
+#: After a suspension, how much longer to wait for host processes Ray has not yet reported ended.
+HOSTS_END_S = 90.0
+
+
 @dataclass
 class Waits:
     """What a step may still spend waiting, over all its attempts together (preemption retries included).
@@ -337,11 +341,29 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         gang.kill(actors)
         still_held = reservation.release()  # and leaves the queue: the next in line may reserve now
         if suspended:  # no step body may run on two slices at once: the next attempt starts after every host ended
-            gang.wait_dead(actors)
+            _wait_for_hosts_to_end(actors)
         timeline.mark("released")
         _log_release(str(request), started, still_held)
         drain.wait(drain_from, quiet=quiet)  # after the release: the chips are free while the last lines arrive
         drain.close()
+
+
+def _wait_for_hosts_to_end(actors: list[Any]) -> None:
+    """After a suspension: every host process has ended before the next attempt starts elsewhere.
+
+    Usually within a second of the kill. A host on a node cut off from the GCS stays "alive" until
+    Ray declares its node dead (its health check, tens of seconds): wait for that too, up to
+    `HOSTS_END_S`, and say so when even that was not enough.
+    """
+    left = gang.wait_dead(actors)
+    if not left:
+        return
+    log(f"{len(left)} host process(es) of the suspended attempt have not ended yet: waiting up to "
+        f"{HOSTS_END_S:.0f} s before the step resumes elsewhere")
+    left = gang.wait_dead(left, timeout=HOSTS_END_S)
+    if left:
+        log(f"{len(left)} host process(es) of the suspended attempt still not reported ended after "
+            f"{HOSTS_END_S:.0f} s more (their node unreachable): the step resumes anyway")
 
 
 def _hosts_runtime_env(spec: StepSpec) -> dict[str, Any] | None:

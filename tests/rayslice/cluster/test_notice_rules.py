@@ -315,3 +315,15 @@ def test_a_preemptible_gpu_fraction_hears_the_queues_word_as_a_notice(monkeypatc
                                               launcher.Waits(capacity=10, start=10), time.monotonic(), place)
     assert result == "done"
     assert heard == {"notice": "suspended for d.urgent (priority 10)", "key": True}
+
+
+def test_a_suspended_attempts_hosts_that_linger_are_waited_for_before_the_step_resumes(monkeypatch, capsys):
+    """Reviewer's case B: a host on a node cut off from the GCS is not reported dead within the first 10 s."""
+    import rayslice.cluster as launcher
+
+    asked = []
+    monkeypatch.setattr(launcher.gang, "wait_dead",
+                        lambda actors, timeout=10.0: asked.append(timeout) or (actors if len(asked) == 1 else []))
+    launcher._wait_for_hosts_to_end(["host0", "host1"])
+    assert asked == [10.0, launcher.HOSTS_END_S]
+    assert "have not ended yet" in capsys.readouterr().out
