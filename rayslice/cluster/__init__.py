@@ -419,11 +419,16 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
         **options
     ).remote(str(request), spec.model_dump_json(), plan)
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
-    # A preemptible fraction hears the queue's word (a higher-priority step needs its accelerator) as a notice.
-    watch = notices.Watch(f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}",
-                          {}, requested=lambda: place.suspend)
-    attempt = replace(attempt, notice_key=watch.key)
-    watch.__enter__()
+    # A preemptible fraction hears the queue's word (a higher-priority step needs its accelerator) as a notice;
+    # the others listen for nothing (no host polls the GCS for a notice that cannot come).
+    watch = None
+    if place.entry.preemptible:
+        watch = notices.Watch(
+            f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}", {},
+            requested=lambda: place.suspend)
+        attempt = replace(attempt, notice_key=watch.key)
+        watch.__enter__()
+    suspended = False
     try:
         ready, _ = ray.wait([actor.free_port.remote()], timeout=waits.capacity)
         waits.spend("capacity", placing)
@@ -437,16 +442,20 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
             result = gang.run_gang([actor], [plan], spec, attempt, timeline, watch)[0]
         except BaseException as exc:
             drain_from = [str(request)] if gang.raised_on(exc, [plan]) else []  # the actor's label
+            suspended = isinstance(exc, SuspendedError)
             if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
                 quiet = 0.0
             raise
         drain_from, quiet = [str(request)], 0.0
         return result
     finally:
-        watch.__exit__(None, None, None)
-        if watch.noticed_at is not None:
-            timeline.note("notice", watch.noticed_at)
+        if watch is not None:
+            watch.__exit__(None, None, None)
+            if watch.noticed_at is not None:
+                timeline.note("notice", watch.noticed_at)
         gang.kill([actor])
+        if suspended:  # its process has ended before the step resumes: no body runs twice at once
+            _wait_for_hosts_to_end([actor])
         place.leave()
         timeline.mark("released")
         log(f"released {request} after {time.monotonic() - started:.1f} s")

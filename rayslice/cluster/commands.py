@@ -86,14 +86,15 @@ def program_env(env: Mapping[str, str], report_dir: str, hang_interval: float = 
 
 def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval: float = 0.0,
         on_start: Callable[[int], None] | None = None,
-        linger_until: Callable[[], float | None] | None = None) -> Any:
+        on_end: Callable[[int], float | None] | None = None) -> Any:
     """Run `argv` to its end, relaying its output; its result file's JSON, None, or CommandExitError.
 
     `report_dir` is an empty folder of this host's: the program's result file and its reports go there.
     `python` means the host's own Python (the runtime env's, with its packages): its folder goes first on PATH.
     `on_start(pid)` is called once the program runs (its pid is its process group: a preemption notice signals it).
-    `linger_until()`: once a preemption notice came, until when (epoch seconds) the program's other
-    processes may still run after its first process ended, to finish their checkpoint; None: not at all.
+    `on_end(status)` is called once the program's first process ended (or reported its status); it says
+    until when (epoch seconds) the program's other processes may still run, to finish a checkpoint
+    after a preemption notice, or None: they are ended at once, as always.
     """
     env = program_env(env, report_dir, hang_interval)
     if argv[0] in ("python", "python3"):
@@ -111,12 +112,13 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
     if on_start is not None:
         on_start(child.pid)
     relays = [_Relay(stream, out, tail) for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
+    code: int | None = None
     try:
         code, ended_at = _wait(child, os.path.join(report_dir, EXIT_FILE))
     finally:  # also when this actor is interrupted: nothing of the program outlives its end
-        until = linger_until() if linger_until is not None else None
+        until = on_end(code) if on_end is not None and code is not None else None
         if until is not None:
-            _linger(os.fsencode(marker), until)
+            _linger(os.fsencode(marker), until, child.pid)
         program_group.end(child.pid, os.fsencode(marker))
         child.wait()
         if guard is not None:
@@ -141,9 +143,13 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
                                ended_at) from None
 
 
-def _linger(marker: bytes, until: float) -> None:
-    """Wait (until `until`) while processes of the program still run: after a notice they may be saving."""
-    while time.time() < until and program_group.marked(marker):
+def _linger(marker: bytes, until: float, first: int) -> None:
+    """Wait (until `until`) while the program's other processes still run: after a notice they may be saving.
+
+    `first`, the process whose end (or reported status) decided, is not waited for: one that reported
+    its status early may sit in JAX's shutdown barrier, waiting for peers that left.
+    """
+    while time.time() < until and [pid for pid in program_group.marked(marker) if pid != first]:
         time.sleep(0.1)
 
 

@@ -52,6 +52,8 @@ COORDINATOR_DEATH_WINDOW_S = 1.0
 PROGRAM_END_WINDOW_S = 2.0
 #: How long hosts that all returned may take to leave their JAX groups before they are killed anyway.
 LEAVE_TIMEOUT_S = 10.0
+#: A host report's key: when the notice reached the command step's program (absent: it ended before).
+NOTICE_HEARD_KEY = "notice_heard"
 #: Once a host has ended for a preemption notice, how much longer its peers may take to end too (bounded
 #: by the stop before the deadline): a peer stuck in a collective the first one left must not hold the
 #: slice through a long notice (a maintenance notice an hour ahead, a long priority grace).
@@ -149,7 +151,9 @@ class HostProcess:
                                                              goodput.SPANS_FILE_ENV: spans_file,
                                                              NOTICE_FILE_ENV: notice.path},
                                               report_dir, attempt.hang_interval if watched else 0.0,
-                                              on_start=notice.started, linger_until=notice.linger_until)
+                                              on_start=notice.started, on_end=notice.program_ended)
+                    if notice.heard_at is not None:  # the driver tells a program stopped for it from one done
+                        self._times[NOTICE_HEARD_KEY] = notice.heard_at
                 else:
                     set_step_context(context)
                     try:
@@ -335,7 +339,8 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     if timeline is not None:
         timeline.hosts(reports)
     if watch is not None and watch.notice is not None:
-        if spec.command is not None and all(r is None for r in results):
+        heard = any(NOTICE_HEARD_KEY in report for report in reports)
+        if spec.command is not None and heard and all(r is None for r in results):
             # A program that exits 0 once noticed (MaxText: save, then `sys.exit()`) wrote no result: it stopped
             # for the notice, unfinished. (One that finished anyway resumes from its last checkpoint and ends.)
             kill(actors)

@@ -37,6 +37,8 @@ NAMESPACE = "rayslice-notices"
 STOP_MARGIN_S = 3.0
 #: The least time a step gets from hearing its notice to being stopped, whatever the deadline says.
 MIN_GRACE_S = 5.0
+#: After a noticed program's first process stopped, how long its other processes may still run to save.
+LINGER_S = 60.0
 #: A notice without a deadline (Ray's 0): how long the step may take to checkpoint and return.
 DEFAULT_GRACE_S = 30.0
 
@@ -71,6 +73,7 @@ class Watch:
         self.notice: PreemptionNotice | None = None
         self.noticed_at: float | None = None
         self._told = False
+        self._tell_failed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rayslice-notice-watch", daemon=True)
 
@@ -81,8 +84,9 @@ class Watch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(5)
-        with contextlib.suppress(Exception):
-            internal_kv._internal_kv_del(self.key, namespace=NAMESPACE)
+        if self.notice is not None:  # nothing was put otherwise: no GCS call for the many steps never noticed
+            with contextlib.suppress(Exception):
+                internal_kv._internal_kv_del(self.key, namespace=NAMESPACE)
 
     def _loop(self) -> None:
         """Until the attempt ends: a drained node, or the queue's word, becomes the notice; an earlier one replaces it.
@@ -117,7 +121,12 @@ class Watch:
         deadline than the notice's (or the first named no node): then it replaces it.
         """
         current = self.notice
-        if current is not None and not (notice.node and (not current.node or notice.deadline < current.deadline)):
+        if current is not None and notice.node and not current.node and notice.deadline >= current.deadline:
+            # A drain after a priority notice, with a later deadline: the stop stays; the node is named, so
+            # the retry avoids its slice.
+            notice = PreemptionNotice(deadline=current.deadline, reason=f"{current.reason}; {notice.reason}",
+                                      node=notice.node)
+        elif current is not None and not (notice.node and notice.deadline < current.deadline):
             return
         self.notice = notice
         if self.noticed_at is None:
@@ -133,11 +142,15 @@ class Watch:
 
     def _tell_hosts(self) -> None:
         """Put the notice where the hosts read it; on a GCS error the watch's next poll tries again."""
+        if self._stop.is_set():  # the attempt ended: nothing to tell, and no key to leave behind
+            return
         try:
             internal_kv._internal_kv_put(self.key, self.notice.to_json(), namespace=NAMESPACE)
         except Exception as exc:
-            print(f"[rayslice] could not tell the hosts of the preemption notice yet ({type(exc).__name__}: {exc}); "
-                  "trying again", flush=True)
+            if not self._tell_failed:
+                print(f"[rayslice] could not tell the hosts of the preemption notice yet ({type(exc).__name__}: "
+                      f"{exc}); trying again", flush=True)
+            self._tell_failed = True
             return
         self._told = True
 
@@ -187,13 +200,19 @@ class HostListener:
 
 
 class CommandNotice:
-    """Delivers a notice to a command step's program: the notice file first, then the signal to its process group."""
+    """Delivers a notice to a command step's program: the notice file first, then the signal to its process group.
+
+    A notice that comes after the program's first process ended is not delivered: the program
+    never heard it (`heard_at` stays None), so its end is its own, not a stop for the notice.
+    """
 
     def __init__(self, path: str, signal_name: str) -> None:
         self.path = path
         self._signal = None if signal_name == "none" else signal.Signals[signal_name]
         self._pid: int | None = None
         self._pending: PreemptionNotice | None = None
+        self._ended = False
+        self.heard_at: float | None = None  # when the notice reached the running program
         self._lock = threading.Lock()
 
     def started(self, pid: int) -> None:
@@ -205,12 +224,14 @@ class CommandNotice:
             self._signal_program()
 
     def deliver(self, notice: PreemptionNotice) -> None:
-        temp = f"{self.path}.tmp"
-        with open(temp, "w") as f:
-            f.write(notice.to_json())
-        os.replace(temp, self.path)  # whole or absent: the program never reads half a notice
         with self._lock:
-            self._pending = notice
+            if self._ended:
+                return
+            temp = f"{self.path}.tmp"
+            with open(temp, "w") as f:
+                f.write(notice.to_json())
+            os.replace(temp, self.path)  # whole or absent: the program never reads half a notice
+            self._pending, self.heard_at = notice, time.time()
             started = self._pid is not None
         if started:
             self._signal_program()
@@ -218,15 +239,21 @@ class CommandNotice:
               f"{notice.seconds_left:.0f} s to the deadline" + (f" ({self._signal.name} sent)" if self._signal else ""),
               flush=True)
 
-    def linger_until(self) -> float | None:
-        """Once a notice was delivered: until when the program's other processes may finish after its first ends.
+    def program_ended(self, code: int) -> float | None:
+        """The program's first process ended with `code`: until when its other processes may still run.
 
-        A shell wrapper (`bash train.sh`) dies of the signal at once while the Python it started is
-        still saving its checkpoint: that save gets until shortly before the deadline.
+        Only after a notice it heard, and only when it stopped for it (a signal or a non-zero status):
+        a shell wrapper dies of the signal while the Python it started is still saving its checkpoint.
+        That save gets until shortly before the deadline (at least `MIN_GRACE_S` after the notice came,
+        at most `LINGER_S`). A program that finished (status 0) leaves nothing to wait for.
         """
         with self._lock:
-            notice = self._pending
-        return None if notice is None else max(notice.deadline - STOP_MARGIN_S, time.time())
+            self._ended = True
+            notice, heard = self._pending, self.heard_at
+        if notice is None or heard is None or code == 0:
+            return None
+        now = time.time()
+        return min(max(notice.deadline - STOP_MARGIN_S, heard + MIN_GRACE_S), now + LINGER_S)
 
     def _signal_program(self) -> None:
         if self._signal is None or self._pid is None:

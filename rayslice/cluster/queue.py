@@ -32,11 +32,13 @@ stepped by NTP) moves the deadline: only the broker's monotonic clock and its qu
 from __future__ import annotations
 
 import bisect
+import json
 import threading
 import time
 import warnings
 from typing import Any
 
+import pydantic
 import ray
 
 from rayslice.core import queue as rules
@@ -100,10 +102,27 @@ def operator_settings() -> rules.QueueSettings:
         try:
             raw = read()
             if raw:
-                return rules.QueueSettings.model_validate_json(raw)
+                return _settings_without_bad_fields(json.loads(raw), source)
         except Exception as exc:
             print(f"[rayslice] queue settings from {source} ignored: {exc}", flush=True)
     return rules.QueueSettings()
+
+
+def _settings_without_bad_fields(values: dict[str, Any], source: str) -> rules.QueueSettings:
+    """The settings, with only the fields that fail today's rules set back to their defaults.
+
+    A value stored under an older, looser rule (a grace below today's minimum) must not take the
+    quotas and the policy with it.
+    """
+    try:
+        return rules.QueueSettings.model_validate(values)
+    except pydantic.ValidationError as exc:
+        bad = {str(error["loc"][0]) for error in exc.errors() if error.get("loc")}
+        if not bad or not bad <= set(values):
+            raise
+        print(f"[rayslice] queue settings from {source}: {', '.join(sorted(bad))} ignored (not valid now: "
+              f"{exc.errors()[0]['msg']}); the other settings hold", flush=True)
+        return rules.QueueSettings.model_validate({k: v for k, v in values.items() if k not in bad})
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)

@@ -7,6 +7,7 @@ Each test is a way the first build lost a checkpoint, a result or the slice.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import textwrap
@@ -43,7 +44,7 @@ class FakeRay:
     def get(self, ref):
         if isinstance(ref.outcome, BaseException):
             raise RayTaskError("run", "Traceback: ...", ref.outcome)
-        return ref.outcome, {}
+        return ref.outcome if isinstance(ref.outcome, tuple) else (ref.outcome, {})
 
     def kill(self, actor, no_restart=True):
         pass
@@ -97,10 +98,18 @@ def _run(spec, outcomes, watch):
     return gang.run_gang([_actor(o) for o in outcomes], _plans(len(outcomes)), spec, gang.Attempt(), None, watch)
 
 
+HEARD = {gang.NOTICE_HEARD_KEY: 1.0}  # the host's report: the notice reached its program while it ran
+
+
 def test_a_program_that_saves_and_exits_0_on_the_notice_is_suspended_not_done(fake):
     """MaxText's preemption path ends in `sys.exit()` (status 0) with no result written: unfinished, not done."""
     with pytest.raises(SuspendedError, match="the step stopped for it"):
-        _run(COMMAND, [None, None], _noticed(30))
+        _run(COMMAND, [(None, HEARD), (None, HEARD)], _noticed(30))
+
+
+def test_a_program_that_ended_before_the_notice_reached_it_is_done(fake):
+    """Second review: a notice published after the program exited 0 (its host's report names no notice heard)."""
+    assert _run(COMMAND, [None, None], _noticed(30)) == [None, None]
 
 
 def test_a_program_that_writes_its_result_after_a_notice_and_a_function_that_returns_are_done(fake, capsys):
@@ -210,7 +219,7 @@ def test_a_programs_checkpoint_on_sigterm_is_saved_even_behind_a_shell_wrapper(t
     def run() -> None:
         try:
             ended["result"] = commands.run(argv, {**os.environ, NOTICE_FILE_ENV: notice.path}, report,
-                                           on_start=notice.started, linger_until=notice.linger_until)
+                                           on_start=notice.started, on_end=notice.program_ended)
         except commands.CommandExitError as exc:
             ended["error"] = exc
 
@@ -240,10 +249,9 @@ def test_a_grace_shorter_than_the_launchers_stop_margin_is_refused():
 class _Place:
     """An admission place that is admitted at once and records what the launcher asked of the queue."""
 
-    entry = types.SimpleNamespace(part=False)
-
     def __init__(self, asked: list, waits: list, preemptible: bool) -> None:
-        self.asked, self.waits, self.preemptible, self.suspend = asked, waits, preemptible, None
+        self.asked, self.waits, self.suspend = asked, waits, None
+        self.entry = types.SimpleNamespace(part=False, preemptible=preemptible)
         asked.append(preemptible)
 
     def join(self):
@@ -327,3 +335,99 @@ def test_a_suspended_attempts_hosts_that_linger_are_waited_for_before_the_step_r
     launcher._wait_for_hosts_to_end(["host0", "host1"])
     assert asked == [10.0, launcher.HOSTS_END_S]
     assert "have not ended yet" in capsys.readouterr().out
+
+
+FINISHER = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    # a helper in its own session that outlives the program (a log shipper, tensorboard)
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    with open(os.environ["RAYSLICE_RESULT_FILE"], "w") as f:
+        json.dump({"done": True}, f)
+    time.sleep(1.5)   # the notice comes now, while it runs; it finishes anyway
+""")
+
+
+def test_a_program_that_finishes_after_the_notice_is_not_held_for_its_background_child(tmp_path):
+    """Second review: the program wrote its result and exited 0; its detached child must not keep the host."""
+    script = tmp_path / "finisher.py"
+    script.write_text(FINISHER)
+    report = tempfile.mkdtemp(dir=tmp_path)
+    notice = notices.CommandNotice(os.path.join(report, "notice.json"), "none")
+    ended: dict = {}
+
+    def run() -> None:
+        ended["result"] = commands.run(["python", str(script)], {**os.environ, NOTICE_FILE_ENV: notice.path}, report,
+                                       on_start=notice.started, on_end=notice.program_ended)
+        ended["at"] = time.monotonic()
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.8)
+    notice.deliver(PreemptionNotice(deadline=time.time() + 30, reason="test drain", node="n"))
+    thread.join(30)
+    assert ended["result"] == {"done": True}
+    assert ended["at"] - started < 10, "the host waited for the program's background child"
+    assert notice.heard_at is not None
+
+
+def test_a_notice_that_comes_after_the_program_ended_is_not_delivered_to_it(tmp_path):
+    notice = notices.CommandNotice(str(tmp_path / "notice.json"), "SIGTERM")
+    notice.started(os.getpid() + 10_000_000)  # no such process group
+    assert notice.program_ended(0) is None
+    notice.deliver(PreemptionNotice(deadline=time.time() + 30, reason="late", node="n"))
+    assert notice.heard_at is None and not (tmp_path / "notice.json").exists()
+
+
+def test_a_wrapped_programs_save_gets_the_minimum_grace_even_past_the_deadline_and_at_most_a_minute(tmp_path):
+    notice = notices.CommandNotice(str(tmp_path / "notice.json"), "none")
+    notice.deliver(PreemptionNotice(deadline=time.time() - 10, reason="skewed clock", node="n"))
+    assert notice.program_ended(-15) == pytest.approx(notice.heard_at + notices.MIN_GRACE_S, abs=0.5)
+    later = notices.CommandNotice(str(tmp_path / "notice2.json"), "none")
+    later.deliver(PreemptionNotice(deadline=time.time() + 3600, reason="maintenance", node="n"))
+    assert later.program_ended(75) == pytest.approx(time.time() + notices.LINGER_S, abs=0.5)
+    assert later.program_ended(0) is None  # finished: nothing to wait for
+
+
+def test_a_later_drain_after_a_priority_notice_keeps_the_stop_and_names_the_node(monkeypatch, kv):
+    """Second review: an hour-ahead maintenance drain must not push a 30 s priority stop an hour later."""
+    drained: dict[str, float] = {}
+    monkeypatch.setattr(notices, "draining", lambda nodes: dict(drained))
+    with notices.Watch("k", {"node0": "v6e-16-a/host0"}, poll=0.02,
+                       requested=lambda: ("suspended for d.eval (priority 10)", 30.0)) as watch:
+        assert _until(lambda: watch.notice is not None)
+        stop = watch.stop_at()
+        drained["node0"] = time.time() + 3600
+        assert _until(lambda: watch.notice.node == "node0")
+        assert watch.stop_at() == pytest.approx(stop)
+
+
+def test_a_fraction_that_is_not_preemptible_listens_for_no_notice(monkeypatch):
+    import rayslice.cluster as launcher
+
+    spec = StepSpec(request=AcceleratorRequest(resource="GPU", count=0.5), command=["true"])
+    place = _Place([], [], False)
+    actor = types.SimpleNamespace(free_port=types.SimpleNamespace(remote=lambda: "port"))
+    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+                        lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
+    monkeypatch.setattr(launcher.ray, "wait", lambda refs, timeout=None: (refs, []))
+    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec: None)
+    monkeypatch.setattr(launcher.gang, "kill", lambda actors: None)
+    seen = {}
+    monkeypatch.setattr(launcher.gang, "run_gang", lambda actors, plans, spec, attempt, timeline, watch=None:
+                        seen.update(watch=watch, key=attempt.notice_key) or ["done"])
+    launcher._place_and_run_fraction(spec, spec.request, launcher.gang.Attempt(), launcher.phases.Timeline(),
+                                     launcher.Waits(capacity=10, start=10), time.monotonic(), place)
+    assert seen == {"watch": None, "key": ""}
+
+
+def test_a_stored_setting_that_todays_rules_refuse_drops_only_itself(monkeypatch, capsys):
+    """Second review: a grace of 5 s stored before the 10 s minimum must not take the quotas with it."""
+    from rayslice.cluster import queue
+
+    stored = {"preemption": "lower-priority", "preemption_grace_s": 5, "quotas": {"a": {"v6e-16": 16}}}
+    monkeypatch.setattr(queue, "_kv_get", lambda key: json.dumps(stored).encode())
+    settings = queue.operator_settings()
+    assert settings.preemption == "lower-priority" and settings.quotas == {"a": {"v6e-16": 16}}
+    assert settings.preemption_grace_s == QueueSettings().preemption_grace_s
+    assert "preemption_grace_s ignored" in capsys.readouterr().out
