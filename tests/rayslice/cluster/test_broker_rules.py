@@ -275,8 +275,8 @@ def _slices(id, n=1, priority=0, preemptible=False, at=0.0):
                            preemptible=preemptible, arrival=1000.0 + at).to_json()
 
 
-def test_a_suspension_whose_request_left_before_its_step_heard_it_is_taken_back(broker):
-    """The evaluation that asked is cancelled right after the plan chose the training: nobody needs its slice."""
+def _training_chosen_for_an_evaluation(broker) -> dict:
+    """A preemptible 2-slice training runs; a priority-10 evaluation waits, and the plan chose the training."""
     broker.set_settings({"preemption": "lower-priority"})
     broker.clock.now += queue.REPLAN_S
     train = _slices("train", n=2, preemptible=True)
@@ -286,6 +286,12 @@ def test_a_suspension_whose_request_left_before_its_step_heard_it_is_taken_back(
     broker.heartbeat(evaluation)
     broker.clock.now += queue.REPLAN_S
     broker.heartbeat(evaluation)
+    return train
+
+
+def test_a_suspension_whose_request_left_before_its_step_heard_it_is_taken_back(broker):
+    """The evaluation that asked is cancelled right after the plan chose the training: nobody needs its slice."""
+    train = _training_chosen_for_an_evaluation(broker)
     assert "train" in broker.suspending
     broker.leave("eval")
     broker.clock.now += queue.REPLAN_S
@@ -313,15 +319,7 @@ def test_a_suspension_is_taken_back_when_its_request_is_admitted_on_capacity_fre
 
 
 def test_a_suspension_its_step_heard_stands(broker):
-    broker.set_settings({"preemption": "lower-priority"})
-    broker.clock.now += queue.REPLAN_S
-    train = _slices("train", n=2, preemptible=True)
-    assert broker.heartbeat(train)["admitted"]
-    broker.clock.now += queue.REPLAN_S
-    evaluation = _slices("eval", priority=10, at=1)
-    broker.heartbeat(evaluation)
-    broker.clock.now += queue.REPLAN_S
-    broker.heartbeat(evaluation)
+    train = _training_chosen_for_an_evaluation(broker)
     assert "suspend" in broker.heartbeat(train)  # heard: its hosts are checkpointing now
     broker.leave("eval")
     broker.clock.now += queue.REPLAN_S
