@@ -7,6 +7,7 @@ Each test is a way the first build lost a checkpoint, a result or the slice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -144,12 +145,25 @@ def test_a_hosts_real_error_after_a_notice_stays_in_the_suspension(fake):
     assert isinstance(info.value.__cause__, StepFailedError)
 
 
-def test_a_drain_with_an_earlier_deadline_after_a_priority_notice_moves_the_stop_and_names_the_node(monkeypatch, kv):
-    drained: dict[str, float] = {}
-    monkeypatch.setattr(notices, "draining", lambda nodes: dict(drained))
+@pytest.fixture
+def drained(monkeypatch, kv):
+    """Node id -> drain deadline, as the GCS lists it (empty: nothing draining yet)."""
+    nodes: dict[str, float] = {}
+    monkeypatch.setattr(notices, "draining", lambda wanted: dict(nodes))
+    return nodes
+
+
+@contextlib.contextmanager
+def _priority_noticed():
+    """A Watch over node0 that has heard the queue's priority notice (30 s of grace)."""
     with notices.Watch("k", {"node0": "v6e-16-a/host0"}, poll=0.02,
                        requested=lambda: ("suspended for d.eval (priority 10)", 30.0)) as watch:
         assert _until(lambda: watch.notice is not None)
+        yield watch
+
+
+def test_a_drain_with_an_earlier_deadline_after_a_priority_notice_moves_the_stop_and_names_the_node(drained):
+    with _priority_noticed() as watch:
         assert watch.notice.node == ""
         deadline = time.time() + 10
         drained["node0"] = deadline
@@ -389,13 +403,9 @@ def test_a_wrapped_programs_save_gets_the_minimum_grace_even_past_the_deadline_a
     assert later.program_ended(0) is None  # finished: nothing to wait for
 
 
-def test_a_later_drain_after_a_priority_notice_keeps_the_stop_and_names_the_node(monkeypatch, kv):
+def test_a_later_drain_after_a_priority_notice_keeps_the_stop_and_names_the_node(drained):
     """Second review: an hour-ahead maintenance drain must not push a 30 s priority stop an hour later."""
-    drained: dict[str, float] = {}
-    monkeypatch.setattr(notices, "draining", lambda nodes: dict(drained))
-    with notices.Watch("k", {"node0": "v6e-16-a/host0"}, poll=0.02,
-                       requested=lambda: ("suspended for d.eval (priority 10)", 30.0)) as watch:
-        assert _until(lambda: watch.notice is not None)
+    with _priority_noticed() as watch:
         stop = watch.stop_at()
         drained["node0"] = time.time() + 3600
         assert _until(lambda: watch.notice.node == "node0")
