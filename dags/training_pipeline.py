@@ -36,8 +36,37 @@ def batch(dataset: dict, step: int, rows: int, process: int):
     return x, x @ np.asarray(TRUE_WEIGHTS[: dataset["features"]], dtype=np.float32)
 
 
+def step_batch(dataset: dict, step: int, global_rows: int):
+    """Step `step`'s whole global batch of `global_rows` rows: a function of (seed, step) only.
+
+    No host count goes in, so the batch, and with it every step of `fit(..., global_rows=...)`, is
+    the same on one slice or three: a run that resumes on another slice count ends as a fixed-size
+    run ends. (`batch`'s batches depend on the process, so their global batch changes with the
+    number of hosts.)
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([dataset["seed"], step])
+    x = rng.normal(size=(global_rows, dataset["features"])).astype(np.float32)
+    return x, x @ np.asarray(TRUE_WEIGHTS[: dataset["features"]], dtype=np.float32)
+
+
+def process_block(dataset: dict, step: int, global_rows: int, process: int, processes: int):
+    """Process `process`'s consecutive block of `step_batch`: `global_rows // processes` rows.
+
+    Rows [process * n, (process + 1) * n) of the global batch: each process draws the whole (small)
+    global batch and keeps its own block, in the order `jax.devices()` lists the processes'
+    devices, so the blocks make up `step_batch` again.
+    """
+    if global_rows % processes:
+        raise ValueError(f"global_rows={global_rows} does not split into {processes} equal per-process blocks")
+    rows = global_rows // processes
+    x, y = step_batch(dataset, step, global_rows)
+    return x[process * rows:(process + 1) * rows], y[process * rows:(process + 1) * rows]
+
+
 def fit(dataset: dict, learning_rate: float, steps: int, checkpoint_every: int = 2,
-        seconds_per_step: float = 0.0, heed_notice: bool = True) -> dict:
+        seconds_per_step: float = 0.0, heed_notice: bool = True, global_rows: int | None = None) -> dict:
     """Gradient descent on y = x @ w, data-parallel over every device of the slice, checkpointed with orbax.
 
     Every `checkpoint_every` steps (and at the end) the parameters go to the step's
@@ -47,6 +76,22 @@ def fit(dataset: dict, learning_rate: float, steps: int, checkpoint_every: int =
     (`context.preempted`); if so they checkpoint that step and stop (`rayslice.StepSuspended`),
     so no completed step is lost. `heed_notice=False` ignores notices (the launcher then stops
     the step shortly before the deadline, and it resumes from its last periodic checkpoint).
+
+    Without `global_rows`, each process draws `rows_per_device` rows per local device
+    (`batch`), so the global batch, and the training, depend on the number of hosts: a resume
+    must run on the slice shape that saved. With `global_rows`, each step's global batch is
+    `step_batch(dataset, step, global_rows)`, a function of (seed, step) only, and each process
+    feeds its own consecutive block of `global_rows // jax.process_count()` rows; the loss is the
+    mean over that global batch, so the gradient and every step are the same on any number of
+    slices (within float32 reduction order), and a run that resumes on another slice count ends
+    where a fixed-size run ends. `global_rows` must be divisible by `jax.device_count()` (every
+    device gets the same share of rows), or `ValueError`. The result then also says
+    `resumed_from` (the checkpoint step it started from, 0 for a fresh start) and `devices`.
+
+    The restore onto another mesh is orbax's: `StandardRestore` is given the freshly built
+    parameters, replicated (`NamedSharding(mesh, P())`) on *this* run's mesh, as its target, so
+    orbax reads the saved array and places it with that target's sharding, whatever mesh (how
+    many devices, hosts or slices) wrote it. Nothing of the saving mesh is needed.
     """
     import time
 
@@ -67,14 +112,21 @@ def fit(dataset: dict, learning_rate: float, steps: int, checkpoint_every: int =
         return bool(np.asarray(multihost_utils.process_allgather(flag)).any()) if jax.process_count() > 1 \
             else bool(flag[0])
 
+    if global_rows is not None and (global_rows <= 0 or global_rows % jax.device_count()):
+        raise ValueError(f"global_rows={global_rows} must be a positive multiple of the {jax.device_count()} "
+                         f"devices of this run ({jax.process_count()} process(es)), so every device gets as many rows")
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rows = dataset["rows_per_device"] * jax.local_device_count()
     by_row, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 
     def global_batch(i: int):
-        x, y = batch(dataset, i, rows, jax.process_index())
-        return (jax.make_array_from_process_local_data(by_row, x),
-                jax.make_array_from_process_local_data(by_row, y))
+        if global_rows is None:
+            x, y = batch(dataset, i, rows, jax.process_index())
+            return (jax.make_array_from_process_local_data(by_row, x),
+                    jax.make_array_from_process_local_data(by_row, y))
+        x, y = process_block(dataset, i, global_rows, jax.process_index(), jax.process_count())
+        return (jax.make_array_from_process_local_data(by_row, x, (global_rows, dataset["features"])),
+                jax.make_array_from_process_local_data(by_row, y, (global_rows,)))
 
     def loss_of(w, x, y):
         return jnp.mean((x @ w - y) ** 2)
@@ -114,11 +166,14 @@ def fit(dataset: dict, learning_rate: float, steps: int, checkpoint_every: int =
             manager.save(steps, args=ocp.args.StandardSave({"w": w}), force=True)
         manager.wait_until_finished()
     final = float(jax.jit(loss_of)(w, *global_batch(steps)))
-    return {
+    result = {
         "loss": final,
         "weights": [float(v) for v in np.asarray(jax.device_get(w))],
         "checkpoint": f"{context.checkpoint_dir}/{steps}" if context.checkpoint_dir else None,
     }
+    if global_rows is not None:  # a resharding run says where it resumed and on how many devices
+        result |= {"resumed_from": start, "devices": jax.device_count()}
+    return result
 
 
 def evaluate_checkpoint(checkpoint: str, dataset: dict) -> dict:

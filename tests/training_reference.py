@@ -2,6 +2,9 @@
 
 Full-batch gradient descent on the same batches (`batch` is a function of seed, step and process
 only), so a run that was suspended, resumed or moved to other slices must end where this ends.
+With `global_rows` (`fit(..., global_rows=...)`), each step's batch is a function of seed and step
+only (`step_batch`), so the reference needs no host count: a run that changed its slice count
+between checkpoints must end where this ends.
 """
 
 from __future__ import annotations
@@ -9,13 +12,22 @@ from __future__ import annotations
 import numpy as np
 
 
-def reference_fit(dataset: dict, learning_rate: float, steps: int, hosts: int, chips_per_host: int = 4) -> dict:
-    """`fit`'s final loss and weights on `hosts` processes of `chips_per_host` devices each."""
-    from rayslice.dags.training_pipeline import batch
+def reference_fit(dataset: dict, learning_rate: float, steps: int, hosts: int | None = None, chips_per_host: int = 4,
+                  global_rows: int | None = None) -> dict:
+    """`fit`'s final loss and weights on `hosts` processes of `chips_per_host` devices each.
 
+    With `global_rows`: `fit(..., global_rows=global_rows)`'s, on any number of hosts and devices
+    (`hosts` and `chips_per_host` are then not used).
+    """
+    from rayslice.dags.training_pipeline import batch, step_batch
+
+    if global_rows is None and hosts is None:
+        raise TypeError("reference_fit needs `hosts` (per-process batches) or `global_rows` (one global batch)")
     rows = dataset["rows_per_device"] * chips_per_host
 
     def global_batch(step: int):
+        if global_rows is not None:
+            return step_batch(dataset, step, global_rows)
         parts = [batch(dataset, step, rows, process) for process in range(hosts)]
         return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
 

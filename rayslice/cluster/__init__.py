@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from rayslice.cluster import checkpoints, gang, host_env, metrics, notices, phases, reaper, suspend
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
-from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, reserve_slices
+from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, intact_slices, reserve_slices
 from rayslice.core import goodput
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
@@ -79,7 +79,8 @@ def _report_goodput(spec: StepSpec, records: list[dict]) -> None:
 def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None, waits: Waits,
               records: list[dict], driver_phases: dict[str, float] | None) -> Any:
     suspended: suspend.Suspension | None = None
-    for attempt in range(spec.preemption_retries + 1):
+    attempt, retries_used = 0, 0  # an elastic step's suspensions to grow use no preemption retry
+    while True:
         timeline = first if attempt == 0 else phases.Timeline()
         timeline.resumed_after = suspended
         for phase, at in (driver_phases or {}).items() if attempt == 0 else ():
@@ -92,7 +93,7 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
                                                 preemption_attempt=attempt, submission_id=spec.owner.submission_id))
         timeline.note("checkpoint_described")
         step = gang.Attempt(preemption_attempt=attempt, checkpoint_dir=checkpoint_dir)
-        waits.resumptions_left = spec.preemption_retries - attempt
+        waits.resumptions_left = spec.preemption_retries - retries_used
         timeline.chips = (spec.request.total_chips if isinstance(spec.request, TpuSliceRequest)
                           else spec.request.count)
         timeline.outcome = "failed"
@@ -110,20 +111,27 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             timeline.outcome = "preempted"
             _note_lost_work(timeline, checkpoint_dir)
             suspended = suspend.Suspension.of(exc, timeline) if isinstance(exc, SuspendedError) else None
-            if attempt == spec.preemption_retries:
+            grows = bool(getattr(exc, "grow", False))
+            if not grows and retries_used == spec.preemption_retries:
                 if suspended is not None:
                     log(suspend.exhausted(spec))
                 raise
+            retries_used += not grows
             if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
                 waits.lost_nodes |= {exc.node_id}
             waits.suspended = str(exc) if suspended is not None else ""
-            if suspended is not None:
-                log(suspend.requeued(spec, exc, waits.arrival, attempt + 1, checkpoint_dir))
+            if grows:
+                log(f"elastic: the step stopped to grow: it goes back into the queue at its original arrival and "
+                    f"resumes on as many slices as are free, up to {spec.request.num_slices} (no preemption retry "
+                    "used)")
+                waits.capacity, waits.start = spec.capacity_timeout, gang.HOST_START_TIMEOUT_S
+            elif suspended is not None:
+                log(suspend.requeued(spec, exc, waits.arrival, retries_used, checkpoint_dir))
                 # Not the step's own doing: its wait to come back (behind whoever suspended it, for as long as
                 # that runs) and its hosts' start get their whole budgets again.
                 waits.capacity, waits.start = spec.capacity_timeout, gang.HOST_START_TIMEOUT_S
             else:
-                log(f"preempted: {exc}; retrying the whole gang ({attempt + 1} of {spec.preemption_retries})"
+                log(f"preempted: {exc}; retrying the whole gang ({retries_used} of {spec.preemption_retries})"
                     + (f", avoiding {exc.slice_name}" if getattr(exc, "slice_name", "") else ""))
         finally:
             if timeline.resumed_after is not None and timeline.resumed_after.released:
@@ -134,7 +142,7 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
                 print(line, flush=True)
             records.append(timeline.record())
             metrics.sender.attempt(spec, timeline.times, timeline.queue_wait())
-    raise AssertionError("unreachable")
+        attempt += 1
 
 
 def _note_lost_work(timeline: phases.Timeline, checkpoint_dir: str | None) -> None:
@@ -225,10 +233,10 @@ def _reap_orphans(spec: StepSpec) -> None:
         log(f"could not sweep orphaned reservations: {type(exc).__name__}: {exc}")
 
 
-def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline) -> admission.Place:
+def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices: int | None = None) -> admission.Place:
     """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted."""
     place = admission.place_for(spec, arrival=waits.arrival,
-                                preemptible=spec.preemptible and waits.resumptions_left > 0)
+                                preemptible=spec.preemptible and waits.resumptions_left > 0, most_slices=most_slices)
     started = time.monotonic()
     timeline.note("queued")
     marker = None
@@ -262,9 +270,22 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
             f"{request}: this launcher does not run subslices yet. Ray's SubslicePlacementGroup places one only "
             "on real TPU hosts (it reads their chip coordinates through libtpu), and rayslice reserves whole slices; "
             f"ask for a whole {request.pod_type}, or for the smaller slice type of the subslice's size")
-    check_satisfiable(request, lost=waits.lost_nodes)  # an impossible request never enters the queue
-    place = _admit(spec, waits, timeline)
+    most = None
+    if request.elastic:  # never waits for more than its least; after a loss, asks for no more than are left
+        least = request.with_slices(request.min_slices)  # type: ignore[arg-type]
+        check_satisfiable(least, lost=waits.lost_nodes)
+        if waits.lost_nodes:
+            most = intact_slices(request, ray.nodes(), waits.lost_nodes)
+    else:
+        check_satisfiable(request, lost=waits.lost_nodes)  # an impossible request never enters the queue
+    place = _admit(spec, waits, timeline, most_slices=most)
     try:
+        if request.elastic:  # the slices the queue admitted it on: what this attempt reserves and its program sees
+            asked, request = request, request.with_slices(int(place.entry.amount))
+            spec = spec.model_copy(update={"request": request})
+            log(f"elastic: starting on {request.num_slices} of {asked.min_slices}-{asked.num_slices} x "
+                f"{request.pod_type} (elastic_wait={asked.wait_for_all_s:g} s)")
+        timeline.chips = request.total_chips
         return _reserve_and_run_on_slices(spec, request, attempt, timeline, waits, name, started, place)
     finally:
         place.leave()
@@ -286,9 +307,12 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     # After a failure: the last line of a host that raised, and a quiet second for hosts that died.
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     # From here on a drained node of the reservation is the step's preemption notice (cluster/notices.py).
+    # An elastic function step also hears the queue's offer to grow (a command step's program is never offered it:
+    # its exit after the notice would read as a stop for it).
     watch = notices.Watch(f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}",
                           {h.node_id: h.label for h in reservation.hosts if h.node_id},
-                          requested=lambda: place.suspend)
+                          requested=lambda: place.suspend or ((place.grow, 0.0, True)
+                                                              if place.grow and spec.command is None else None))
     attempt = replace(attempt, notice_key=watch.key)
     suspended = False
     watch.__enter__()
@@ -328,6 +352,8 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         except BaseException as exc:
             drain_from = gang.raised_on(exc, plans)
             suspended = isinstance(exc, SuspendedError)
+            if suspended and watch.notice is not None and watch.notice.grow:  # it stopped to take more slices
+                exc.grow = True  # type: ignore[attr-defined]
             if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
                 quiet = 0.0
             raise

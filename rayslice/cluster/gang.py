@@ -131,6 +131,7 @@ class HostProcess:
             preemption_attempt=attempt.preemption_attempt, slice_index=plan.slice_index,
             slice_name=plan.slice_name, worker_id=plan.worker_id, process_index=plan.process_id,
             num_processes=plan.num_processes, checkpoint_dir=attempt.checkpoint_dir,
+            num_slices=getattr(spec.request, "num_slices", 1),
         )
         self._times["step_started"] = time.time()
         watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice

@@ -41,6 +41,8 @@ MIN_GRACE_S = 5.0
 LINGER_S = 60.0
 #: A notice without a deadline (Ray's 0): how long the step may take to checkpoint and return.
 DEFAULT_GRACE_S = 30.0
+#: An offer to grow (an elastic step, more slices free) has no deadline: this far ahead, it never stops a step.
+GROW_DEADLINE_S = 10 * 365 * 86400.0
 
 
 def draining(node_ids: Iterable[str]) -> dict[str, float]:
@@ -60,11 +62,12 @@ class Watch:
     """The driver's watch over one attempt's nodes: the first drained node becomes the step's notice."""
 
     def __init__(self, key: str, node_ids: dict[str, str], poll: float = POLL_S,
-                 requested: Callable[[], tuple[str, float] | None] | None = None) -> None:
+                 requested: Callable[[], tuple | None] | None = None) -> None:
         """`node_ids`: Ray node id -> the host it holds (its label), for the log line.
 
         `requested`: the admission queue's word that a higher-priority request suspends this step
-        (why, grace seconds), or None: priority preemption takes the same path as a drained node.
+        (why, grace seconds), or that an elastic step may grow (why, grace, True), or None: priority
+        preemption takes the same path as a drained node; a later word replaces an offer to grow.
         """
         self.key = key
         self._nodes = node_ids
@@ -74,6 +77,7 @@ class Watch:
         self.noticed_at: float | None = None
         self._told = False
         self._tell_failed = False
+        self._asked: tuple | None = None  # the queue's last word published
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rayslice-notice-watch", daemon=True)
 
@@ -107,9 +111,12 @@ class Watch:
                     deadline=deadline or time.time() + DEFAULT_GRACE_S,
                     reason=f"node {node[:12]} (host {self._nodes[node]}) is being drained for preemption",
                     node=node))
-            elif self.notice is None and (asked := self._requested() if self._requested is not None else None):
-                why, grace = asked
-                self.publish(PreemptionNotice(deadline=time.time() + grace, reason=why))
+            elif (asked := self._requested() if self._requested is not None else None) and asked != self._asked:
+                self._asked = asked
+                why, grace = asked[:2]
+                grow = len(asked) > 2 and bool(asked[2])
+                self.publish(PreemptionNotice(deadline=time.time() + (GROW_DEADLINE_S if grow else grace),
+                                              reason=why, grow=grow))
             if self.notice is not None and not self._told:
                 self._tell_hosts()
             self._stop.wait(self._poll)
@@ -126,14 +133,18 @@ class Watch:
             # the retry avoids its slice.
             notice = PreemptionNotice(deadline=current.deadline, reason=f"{current.reason}; {notice.reason}",
                                       node=notice.node)
-        elif current is not None and not (notice.node and notice.deadline < current.deadline):
-            return
+        elif current is not None and not ((notice.node or current.grow) and notice.deadline < current.deadline):
+            return  # the first stands, unless this one is sooner and names a node or ends an offer to grow
         self.notice = notice
         if self.noticed_at is None:
             self.noticed_at = time.time()
         self._told = False
         self._tell_hosts()
-        if current is None:
+        if notice.grow:
+            print(f"[rayslice] elastic: {notice.reason}; every host is told "
+                  "(`get_step_context().preemption_notice.grow`): the step may checkpoint and raise StepSuspended "
+                  "to resume on more slices, or carry on; nothing stops it", flush=True)
+        elif current is None:
             print(f"[rayslice] preemption notice: {notice.reason}; deadline in {notice.seconds_left:.0f} s: every "
                   "host is told; the step may checkpoint and stop, or it is stopped before the deadline", flush=True)
         else:
@@ -256,7 +267,7 @@ class CommandNotice:
         return min(max(notice.deadline - STOP_MARGIN_S, heard + MIN_GRACE_S), now + LINGER_S)
 
     def _signal_program(self) -> None:
-        if self._signal is None or self._pid is None:
-            return
+        if self._signal is None or self._pid is None or (self._pending is not None and self._pending.grow):
+            return  # an offer to grow is only written to the notice file: no program is stopped for it
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._pid, self._signal)

@@ -138,6 +138,8 @@ class Broker:
         self.reasons: dict[str, str] = {}
         self.suspending: dict[str, str] = {}  # running id -> why a waiting request of higher priority suspends it
         self.told: set[str] = set()  # the suspending ids whose launchers heard it (no taking those back)
+        self.growing: dict[str, str] = {}  # running elastic id -> its offer to grow (more slices free)
+        self.told_grow: set[str] = set()  # the growing ids whose launchers heard the offer
         with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id`: no warning for users
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -247,6 +249,8 @@ class Broker:
         self._dirty = True
         self.suspending.pop(id, None)
         self.told.discard(id)
+        self.growing.pop(id, None)
+        self.told_grow.discard(id)
         if self.running.pop(id, None) is None:
             self._unline(e)
 
@@ -264,8 +268,12 @@ class Broker:
             if mine.id in self.suspending:  # its launcher sends its step a preemption notice with this grace
                 self.told.add(mine.id)
                 return {"admitted": True, "beat_s": HEARTBEAT_S, "suspend": self.suspending[mine.id],
-                        "grace_s": self.settings.preemption_grace_s}
-            return {"admitted": True, "beat_s": HEARTBEAT_S}
+                        "grace_s": self.settings.preemption_grace_s, "amount": mine.amount}
+            if mine.id in self.growing:  # an elastic step may checkpoint and resume on more slices
+                self.told_grow.add(mine.id)
+                return {"admitted": True, "beat_s": HEARTBEAT_S, "suspend": self.growing[mine.id], "grow": True,
+                        "amount": mine.amount}
+            return {"admitted": True, "beat_s": HEARTBEAT_S, "amount": mine.amount}
         line = self.lines[mine.kind]
         i = bisect.bisect_left(line, (rules.rank_key(mine),))
         ahead = line[i - 1][1] if i else None
@@ -316,6 +324,8 @@ class Broker:
             e = self.entries[id]
             self._unline(e)
             e.admitted, e.admitted_at = True, admitted_at
+            if id in decided.amounts:  # an elastic step: the slices it starts on
+                granted(e, decided.amounts[id])
             self.running[id] = e
         self.reasons = decided.reasons
         # A suspension not yet heard is chosen again at every plan: one whose request left, or was admitted on
@@ -323,6 +333,7 @@ class Broker:
         self.suspending = {id: why for id, why in self.suspending.items() if id in self.told}
         if self.settings.preemption == "lower-priority":
             self._choose_suspensions(totals, devices)
+        self._offer_growth(totals, autoscaled)
         self._planned, self._dirty = time.monotonic(), False
         self.plan_ms = [*self.plan_ms[-999:], (time.perf_counter() - started) * 1000]
 
@@ -341,6 +352,19 @@ class Broker:
                                         devices.get(kind)):
                 self.suspending[victim.id] = (f"suspended for {rules.seen_by(head, victim)} (priority {head.priority}, "
                                               f"waiting for {head.what}; this step's priority is {victim.priority})")
+
+    def _offer_growth(self, totals: dict[str, float], autoscaled: set[str]) -> None:
+        """Elastic steps running on fewer slices than they asked for hear when more are free and nobody waits
+        (`rules.growth`). An offer not yet heard is taken back when someone starts waiting for those slices."""
+        self.growing = {id: why for id, why in self.growing.items() if id in self.told_grow}
+        offers = rules.growth(list(self.running.values()), self.lines, totals, self.settings, autoscaled,
+                              offered=frozenset(self.growing))
+        for id, more in offers.items():
+            if id in self.suspending:
+                continue
+            e = self.running[id]
+            self.growing[id] = (f"{more} more {e.kind} free and nobody waits for it: checkpoint and stop to resume on "
+                                f"{e.amount + more:g} slices")
 
     def _capacity(self, kinds: set[tuple[str, str]]) -> tuple[dict[str, float], set[str], dict[str, list[float]]]:
         """Slices per TPU slice type (their worker-0 hosts), each accelerator resource's total, which kinds an
@@ -389,6 +413,13 @@ class Broker:
         self._known_devices = known
         self._totals = (time.monotonic(), found)
         return found
+
+
+def granted(e: rules.Entry, amount: float) -> None:
+    """An elastic entry admitted on `amount` slices: it counts (and its team's quota counts) that many."""
+    e.chips = e.chips * amount / e.amount
+    e.amount = amount
+    e.what = f"{amount:g} x {e.kind} (elastic {e.min_amount:g}-{e.max_amount:g})"
 
 
 def group_maxima() -> dict[str, float]:
@@ -445,6 +476,7 @@ class Place:
         self._thread: threading.Thread | None = None
         self._broker: Any = None
         self.suspend: tuple[str, float] | None = None  # (why, grace in seconds): the broker suspends this step
+        self.grow: str | None = None  # an elastic step's offer to grow (more slices free)
 
     def _beat(self) -> None:
         try:
@@ -462,9 +494,13 @@ class Place:
             self._changed.set()
             return
         if state.get("admitted") and not self.entry.admitted:
+            if self.entry.elastic and state.get("amount"):  # re-registered after a broker restart: what it holds
+                granted(self.entry, float(state["amount"]))
             self.entry.admitted, self.entry.admitted_at = True, time.time()
             self.admitted.set()
-        if state.get("suspend") and self.suspend is None:  # a higher-priority request needs this step's capacity
+        if state.get("suspend") and state.get("grow"):
+            self.grow = self.grow or str(state["suspend"])
+        elif state.get("suspend") and self.suspend is None:  # a higher-priority request needs this step's capacity
             self.suspend = (str(state["suspend"]), float(state.get("grace_s", 30.0)))
         self.beat_s = min(max(float(state.get("beat_s", HEARTBEAT_S)), HEARTBEAT_S), MAX_BEAT_S)
         self.state = state
@@ -529,11 +565,12 @@ class Place:
 
 
 def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | None = None,
-              preemptible: bool | None = None) -> Place:
+              preemptible: bool | None = None, most_slices: int | None = None) -> Place:
     """The queue place of a step: its request (TPU chips: on which slice type), priority, team, label (dag.task).
 
     `preemptible`: whether a higher-priority step may suspend it now (default: as the step declares;
-    the launcher says False once the step has no preemption retry left to resume with).
+    the launcher says False once the step has no preemption retry left to resume with). `most_slices`:
+    an elastic step asks for no more than this (the intact slices left after it lost one).
     """
     owner = spec.owner
     label = f"{owner.dag_id}.{owner.task_id}" if owner.dag_id else (owner.submission_id or "adhoc")
@@ -545,7 +582,8 @@ def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | 
         chips_on = chip_slice(request, ray.nodes() if nodes is None else nodes)
     entry = rules.entry_for(request, id=f"{owner.submission_id or 'adhoc'}/{time.time_ns()}", label=label,
                             priority=spec.priority or 0, team=spec.team, arrival=arrival, chips_on=chips_on,
-                            preemptible=spec.preemptible if preemptible is None else preemptible)
+                            preemptible=spec.preemptible if preemptible is None else preemptible,
+                            most_slices=most_slices)
     entry.dag = f"{owner.deployment}/{owner.dag_id}"
     return Place(entry)
 

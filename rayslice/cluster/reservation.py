@@ -246,6 +246,11 @@ def check_satisfiable(request: TpuSliceRequest, nodes: list[dict] | None = None,
     )
 
 
+def intact_slices(request: TpuSliceRequest, nodes: list[dict], lost: frozenset[str] = frozenset()) -> int:
+    """How many slices of the request's type have every host alive (busy or not), `lost` nodes counted gone."""
+    return _slices(request, nodes, lost)[1]
+
+
 def _slices(request: TpuSliceRequest, nodes: list[dict], lost: frozenset[str]) -> tuple[set[str], int]:
     """The broken slices of the request's type (alive, missing hosts) and how many are intact."""
     hosts: dict[str, int] = {}

@@ -273,12 +273,61 @@ class TpuSliceRequest(_Request):
     kind: Literal["tpu_slice"] = "tpu_slice"
     tpu: str
     topology: str | None = None
+    #: How many slices; `num_slices=(min, max)` asks for an elastic count (stored as `min_slices` and the max).
     num_slices: int = Field(1, ge=1)
     multislice: bool = False
+    #: Elastic: the fewest slices the step starts (or resumes) on; None: exactly `num_slices`.
+    min_slices: int | None = Field(None, ge=1)
+    #: Elastic: how long (seconds from the step's first arrival in the queue) it waits for all `num_slices`
+    #: before it starts on as many as are free, at least `min_slices`. None: `ELASTIC_WAIT_S`.
+    elastic_wait: float | None = Field(None, ge=0)
     #: Override for ambiguous layouts, e.g. v6e 2x4 as two 4-chip hosts instead of one 8-chip host.
     chips_per_host: int | None = Field(None, validate_default=True)
     #: Part of one slice's hosts, by topology: tpu="v6e-16", subslice="2x4" is 2 of its 4 hosts.
     subslice: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _elastic_range(cls, data: Any) -> Any:
+        """`num_slices=(min, max)`: an elastic count, kept as `min_slices` and `num_slices` (the max)."""
+        if not isinstance(data, dict) or not isinstance(data.get("num_slices"), (tuple, list)):
+            return data
+        given = data["num_slices"]
+        if len(given) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
+            raise ValueError(f"num_slices={given!r}: give a whole number of slices, or (min, max) for an elastic "
+                             "count, e.g. num_slices=(1, 4)")
+        low, high = given
+        if data.get("min_slices") is not None:
+            raise ValueError(f"num_slices={given!r} and min_slices={data['min_slices']!r}: give the range once, as "
+                             "num_slices=(min, max)")
+        if not 1 <= low <= high:
+            raise ValueError(f"num_slices={given!r}: an elastic count needs 1 <= min <= max, e.g. num_slices=(1, 4)")
+        return {**data, "num_slices": high, "min_slices": low if low < high else None}
+
+    @model_validator(mode="after")
+    def _elastic_fits(self) -> TpuSliceRequest:
+        if self.min_slices is not None and self.min_slices >= self.num_slices:
+            raise ValueError(f"min_slices={self.min_slices} must be below num_slices={self.num_slices} (the most): "
+                             f"give num_slices=({self.min_slices}, <max>) for an elastic count, or drop min_slices")
+        if self.elastic_wait is not None and self.min_slices is None:
+            raise ValueError(f"elastic_wait={self.elastic_wait:g} applies to an elastic count only: give "
+                             f"num_slices=(min, max), or drop elastic_wait")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the step runs on as many slices as there are, between `min_slices` and `num_slices`."""
+        return self.min_slices is not None
+
+    @property
+    def wait_for_all_s(self) -> float:
+        """Elastic: how long the step waits for every slice before it starts on fewer."""
+        return ELASTIC_WAIT_S if self.elastic_wait is None else self.elastic_wait
+
+    def with_slices(self, count: int) -> TpuSliceRequest:
+        """This request fixed at `count` slices (what one elastic attempt reserves and its program sees)."""
+        data = self.model_dump(exclude={"min_slices", "elastic_wait"})
+        return TpuSliceRequest(**{**data, "num_slices": count})
 
     @model_validator(mode="after")
     def _subslice_fits(self) -> TpuSliceRequest:
@@ -405,8 +454,13 @@ class TpuSliceRequest(_Request):
         if self.subslice:
             details.append(f"subslice {self.subslice}")
         count = f" x{self.num_slices}" if self.num_slices > 1 else ""
+        if self.min_slices is not None:
+            count = f" x{self.min_slices}-{self.num_slices}"
         return self.pod_type + count + (f" ({', '.join(details)})" if details else "")
 
+
+#: Elastic steps: how long a step waits for all its slices, by default, before it starts on fewer.
+ELASTIC_WAIT_S = 300.0
 
 ResourceName = Literal["GPU", "NPU", "TPU", "neuron_cores", "HPU"]
 

@@ -44,6 +44,7 @@ class StepContext:
     - `preemption_attempt`: 0 on the first gang, 1 after the first whole-gang retry, ...
     - `slice_index`, `slice_name`, `worker_id`: where this process runs (0, the request, 0 for a fraction).
     - `process_index`, `num_processes`: this process's JAX process id and its group's size.
+    - `num_slices`: the slices this attempt runs on (an elastic step starts and resumes on what is free).
     - `checkpoint_dir`: a URL (`gs://…`, `s3://…`, `file://…`) that is the same for every preemption
       attempt and every Airflow try of this task in this DAG run and map index of this Airflow
       deployment, and different for any other; None when no checkpoint root is configured anywhere.
@@ -62,6 +63,8 @@ class StepContext:
     process_index: int
     num_processes: int
     checkpoint_dir: str | None
+    #: The slices this attempt runs on: an elastic step's (`num_slices=(min, max)`) may differ between attempts.
+    num_slices: int = 1
 
     def to_env(self) -> dict[str, str]:
         """The context as a command step's environment: `RAYSLICE_<FIELD>` (checkpoint_dir empty when None)."""
@@ -76,7 +79,9 @@ class StepContext:
         values = {}
         for f in dataclasses.fields(cls):
             raw = env.get(f"{ENV_PREFIX}{f.name.upper()}", "")
-            values[f.name] = int(raw or 0) if f.type == "int" else (raw or None if f.name == "checkpoint_dir" else raw)
+            default = 0 if f.default is dataclasses.MISSING else f.default
+            values[f.name] = (int(raw) if raw else default) if f.type == "int" else \
+                (raw or None if f.name == "checkpoint_dir" else raw)
         return cls(**values)
 
     def checkpointing(self) -> AbstractContextManager[None]:
@@ -149,6 +154,9 @@ class PreemptionNotice:
     deadline: float
     reason: str
     node: str = ""
+    #: An elastic step's offer to grow: more slices are free. Nothing stops the step; it may checkpoint
+    #: and raise `StepSuspended` to resume on more, or carry on (its result then stands).
+    grow: bool = False
 
     @property
     def seconds_left(self) -> float:
@@ -160,7 +168,8 @@ class PreemptionNotice:
     @classmethod
     def from_json(cls, text: str | bytes) -> PreemptionNotice:
         data = json.loads(text)
-        return cls(deadline=float(data["deadline"]), reason=str(data.get("reason", "")), node=str(data.get("node", "")))
+        return cls(deadline=float(data["deadline"]), reason=str(data.get("reason", "")), node=str(data.get("node", "")),
+                   grow=bool(data.get("grow", False)))
 
     @classmethod
     def read(cls, path: str) -> PreemptionNotice | None:

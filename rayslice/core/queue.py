@@ -170,6 +170,15 @@ class Entry:
     part: bool = False  # TPU chips on one host of a slice: `amount` is the share of the slice
     dag: str = ""  # deployment/dag: whose log may name this step (others read "a step of another DAG")
     preemptible: bool = False  # a higher-priority request may suspend it (policy `preemption: lower-priority`)
+    # Elastic (`num_slices=(min, max)`): the fewest and most slices; `amount` is the most until admitted, then
+    # what it was granted. `elastic_at`: from then on (epoch s) it starts on what is free rather than wait for all.
+    min_amount: float = 0.0
+    max_amount: float = 0.0
+    elastic_at: float = 0.0
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_amount < self.max_amount
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,18 +190,26 @@ class Entry:
 
 def entry_for(request: StepRequest, *, id: str, label: str, priority: int = 0, team: str | None = None,
               arrival: float | None = None, chips_on: tuple[str, int] | None = None,
-              preemptible: bool = False) -> Entry:
+              preemptible: bool = False, most_slices: int | None = None) -> Entry:
     """The queue entry of a step's request.
 
     `chips_on`: for TPU chips, the slice type they will run on and its chips per slice
     (`chip_slice_type`): the entry then waits in that type's line, as that share of one slice.
+    `most_slices`: an elastic request asks for at most this many now (the slices left after a loss).
     """
     arrival = time.time() if arrival is None else arrival
     if isinstance(request, TpuSliceRequest):
-        chips = request.total_hosts * request.chips_per_host
-        return Entry(id=id, label=label, family=f"TPU-{request.version}", kind=request.pod_type,
-                     amount=request.num_slices, chips=chips, what=f"{request.num_slices} x {request.pod_type}",
-                     priority=priority, team=team, arrival=arrival, preemptible=preemptible)
+        most = request.num_slices if most_slices is None else max(min(most_slices, request.num_slices),
+                                                                    request.min_slices or request.num_slices)
+        chips = request.hosts_per_slice * most * request.chips_per_host
+        entry = Entry(id=id, label=label, family=f"TPU-{request.version}", kind=request.pod_type,
+                      amount=most, chips=chips, what=f"{most} x {request.pod_type}",
+                      priority=priority, team=team, arrival=arrival, preemptible=preemptible)
+        if request.min_slices is not None and request.min_slices < most:
+            entry.min_amount, entry.max_amount = request.min_slices, most
+            entry.elastic_at = arrival + request.wait_for_all_s
+            entry.what = f"{request.min_slices}-{most} x {request.pod_type}"
+        return entry
     assert isinstance(request, AcceleratorRequest)
     if request.resource == "TPU" and chips_on is not None:
         pod_type, per_slice = chips_on
@@ -288,6 +305,7 @@ class Plan:
 
     admit: list[str]
     reasons: dict[str, str]  # id -> why it still waits (absent: behind the line of its own kind)
+    amounts: dict[str, float] = field(default_factory=dict)  # elastic entries admitted: how many slices each got
 
 
 def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings, now: float | None = None,
@@ -326,35 +344,54 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     def in_use(kind: str) -> float:
         return used.get(kind, 0) + math.ceil(shared.get(kind, 0) - 1e-9)
 
-    def count(e: Entry) -> None:
+    def count(e: Entry, amount: float | None = None) -> None:
+        amount = e.amount if amount is None else amount
         if e.kind in packs:
-            packs[e.kind].place(e.amount)  # a running step Ray placed elsewhere (a node gone) counts in `used`
+            packs[e.kind].place(amount)  # a running step Ray placed elsewhere (a node gone) counts in `used`
         pool = shared if e.part else used
-        pool[e.kind] = pool.get(e.kind, 0) + e.amount
+        pool[e.kind] = pool.get(e.kind, 0) + amount
         for team in teams_above(e.team) if e.team else ():
-            team_used[(team, e.kind)] = team_used.get((team, e.kind), 0) + e.chips
+            team_used[(team, e.kind)] = team_used.get((team, e.kind), 0) + e.chips * amount / e.amount
 
     for e in running:
         count(e)
 
-    def over_quota(e: Entry) -> str | None:
+    def over_quota(e: Entry, amount: float | None = None) -> str | None:
         """The team (of the step's, or above it) whose quota the entry would exceed, or None."""
+        chips = e.chips if amount is None else e.chips * amount / e.amount
         for team in teams_above(e.team) if e.team else ():
             quota = settings.quotas.get(team)
-            if quota is not None and team_used.get((team, e.kind), 0) + e.chips > quota.get(e.kind, 0) + 1e-9:
+            if quota is not None and team_used.get((team, e.kind), 0) + chips > quota.get(e.kind, 0) + 1e-9:
                 return team
         return None
 
-    def fits(e: Entry) -> bool:
+    def fits(e: Entry, amount: float | None = None) -> bool:
+        amount = e.amount if amount is None else amount
         total = totals.get(e.kind, 0)
         if e.kind in packs:
-            return packs[e.kind].place(e.amount, take=False)
+            return packs[e.kind].place(amount, take=False)
         if e.part:
-            return total == math.inf or used.get(e.kind, 0) + math.ceil(shared.get(e.kind, 0) + e.amount - 1e-9) \
+            return total == math.inf or used.get(e.kind, 0) + math.ceil(shared.get(e.kind, 0) + amount - 1e-9) \
                 <= total + 1e-9
         if e.kind in autoscaled:  # as many as its node groups can hold (`refusal`: never more than that)
-            return in_use(e.kind) + e.amount <= total + 1e-9
-        return total < e.amount or in_use(e.kind) + e.amount <= total + 1e-9
+            return in_use(e.kind) + amount <= total + 1e-9
+        if e.elastic:  # on the slices there are: a lost slice is not waited for (below its least, it waits)
+            return in_use(e.kind) + amount <= total + 1e-9
+        return total < amount or in_use(e.kind) + amount <= total + 1e-9
+
+    def elastic_grant(e: Entry, alone: bool) -> float | None:
+        """How many slices an elastic entry at the head of its line starts on now, or None: it waits.
+
+        It asks for its least (`min_amount`) and takes more only when nobody waits behind it: then all
+        it may have at once, or, once `elastic_at` passed, as many as are free.
+        """
+        most = e.max_amount if alone else e.min_amount
+        n = int(most)
+        while n >= e.min_amount and not (fits(e, n) and over_quota(e, n) is None):
+            n -= 1
+        if n < e.min_amount:
+            return None
+        return float(n) if not alone or n == e.max_amount or now >= e.elastic_at else None
 
     def held_back(e: Entry) -> Entry | None:
         """The entry served strictly that `e` may not pass: one of its family, where both draw on one pool.
@@ -369,6 +406,7 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
 
     admit: list[str] = []
     reasons: dict[str, str] = {}
+    amounts: dict[str, float] = {}
     blocked_kinds: dict[str, Entry] = {}  # kind -> the first entry that waits for it
     blocked_families: dict[str, Entry] = {}  # family -> the first entry served strictly that waits
     borrowers: list[tuple[Entry, str]] = []
@@ -378,15 +416,22 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
         _, kind, i = heapq.heappop(heads)
         line = lines[kind]
         e = line[i][1]
-        team = over_quota(e)
+        granted = elastic_grant(e, alone=i + 1 == len(line)) if e.elastic else None
+        team = over_quota(e, e.min_amount if e.elastic else None)
         blocker = held_back(e)
-        if team is None and blocker is None and fits(e):
+        if team is None and blocker is None and (granted is not None if e.elastic else fits(e)):
             admit.append(e.id)
-            count(e)
+            if granted is not None:
+                amounts[e.id] = granted
+            count(e, granted)
         elif team is not None:
             borrowers.append((e, team))
         else:  # it waits, and so does its whole line behind it
-            if blocker is None:
+            if blocker is None and e.elastic and fits(e, e.min_amount) and now < e.elastic_at:
+                reasons[e.id] = (f"first in line; waiting up to {e.elastic_at - now:.0f} s more for all "
+                                 f"{e.max_amount:g} {e.kind} ({in_use(e.kind):g} of {totals.get(e.kind, 0):g} in use) "
+                                 f"before it starts on fewer")
+            elif blocker is None:
                 reasons[e.id] = f"first in line; {in_use(e.kind):g} of {totals.get(e.kind, 0):g} {e.kind} in use"
             else:
                 reasons[e.id] = f"held back by {seen_by(blocker, e)} (waiting for {blocker.what}, served strictly)"
@@ -399,13 +444,56 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     for e, team in borrowers:  # over quota: only on capacity that nobody within quota waits for
         quota = settings.quotas[team].get(e.kind, 0)
         why = f"team {team} over its quota ({team_used.get((team, e.kind), 0):g} of {quota:g} {e.kind} in use)"
-        if e.kind in blocked_kinds or held_back(e) is not None or not fits(e):
+        least = e.min_amount if e.elastic else None  # a borrower takes no more than its least
+        if e.kind in blocked_kinds or held_back(e) is not None or not fits(e, least):
             reasons[e.id] = why + ", borrowing only what nobody within quota waits for"
             blocked_kinds.setdefault(e.kind, e)
             continue
         admit.append(e.id)
-        count(e)
-    return Plan(admit=admit, reasons=reasons)
+        if least is not None:
+            amounts[e.id] = least
+        count(e, least)
+    return Plan(admit=admit, reasons=reasons, amounts=amounts)
+
+
+def growth(running: list[Entry], lines: Lines, totals: dict[str, float], settings: QueueSettings,
+           autoscaled: set[str] | None = None, offered: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Running elastic steps that may grow now: id -> how many more slices they may take.
+
+    Only onto slices that are there and free (not what an autoscaler might add), of a kind nobody
+    waits for, within the team's quota; the earliest admitted first. The step hears the offer as a
+    notice, and may checkpoint and resume on more (`rayslice.cluster.queue`). `offered`: steps
+    already told, not offered again; what they may take counts as taken.
+    """
+    autoscaled = {k for k, v in totals.items() if math.isinf(v)} if autoscaled is None else autoscaled
+    whole: dict[str, float] = {}
+    shares: dict[str, float] = {}
+    team_used: dict[tuple[str, str], float] = {}
+    for e in running:
+        pool = shares if e.part else whole
+        taken = e.max_amount if e.id in offered and e.elastic else e.amount
+        pool[e.kind] = pool.get(e.kind, 0) + taken
+        for team in teams_above(e.team) if e.team else ():
+            team_used[(team, e.kind)] = team_used.get((team, e.kind), 0) + e.chips * taken / e.amount
+    free = {kind: totals.get(kind, 0) - whole.get(kind, 0) - math.ceil(shares.get(kind, 0) - 1e-9)
+            for kind in {e.kind for e in running}}
+    grow: dict[str, int] = {}
+    for e in sorted(running, key=lambda e: (e.admitted_at or e.arrival, e.id)):
+        if not e.elastic or e.id in offered or e.amount >= e.max_amount or e.kind in autoscaled or lines.get(e.kind):
+            continue
+        more = int(min(e.max_amount - e.amount, free[e.kind] + 1e-9))
+        per_slice = e.chips / e.amount
+        for team in teams_above(e.team) if e.team else ():
+            quota = settings.quotas.get(team)
+            if quota is not None:
+                room = quota.get(e.kind, 0) - team_used.get((team, e.kind), 0)
+                more = min(more, int((room + 1e-9) // per_slice))
+        if more >= 1:
+            grow[e.id] = more
+            free[e.kind] -= more
+            for team in teams_above(e.team) if e.team else ():
+                team_used[(team, e.kind)] = team_used.get((team, e.kind), 0) + more * per_slice
+    return grow
 
 
 def victims(waiting: Entry, running: list[Entry], total: float, suspending: frozenset[str] = frozenset(),

@@ -191,8 +191,8 @@ def test_accelerator_str():
         (dict(tpu="v6e-16", chips_per_host=3), ["chips_per_host=3", "v6e-16", "1, 2, 4 or 8"]),
         (dict(tpu="v6e-4", chips_per_host=8), ["chips_per_host=8", "1, 2 or 4"]),
         (dict(tpu="v6e-16", num_slice=2), ["unknown argument 'num_slice'", "did you mean 'num_slices'",
-                                           "the arguments are chips_per_host, multislice, num_slices, subslice, "
-                                           "topology, tpu"]),
+                                           "the arguments are chips_per_host, elastic_wait, min_slices, multislice, "
+                                           "num_slices, subslice, topology, tpu"]),
         (dict(tpu="v6e-16", num_slices="two"), ["num_slices must be a whole number (got 'two')"]),
         (dict(tpu="v6e-16", multislice="maybe"), ["multislice must be true or false (got 'maybe')"]),
         (dict(tpu=16), ["tpu must be a string (got 16)"]),

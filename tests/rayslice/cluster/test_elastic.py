@@ -1,0 +1,152 @@
+"""Elastic slice counts on a cluster of its own (two v6e-16): start on one, grow to two, resume on one after a loss.
+
+One step, `num_slices=(1, 2)`, trains with `fit(global_rows=...)` (the same global batch on any
+slice count), checkpointing every step. While a fixed one-slice step holds the other slice, it
+starts on one slice after `elastic_wait`; when that step ends, the queue offers it the free slice,
+and it checkpoints and resumes on two; when a host of one of its slices is lost, it resumes on the
+slice left. It must end where a fixed 2-slice run of the same training ends, and hold nothing after.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
+from tests.conftest import private_cluster, wait_until
+from tests.rayslice.cluster.test_preemption import free_chips_match_alive_hosts, remove_node, run_as_job
+from tests.training_reference import assert_matches, reference_fit
+
+DATASET = {"features": 4, "rows_per_device": 8, "seed": 7}
+GLOBAL_ROWS = 64  # divisible by 16 and 32 devices: every slice count sees the same batch
+STEPS = 30
+LEARNING_RATE = 0.05
+
+
+@pytest.fixture(scope="module")
+def two_slices(tmp_path_factory: pytest.TempPathFactory):
+    spec = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16"))
+    home = tmp_path_factory.mktemp("elastic-home")
+    with private_cluster(home, "elastic", lambda: local_cluster.up(spec, name="elastic")) as record:
+        yield record
+
+
+def hold_until_released(folder: str):
+    """A fixed one-slice step: marks its slice, then holds it until the test lets it go."""
+    import os
+    import time
+
+    Path(folder, f"held-{os.environ['TPU_NAME']}").touch()
+    while not Path(folder, "release").exists():
+        time.sleep(0.1)
+    return os.environ["TPU_NAME"]
+
+
+def elastic_training(folder: str, dataset: dict, learning_rate: float, steps: int, global_rows: int,
+                     seconds_per_step: float):
+    """Notes each attempt's slice count and devices (and its slice), then trains (`fit`)."""
+    import os
+
+    import jax
+    from rayslice.dags.training_pipeline import fit
+
+    from rayslice import get_step_context
+
+    context = get_step_context()
+    Path(folder, f"attempt{context.preemption_attempt}-slices{context.num_slices}-devices{jax.device_count()}-"
+                 f"{os.environ['TPU_NAME']}-{jax.process_index()}").touch()
+    result = fit(dataset, learning_rate, steps, checkpoint_every=1, seconds_per_step=seconds_per_step,
+                 global_rows=global_rows)
+    return {**result, "devices": jax.device_count(), "slices": context.num_slices}
+
+
+def attempts(folder: str) -> dict[int, set[tuple[int, int, str]]]:
+    """attempt -> {(slices, devices, slice name)} its processes noted."""
+    seen: dict[int, set[tuple[int, int, str]]] = {}
+    for name in os.listdir(folder):
+        if m := re.fullmatch(r"attempt(\d+)-slices(\d+)-devices(\d+)-(.+)-\d+", name):
+            seen.setdefault(int(m[1]), set()).add((int(m[2]), int(m[3]), m[4]))
+    return seen
+
+
+def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_loss(two_slices, tmp_path):
+    owner = dict(dag_id="elastic", task_id="train")
+    fixed = StepSpec.for_function(
+        elastic_training, request=TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True),
+        kwargs=dict(folder=str(tmp_path / "fixed-notes"), dataset=DATASET, learning_rate=LEARNING_RATE, steps=STEPS,
+                    global_rows=GLOBAL_ROWS, seconds_per_step=0.0),
+        checkpoint_root=(tmp_path / "fixed").as_uri(), owner=Owner(run_id=f"fixed-{time.time_ns()}", **owner))
+    (tmp_path / "fixed-notes").mkdir()
+    fixed_result = run_as_job(two_slices, fixed)
+    assert {r["devices"] for r in fixed_result} == {32}
+
+    with tempfile.TemporaryDirectory() as folder:
+        blocker = StepSpec.for_function(hold_until_released, request=TpuSliceRequest(tpu="v6e-16"),
+                                        kwargs={"folder": folder}, owner=Owner(run_id=f"blocker-{time.time_ns()}"))
+        held: dict[str, object] = {}
+        holding = threading.Thread(target=lambda: held.setdefault("result", run_as_job(two_slices, blocker)))
+        holding.start()
+        assert wait_until(lambda: any(n.startswith("held-") for n in os.listdir(folder)), timeout=180)
+        blocked_slice = next(n for n in os.listdir(folder) if n.startswith("held-")).removeprefix("held-")
+
+        log: list[str] = []
+        step = StepSpec.for_function(
+            elastic_training,
+            request=TpuSliceRequest(tpu="v6e-16", num_slices=(1, 2), multislice=True, elastic_wait=3),
+            kwargs=dict(folder=folder, dataset=DATASET, learning_rate=LEARNING_RATE, steps=STEPS,
+                        global_rows=GLOBAL_ROWS, seconds_per_step=1.0),
+            preemption_retries=1, checkpoint_root=(tmp_path / "elastic").as_uri(),
+            owner=Owner(run_id=f"elastic-{time.time_ns()}", **owner))
+        outcome: dict[str, object] = {}
+
+        def run_elastic() -> None:
+            import asyncio
+
+            from rayslice.client.submission import run_step_job
+
+            try:
+                outcome["result"] = asyncio.run(run_step_job(two_slices.dashboard_url, step, emit=log.append))
+            except BaseException as exc:  # reported by the test below
+                outcome["error"] = exc
+
+        running = threading.Thread(target=run_elastic)
+        running.start()
+        # 1. One slice is busy: after elastic_wait it starts on the other one.
+        assert wait_until(lambda: 0 in attempts(folder), timeout=240), log[-20:]
+        assert {(s, d) for s, d, _ in attempts(folder)[0]} == {(1, 16)}
+        assert blocked_slice not in {name for _, _, name in attempts(folder)[0]}
+        # 2. The other slice frees: it is offered it, checkpoints, and resumes on both.
+        time.sleep(4)  # a few steps on one slice
+        Path(folder, "release").touch()
+        holding.join(timeout=120)
+        assert held.get("result") == [blocked_slice] * 4
+        assert wait_until(lambda: 1 in attempts(folder), timeout=240), log[-20:]
+        assert {(s, d) for s, d, _ in attempts(folder)[1]} == {(2, 32)}
+        # 3. A host of one of its slices is lost: it resumes on the slice left, without waiting for another.
+        time.sleep(4)
+        victim = next(n for n in two_slices.nodes if n.slice_name == blocked_slice and n.worker_id == 1)
+        remove_node(victim.pid)
+        running.join(timeout=400)
+        assert "error" not in outcome, outcome.get("error")
+        assert wait_until(lambda: 2 in attempts(folder), timeout=1)
+        assert {(s, d) for s, d, _ in attempts(folder)[2]} == {(1, 16)}
+        assert blocked_slice not in {name for _, _, name in attempts(folder)[2]}
+
+    text = "\n".join(log)
+    assert "elastic: starting on 1 of 1-2 x v6e-16" in text
+    assert "more v6e-16 free and nobody waits for it" in text
+    assert "no preemption retry used" in text
+    assert "retrying the whole gang (1 of 1)" in text
+    results = outcome["result"]
+    assert {r["devices"] for r in results} == {16}  # the last attempt: one slice's 4 hosts
+    assert_matches(results, {"loss": fixed_result[0]["loss"], "weights": fixed_result[0]["weights"]})
+    assert_matches(results, reference_fit(DATASET, LEARNING_RATE, STEPS, global_rows=GLOBAL_ROWS))
+    assert wait_until(lambda: free_chips_match_alive_hosts(two_slices), timeout=10)
