@@ -24,7 +24,7 @@ PAGES = ["README.md", "docs/examples.md", "docs/concepts.md", "docs/connection.m
          "docs/ui.md", "docs/cli.md", "docs/errors.md", "docs/limits.md", "docs/sharing.md", "docs/operators.md",
          "docs/deploying-gke.md", "docs/deploying-tpu-vms.md", "docs/troubleshooting.md", "docs/upgrading.md",
          "docs/simulation.md", "docs/security.md", "docs/metrics.md", "docs/goodput.md",
-         "docs/preemption.md"]
+         "docs/preemption.md", "docs/elastic.md"]
 EXAMPLES = [block for page in PAGES for block in BLOCK.findall((REPO / page).read_text())]
 HOST_LINE = re.compile(r"^(\x1b\[\d+m)?\([\w.-]+/(host\d+|GPU) pid=\d+\)")
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))
@@ -37,6 +37,7 @@ PRINTS = [
     [r"[0-2]"],
     [rf"\{{'process': {i}, 'devices': 16, 'total': 16\.0, 'lr': '0\.1'\}}" for i in range(4)],
     [r"nightly urgent True"],
+    [r"\[(\[2, 32\](, \[2, 32\]){7}|\[1, 16\](, \[1, 16\]){3})\]"],  # on both slices, or on the one free
 ]
 
 
@@ -55,7 +56,8 @@ def local_env(cluster) -> dict[str, str]:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("index", range(len(PRINTS)), ids=["dag", "run_step", "checkpoints", "run_step_job",
-                                                                  "command_step", "sharing"])
+                                                                  "command_step", "sharing",
+                                                                  "elastic"])
 def test_a_readme_example_runs_as_written(cluster, index, tmp_path):
     source = EXAMPLES[index]
     folder = tmp_path
