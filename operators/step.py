@@ -82,6 +82,8 @@ def is_templated(value: Any) -> bool:
     """Whether a value is only known at run time (Jinja, or another task's output)."""
     if isinstance(value, str):
         return "{{" in value or "{%" in value
+    if isinstance(value, (list, tuple)):  # Airflow renders inside them: `num_slices=(1, "{{ params.most }}")`
+        return any(is_templated(item) for item in value)
     return isinstance(value, XComArg)
 
 

@@ -79,7 +79,8 @@ def _report_goodput(spec: StepSpec, records: list[dict]) -> None:
 def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None, waits: Waits,
               records: list[dict], driver_phases: dict[str, float] | None) -> Any:
     suspended: suspend.Suspension | None = None
-    attempt, retries_used = 0, 0  # an elastic step's suspensions to grow use no preemption retry
+    # An elastic step's suspensions to grow use no preemption retry, up to one per slice it may grow by.
+    attempt, retries_used, grows_left = 0, 0, _growth_room(spec)
     while True:
         timeline = first if attempt == 0 else phases.Timeline()
         timeline.resumed_after = suspended
@@ -111,7 +112,8 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             timeline.outcome = "preempted"
             _note_lost_work(timeline, checkpoint_dir)
             suspended = suspend.Suspension.of(exc, timeline) if isinstance(exc, SuspendedError) else None
-            grows = bool(getattr(exc, "grow", False))
+            grows = bool(getattr(exc, "grow", False)) and grows_left > 0
+            grows_left -= grows
             if not grows and retries_used == spec.preemption_retries:
                 if suspended is not None:
                     log(suspend.exhausted(spec))
@@ -120,10 +122,13 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
                 waits.lost_nodes |= {exc.node_id}
             waits.suspended = str(exc) if suspended is not None else ""
+            waits.held_slices = waits.granted_slices if getattr(exc, "grow", False) else 0
+            if getattr(exc, "grow", False):
+                timeline.outcome = "grew"  # stopped at a checkpoint of its own choosing: nothing lost but what it says
             if grows:
                 log(f"elastic: the step stopped to grow: it goes back into the queue at its original arrival and "
-                    f"resumes on as many slices as are free, up to {spec.request.num_slices} (no preemption retry "
-                    "used)")
+                    f"resumes on as many slices as are free, at least the {waits.held_slices} it had, up to "
+                    f"{spec.request.num_slices} (no preemption retry used)")
                 waits.capacity, waits.start = spec.capacity_timeout, gang.HOST_START_TIMEOUT_S
             elif suspended is not None:
                 log(suspend.requeued(spec, exc, waits.arrival, retries_used, checkpoint_dir))
@@ -143,6 +148,14 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             records.append(timeline.record())
             metrics.sender.attempt(spec, timeline.times, timeline.queue_wait())
         attempt += 1
+
+
+def _growth_room(spec: StepSpec) -> int:
+    """How many suspensions to grow an elastic step may take without a preemption retry: one per slice."""
+    request = spec.request
+    if isinstance(request, TpuSliceRequest) and request.elastic:
+        return request.num_slices - (request.min_slices or request.num_slices)
+    return 0
 
 
 def _note_lost_work(timeline: phases.Timeline, checkpoint_dir: str | None) -> None:
@@ -177,6 +190,8 @@ class Waits:
     arrival: float = field(default_factory=time.time)  # in the admission queue: kept by a retried gang
     suspended: str = ""  # why the last attempt was suspended (shown while the step waits in the queue again)
     resumptions_left: int = 0  # preemption retries left: a step with none left is no priority victim
+    granted_slices: int = 0  # an elastic step: the slices its current attempt runs on
+    held_slices: int = 0  # an elastic step that stopped to grow: the slices it had (it never comes back on fewer)
 
     def spend(self, kind: str, since: float) -> None:
         setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
@@ -236,7 +251,8 @@ def _reap_orphans(spec: StepSpec) -> None:
 def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices: int | None = None) -> admission.Place:
     """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted."""
     place = admission.place_for(spec, arrival=waits.arrival,
-                                preemptible=spec.preemptible and waits.resumptions_left > 0, most_slices=most_slices)
+                                preemptible=spec.preemptible and waits.resumptions_left > 0, most_slices=most_slices,
+                                least_slices=waits.held_slices or None)
     started = time.monotonic()
     timeline.note("queued")
     marker = None
@@ -282,6 +298,7 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
     try:
         if request.elastic:  # the slices the queue admitted it on: what this attempt reserves and its program sees
             asked, request = request, request.with_slices(int(place.entry.amount))
+            waits.granted_slices = request.num_slices
             spec = spec.model_copy(update={"request": request})
             log(f"elastic: starting on {request.num_slices} of {asked.min_slices}-{asked.num_slices} x "
                 f"{request.pod_type} (elastic_wait={asked.wait_for_all_s:g} s)")

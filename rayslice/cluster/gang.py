@@ -29,7 +29,7 @@ from rayslice.cluster import commands, environments, hang_watch, host_env, node_
 from rayslice.cluster.environments import HostPlan
 from rayslice.core import goodput
 from rayslice.core.accelerators import TpuSliceRequest
-from rayslice.core.context import NOTICE_FILE_ENV, StepContext, deliver_notice, set_step_context
+from rayslice.core.context import NOTICE_FILE_ENV, StepContext, deliver_notice, set_step_context, withdraw_offer
 from rayslice.core.exceptions import (
     CollectiveHangError,
     HostLostError,
@@ -158,7 +158,7 @@ class HostProcess:
                 else:
                     set_step_context(context)
                     try:
-                        with _listening(attempt, deliver_notice):
+                        with _listening(attempt, deliver_notice, withdraw_offer):
                             result = step(**spec.kwargs)
                     finally:
                         set_step_context(None)
@@ -197,9 +197,10 @@ class Attempt:
     notice_key: str = ""  # where the driver publishes a preemption notice for this attempt ("": none watched)
 
 
-def _listening(attempt: Attempt, deliver: Any) -> Any:
-    """While the step runs: hear the attempt's preemption notice, if the driver watches for one."""
-    return notices.HostListener(attempt.notice_key, deliver) if attempt.notice_key else nullcontext()
+def _listening(attempt: Attempt, deliver: Any, withdraw: Any = None) -> Any:
+    """While the step runs: hear the attempt's preemption notice (or offer to grow), if the driver watches."""
+    return notices.HostListener(attempt.notice_key, deliver, withdraw=withdraw) if attempt.notice_key \
+        else nullcontext()
 
 
 def _leave_jax_group() -> None:
@@ -306,7 +307,8 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
             try:
                 results[index], reports[index] = _get(ready[0], plans[index])
             except StepFailedError as exc:
-                if watch is not None and watch.notice is not None:
+                if watch is not None and watch.notice is not None and (
+                        not watch.notice.grow or exc.cause.startswith("StepSuspended")):
                     # After a notice, an end short of success is the step stopping for it (or its node going):
                     # the others get until shortly before the deadline (at most PEERS_STOP_S more) to finish
                     # their checkpoint too. The host's own error stays in the message and as the cause.

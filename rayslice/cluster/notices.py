@@ -117,6 +117,8 @@ class Watch:
                 grow = len(asked) > 2 and bool(asked[2])
                 self.publish(PreemptionNotice(deadline=time.time() + (GROW_DEADLINE_S if grow else grace),
                                               reason=why, grow=grow))
+            elif not asked and self._asked is not None and self.notice is not None and self.notice.grow:
+                self._withdraw_offer()
             if self.notice is not None and not self._told:
                 self._tell_hosts()
             self._stop.wait(self._poll)
@@ -136,8 +138,8 @@ class Watch:
         elif current is not None and not ((notice.node or current.grow) and notice.deadline < current.deadline):
             return  # the first stands, unless this one is sooner and names a node or ends an offer to grow
         self.notice = notice
-        if self.noticed_at is None:
-            self.noticed_at = time.time()
+        if self.noticed_at is None or (current is not None and current.grow and not notice.grow):
+            self.noticed_at = time.time()  # an offer to grow the step carried on past is no notice heard
         self._told = False
         self._tell_hosts()
         if notice.grow:
@@ -150,6 +152,14 @@ class Watch:
         else:
             print(f"[rayslice] preemption notice replaced: {notice.reason}; deadline in {notice.seconds_left:.0f} s "
                   f"(was {current.reason})", flush=True)
+
+    def _withdraw_offer(self) -> None:
+        """The queue took its offer to grow back: the hosts see the notice key gone and drop the offer."""
+        print("[rayslice] elastic: the offer to grow was taken back (those slices went to another step); "
+              "the step carries on", flush=True)
+        self.notice, self.noticed_at, self._asked = None, None, None
+        with contextlib.suppress(Exception):
+            internal_kv._internal_kv_del(self.key, namespace=NAMESPACE)
 
     def _tell_hosts(self) -> None:
         """Put the notice where the hosts read it; on a GCS error the watch's next poll tries again."""
@@ -180,9 +190,11 @@ class Watch:
 class HostListener:
     """A host process's listener: reads the attempt's notice key, and calls `deliver(notice)` once."""
 
-    def __init__(self, key: str, deliver: Callable[[PreemptionNotice], None], poll: float = POLL_S) -> None:
+    def __init__(self, key: str, deliver: Callable[[PreemptionNotice], None], poll: float = POLL_S,
+                 withdraw: Callable[[], None] | None = None) -> None:
         self._key = key
         self._deliver = deliver
+        self._withdraw = withdraw
         self._poll = poll
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rayslice-notice-listener", daemon=True)
@@ -195,18 +207,29 @@ class HostListener:
         self._stop.set()
 
     def _loop(self) -> None:
+        """Deliver the notice once it is there; after an offer to grow, keep reading: a real notice may replace
+        it, or the queue take it back (the key deleted: `withdraw`)."""
+        delivered: bytes | None = None
         while not self._stop.is_set():
             try:
                 raw = internal_kv._internal_kv_get(self._key, namespace=NAMESPACE)
+                read = True
             except Exception:
-                raw = None
-            if raw:
+                raw, read = None, False
+            if raw and raw != delivered:
                 try:
-                    self._deliver(PreemptionNotice.from_json(raw))
+                    notice = PreemptionNotice.from_json(raw)
+                    self._deliver(notice)
                 except Exception as exc:  # the notice must never fail the step itself
                     print(f"[rayslice] could not deliver the preemption notice: {type(exc).__name__}: {exc}",
                           flush=True)
-                return
+                    return
+                if not notice.grow:
+                    return
+                delivered = raw
+            elif read and not raw and delivered is not None and self._withdraw is not None:
+                self._withdraw()
+                delivered = None
             self._stop.wait(self._poll)
 
 

@@ -36,6 +36,7 @@ import json
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic
@@ -61,6 +62,8 @@ FRONT = 16
 EXPIRE_S = 3.0
 #: A probe not back after this long is taken as lost, and another is sent.
 PROBE_LOST_S = 30.0
+#: An offer to grow that the step has not acted on after this long is taken back (and not made again as long).
+GROW_OFFER_S = 600.0
 #: After a fresh start while launchers held places, the broker admits nothing this long (they re-register).
 RECOVERY_S = 3.0
 #: How long the broker reuses its reading of the cluster's capacity, and of its settings.
@@ -138,8 +141,9 @@ class Broker:
         self.reasons: dict[str, str] = {}
         self.suspending: dict[str, str] = {}  # running id -> why a waiting request of higher priority suspends it
         self.told: set[str] = set()  # the suspending ids whose launchers heard it (no taking those back)
-        self.growing: dict[str, str] = {}  # running elastic id -> its offer to grow (more slices free)
+        self.growing: dict[str, Offer] = {}  # running elastic id -> its offer to grow (more slices free)
         self.told_grow: set[str] = set()  # the growing ids whose launchers heard the offer
+        self.no_offer_until: dict[str, float] = {}  # id -> (monotonic) not offered again before: it let one lapse
         with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id`: no warning for users
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -160,6 +164,7 @@ class Broker:
         self.caught_up = 0.0  # every call queued before this (monotonic) time has run: the sweep's clock
         self._probes: list[float] = []  # when the probes on their way through the queue were sent (`caught_up_to`)
         self._known_devices: dict[str, list[float]] = {}  # each node's devices, dead nodes too (`refusal`)
+        self._intact: dict[str, float] = {}  # slice type -> its slices with every host alive (room to grow into)
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
                   beat_s: float = HEARTBEAT_S, sent: float | None = None, **newer: Any) -> dict[str, Any]:
@@ -251,6 +256,7 @@ class Broker:
         self.told.discard(id)
         self.growing.pop(id, None)
         self.told_grow.discard(id)
+        self.no_offer_until.pop(id, None)
         if self.running.pop(id, None) is None:
             self._unline(e)
 
@@ -271,7 +277,7 @@ class Broker:
                         "grace_s": self.settings.preemption_grace_s, "amount": mine.amount}
             if mine.id in self.growing:  # an elastic step may checkpoint and resume on more slices
                 self.told_grow.add(mine.id)
-                return {"admitted": True, "beat_s": HEARTBEAT_S, "suspend": self.growing[mine.id], "grow": True,
+                return {"admitted": True, "beat_s": HEARTBEAT_S, "suspend": self.growing[mine.id].why, "grow": True,
                         "amount": mine.amount}
             return {"admitted": True, "beat_s": HEARTBEAT_S, "amount": mine.amount}
         line = self.lines[mine.kind]
@@ -355,16 +361,37 @@ class Broker:
 
     def _offer_growth(self, totals: dict[str, float], autoscaled: set[str]) -> None:
         """Elastic steps running on fewer slices than they asked for hear when more are free and nobody waits
-        (`rules.growth`). An offer not yet heard is taken back when someone starts waiting for those slices."""
-        self.growing = {id: why for id, why in self.growing.items() if id in self.told_grow}
-        offers = rules.growth(list(self.running.values()), self.lines, totals, self.settings, autoscaled,
-                              offered=frozenset(self.growing))
-        for id, more in offers.items():
-            if id in self.suspending:
+        (`rules.growth`, over the slices with every host alive).
+
+        An offer not yet heard is chosen afresh at every plan. One heard is taken back (its launcher
+        tells the step, which carries on) once those slices went to someone else, or after `GROW_OFFER_S`
+        unused (a step that ignores offers must not keep them from others): then that step is not
+        offered more for as long again.
+        """
+        now = time.monotonic()
+        running = list(self.running.values())
+        intact = {**totals, **{k: min(v, totals.get(k, v)) for k, v in self._intact.items()}}
+        still = rules.growth(running, self.lines, intact, self.settings, autoscaled)
+        kept: dict[str, Offer] = {}
+        for id, offer in self.growing.items():
+            if id not in self.told_grow:
                 continue
+            if still.get(id, 0) >= 1 and now - offer.at < GROW_OFFER_S:
+                kept[id] = Offer(offer.why, min(offer.more, still[id]), offer.at)
+            else:
+                self.told_grow.discard(id)
+                if now - offer.at >= GROW_OFFER_S:
+                    self.no_offer_until[id] = now + GROW_OFFER_S
+        self.growing = kept
+        waiting_out = {id for id, until in self.no_offer_until.items() if until > now}
+        self.no_offer_until = {id: self.no_offer_until[id] for id in waiting_out}
+        candidates = [e for e in running if e.id not in waiting_out and e.id not in self.suspending]
+        offers = rules.growth(candidates, self.lines, intact, self.settings, autoscaled,
+                              offered={id: offer.more for id, offer in kept.items()})
+        for id, more in offers.items():
             e = self.running[id]
-            self.growing[id] = (f"{more} more {e.kind} free and nobody waits for it: checkpoint and stop to resume on "
-                                f"{e.amount + more:g} slices")
+            self.growing[id] = Offer(f"{more} more {e.kind} free and nobody waits for it: checkpoint and stop to "
+                                     f"resume on {e.amount + more:g} slices", more, now)
 
     def _capacity(self, kinds: set[tuple[str, str]]) -> tuple[dict[str, float], set[str], dict[str, list[float]]]:
         """Slices per TPU slice type (their worker-0 hosts), each accelerator resource's total, which kinds an
@@ -382,7 +409,9 @@ class Broker:
         totals: dict[str, float] = {}
         devices: dict[str, list[float]] = {}
         known: dict[str, list[float]] = {}
-        for node in ray.nodes():
+        nodes = ray.nodes()
+        self._intact = intact_slices_by_type(nodes)
+        for node in nodes:
             for resource, amount in node["Resources"].items() if node.get("Resources") else ():
                 if resource in VISIBLE_DEVICES_ENV:
                     known.setdefault(resource, []).append(amount)
@@ -415,11 +444,44 @@ class Broker:
         return found
 
 
+@dataclass(frozen=True)
+class Offer:
+    """An offer to grow: what the step is told, how many more slices, and when it was made (monotonic)."""
+
+    why: str
+    more: int
+    at: float
+
+
 def granted(e: rules.Entry, amount: float) -> None:
     """An elastic entry admitted on `amount` slices: it counts (and its team's quota counts) that many."""
     e.chips = e.chips * amount / e.amount
     e.amount = amount
     e.what = f"{amount:g} x {e.kind} (elastic {e.min_amount:g}-{e.max_amount:g})"
+
+
+def intact_slices_by_type(nodes: list[dict]) -> dict[str, float]:
+    """Slice type -> how many of its slices have every host alive (a slice's host count from its chips)."""
+    from rayslice.core.accelerators import TpuSliceRequest
+
+    alive: dict[tuple[str, str], int] = {}
+    per_host: dict[str, float] = {}
+    for node in nodes:
+        labels = node.get("Labels", {})
+        pod_type, name = labels.get(POD_TYPE_LABEL), labels.get(SLICE_NAME_LABEL)
+        if not pod_type or not name:
+            continue
+        per_host[pod_type] = max(per_host.get(pod_type, 0), (node.get("Resources") or {}).get("TPU", 0))
+        if node["Alive"]:
+            alive[(pod_type, name)] = alive.get((pod_type, name), 0) + 1
+    intact: dict[str, float] = {}
+    for (pod_type, _), hosts in alive.items():
+        try:
+            needed = round(TpuSliceRequest(tpu=pod_type).chips_per_slice / per_host[pod_type])
+        except Exception:  # a type or layout rayslice does not know: its slices count as they are
+            needed = hosts
+        intact[pod_type] = intact.get(pod_type, 0) + (hosts >= needed)
+    return intact
 
 
 def group_maxima() -> dict[str, float]:
@@ -500,7 +562,9 @@ class Place:
             self.admitted.set()
         if state.get("suspend") and state.get("grow"):
             self.grow = self.grow or str(state["suspend"])
-        elif state.get("suspend") and self.suspend is None:  # a higher-priority request needs this step's capacity
+        elif state.get("admitted"):
+            self.grow = None  # no offer now (taken back, or never made)
+        if state.get("suspend") and not state.get("grow") and self.suspend is None:  # a higher-priority request
             self.suspend = (str(state["suspend"]), float(state.get("grace_s", 30.0)))
         self.beat_s = min(max(float(state.get("beat_s", HEARTBEAT_S)), HEARTBEAT_S), MAX_BEAT_S)
         self.state = state
@@ -565,12 +629,14 @@ class Place:
 
 
 def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | None = None,
-              preemptible: bool | None = None, most_slices: int | None = None) -> Place:
+              preemptible: bool | None = None, most_slices: int | None = None,
+              least_slices: int | None = None) -> Place:
     """The queue place of a step: its request (TPU chips: on which slice type), priority, team, label (dag.task).
 
     `preemptible`: whether a higher-priority step may suspend it now (default: as the step declares;
     the launcher says False once the step has no preemption retry left to resume with). `most_slices`:
-    an elastic step asks for no more than this (the intact slices left after it lost one).
+    an elastic step asks for no more than this (the intact slices left after it lost one); `least_slices`:
+    no fewer than this (the slices it had before it stopped to grow).
     """
     owner = spec.owner
     label = f"{owner.dag_id}.{owner.task_id}" if owner.dag_id else (owner.submission_id or "adhoc")
@@ -583,8 +649,9 @@ def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | 
     entry = rules.entry_for(request, id=f"{owner.submission_id or 'adhoc'}/{time.time_ns()}", label=label,
                             priority=spec.priority or 0, team=spec.team, arrival=arrival, chips_on=chips_on,
                             preemptible=spec.preemptible if preemptible is None else preemptible,
-                            most_slices=most_slices)
+                            most_slices=most_slices, least_slices=least_slices)
     entry.dag = f"{owner.deployment}/{owner.dag_id}"
+    entry.grows = spec.command is None  # a command's exit after a notice reads as a stop for it: no offers
     return Place(entry)
 
 

@@ -280,7 +280,7 @@ class TpuSliceRequest(_Request):
     min_slices: int | None = Field(None, ge=1)
     #: Elastic: how long (seconds from the step's first arrival in the queue) it waits for all `num_slices`
     #: before it starts on as many as are free, at least `min_slices`. None: `ELASTIC_WAIT_S`.
-    elastic_wait: float | None = Field(None, ge=0)
+    elastic_wait: float | None = Field(None, ge=0, allow_inf_nan=False)
     #: Override for ambiguous layouts, e.g. v6e 2x4 as two 4-chip hosts instead of one 8-chip host.
     chips_per_host: int | None = Field(None, validate_default=True)
     #: Part of one slice's hosts, by topology: tpu="v6e-16", subslice="2x4" is 2 of its 4 hosts.
@@ -290,9 +290,16 @@ class TpuSliceRequest(_Request):
     @classmethod
     def _elastic_range(cls, data: Any) -> Any:
         """`num_slices=(min, max)`: an elastic count, kept as `min_slices` and `num_slices` (the max)."""
-        if not isinstance(data, dict) or not isinstance(data.get("num_slices"), (tuple, list)):
+        if not isinstance(data, dict):
             return data
-        given = data["num_slices"]
+        if isinstance(data.get("elastic_wait"), bool):
+            raise ValueError(f"elastic_wait={data['elastic_wait']!r}: give seconds, e.g. elastic_wait=600")
+        given = data.get("num_slices")
+        if isinstance(given, str) and (pair := re.fullmatch(r"\s*[(\[]\s*(\d+)\s*,\s*(\d+)\s*[)\]]\s*", given)):
+            given = (int(pair[1]), int(pair[2]))  # as Jinja renders "{{ params.slices }}" to text
+        if not isinstance(given, (tuple, list)):
+            return data
+        given = tuple(int(n) if isinstance(n, str) and n.strip().isdigit() else n for n in given)
         if len(given) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
             raise ValueError(f"num_slices={given!r}: give a whole number of slices, or (min, max) for an elastic "
                              "count, e.g. num_slices=(1, 4)")

@@ -117,7 +117,8 @@ class StepContext:
         return self.preemption_notice is not None
 
     def on_preemption(self, callback: Callable[[PreemptionNotice], None]) -> None:
-        """Call `callback(notice)` once, in a thread of rayslice's, when a notice comes (at once if one came).
+        """Call `callback(notice)` in a thread of rayslice's when a notice comes (at once if one came): once,
+        or, for an elastic step, once for an offer to grow (`notice.grow`) and again for a real notice after it.
 
         Keep it short and thread-safe (set a flag your loop reads); the step itself decides when to
         checkpoint and stop. In a command step's processes the notice file is polled every 0.2 s.
@@ -190,29 +191,35 @@ class _Notices:
         self._lock = threading.Lock()
 
     def deliver(self, notice: PreemptionNotice) -> None:
+        """The first notice stands, except an offer to grow: a real notice after it replaces it (callbacks again)."""
         with self._lock:
-            if self.notice is not None:
+            current = self.notice
+            if current is not None and not (current.grow and not notice.grow):
                 return
-            self.notice, callbacks, self._callbacks = notice, self._callbacks, []
+            self.notice, callbacks = notice, list(self._callbacks)
         for callback in callbacks:
             _call(callback, notice)
 
+    def withdraw_offer(self) -> None:
+        """The queue took its offer to grow back (someone else took those slices): no notice stands now."""
+        with self._lock:
+            if self.notice is not None and self.notice.grow:
+                self.notice = None
+
     def register(self, callback: Callable[[PreemptionNotice], None], notice_file: str | None) -> None:
         with self._lock:
-            if self.notice is None:
-                self._callbacks.append(callback)
-                if notice_file:
-                    threading.Thread(target=self._watch, args=(notice_file,), name="rayslice-notice-file",
-                                     daemon=True).start()
-                return
+            self._callbacks.append(callback)
             notice = self.notice
-        _call(callback, notice)
+            if notice is None and notice_file and len(self._callbacks) == 1:
+                threading.Thread(target=self._watch, args=(notice_file,), name="rayslice-notice-file",
+                                 daemon=True).start()
+        if notice is not None:
+            _call(callback, notice)
 
     def _watch(self, path: str) -> None:
-        while self.notice is None:
-            if (notice := PreemptionNotice.read(path)) is not None:
+        while self.notice is None or self.notice.grow:
+            if (notice := PreemptionNotice.read(path)) is not None and notice != self.notice:
                 self.deliver(notice)
-                return
             time.sleep(0.2)
 
     def reset(self) -> None:
@@ -225,6 +232,11 @@ def _call(callback: Callable[[PreemptionNotice], None], notice: PreemptionNotice
 
 
 _notices = _Notices()
+
+
+def withdraw_offer() -> None:
+    """The launcher's word that the queue took an offer to grow back (`_Notices.withdraw_offer`)."""
+    _notices.withdraw_offer()
 
 
 def deliver_notice(notice: PreemptionNotice) -> None:

@@ -27,7 +27,7 @@ Records (the JSON of a `[rayslice] phases: ` line; all keys but the phase times 
 - the phase times (`accepted` ... `released`, epoch seconds) and `detail` (`queued`, `admitted`,
   `gang_returned`, ...), as `Timeline` writes them;
 - `chips`: chips (or accelerators) the attempt held;
-- `outcome`: `succeeded`, `failed`, `stopped` or `preempted`;
+- `outcome`: `succeeded`, `failed`, `stopped`, `preempted`, or `grew` (an elastic step stopped to grow);
 - `spans`: {`checkpointing` | `lost` | `suspended`: [[start, end], ...]} (epoch seconds).
 
 A `lost` span comes from whoever knows where the last checkpoint was (a preemption path that

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -175,6 +176,7 @@ class Entry:
     min_amount: float = 0.0
     max_amount: float = 0.0
     elastic_at: float = 0.0
+    grows: bool = True  # whether it may be offered more slices while it runs (not a command step)
 
     @property
     def elastic(self) -> bool:
@@ -190,25 +192,28 @@ class Entry:
 
 def entry_for(request: StepRequest, *, id: str, label: str, priority: int = 0, team: str | None = None,
               arrival: float | None = None, chips_on: tuple[str, int] | None = None,
-              preemptible: bool = False, most_slices: int | None = None) -> Entry:
+              preemptible: bool = False, most_slices: int | None = None, least_slices: int | None = None) -> Entry:
     """The queue entry of a step's request.
 
     `chips_on`: for TPU chips, the slice type they will run on and its chips per slice
     (`chip_slice_type`): the entry then waits in that type's line, as that share of one slice.
-    `most_slices`: an elastic request asks for at most this many now (the slices left after a loss).
+    An elastic request: `most_slices`, it asks for at most this many now (the slices left after a
+    loss; it may still grow to its max later); `least_slices`, at least this many (what it held
+    before it stopped to grow), never more than it may ask for.
     """
     arrival = time.time() if arrival is None else arrival
     if isinstance(request, TpuSliceRequest):
-        most = request.num_slices if most_slices is None else max(min(most_slices, request.num_slices),
-                                                                    request.min_slices or request.num_slices)
+        least = request.min_slices or request.num_slices
+        most = request.num_slices if most_slices is None else max(min(most_slices, request.num_slices), least)
         chips = request.hosts_per_slice * most * request.chips_per_host
         entry = Entry(id=id, label=label, family=f"TPU-{request.version}", kind=request.pod_type,
                       amount=most, chips=chips, what=f"{most} x {request.pod_type}",
                       priority=priority, team=team, arrival=arrival, preemptible=preemptible)
-        if request.min_slices is not None and request.min_slices < most:
-            entry.min_amount, entry.max_amount = request.min_slices, most
+        if request.min_slices is not None:
+            entry.min_amount = min(max(least, least_slices or 0), most)
+            entry.max_amount = request.num_slices
             entry.elastic_at = arrival + request.wait_for_all_s
-            entry.what = f"{request.min_slices}-{most} x {request.pod_type}"
+            entry.what = f"{request.min_slices}-{request.num_slices} x {request.pod_type}"
         return entry
     assert isinstance(request, AcceleratorRequest)
     if request.resource == "TPU" and chips_on is not None:
@@ -290,7 +295,8 @@ def refusal(e: Entry, totals: dict[str, float], autoscaled: set[str],
                 f"{e.kind} node has {max(nodes):g} (nodes: {sizes}); ask for at most {max(nodes):g}, or add a bigger "
                 "node")
     total = totals.get(e.kind, 0)
-    if e.kind not in autoscaled or math.isinf(total) or e.amount <= total + 1e-9:
+    least = e.min_amount if e.elastic else e.amount  # an elastic request runs on its least
+    if e.kind not in autoscaled or math.isinf(total) or least <= total + 1e-9:
         return None
     if total <= 0:
         return (f"{e.what} can never run on this cluster: none of its autoscaler's node groups provides {e.kind} "
@@ -385,13 +391,13 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
         It asks for its least (`min_amount`) and takes more only when nobody waits behind it: then all
         it may have at once, or, once `elastic_at` passed, as many as are free.
         """
-        most = e.max_amount if alone else e.min_amount
+        most = e.amount if alone else e.min_amount  # `amount`: the most it asks for now (a loss may lower it)
         n = int(most)
         while n >= e.min_amount and not (fits(e, n) and over_quota(e, n) is None):
             n -= 1
         if n < e.min_amount:
             return None
-        return float(n) if not alone or n == e.max_amount or now >= e.elastic_at else None
+        return float(n) if not alone or n >= e.amount or now >= e.elastic_at else None
 
     def held_back(e: Entry) -> Entry | None:
         """The entry served strictly that `e` may not pass: one of its family, where both draw on one pool.
@@ -429,7 +435,7 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
         else:  # it waits, and so does its whole line behind it
             if blocker is None and e.elastic and fits(e, e.min_amount) and now < e.elastic_at:
                 reasons[e.id] = (f"first in line; waiting up to {e.elastic_at - now:.0f} s more for all "
-                                 f"{e.max_amount:g} {e.kind} ({in_use(e.kind):g} of {totals.get(e.kind, 0):g} in use) "
+                                 f"{e.amount:g} {e.kind} ({in_use(e.kind):g} of {totals.get(e.kind, 0):g} in use) "
                                  f"before it starts on fewer")
             elif blocker is None:
                 reasons[e.id] = f"first in line; {in_use(e.kind):g} of {totals.get(e.kind, 0):g} {e.kind} in use"
@@ -457,21 +463,23 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
 
 
 def growth(running: list[Entry], lines: Lines, totals: dict[str, float], settings: QueueSettings,
-           autoscaled: set[str] | None = None, offered: frozenset[str] = frozenset()) -> dict[str, int]:
+           autoscaled: set[str] | None = None, offered: Mapping[str, int] | None = None) -> dict[str, int]:
     """Running elastic steps that may grow now: id -> how many more slices they may take.
 
     Only onto slices that are there and free (not what an autoscaler might add), of a kind nobody
     waits for, within the team's quota; the earliest admitted first. The step hears the offer as a
-    notice, and may checkpoint and resume on more (`rayslice.cluster.queue`). `offered`: steps
-    already told, not offered again; what they may take counts as taken.
+    notice, and may checkpoint and resume on more (`rayslice.cluster.queue`). `totals`: the slices
+    there are, whole (a slice missing hosts is no room to grow into). `offered`: steps already told,
+    and how many more each was offered: not offered again, and those slices count as taken.
     """
+    offered = offered or {}
     autoscaled = {k for k, v in totals.items() if math.isinf(v)} if autoscaled is None else autoscaled
     whole: dict[str, float] = {}
     shares: dict[str, float] = {}
     team_used: dict[tuple[str, str], float] = {}
     for e in running:
         pool = shares if e.part else whole
-        taken = e.max_amount if e.id in offered and e.elastic else e.amount
+        taken = e.amount + offered.get(e.id, 0)
         pool[e.kind] = pool.get(e.kind, 0) + taken
         for team in teams_above(e.team) if e.team else ():
             team_used[(team, e.kind)] = team_used.get((team, e.kind), 0) + e.chips * taken / e.amount
@@ -479,7 +487,8 @@ def growth(running: list[Entry], lines: Lines, totals: dict[str, float], setting
             for kind in {e.kind for e in running}}
     grow: dict[str, int] = {}
     for e in sorted(running, key=lambda e: (e.admitted_at or e.arrival, e.id)):
-        if not e.elastic or e.id in offered or e.amount >= e.max_amount or e.kind in autoscaled or lines.get(e.kind):
+        if not e.elastic or not e.grows or e.id in offered or e.amount >= e.max_amount or e.kind in autoscaled \
+                or lines.get(e.kind):
             continue
         more = int(min(e.max_amount - e.amount, free[e.kind] + 1e-9))
         per_slice = e.chips / e.amount
@@ -512,6 +521,7 @@ def victims(waiting: Entry, running: list[Entry], total: float, suspending: froz
     """
     if waiting.part or math.isinf(total):
         return []
+    need = waiting.min_amount if waiting.elastic else waiting.amount  # an elastic request asks for its least
     held = [e for e in running if e.kind == waiting.kind]  # in the order `plan_lines` packs them (admission order)
 
     def room(gone: set[str]) -> bool:
@@ -520,10 +530,10 @@ def victims(waiting: Entry, running: list[Entry], total: float, suspending: froz
             pack = Devices(devices)
             for e in staying:
                 pack.place(e.amount)
-            return pack.place(waiting.amount, take=False)
+            return pack.place(need, take=False)
         free = total - sum(e.amount for e in staying if not e.part) \
             - math.ceil(sum(e.amount for e in staying if e.part) - 1e-9)
-        return free + 1e-9 >= waiting.amount
+        return free + 1e-9 >= need
 
     gone = set(suspending)
     if room(gone):

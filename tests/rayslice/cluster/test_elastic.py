@@ -32,7 +32,7 @@ LEARNING_RATE = 0.05
 
 
 @pytest.fixture(scope="module")
-def two_slices(tmp_path_factory: pytest.TempPathFactory):
+def small_cluster(tmp_path_factory: pytest.TempPathFactory):
     spec = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16"))
     home = tmp_path_factory.mktemp("elastic-home")
     with private_cluster(home, "elastic", lambda: local_cluster.up(spec, name="elastic")) as record:
@@ -77,7 +77,7 @@ def attempts(folder: str) -> dict[int, set[tuple[int, int, str]]]:
     return seen
 
 
-def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_loss(two_slices, tmp_path):
+def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_loss(small_cluster, tmp_path):
     owner = dict(dag_id="elastic", task_id="train")
     fixed = StepSpec.for_function(
         elastic_training, request=TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True),
@@ -85,14 +85,14 @@ def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_l
                     global_rows=GLOBAL_ROWS, seconds_per_step=0.0),
         checkpoint_root=(tmp_path / "fixed").as_uri(), owner=Owner(run_id=f"fixed-{time.time_ns()}", **owner))
     (tmp_path / "fixed-notes").mkdir()
-    fixed_result = run_as_job(two_slices, fixed)
+    fixed_result = run_as_job(small_cluster, fixed)
     assert {r["devices"] for r in fixed_result} == {32}
 
     with tempfile.TemporaryDirectory() as folder:
         blocker = StepSpec.for_function(hold_until_released, request=TpuSliceRequest(tpu="v6e-16"),
                                         kwargs={"folder": folder}, owner=Owner(run_id=f"blocker-{time.time_ns()}"))
         held: dict[str, object] = {}
-        holding = threading.Thread(target=lambda: held.setdefault("result", run_as_job(two_slices, blocker)))
+        holding = threading.Thread(target=lambda: held.setdefault("result", run_as_job(small_cluster, blocker)))
         holding.start()
         assert wait_until(lambda: any(n.startswith("held-") for n in os.listdir(folder)), timeout=180)
         blocked_slice = next(n for n in os.listdir(folder) if n.startswith("held-")).removeprefix("held-")
@@ -113,7 +113,7 @@ def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_l
             from rayslice.client.submission import run_step_job
 
             try:
-                outcome["result"] = asyncio.run(run_step_job(two_slices.dashboard_url, step, emit=log.append))
+                outcome["result"] = asyncio.run(run_step_job(small_cluster.dashboard_url, step, emit=log.append))
             except BaseException as exc:  # reported by the test below
                 outcome["error"] = exc
 
@@ -132,7 +132,7 @@ def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_l
         assert {(s, d) for s, d, _ in attempts(folder)[1]} == {(2, 32)}
         # 3. A host of one of its slices is lost: it resumes on the slice left, without waiting for another.
         time.sleep(4)
-        victim = next(n for n in two_slices.nodes if n.slice_name == blocked_slice and n.worker_id == 1)
+        victim = next(n for n in small_cluster.nodes if n.slice_name == blocked_slice and n.worker_id == 1)
         remove_node(victim.pid)
         running.join(timeout=400)
         assert "error" not in outcome, outcome.get("error")
@@ -149,4 +149,4 @@ def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_l
     assert {r["devices"] for r in results} == {16}  # the last attempt: one slice's 4 hosts
     assert_matches(results, {"loss": fixed_result[0]["loss"], "weights": fixed_result[0]["weights"]})
     assert_matches(results, reference_fit(DATASET, LEARNING_RATE, STEPS, global_rows=GLOBAL_ROWS))
-    assert wait_until(lambda: free_chips_match_alive_hosts(two_slices), timeout=10)
+    assert wait_until(lambda: free_chips_match_alive_hosts(small_cluster), timeout=10)

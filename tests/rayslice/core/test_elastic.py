@@ -15,9 +15,9 @@ TWO = {"v6e-16": 2}
 BEST_EFFORT = QueueSettings()
 
 
-def elastic(id, low=1, high=2, at=0.0, wait=10.0, team=None, admitted=False, most=None):
+def elastic(id, low=1, high=2, at=0.0, wait=10.0, team=None, admitted=False, most=None, least=None):
     entry = entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=(low, high), multislice=True, elastic_wait=wait),
-                      id=id, label=f"dag.{id}", arrival=at, team=team, most_slices=most)
+                      id=id, label=f"dag.{id}", arrival=at, team=team, most_slices=most, least_slices=least)
     entry.admitted = admitted
     return entry
 
@@ -121,10 +121,12 @@ def test_a_slice_gone_for_good_is_not_waited_for_but_its_least_is():
 
 
 def test_after_a_loss_the_launcher_asks_for_no_more_than_the_slices_left():
-    capped = elastic("e", low=1, high=3, most=2)
-    assert (capped.min_amount, capped.max_amount, capped.amount, capped.chips) == (1, 2, 2, 32)
+    capped = elastic("e", low=1, high=3, most=2)  # it may still grow to 3 later
+    assert (capped.min_amount, capped.max_amount, capped.amount, capped.chips) == (1, 3, 2, 32)
     at_least = elastic("e", low=2, high=3, most=1)  # never below its least: it waits for a slice to return
-    assert (at_least.elastic, at_least.amount) == (False, 2)
+    assert (at_least.elastic, at_least.amount) == (True, 2)
+    regrow = elastic("e", low=1, high=3, least=2)  # stopped to grow from 2: it never comes back on fewer
+    assert (regrow.min_amount, regrow.amount) == (2, 3)
 
 
 def test_a_team_quota_bounds_what_it_takes_and_an_over_quota_team_borrows_only_its_least():
@@ -162,4 +164,5 @@ def test_growth_stays_within_the_team_quota_and_an_offer_made_counts_as_taken():
     second.admitted_at = 2.0
     both = [*running, second]
     assert growth(both, {}, {"v6e-16": 3}, BEST_EFFORT) == {"e": 1}  # the earlier admitted first
-    assert growth(both, {}, {"v6e-16": 4}, BEST_EFFORT, offered=frozenset({"e"})) == {}  # e may take 2 more
+    assert growth(both, {}, {"v6e-16": 4}, BEST_EFFORT, offered={"e": 2}) == {}  # e may take 2 more
+    assert growth(both, {}, {"v6e-16": 4}, BEST_EFFORT, offered={"e": 1}) == {"f": 1}
