@@ -80,7 +80,8 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
               records: list[dict], driver_phases: dict[str, float] | None) -> Any:
     suspended: suspend.Suspension | None = None
     # An elastic step's suspensions to grow use no preemption retry, up to one per slice it may grow by.
-    attempt, retries_used, grows_left = 0, 0, _growth_room(spec)
+    attempt, retries_used = 0, 0
+    waits.grows_left = _growth_room(spec)
     while True:
         timeline = first if attempt == 0 else phases.Timeline()
         timeline.resumed_after = suspended
@@ -112,8 +113,8 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             timeline.outcome = "preempted"
             _note_lost_work(timeline, checkpoint_dir)
             suspended = suspend.Suspension.of(exc, timeline) if isinstance(exc, SuspendedError) else None
-            grows = bool(getattr(exc, "grow", False)) and grows_left > 0
-            grows_left -= grows
+            grows = bool(getattr(exc, "grow", False)) and waits.grows_left > 0
+            waits.grows_left -= grows
             if not grows and retries_used == spec.preemption_retries:
                 if suspended is not None:
                     log(suspend.exhausted(spec))
@@ -191,6 +192,7 @@ class Waits:
     suspended: str = ""  # why the last attempt was suspended (shown while the step waits in the queue again)
     resumptions_left: int = 0  # preemption retries left: a step with none left is no priority victim
     granted_slices: int = 0  # an elastic step: the slices its current attempt runs on
+    grows_left: int = 0  # an elastic step: suspensions to grow it may still take (no more offers after)
     held_slices: int = 0  # an elastic step that stopped to grow: the slices it had (it never comes back on fewer)
 
     def spend(self, kind: str, since: float) -> None:
@@ -252,7 +254,7 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
     """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted."""
     place = admission.place_for(spec, arrival=waits.arrival,
                                 preemptible=spec.preemptible and waits.resumptions_left > 0, most_slices=most_slices,
-                                least_slices=waits.held_slices or None)
+                                least_slices=waits.held_slices or None, grows=waits.grows_left > 0)
     started = time.monotonic()
     timeline.note("queued")
     marker = None
@@ -369,7 +371,8 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         except BaseException as exc:
             drain_from = gang.raised_on(exc, plans)
             suspended = isinstance(exc, SuspendedError)
-            if suspended and watch.notice is not None and watch.notice.grow:  # it stopped to take more slices
+            if suspended and (watch.notice or watch.offer) is not None and (watch.notice or watch.offer).grow:
+                # it stopped to take more slices (for an offer, even one the queue took back meanwhile)
                 exc.grow = True  # type: ignore[attr-defined]
             if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
                 quiet = 0.0

@@ -307,12 +307,13 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
             try:
                 results[index], reports[index] = _get(ready[0], plans[index])
             except StepFailedError as exc:
-                if watch is not None and watch.notice is not None and (
-                        not watch.notice.grow or exc.cause.startswith("StepSuspended")):
+                told = None if watch is None else watch.notice or watch.offer  # an offer taken back still counts
+                if told is not None and (not told.grow or exc.cause.startswith("StepSuspended")):
                     # After a notice, an end short of success is the step stopping for it (or its node going):
                     # the others get until shortly before the deadline (at most PEERS_STOP_S more) to finish
                     # their checkpoint too. The host's own error stays in the message and as the cause.
-                    stopped = _wait_until(pending, min(watch.stop_at(), time.time() + PEERS_STOP_S))
+                    stopped = _wait_until(pending, min(watch.stop_at() or time.time() + PEERS_STOP_S,
+                                                       time.time() + PEERS_STOP_S))
                     raise _suspension(watch, plans, stopped=stopped, ended=exc) from exc
                 if isinstance(exc, HostLostError):
                     index, error = _coordinator_first(index, exc, pending, refs, plans)
@@ -368,7 +369,7 @@ def _suspension(watch: notices.Watch, plans: list[HostPlan], *, stopped: bool,
     `ended`: the first host's end after the notice, kept in the message (a host that raised a real
     error as the notice came must not vanish into "suspended").
     """
-    notice = watch.notice
+    notice = watch.notice or watch.offer
     assert notice is not None
     how = ("it was still running shortly before the deadline and was stopped: it resumes from its last checkpoint"
            if stopped else "the step stopped for it")

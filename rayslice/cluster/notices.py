@@ -78,6 +78,7 @@ class Watch:
         self._told = False
         self._tell_failed = False
         self._asked: tuple | None = None  # the queue's last word published
+        self.offer: PreemptionNotice | None = None  # the last offer to grow told, kept when taken back
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rayslice-notice-watch", daemon=True)
 
@@ -138,6 +139,8 @@ class Watch:
         elif current is not None and not ((notice.node or current.grow) and notice.deadline < current.deadline):
             return  # the first stands, unless this one is sooner and names a node or ends an offer to grow
         self.notice = notice
+        if notice.grow:
+            self.offer = notice
         if self.noticed_at is None or (current is not None and current.grow and not notice.grow):
             self.noticed_at = time.time()  # an offer to grow the step carried on past is no notice heard
         self._told = False

@@ -369,9 +369,13 @@ class Broker:
         offered more for as long again.
         """
         now = time.monotonic()
-        running = list(self.running.values())
         intact = {**totals, **{k: min(v, totals.get(k, v)) for k, v in self._intact.items()}}
-        still = rules.growth(running, self.lines, intact, self.settings, autoscaled)
+        waiting_out = {id for id, until in self.no_offer_until.items() if until > now}
+        self.no_offer_until = {id: self.no_offer_until[id] for id in waiting_out}
+        # Steps that may not be offered more hold what they hold, and claim nothing beyond it.
+        held = [e if e.id not in waiting_out and e.id not in self.suspending else _not_growing(e)
+                for e in self.running.values()]
+        still = rules.growth(held, self.lines, intact, self.settings, autoscaled)
         kept: dict[str, Offer] = {}
         for id, offer in self.growing.items():
             if id not in self.told_grow:
@@ -383,10 +387,7 @@ class Broker:
                 if now - offer.at >= GROW_OFFER_S:
                     self.no_offer_until[id] = now + GROW_OFFER_S
         self.growing = kept
-        waiting_out = {id for id, until in self.no_offer_until.items() if until > now}
-        self.no_offer_until = {id: self.no_offer_until[id] for id in waiting_out}
-        candidates = [e for e in running if e.id not in waiting_out and e.id not in self.suspending]
-        offers = rules.growth(candidates, self.lines, intact, self.settings, autoscaled,
+        offers = rules.growth(held, self.lines, intact, self.settings, autoscaled,
                               offered={id: offer.more for id, offer in kept.items()})
         for id, more in offers.items():
             e = self.running[id]
@@ -442,6 +443,13 @@ class Broker:
         self._known_devices = known
         self._totals = (time.monotonic(), found)
         return found
+
+
+def _not_growing(e: rules.Entry) -> rules.Entry:
+    """`e` as one that may not grow now: it counts what it holds and is offered nothing."""
+    from dataclasses import replace
+
+    return replace(e, grows=False)
 
 
 @dataclass(frozen=True)
@@ -630,13 +638,14 @@ class Place:
 
 def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | None = None,
               preemptible: bool | None = None, most_slices: int | None = None,
-              least_slices: int | None = None) -> Place:
+              least_slices: int | None = None, grows: bool = True) -> Place:
     """The queue place of a step: its request (TPU chips: on which slice type), priority, team, label (dag.task).
 
     `preemptible`: whether a higher-priority step may suspend it now (default: as the step declares;
     the launcher says False once the step has no preemption retry left to resume with). `most_slices`:
     an elastic step asks for no more than this (the intact slices left after it lost one); `least_slices`:
-    no fewer than this (the slices it had before it stopped to grow).
+    no fewer than this (the slices it had before it stopped to grow); `grows`: whether it may be offered
+    more while it runs.
     """
     owner = spec.owner
     label = f"{owner.dag_id}.{owner.task_id}" if owner.dag_id else (owner.submission_id or "adhoc")
@@ -651,7 +660,7 @@ def place_for(spec: StepSpec, arrival: float | None = None, nodes: list[dict] | 
                             preemptible=spec.preemptible if preemptible is None else preemptible,
                             most_slices=most_slices, least_slices=least_slices)
     entry.dag = f"{owner.deployment}/{owner.dag_id}"
-    entry.grows = spec.command is None  # a command's exit after a notice reads as a stop for it: no offers
+    entry.grows = grows and spec.command is None  # a command's exit after a notice reads as a stop for it
     return Place(entry)
 
 

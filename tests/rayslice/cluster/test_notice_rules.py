@@ -299,7 +299,7 @@ def test_a_suspended_step_waits_its_whole_capacity_timeout_again_and_is_no_victi
 
     monkeypatch.setattr(launcher, "check_satisfiable", lambda *a, **k: set())
     monkeypatch.setattr(launcher.admission, "place_for",
-                        lambda spec, arrival=None, preemptible=None, most_slices=None, least_slices=None:
+                        lambda spec, arrival=None, preemptible=None, **_:
                         _Place(asked, waits_seen, preemptible))
     monkeypatch.setattr(launcher, "_reserve_and_run_on_slices", reserve_and_run)
     monkeypatch.setattr(launcher.metrics.sender, "attempt", lambda *a, **k: None)
