@@ -7,8 +7,9 @@ and it checkpoints and resumes on two; when a host of one of its slices is lost,
 slice left. It must end where a fixed 2-slice run of the same training ends, and hold nothing after.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (tests.airflow_env must come before airflow)
 
+import tests.airflow_env  # noqa: F401  (the numpy reference imports the example DAG, which imports Airflow)
 import os
 import re
 import tempfile
