@@ -108,9 +108,10 @@ def simulate(index: int, count: int, gcs: str, seconds: float, fill_s: float, ho
                     admitted += 1
             next_at = launcher["done_at"] if launcher["done_at"] is not None else sent + launcher["beat_s"]
             heapq.heappush(due, (max(next_at, at), n))
-    for launcher in launchers.values():
-        broker.leave.remote(launcher["entry"].id)
     out.put({"rtts": rtts, "beats": beats, "admitted": admitted})
+    # Leave for good before this driver ends: an unsent leave would expire the place later, and count as a
+    # place expired while its launcher lived.
+    ray.get([broker.leave.remote(launcher["entry"].id) for launcher in launchers.values()], timeout=300)
     ray.shutdown()
 
 
