@@ -25,6 +25,11 @@ class Clock:
 
 @pytest.fixture
 def broker(monkeypatch):
+    return make_broker(monkeypatch, {"v6e-16": 2, "v6e-4": 1})
+
+
+def make_broker(monkeypatch, capacity: dict[str, float]):
+    """The broker's plain class with a fake clock, GCS keys in a dict, and `capacity` as the cluster's."""
     kv: dict[str, bytes] = {}
     clock = Clock()
     monkeypatch.setattr(queue, "_kv_get", kv.get, raising=False)
@@ -34,7 +39,7 @@ def broker(monkeypatch):
     monkeypatch.setattr(queue.ray, "get_runtime_context",
                         lambda: type("Context", (), {"was_current_actor_reconstructed": False})())
     Broker = queue.Broker.__ray_actor_class__  # the plain class under @ray.remote
-    monkeypatch.setattr(Broker, "_capacity", lambda self, kinds: ({"v6e-16": 2, "v6e-4": 1}, set(), {}))
+    monkeypatch.setattr(Broker, "_capacity", lambda self, kinds: (dict(capacity), set(), {}))
     plans = []
     real = rules.plan_lines  # what the broker plans with (rules.plan is the one-shot form)
     monkeypatch.setattr(rules, "plan_lines", lambda *a, **k: plans.append(1) or real(*a, **k))

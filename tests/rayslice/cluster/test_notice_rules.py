@@ -74,15 +74,6 @@ FUNCTION = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), callable="train:fit",
 
 
 @pytest.fixture
-def kv(monkeypatch):
-    store: dict[str, bytes] = {}
-    monkeypatch.setattr(notices.internal_kv, "_internal_kv_put",
-                        lambda k, v, namespace=None, **kw: store.__setitem__(k, v))
-    monkeypatch.setattr(notices.internal_kv, "_internal_kv_del", lambda k, namespace=None, **kw: store.pop(k, None))
-    return store
-
-
-@pytest.fixture
 def fake(monkeypatch, kv):
     ray = FakeRay()
     monkeypatch.setattr(gang, "ray", ray)
