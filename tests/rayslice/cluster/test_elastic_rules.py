@@ -39,6 +39,24 @@ class AdmittedPlace:
         pass
 
 
+def _stopped_to_grow() -> SuspendedError:
+    """What the gang raises when an elastic step stopped for an offer to grow."""
+    error = SuspendedError("suspended by a preemption notice (1 more v6e-16 free); the step stopped for it")
+    error.node_id, error.slice_name, error.stopped_at_deadline = "", "", False
+    error.grow = True
+    return error
+
+
+def _launcher_without_a_cluster(monkeypatch, place_for, reserve_and_run) -> None:
+    """`rayslice.cluster._attempts` with the queue's place and each attempt's run given by the test."""
+    import rayslice.cluster as launcher
+
+    monkeypatch.setattr(launcher, "check_satisfiable", lambda *a, **k: set())
+    monkeypatch.setattr(launcher.admission, "place_for", place_for)
+    monkeypatch.setattr(launcher, "_reserve_and_run_on_slices", reserve_and_run)
+    monkeypatch.setattr(launcher.metrics.sender, "attempt", lambda *a, **k: None)
+
+
 @pytest.fixture
 def broker(monkeypatch):
     """The broker's plain class, as tests/rayslice/cluster/test_broker_rules.py drives it: 4 x v6e-16."""
@@ -146,16 +164,10 @@ def test_suspensions_to_grow_are_bounded_and_do_not_retry_forever_for_free(monke
         runs.append(request.num_slices)
         if len(runs) >= 20:
             return ["gave up looping"]
-        error = SuspendedError("suspended by a preemption notice (1 more v6e-16 free); the step stopped for it")
-        error.node_id, error.slice_name, error.stopped_at_deadline = "", "", False
-        error.grow = True
-        raise error
+        raise _stopped_to_grow()
 
-    monkeypatch.setattr(launcher, "check_satisfiable", lambda *a, **k: set())
-    monkeypatch.setattr(launcher.admission, "place_for",
-                        lambda *a, **k: AdmittedPlace(types.SimpleNamespace(part=False, preemptible=False, amount=1)))
-    monkeypatch.setattr(launcher, "_reserve_and_run_on_slices", reserve_and_run)
-    monkeypatch.setattr(launcher.metrics.sender, "attempt", lambda *a, **k: None)
+    _launcher_without_a_cluster(monkeypatch, lambda *a, **k: AdmittedPlace(
+        types.SimpleNamespace(part=False, preemptible=False, amount=1)), reserve_and_run)
     with pytest.raises(SuspendedError):
         launcher._attempts(spec, launcher.phases.Timeline(), None, launcher.Waits(capacity=60, start=60), [], None)
     assert len(runs) <= 2, runs
@@ -292,14 +304,8 @@ def test_offers_stop_once_the_suspensions_to_grow_are_used_up(monkeypatch):
     def reserve_and_run(spec, request, attempt, timeline, waits, name, started, place):
         if len(grows) >= 2:
             return ["done"]
-        error = SuspendedError("suspended by a preemption notice (1 more v6e-16 free); the step stopped for it")
-        error.node_id, error.slice_name, error.stopped_at_deadline = "", "", False
-        error.grow = True
-        raise error
+        raise _stopped_to_grow()
 
-    monkeypatch.setattr(launcher, "check_satisfiable", lambda *a, **k: set())
-    monkeypatch.setattr(launcher.admission, "place_for", place_for)
-    monkeypatch.setattr(launcher, "_reserve_and_run_on_slices", reserve_and_run)
-    monkeypatch.setattr(launcher.metrics.sender, "attempt", lambda *a, **k: None)
+    _launcher_without_a_cluster(monkeypatch, place_for, reserve_and_run)
     launcher._attempts(spec, launcher.phases.Timeline(), None, launcher.Waits(capacity=60, start=60), [], None)
     assert grows == [True, False], f"offers to grow after the one free grow was used: {grows}"
