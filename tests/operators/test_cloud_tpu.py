@@ -51,6 +51,10 @@ DAGS = textwrap.dedent(
 
     with DAG("tpu_teardown_only", schedule=None, start_date=START):
         DeleteTpuSliceOperator(task_id="delete", **WHERE)
+
+    with DAG("tpu_twin", schedule=None, start_date=START):  # run by two deployments with one run id
+        create = CreateTpuSliceOperator(task_id="create", head_address="10.0.0.2:6379", active_timeout=30, **WHERE)
+        create.as_setup() >> DeleteTpuSliceOperator(task_id="delete", **WHERE).as_teardown(setups=create)
     """
 )
 
@@ -140,6 +144,59 @@ def test_a_pre_existing_queued_resource_is_never_deleted(fake, dags):
     assert xcom_values(dr, "delete") == ["not-owned"]
     assert fake.queued[NAME] is theirs
     assert not [r for r in fake.requests if r[0] == "DELETE"]
+
+
+def test_two_deployments_with_the_same_dag_and_run_keep_to_their_own_queued_resource(fake, dags, capfd):
+    """Issue 38, ownership: two Airflows (prod and staging) run the same DAG with the same run id against one
+    Cloud TPU API (the fake). The second neither adopts the first's queued resource on the name clash (its
+    setup fails, naming it) nor deletes it in its teardown; the first's teardown still deletes its own.
+
+    One metadata DB, not two Airflow homes: the deployment identity (the Airflow Variable
+    `rayslice_deployment`, which lives in each Airflow's own DB) is switched between the runs. Each run is a
+    `dag.test()` of one logical date, so one run id; `mark_success_pattern` runs only the setup or only the
+    teardown, so the first Airflow's slices exist while the second one's run comes and goes.
+    """
+    from datetime import UTC, datetime
+
+    from airflow.models import Variable
+
+    when = datetime(2026, 3, 1, tzinfo=UTC)
+    before = Variable.get("rayslice_deployment", default_var=None)
+
+    def run(deployment: str, only: str | None = None):
+        Variable.set("rayslice_deployment", deployment)
+        skip = None if only is None else {"create": "delete", "delete": "create"}[only]
+        return dags["tpu_twin"].test(logical_date=when, run_after=when, mark_success_pattern=skip)
+
+    try:
+        prod = run("airflow-prod", only="create")
+        assert task_states(prod) == {"create": "success", "delete": "success"}  # delete: marked, not run
+        theirs = fake.queued[NAME]
+        owner = cloud_tpu.owner_label(f"airflow-prod/tpu_twin/{prod.run_id}")
+        assert theirs["tpu"]["nodeSpec"][0]["node"]["labels"]["rayslice-owner"] == owner
+        capfd.readouterr()
+
+        staging = run("airflow-staging")  # (1) the same name exists: its setup fails, and takes nothing over
+        assert staging.run_id == prod.run_id
+        assert task_states(staging)["create"] == "failed"
+        out = capfd.readouterr().out
+        assert f"queued resource {NAME} already exists and was not made by airflow-staging/tpu_twin/" in out
+        assert fake.queued[NAME] is theirs
+        staging = run("airflow-staging", only="delete")  # (2) its teardown leaves prod's alone
+        assert task_states(staging) == {"create": "success", "delete": "success"}
+        assert xcom_values(staging, "delete") == ["not-owned"]
+        assert fake.queued[NAME] is theirs
+        assert not [r for r in fake.requests if r[0] == "DELETE"]
+
+        prod = run("airflow-prod", only="delete")  # (3) prod's own teardown deletes it
+        assert xcom_values(prod, "delete") == ["deleted"]
+        assert NAME not in fake.queued
+        assert len([r for r in fake.requests if r[0] == "DELETE"]) == 1
+    finally:
+        if before is None:
+            Variable.delete("rayslice_deployment")
+        else:
+            Variable.set("rayslice_deployment", before)
 
 
 @pytest.mark.parametrize(
