@@ -292,3 +292,30 @@ def test_the_gke_page_says_which_gke_versions_it_needs():
     text = (REPO / "docs" / "deploying-gke.md").read_text()
     assert "1.31.2-gke.1115000" in text  # TPU v6e in GKE
     assert "1.30.0-gke.1747000" in text  # the Ray operator add-on
+
+
+def test_the_gke_pages_queue_maxima_are_its_clusters():
+    """Issue 38: Ray 2.60's autoscaler reports no node-group maxima, so the page sets the queue's `max_capacity`;
+    its values must be the maxima of the manifest the page renders (slices per TPU type, GPUs)."""
+    from typer.testing import CliRunner
+
+    from rayslice.core.queue import QueueSettings
+
+    [command] = [line for lang, body in blocks("deploying-gke.md") if lang == "sh"
+                 for line in body.replace("\\\n", " ").splitlines() if line.startswith("rayslice queue")]
+    words = shlex.split(command)
+    settings = QueueSettings.checked(words[words.index("--set") + 1], "--set")
+    assert "--conn-id" in words  # the cluster's token: `--set` is the operator's
+    manifest = next(body for lang, body in blocks("deploying-gke.md") if lang == "bash" and "kuberay manifest" in body)
+    args = shlex.split(manifest.replace("\\\n", " ").split(">", 1)[0])[3:]
+    result = CliRunner().invoke(kuberay.app, ["manifest", *args, "--no-validate"])
+    assert result.exit_code == 0, result.output
+    most: dict[str, float] = {}
+    for group in yaml.safe_load(result.stdout)["spec"]["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        if "google.com/tpu" in limits:
+            kind, amount = group["groupName"].removeprefix("tpu-"), group["maxReplicas"]
+        else:
+            kind, amount = "GPU", group["maxReplicas"] * int(limits["nvidia.com/gpu"])
+        most[kind] = most.get(kind, 0) + amount
+    assert settings.max_capacity == most
