@@ -137,7 +137,7 @@ class Pending(BaseModel):
     # In the admission queue (kind "queue"): its rank (priority, then arrival), as the broker orders it.
     priority: int | None = None
     team: str | None = None
-    place: int | None = None  # 1 = first in line for its kind (a slice type, TPU chips, an accelerator resource)
+    place: int | None = None  # 1 = first in its broker line (a slice type, with chips on it; an accelerator resource)
     arrival: datetime | None = None  # when its launcher took its place (the job's start)
     suspended: str = ""  # back in the queue after a suspension (a preemption notice): why it was suspended
 
@@ -328,8 +328,9 @@ def _parse(nodes_body: Any, groups_body: Any, actors_body: Any, jobs: Any, *, no
 
     gpu_nodes = _gpu_nodes(nodes, usage, now)
     gpu_free = max((n.free for n in gpu_nodes), default=0)
-    return Snapshot(slices=_slices(nodes, usage, now), gpu_nodes=gpu_nodes,
-                    pending=_rank_queue(_pending(groups, actors, pg_holder, holders, now, gpu_free)),
+    slices = _slices(nodes, usage, now)
+    return Snapshot(slices=slices, gpu_nodes=gpu_nodes,
+                    pending=_rank_queue(_pending(groups, actors, pg_holder, holders, now, gpu_free), slices),
                     taken_at=datetime.fromtimestamp(now, UTC), warnings=warnings)
 
 
@@ -427,28 +428,66 @@ def _pending(groups: list[dict[str, Any]], actors: list[dict[str, Any]], pg_hold
     return sorted(out, key=lambda p: (p.starting, -(p.waiting_s or 0)))
 
 
-def _rank_queue(pending: list[Pending]) -> list[Pending]:
-    """Number the queued steps in line per kind, by the queue's own rule: priority, then arrival.
+def _rank_queue(pending: list[Pending], slices: list[Slice]) -> list[Pending]:
+    """Number the queued steps in line, in the broker's lines and order (`rayslice.core.queue`).
 
-    A kind is what the broker lines up (`rayslice.core.queue`): a slice type ("v6e-16"), TPU chips,
-    or an accelerator resource. Arrival is the job's start (its launcher takes its place then, and
-    keeps that arrival through retries), not when its marker group was made.
+    A line is a kind of capacity: a slice type ("v6e-16"), an accelerator resource ("GPU"), and TPU
+    chips wait in the line of the slice type they run on (`chip_slice_type` over this cluster's
+    slices), with that type's slice steps; chips no slice's hosts hold wait in a "TPU" line. Within
+    a line: priority, then arrival, the job's start (its launcher takes its place then, and keeps
+    that arrival through retries), not when its marker group was made (that breaks ties).
     """
-    lines: dict[str, list[Pending]] = {}
-    for p in pending:
-        if p.kind == "queue":
-            lines.setdefault(_kind(p.request), []).append(p)
-    for line in lines.values():
-        line.sort(key=lambda p: (-(p.priority or 0), p.arrival or p.since or datetime.max.replace(tzinfo=UTC),
-                                 p.since or datetime.max.replace(tzinfo=UTC)))
-        for place, p in enumerate(line, 1):
-            p.place = place
+    from rayslice.core import queue as rules
+
+    types: dict[str, tuple[int, int]] = {}  # pod type -> (chips per host, chips per slice), as the launcher reads it
+    for s in slices:
+        if s.pod_type and s.hosts:
+            types[s.pod_type] = max(types.get(s.pod_type, (0, 0)), (max(h.chips for h in s.hosts), s.chips))
+    never = datetime.max.replace(tzinfo=UTC)
+    queued = sorted((p for p in pending if p.kind == "queue"), key=lambda p: p.since or never)
+    read: dict[str, tuple[Any, tuple[str, int] | None]] = {}  # request text -> (request, chips_on): once each
+    entries, by_id = [], {}
+    for i, p in enumerate(queued):
+        if p.request not in read:
+            request = _request(p.request)
+            read[p.request] = (request, _chips_on(request, types))
+        request, chips_on = read[p.request]
+        entry = rules.entry_for(request, id=f"{i:09d}", label="", priority=p.priority or 0,
+                                arrival=(p.arrival or p.since or never).timestamp(), chips_on=chips_on)
+        entries.append(entry)
+        by_id[entry.id] = p
+    for id, (place, _) in rules.ranks(entries).items():
+        by_id[id].place = place
     return pending
 
 
-def _kind(request: str) -> str:
-    """The slice type of a slice request ("v6e-16 x2" -> "v6e-16"); else the resource ("GPU x0.25" -> "GPU")."""
-    return request.split(" ", 1)[0]
+def _request(text: str) -> Any:
+    """The request a job's metadata names (`str(request)`), enough to tell its line: "v6e-16 x2 (multislice)" ->
+    a `v6e-16` slice; "TPU x4 (TPU-V6E)" -> 4 TPU chips of v6e; "GPU x0.25" -> a quarter GPU."""
+    from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+
+    words = text.split(" ", 2)
+    head = words[0] if words else ""
+    try:
+        if head in ("GPU", "NPU", "TPU", "neuron_cores", "HPU"):
+            count = float(words[1].removeprefix("x")) if len(words) > 1 else 1.0
+            pinned = words[2].strip("()") if len(words) > 2 else None
+            return AcceleratorRequest(resource=head, count=count, accelerator_type=pinned)
+        return TpuSliceRequest(tpu=head)
+    except Exception:  # a request this rayslice cannot read: a line of its own name
+        return AcceleratorRequest.model_construct(kind="accelerator", resource=head or "?", count=1.0,
+                                                  accelerator_type=None)
+
+
+def _chips_on(request: Any, types: dict[str, tuple[int, int]]) -> tuple[str, int] | None:
+    """The slice type TPU chips wait for, and its chips per slice, as the launcher picks it (None: not chips,
+    or no slice here holds them)."""
+    from rayslice.core.queue import chip_slice_type
+
+    if getattr(request, "resource", None) != "TPU":
+        return None
+    pod_type = chip_slice_type(request.count, request.accelerator_type, types)
+    return None if pod_type is None else (pod_type, types[pod_type][1])
 
 
 def _demand(kind: str, resources: dict[str, float], holder: Holder, since: float | None, now: float) -> Pending:

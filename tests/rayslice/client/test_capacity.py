@@ -336,6 +336,35 @@ def test_steps_in_the_admission_queue_are_numbered_in_line_by_priority_then_arri
     assert {p.holder.task_id: p.place for p in snap.pending} == {"t7": 1, "t6": 2}
 
 
+def test_tpu_chip_steps_wait_in_the_line_of_the_slice_type_the_broker_puts_them_on():
+    """Issue 38 (8): the broker lines TPU chips up with the slice type they run on (the smallest of their generation
+    whose hosts hold them: `core.queue.chip_slice_type`), behind or ahead of that type's slice steps; chips no
+    host holds wait in a "TPU" line of their own. The page numbered every chip step in one "TPU" line."""
+
+    def host(slice_name: str, pod_type: str, worker: int) -> dict:
+        return {"node_id": f"{slice_name}-{worker}", "state": "ALIVE", "resources_total": {"TPU": 4.0},
+                "labels": {capacity.SLICE_LABEL: slice_name, capacity.POD_TYPE_LABEL: pod_type,
+                           capacity.WORKER_LABEL: str(worker)}}
+
+    def job(n: int, request: str, priority: int, start_s: float) -> dict:
+        return {"type": "SUBMISSION", "job_id": f"0{n}000000", "submission_id": f"s{n}", "status": "RUNNING",
+                "start_time": int(start_s * 1000), "metadata": {"dag_id": "d", "run_id": "r", "task_id": f"t{n}",
+                                                                "request": request, "priority": str(priority)}}
+
+    def marker(n: int) -> dict:
+        return {"placement_group_id": f"pg{n}", "name": f"rayslice:s{n}/queued", "state": "CREATED",
+                "creator_job_id": f"0{n}000000", "bundles": [{"unit_resources": {"CPU": 0.001}, "node_id": "n"}]}
+
+    nodes = [host("small", "v6e-4", 0), *(host("big", "v6e-16", w) for w in range(4))]
+    jobs = [job(1, "v6e-4", 5, 1_000), job(2, "TPU x4 (TPU-V6E)", 1, 1_001), job(3, "TPU x2", 9, 1_002),
+            job(4, "v6e-16", 1, 1_003), job(5, "TPU x8", 1, 1_004), job(6, "TPU x1 (TPU-V5P)", 1, 1_005)]
+    snap = capacity._parse(_state(nodes), _state([marker(n) for n in range(1, 7)]), _state([]), jobs, now=1_040.0)
+    line = {p.holder.task_id: p.place for p in snap.pending}
+    # v6e-4's line: t3 (2 chips, priority 9), t1 (the slice, priority 5), t2 (4 chips); v6e-16's: t4;
+    # "TPU" (no host holds 8 chips; no v5p slice): t5, then t6
+    assert line == {"t3": 1, "t1": 2, "t2": 3, "t4": 1, "t5": 1, "t6": 2}
+
+
 class StateApiFake(JsonHttpFake):
     """A dashboard with an empty cluster behind a token, whose first answers are 503 (a restarting proxy)."""
 
