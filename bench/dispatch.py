@@ -64,6 +64,7 @@ from _common import (
 
 from rayslice.client import submission
 from rayslice.cluster.phases import PHASES, parse_phases
+from rayslice.core import launcher
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.step import Owner, StepSpec
 from rayslice.local import local_cluster
@@ -271,7 +272,7 @@ def shipped_from(tree: str) -> tuple[bytes, ...]:
     """What `launcher_packages()` ships, built from another checkout's `rayslice/` (cloudpickle: this one's)."""
     from rayslice.client.jobs_client import zip_directory
 
-    return (zip_directory(Path(tree) / "rayslice", include=submission._cluster_side, include_parent_dir=True),
+    return (zip_directory(Path(tree) / "rayslice", include=launcher.is_cluster_side, include_parent_dir=True),
             _THIS_LAUNCHER()[1])
 
 

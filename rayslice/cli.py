@@ -456,6 +456,21 @@ def startup_script(
         raise fail(message) from None
 
 
+@app.command("launcher-label")
+def launcher_label() -> None:
+    """The node label that says this Python has rayslice's launcher installed (for `ray start --labels`).
+
+    A node started with it runs the host processes of a shipped-launcher step whose files are the
+    same as these without Ray's runtime env step (about a second less per host start).
+    """
+    from rayslice.local.local_cluster import launcher_label as label
+
+    args = label()
+    if not args:
+        raise fail("this Python cannot import rayslice and cloudpickle, so it has no launcher to label")
+    console.print(args[1], highlight=False, soft_wrap=True)
+
+
 @app.command()
 def demo(
     name: Annotated[str, typer.Option(help="Name of the demo's own local cluster.")] = "demo",

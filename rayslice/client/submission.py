@@ -27,6 +27,7 @@ from typing import Any
 
 from rayslice.client.jobs_client import AsyncRayJobsClient, JobDetails, JobStatus, LogTail, zip_directory
 from rayslice.client.uploads import upload_runtime_env
+from rayslice.core import launcher
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import (
     STEP_ERRORS,
@@ -151,18 +152,6 @@ def _check_reattachable(job: JobDetails, owner: Owner) -> None:
     )
 
 
-# What the cluster imports of rayslice: its public names, the request model, the launcher.
-CLUSTER_SIDE = ("__init__.py", "core", "cluster")
-
-
-def _cluster_side(rel: str) -> bool:
-    """Python sources of the cluster side, and the folders that hold them."""
-    parts = rel.split("/")
-    if parts[0] not in CLUSTER_SIDE or any(p.startswith((".", "__pycache__")) for p in parts):
-        return False
-    return "." not in parts[-1] or parts[-1].endswith(".py")
-
-
 @cache
 def launcher_packages() -> tuple[bytes, ...]:
     """The launcher as `py_modules` zips: rayslice's cluster side only, and cloudpickle for by-value steps."""
@@ -170,7 +159,7 @@ def launcher_packages() -> tuple[bytes, ...]:
 
     package = Path(__file__).parents[1]
     return (
-        zip_directory(package, include=_cluster_side, include_parent_dir=True),
+        zip_directory(package, include=launcher.is_cluster_side, include_parent_dir=True),
         zip_directory(Path(cloudpickle.__file__).parent, include_parent_dir=True),
     )
 

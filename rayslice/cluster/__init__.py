@@ -341,7 +341,7 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         # What a host needs before its coordinator is known (its slice, the megascale coordinator).
         early = gang.plan_processes(reservation.hosts, multislice=request.multislice, ports={})
-        runtime_env = _hosts_runtime_env(spec)
+        runtime_env = _hosts_runtime_env(spec, [h.node_id for h in reservation.hosts])
         for host, plan in zip(reservation.hosts, early, strict=True):
             actors.append(
                 gang.HostProcess.options(
@@ -412,11 +412,11 @@ def _wait_for_hosts_to_end(actors: list[Any]) -> None:
             f"{HOSTS_END_S:.0f} s more (their node unreachable): the step resumes anyway")
 
 
-def _hosts_runtime_env(spec: StepSpec) -> dict[str, Any] | None:
-    """The user's runtime env for every host process (None: they inherit the job's, as before)."""
-    env = host_env.actor_runtime_env(spec, ray.get_runtime_context().runtime_env)
-    if env is not None:
-        log(f"host processes get the step's runtime_env: {', '.join(sorted(env))}")
+def _hosts_runtime_env(spec: StepSpec, node_ids: list[str]) -> dict[str, Any] | None:
+    """The host processes' runtime env on these nodes: the user's, and the launcher where it is not installed."""
+    env = host_env.actor_runtime_env(spec, host_env.launcher_modules(node_ids))
+    if spec.runtime_env:
+        log(f"host processes get the step's runtime_env: {', '.join(sorted(spec.runtime_env.keys() - {'excludes'}))}")
     return env
 
 
@@ -460,9 +460,11 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
 
         options["label_selector"] = admission.chip_label_selector(place.entry.kind, request.count, ray.nodes(),
                                                                   available_resources_per_node())
+    # Ray picks the node: the launcher is left out only if every node that has the resource has it installed.
+    candidates = [n["NodeID"] for n in ray.nodes() if n["Alive"] and request.resource in n["Resources"]]
     actor = gang.HostProcess.options(
-        name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, runtime_env=_hosts_runtime_env(spec),
-        **options
+        name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0,
+        runtime_env=_hosts_runtime_env(spec, candidates), **options
     ).remote(str(request), spec.model_dump_json(), plan)
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     # A preemptible fraction hears the queue's word (a higher-priority step needs its accelerator) as a notice;

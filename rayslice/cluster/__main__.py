@@ -6,7 +6,6 @@ finally one marked result or error line that the Airflow side reads back.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -39,22 +38,6 @@ def _stop(signum: int, frame: object) -> None:
     raise StopRequested
 
 
-def _hosts_without_runtime_env() -> None:
-    """Drop the job's runtime env from what this driver's workers inherit (an installed launcher only).
-
-    The hosts need none of it (`spec.json` and `RAY_DEDUP_LOGS` are this driver's), and Ray starts
-    a worker that has no runtime env without its `setup_worker` step: about 1.5 CPU-seconds less
-    per host process. The job's metadata stays.
-    """
-    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
-
-    injected = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
-    if injected:
-        config = json.loads(injected)
-        config.pop("runtime_env", None)
-        os.environ[RAY_JOB_CONFIG_JSON_ENV_VAR] = json.dumps(config)
-
-
 def main(argv: list[str]) -> int:
     main_entered = time.time()
     spec = StepSpec.model_validate_json(Path(argv[1] if len(argv) > 1 else "spec.json").read_text())
@@ -84,13 +67,16 @@ def main(argv: list[str]) -> int:
                 "or set the `ray` connection's extra 'launcher' to 'shipped' so each job carries its own launcher"),
                 tag))
             return 2
-        _hosts_without_runtime_env()
     # Ray's "Unhandled error" report would print a host's exception (text the step chose) unprefixed
     # into the driver's output, where only the driver's own lines may start with a marker.
     os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
     # Ray's blocking calls (`ray.wait`, `ray.get`) look for a pending signal this often (1 s by
     # default): `ray job stop`'s SIGTERM unwinds the step, and frees its capacity, that much sooner.
     os.environ.setdefault("RAY_get_check_signal_interval_milliseconds", str(SIGNAL_CHECK_MS))
+    from rayslice.cluster import host_env
+
+    # Before ray.init: the hosts start without the job's env where their node has this launcher installed.
+    host_env.leave_job_env()
     import ray
 
     from rayslice.cluster import phases, run_step

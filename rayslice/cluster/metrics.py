@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from rayslice.cluster import host_env
 from rayslice.core import goodput
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import STEP_ERRORS
@@ -194,4 +195,5 @@ def recorder() -> Any:
 
         # Hard: a 0-CPU actor elsewhere would keep that node from ever reading idle (no scale-down).
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
+    options["runtime_env"] = host_env.service_runtime_env(head)  # a shipped launcher, unless the head has it
     return Recorder.options(**options).remote()

@@ -42,6 +42,7 @@ from typing import Any
 import pydantic
 import ray
 
+from rayslice.cluster import host_env
 from rayslice.core import queue as rules
 from rayslice.core.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest
 from rayslice.core.exceptions import CapacityTimeoutError, UnsatisfiableRequestError
@@ -518,6 +519,7 @@ def broker() -> Any:
 
         # Hard: a 0-CPU actor elsewhere would keep that node from ever reading idle (no scale-down).
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
+    options["runtime_env"] = host_env.service_runtime_env(head)  # a shipped launcher, unless the head has it
     return Broker.options(**options).remote()
 
 

@@ -12,6 +12,7 @@ naming this cluster's private temp dir): never `ray stop`, never another Ray.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from rayslice.core import launcher
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV
 from rayslice.core.exceptions import RaysliceError
@@ -218,6 +220,21 @@ def check_python(python: str) -> str:
     return str(path)
 
 
+@functools.cache
+def launcher_label(python: str = "") -> list[str]:
+    """`ray start --labels`: the digest of the launcher this Python has installed (`rayslice.core.launcher`).
+
+    A job's shipped launcher with the same digest then starts its host processes here without
+    Ray's `setup_worker` step. None when the Python lacks cloudpickle (nothing to match).
+    """
+    code = ("import cloudpickle, rayslice; from pathlib import Path; from rayslice.core import launcher; "
+            "print(launcher.digest(Path(rayslice.__file__).parent, Path(cloudpickle.__file__).parent))")
+    # From "/": what a node's worker imports, not a checkout that happens to be the current folder.
+    probe = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    digest = probe.stdout.strip()
+    return ["--labels", f"{launcher.LABEL}={digest}"] if probe.returncode == 0 and digest else []
+
+
 def _command(python: str) -> list[str]:
     """How a node starts: this Python's `ray` script, or `<python> -m ray.scripts.scripts` for another Python."""
     return [python, "-m", "ray.scripts.scripts"] if python else [_ray_bin()]
@@ -232,7 +249,7 @@ def _launch(args: list[str], env: dict[str, str], log: Path, sockets: Path | Non
     before = _raylet_sockets(sockets) if sockets else 0
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [*_command(python), "start", "--block", *args],
+            [*_command(python), "start", "--block", *args, *launcher_label(python)],
             env={**os.environ, **env},
             stdout=out,
             stderr=subprocess.STDOUT,

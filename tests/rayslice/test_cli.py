@@ -158,3 +158,16 @@ def test_a_refused_token_names_the_token_flag(tmp_path):
         out = run("capacity", "--address", fake.url, "--token", "wrong", home=tmp_path)
     text = out.stdout + out.stderr
     assert out.returncode == 1 and "--token" in text and "connection" not in text, text
+
+
+def test_launcher_label_names_this_pythons_launcher_digest(tmp_path):
+    from pathlib import Path
+
+    import cloudpickle
+
+    import rayslice
+    from rayslice.core import launcher
+
+    out = run("launcher-label", home=tmp_path)
+    digest = launcher.digest(Path(rayslice.__file__).parent, Path(cloudpickle.__file__).parent)
+    assert out.returncode == 0 and out.stdout.strip() == f"rayslice.io/launcher={digest}", out.stdout + out.stderr

@@ -6,6 +6,7 @@ The id rules are pure functions; the round trips run real Ray jobs (a quarter GP
 from __future__ import annotations
 
 import asyncio
+import shutil
 import uuid
 
 import pytest
@@ -175,20 +176,45 @@ def where_it_runs():
     return {"runtime_env": ray.get_runtime_context().runtime_env, "rayslice": __import__("rayslice").__file__}
 
 
-@pytest.mark.parametrize("launcher", ["shipped", "installed"])
-def test_an_installed_launcher_ships_only_the_step_and_its_hosts_start_without_a_runtime_env(cluster, launcher):
-    spec = StepSpec.for_function(where_it_runs, request=QUARTER_GPU, launcher=launcher)
-    sid = f"test-launcher-{launcher}-{uuid.uuid4().hex[:8]}"
+def another_copy(tmp_path):
+    """The launcher zips of a copy of this rayslice with one byte more (a comment): another digest."""
+    from pathlib import Path
+
+    import rayslice
+    from rayslice.client import submission
+    from rayslice.client.jobs_client import zip_directory
+    from rayslice.core import launcher as launcher_files
+
+    copy = shutil.copytree(Path(rayslice.__file__).parent, tmp_path / "rayslice",
+                           ignore=shutil.ignore_patterns("__pycache__"))
+    gang = copy / "cluster" / "gang.py"
+    gang.write_text(gang.read_text() + "# another copy\n")
+    return (zip_directory(copy, include=launcher_files.is_cluster_side, include_parent_dir=True),
+            submission.launcher_packages()[1])
+
+
+@pytest.mark.parametrize("launcher", ["shipped", "shipped, another copy", "installed"])
+def test_hosts_start_without_a_runtime_env_where_the_cluster_has_the_same_launcher(cluster, launcher, monkeypatch,
+                                                                                     tmp_path):
+    """Every local node is labelled with its installed launcher's digest: a shipped launcher with the same
+    digest starts its host without a runtime env, just as an installed one; another copy ships to it."""
+    from rayslice.client import submission
+
+    if launcher == "shipped, another copy":
+        packages = another_copy(tmp_path)
+        monkeypatch.setattr(submission, "launcher_packages", lambda: packages)
+    spec = StepSpec.for_function(where_it_runs, request=QUARTER_GPU, launcher=launcher.split(",")[0])
+    sid = f"test-launcher-{launcher.split(',')[0]}-{uuid.uuid4().hex[:8]}"
     host = asyncio.run(run_step_job(cluster.dashboard_url, spec, token=cluster.token, submission_id=sid,
                                     emit=lambda _: None))
     with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
         job = client.get(sid)
     assert set(job.runtime_env or {}) >= {"working_dir", "env_vars"}  # spec.json and the driver's log setting
-    if launcher == "shipped":
-        assert "py_modules" in job.runtime_env
-        assert "py_modules" in host["runtime_env"] and "/runtime_resources/" in host["rayslice"]
+    assert ("py_modules" in job.runtime_env) == launcher.startswith("shipped")
+    if launcher == "shipped, another copy":
+        assert set(host["runtime_env"]) == {"py_modules"}  # the launcher alone: not the job's spec or variables
+        assert "/runtime_resources/" in host["rayslice"]
     else:
-        assert "py_modules" not in job.runtime_env
         assert host["runtime_env"] == {}  # no setup_worker step for the host process
         assert "/runtime_resources/" not in host["rayslice"]  # the cluster's own copy
 
