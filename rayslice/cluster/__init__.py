@@ -412,8 +412,14 @@ def _wait_for_hosts_to_end(actors: list[Any]) -> None:
             f"{HOSTS_END_S:.0f} s more (their node unreachable): the step resumes anyway")
 
 
-def _hosts_runtime_env(spec: StepSpec, node_ids: list[str]) -> dict[str, Any] | None:
-    """The host processes' runtime env on these nodes: the user's, and the launcher where it is not installed."""
+def _hosts_runtime_env(spec: StepSpec, node_ids: list[str] | None = None, resource: str = "") -> dict[str, Any] | None:
+    """The host processes' runtime env on these nodes: the user's, and the launcher where it is not installed.
+
+    `resource` instead of nodes: Ray picks the node, so the launcher is left out only if every node that has
+    the resource has it installed.
+    """
+    if node_ids is None:
+        node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
     env = host_env.actor_runtime_env(spec, host_env.launcher_modules(node_ids))
     if spec.runtime_env:
         log(f"host processes get the step's runtime_env: {', '.join(sorted(spec.runtime_env.keys() - {'excludes'}))}")
@@ -460,11 +466,9 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
 
         options["label_selector"] = admission.chip_label_selector(place.entry.kind, request.count, ray.nodes(),
                                                                   available_resources_per_node())
-    # Ray picks the node: the launcher is left out only if every node that has the resource has it installed.
-    candidates = [n["NodeID"] for n in ray.nodes() if n["Alive"] and request.resource in n["Resources"]]
     actor = gang.HostProcess.options(
         name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0,
-        runtime_env=_hosts_runtime_env(spec, candidates), **options
+        runtime_env=_hosts_runtime_env(spec, resource=request.resource), **options
     ).remote(str(request), spec.model_dump_json(), plan)
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     # A preemptible fraction hears the queue's word (a higher-priority step needs its accelerator) as a notice;

@@ -362,14 +362,26 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     for e in running:
         count(e)
 
+    # (team, kind, chips) -> the team over its quota: what a team uses only grows during a plan, so an entry
+    # like one found over quota is over it too (a team's thousands of waiting steps cost a lookup each).
+    found_over: dict[tuple[str | None, str, float], str] = {}
+
     def over_quota(e: Entry, amount: float | None = None) -> str | None:
         """The team (of the step's, or above it) whose quota the entry would exceed, or None."""
         chips = e.chips if amount is None else e.chips * amount / e.amount
+        known = found_over.get((e.team, e.kind, chips))
+        if known is not None:
+            return known
         for team in teams_above(e.team) if e.team else ():
             quota = settings.quotas.get(team)
             if quota is not None and team_used.get((team, e.kind), 0) + chips > quota.get(e.kind, 0) + 1e-9:
+                found_over[(e.team, e.kind, chips)] = team
                 return team
         return None
+
+    def least(e: Entry) -> float | None:
+        """What an entry asks for at the least: an elastic entry's fewest slices (None: its amount)."""
+        return e.min_amount if e.elastic else None
 
     def fits(e: Entry, amount: float | None = None) -> bool:
         amount = e.amount if amount is None else amount
@@ -415,23 +427,41 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     amounts: dict[str, float] = {}
     blocked_kinds: dict[str, Entry] = {}  # kind -> the first entry that waits for it
     blocked_families: dict[str, Entry] = {}  # family -> the first entry served strictly that waits
-    borrowers: list[tuple[Entry, str]] = []
+    borrowers: list[Entry] = []  # and the team over its quota of each (two lists: no tuple per entry)
+    over_teams: list[str] = []
     heads = [(line[0][0], kind, 0) for kind, line in lines.items() if line]
     heapq.heapify(heads)
     while heads:
         _, kind, i = heapq.heappop(heads)
         line = lines[kind]
         e = line[i][1]
+        team = over_quota(e, least(e))
+        if team is not None:
+            # Set aside, with every entry over a quota right behind it: they change no count until the
+            # borrowing below (kinds do not share counts), so the next entry within quota keeps its turn.
+            borrowers.append(e)
+            over_teams.append(team)
+            i += 1
+            while i < len(line):
+                f = line[i][1]
+                if not (f.team == e.team and f.chips == e.chips and not f.elastic):  # like e: over it too
+                    team = over_quota(f, least(f))
+                    if team is None:
+                        break
+                    e = f
+                borrowers.append(f)
+                over_teams.append(team)
+                i += 1
+            if i < len(line):
+                heapq.heappush(heads, (line[i][0], kind, i))
+            continue
         granted = elastic_grant(e, alone=i + 1 == len(line)) if e.elastic else None
-        team = over_quota(e, e.min_amount if e.elastic else None)
         blocker = held_back(e)
-        if team is None and blocker is None and (granted is not None if e.elastic else fits(e)):
+        if blocker is None and (granted is not None if e.elastic else fits(e)):
             admit.append(e.id)
             if granted is not None:
                 amounts[e.id] = granted
             count(e, granted)
-        elif team is not None:
-            borrowers.append((e, team))
         else:  # it waits, and so does its whole line behind it
             if blocker is None and e.elastic and fits(e, e.min_amount) and now < e.elastic_at:
                 reasons[e.id] = (f"first in line; waiting up to {e.elastic_at - now:.0f} s more for all "
@@ -447,18 +477,30 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
             continue
         if i + 1 < len(line):
             heapq.heappush(heads, (line[i + 1][0], kind, i + 1))
-    for e, team in borrowers:  # over quota: only on capacity that nobody within quota waits for
-        quota = settings.quotas[team].get(e.kind, 0)
-        why = f"team {team} over its quota ({team_used.get((team, e.kind), 0):g} of {quota:g} {e.kind} in use)"
-        least = e.min_amount if e.elastic else None  # a borrower takes no more than its least
-        if e.kind in blocked_kinds or held_back(e) is not None or not fits(e, least):
-            reasons[e.id] = why + ", borrowing only what nobody within quota waits for"
-            blocked_kinds.setdefault(e.kind, e)
+    # Once a kind is blocked nothing more of it is admitted, so a team's use of it, and the reason, stay put.
+    whys: dict[tuple[str, str], str] = {}
+    for e, team in zip(borrowers, over_teams, strict=True):  # over quota: only on what nobody within quota waits for
+        if e.kind in blocked_kinds:
+            why = whys.get((team, e.kind))
+            if why is None:
+                quota = settings.quotas[team].get(e.kind, 0)
+                why = whys[(team, e.kind)] = (
+                    f"team {team} over its quota ({team_used.get((team, e.kind), 0):g} of {quota:g} {e.kind} "
+                    "in use), borrowing only what nobody within quota waits for")
+            reasons[e.id] = why
+            continue
+        smallest = least(e)  # a borrower takes no more than its least
+        if held_back(e) is not None or not fits(e, smallest):
+            blocked_kinds[e.kind] = e
+            quota = settings.quotas[team].get(e.kind, 0)
+            reasons[e.id] = whys[(team, e.kind)] = (
+                f"team {team} over its quota ({team_used.get((team, e.kind), 0):g} of {quota:g} {e.kind} in use), "
+                "borrowing only what nobody within quota waits for")
             continue
         admit.append(e.id)
-        if least is not None:
-            amounts[e.id] = least
-        count(e, least)
+        if smallest is not None:
+            amounts[e.id] = smallest
+        count(e, smallest)
     return Plan(admit=admit, reasons=reasons, amounts=amounts)
 
 

@@ -198,3 +198,24 @@ def test_an_autoscaled_kind_is_admitted_up_to_what_its_node_groups_can_hold():
     assert "none of its autoscaler's node groups provides v5p-8" in refusal(tpu("x", "v5p-8"), {"v5p-8": 0},
                                                                            {"v5p-8"})
     assert refusal(waiting[0], limits, autoscaled) is None and refusal(tpu("y"), {"v6e-16": 1}, set()) is None
+
+
+def test_a_team_with_thousands_of_steps_over_its_quota_is_not_checked_step_by_step(monkeypatch):
+    """Issue 38 (scale): steps over a quota do not stop a line's walk, so a team with 2,000 of them made every plan
+    check each one against its quota and format a reason for each (20 ms at 10,000, `bench/queue_plan_quota.py`).
+    Now one check per team, kind and size: the rest is a lookup. The plan is the same: the step of another team
+    behind them is admitted, the first of them borrows what nobody else waits for, and each has its reason."""
+    from rayslice.core import queue as rules
+
+    settings = QueueSettings(quotas={"hog": {"v6e-16": 16}})
+    hog = [tpu(f"h{i}", team="hog", at=1 + i) for i in range(2000)]
+    entries = [tpu("held", team="hog", admitted=True), *hog, tpu("other", team="b", at=5000)]
+    checks = []
+    real = rules.teams_above
+    monkeypatch.setattr(rules, "teams_above", lambda team: checks.append(team) or real(team))
+    decided = plan(entries, {"v6e-16": 3}, settings, now=6000)
+    assert decided.admit == ["other", "h0"]  # within quota first; then h0 borrows the slice nobody else waits for
+    assert len(checks) < 20, len(checks)  # counting the running and admitted steps, and the first checks
+    assert decided.reasons["h1"] == decided.reasons["h1999"] == (
+        "team hog over its quota (32 of 16 v6e-16 in use), borrowing only what nobody within quota waits for")
+    assert set(decided.reasons) == {f"h{i}" for i in range(1, 2000)}
