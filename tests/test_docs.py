@@ -28,7 +28,9 @@ OTHER_TOOLS_FLAGS = {"--xla", "--no-index", "--find-links", "--compile-bytecode"
                      "--out-dir", "--reservation-affinity", "--metrics-export-port",
                      # gcloud's, named in deploying-gke.md's prose (its commands' flags: CHECKED_GCLOUD in
                      # tests/test_deploying_docs.py, each checked against Google's reference)
-                     "--cluster-version", "--tpu-topology", "--placement-policy"}
+                     "--cluster-version", "--tpu-topology", "--placement-policy",
+                     # `ray start --labels`, named in cli.md for `rayslice launcher-label`'s value
+                     "--labels"}
 BLOCK = re.compile(r"^```(\w*)\n.*?^```$", re.S | re.M)
 #: Parameters that are not for users: set by rayslice itself (the decorators).
 INTERNAL = {"shipped_callable"}
