@@ -362,20 +362,25 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     for e in running:
         count(e)
 
-    # (team, kind, chips) -> the team over its quota: what a team uses only grows during a plan, so an entry
-    # like one found over quota is over it too (a team's thousands of waiting steps cost a lookup each).
-    found_over: dict[tuple[str | None, str, float], str] = {}
+    # (team, kind, chips) -> how far down its path the first team over its quota is: what a team uses only
+    # grows during a plan, so an entry like one found over quota is over it too (a team's thousands of waiting
+    # steps cost a lookup each), and only the teams above that one may have gone over since.
+    found_over: dict[tuple[str | None, str, float], int] = {}
 
     def over_quota(e: Entry, amount: float | None = None) -> str | None:
-        """The team (of the step's, or above it) whose quota the entry would exceed, or None."""
+        """The first team (the step's, or one above it, from the top) whose quota the entry would exceed, or None."""
         chips = e.chips if amount is None else e.chips * amount / e.amount
-        known = found_over.get((e.team, e.kind, chips))
-        if known is not None:
-            return known
-        for team in teams_above(e.team) if e.team else ():
+        if not e.team:
+            return None
+        key = (e.team, e.kind, chips)
+        known = found_over.get(key)
+        if known == 0:
+            return e.team.split("/", 1)[0]
+        path = teams_above(e.team)
+        for depth, team in enumerate(path if known is None else path[:known + 1]):
             quota = settings.quotas.get(team)
             if quota is not None and team_used.get((team, e.kind), 0) + chips > quota.get(e.kind, 0) + 1e-9:
-                found_over[(e.team, e.kind, chips)] = team
+                found_over[key] = depth
                 return team
         return None
 
@@ -444,7 +449,7 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
             i += 1
             while i < len(line):
                 f = line[i][1]
-                if not (f.team == e.team and f.chips == e.chips and not f.elastic):  # like e: over it too
+                if not (f.team == e.team and f.chips == e.chips and not f.elastic and not e.elastic):  # like e
                     team = over_quota(f, least(f))
                     if team is None:
                         break

@@ -219,3 +219,29 @@ def test_a_team_with_thousands_of_steps_over_its_quota_is_not_checked_step_by_st
     assert decided.reasons["h1"] == decided.reasons["h1999"] == (
         "team hog over its quota (32 of 16 v6e-16 in use), borrowing only what nobody within quota waits for")
     assert set(decided.reasons) == {f"h{i}" for i in range(1, 2000)}
+
+
+def test_the_reason_names_the_first_team_over_its_quota_from_the_top_as_each_step_is_met():
+    """What a team uses grows during a plan: a research/vision step first met over its own quota may later be over
+    research's too, and then, as for every step, the reason names research (checked from the top). Found by
+    comparing the plans of the per-step check and of the cached one on random queues."""
+    settings = QueueSettings(quotas={"research": {"v6e-16": 48}, "research/vision": {"v6e-16": 16}})
+    entries = [tpu("held", team="research/vision", admitted=True), tpu("v1", team="research/vision", at=1),
+               tpu("n1", team="research/nlp", at=2), tpu("n2", team="research/nlp", at=3),
+               tpu("v2", team="research/vision", at=4)]
+    decided = plan(entries, {"v6e-16": 3}, settings, now=10)
+    assert decided.admit == ["n1", "n2"]
+    assert decided.reasons["v1"].startswith("team research/vision over its quota (16 of 16")  # met first
+    assert decided.reasons["v2"].startswith("team research over its quota (48 of 48")  # met once n1, n2 were in
+
+
+def test_a_step_right_behind_an_elastic_one_over_quota_is_checked_for_its_own_size():
+    """An elastic step is checked for its fewest slices, so its team's finding says nothing of which team a
+    step of its full size is over first."""
+    settings = QueueSettings(quotas={"research": {"v6e-16": 32}, "research/vision": {"v6e-16": 0}})
+    elastic = entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=(1, 3)), id="grow", label="dag.grow",
+                        team="research/vision", arrival=1)
+    entries = [tpu("other", team="b", admitted=True), elastic, tpu("fixed", slices=3, team="research/vision", at=2)]
+    decided = plan(entries, {"v6e-16": 1}, settings, now=10)
+    assert decided.reasons["grow"].startswith("team research/vision over its quota")
+    assert decided.reasons["fixed"].startswith("team research over its quota"), decided.reasons
