@@ -13,7 +13,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -22,7 +22,7 @@ from rayslice.cluster import checkpoints, gang, host_env, metrics, notices, phas
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, intact_slices, reserve_slices
-from rayslice.core import goodput
+from rayslice.core import goodput, launcher
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
 from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError, SuspendedError
@@ -341,19 +341,19 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         # What a host needs before its coordinator is known (its slice, the megascale coordinator).
         early = gang.plan_processes(reservation.hosts, multislice=request.multislice, ports={})
-        runtime_env = _hosts_runtime_env(spec, [h.node_id for h in reservation.hosts])
+        hosts_env = _hosts_runtime_env(spec, [h.node_id for h in reservation.hosts])
         for host, plan in zip(reservation.hosts, early, strict=True):
             actors.append(
                 gang.HostProcess.options(
                     name=f"{name}/{host.label}",
                     num_cpus=1,
                     resources={"TPU": request.chips_per_host},
-                    runtime_env=runtime_env,
+                    runtime_env=hosts_env.runtime_env,
                     scheduling_strategy=strategy(
                         reservation.hosts_group,
                         placement_group_bundle_index=reservation.bundles[(host.slice_index, host.worker_id)],
                     ),
-                ).remote(host.label, spec_json, plan)
+                ).remote(host.label, spec_json, plan, hosts_env.launcher_digest)
             )
         timeline.note("actors_created")
         starting = time.monotonic()
@@ -412,18 +412,26 @@ def _wait_for_hosts_to_end(actors: list[Any]) -> None:
             f"{HOSTS_END_S:.0f} s more (their node unreachable): the step resumes anyway")
 
 
-def _hosts_runtime_env(spec: StepSpec, node_ids: list[str] | None = None, resource: str = "") -> dict[str, Any] | None:
+class HostsEnv(NamedTuple):
+    """How the step's host processes start: their runtime env, and the launcher they must find installed."""
+
+    runtime_env: dict[str, Any] | None
+    launcher_digest: str | None  # set where the launcher was left out (a labelled node): the host checks it
+
+
+def _hosts_runtime_env(spec: StepSpec, node_ids: list[str] | None = None, resource: str = "") -> HostsEnv:
     """The host processes' runtime env on these nodes: the user's, and the launcher where it is not installed.
 
     `resource` instead of nodes: Ray picks the node, so the launcher is left out only if every node that has
-    the resource has it installed.
+    the resource has it installed (and the caller pins the actor to the label: a node may join meanwhile).
     """
     if node_ids is None:
         node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
-    env = host_env.actor_runtime_env(spec, host_env.launcher_modules(node_ids))
+    modules = host_env.launcher_modules(node_ids, spec)
+    env = host_env.actor_runtime_env(spec, modules)
     if spec.runtime_env:
         log(f"host processes get the step's runtime_env: {', '.join(sorted(spec.runtime_env.keys() - {'excludes'}))}")
-    return env
+    return HostsEnv(env, host_env.installed_digest(modules))
 
 
 def _log_release(what: str, started: float, still_held: list[str]) -> None:
@@ -466,10 +474,12 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
 
         options["label_selector"] = admission.chip_label_selector(place.entry.kind, request.count, ray.nodes(),
                                                                   available_resources_per_node())
+    hosts_env = _hosts_runtime_env(spec, resource=request.resource)
+    if hosts_env.launcher_digest:  # only where the launcher is installed (not on a node that joined since)
+        options["label_selector"] = {**options.get("label_selector", {}), launcher.LABEL: hosts_env.launcher_digest}
     actor = gang.HostProcess.options(
-        name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0,
-        runtime_env=_hosts_runtime_env(spec, resource=request.resource), **options
-    ).remote(str(request), spec.model_dump_json(), plan)
+        name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, runtime_env=hosts_env.runtime_env, **options
+    ).remote(str(request), spec.model_dump_json(), plan, hosts_env.launcher_digest)
     drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
     # A preemptible fraction hears the queue's word (a higher-priority step needs its accelerator) as a notice;
     # the others listen for nothing (no host polls the GCS for a notice that cannot come).

@@ -18,7 +18,8 @@ import threading
 import time
 import traceback
 import uuid
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -73,8 +74,10 @@ class HostProcess:
     loads the step function. `run` waits for that, then wires JAX and calls the step.
     """
 
-    def __init__(self, label: str, spec_json: str | None = None, plan: HostPlan | None = None) -> None:
+    def __init__(self, label: str, spec_json: str | None = None, plan: HostPlan | None = None,
+                 launcher_digest: str | None = None) -> None:
         self._label = label
+        self._launcher_digest = launcher_digest  # the installed launcher this host must have (host_env)
         self._times = {"hosts_started": phases.process_start_time(), "actor_init": time.time()}
         self._prepared: tuple[StepSpec, Any] | None = None
         self._command_env: dict[str, str] = {}  # a command step's variables, for its child process
@@ -94,6 +97,7 @@ class HostProcess:
 
     def _prepare(self, spec_json: str, plan: HostPlan) -> None:
         try:
+            host_env.check_installed(self._launcher_digest)
             spec = StepSpec.model_validate_json(spec_json)
             environment = environments.detect(spec.request)
             if spec.command is not None:  # the program imports JAX itself, in a child process
@@ -136,7 +140,8 @@ class HostProcess:
         self._times["step_started"] = time.time()
         watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice
         try:
-            with (tempfile.TemporaryDirectory(prefix="rayslice-program-") if spec.command is not None
+            with _step_folder(spec), \
+                 (tempfile.TemporaryDirectory(prefix="rayslice-program-") if spec.command is not None
                   else nullcontext()) as report_dir, \
                  (hang_watch.HostWatch(attempt.hang_watch + self._label, threading.get_ident(), attempt.hang_interval,
                                        # a command step's JAX runs in its program, which samples itself
@@ -195,6 +200,25 @@ class Attempt:
     hang_watch: str = ""  # the key prefix simulated hosts publish their idleness under ("": not watched)
     hang_interval: float = 0.0
     notice_key: str = ""  # where the driver publishes a preemption notice for this attempt ("": none watched)
+
+
+@contextmanager
+def _step_folder(spec: StepSpec) -> Iterator[None]:
+    """The step runs in its `working_dir`, else in a folder of its own, removed after it (not the raylet's).
+
+    A host process started without a runtime env starts where the raylet runs, shared by every step on
+    the node; one with a runtime env but no `working_dir` also does.
+    """
+    if (spec.runtime_env or {}).get("working_dir"):  # Ray started the process in it
+        yield
+        return
+    before = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="rayslice-step-") as folder:
+        os.chdir(folder)
+        try:
+            yield
+        finally:
+            os.chdir(before)
 
 
 def _listening(attempt: Attempt, deliver: Any, withdraw: Any = None) -> Any:

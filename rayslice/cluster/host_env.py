@@ -4,9 +4,13 @@ Two levels, as Ray has them. The job's own runtime env (the spec, the shipped la
 driver's alone: a job driver takes it off what its workers inherit (`leave_job_env`), so a host
 process on a node whose Python has this very launcher installed (the node's `rayslice.io/launcher`
 label, `rayslice.core.launcher`) starts without Ray's `setup_worker` step, and one elsewhere gets
-the shipped launcher's `py_modules` on its actor. The user's `runtime_env` goes on every host
-actor, with the launcher's `py_modules` kept in front of the user's (Ray replaces a key it finds
-in both, and merges the actor's env over the job's key by key). Inside the host, the variables an
+the shipped launcher's `py_modules` on its actor. The label vouches only for the node's own Python, and
+only for what was installed when it was set: a step with a runtime env of its own keeps the launcher,
+and a host started without it checks the label's claim before it loads the step (`check_installed`).
+
+The user's `runtime_env` goes on every host actor, with the launcher's `py_modules` kept in front
+of the user's (Ray replaces a key it finds in both, and merges the actor's env over the job's key
+by key). Inside the host, the variables an
 environment needs (`environments.Environment.env`) are set over the user's `env_vars`: `XLA_FLAGS`
 is joined (the user's flags first, so rayslice's device count wins), every other variable rayslice
 sets replaces the user's, and the host that is process 0 says so in the task log.
@@ -60,19 +64,56 @@ def running_digest() -> str:
     return launcher.digest(Path(rayslice.__file__).parent, Path(cloudpickle.__file__).parent)
 
 
-def launcher_modules(node_ids: Iterable[str]) -> list[str]:
-    """The launcher `py_modules` a process on these nodes needs: none where each has this very copy installed."""
+def launcher_modules(node_ids: Iterable[str], spec: StepSpec | None = None) -> list[str]:
+    """The launcher `py_modules` a process on these nodes needs: none where each has this very copy installed.
+
+    The label vouches for the node's own Python only: a step with a runtime env of its own (another
+    Python, an image, its own `py_modules` or `PYTHONPATH`) keeps the launcher in front, as it must, and
+    loses nothing by it (Ray's `setup_worker` step runs for any runtime env).
+    """
     import ray
 
     if _shipped is None:  # the caller's own driver: its workers inherit its env, as they always did
         return list((ray.get_runtime_context().runtime_env or {}).get("py_modules") or [])
     if not _shipped:
         return []
+    if spec is not None and _user_env(spec):
+        return list(_shipped)
     wanted = set(node_ids)
     labels = [n.get("Labels") or {} for n in ray.nodes() if n["NodeID"] in wanted and n["Alive"]]
     if wanted and len(labels) == len(wanted) and all(lb.get(launcher.LABEL) == running_digest() for lb in labels):
         return []
     return list(_shipped)
+
+
+def installed_digest(launcher_py_modules: list[str]) -> str | None:
+    """The launcher digest hosts started without `launcher_py_modules` must find installed (None: not left out).
+
+    A label is a claim made once, at the node's start; the files can change under it (an editable
+    install edited, a label copied from another image). The host checks the claim (`check_installed`).
+    """
+    return running_digest() if _shipped and not launcher_py_modules else None
+
+
+class LauncherMismatchError(RuntimeError):
+    """A node's installed launcher is not the copy its `rayslice.io/launcher` label names."""
+
+
+def check_installed(expected: str | None) -> None:
+    """In a host process: fail, in words that say what to fix, if this node's launcher is not `expected`."""
+    if expected is None or running_digest() == expected:
+        return
+    raise LauncherMismatchError(
+        f"this node's installed rayslice/cloudpickle (launcher digest {running_digest()}) is not the launcher "
+        f"this step was sent with ({expected}), though the node's {launcher.LABEL} label says it is: the files "
+        "changed after the label was set (an editable install edited, or a label copied from another image). "
+        "Set the label from the node's own install when it starts (`rayslice launcher-label`; `rayslice local "
+        "down` and `up` for a local cluster), or start the node without it: its steps then get the shipped copy"
+    )
+
+
+def _user_env(spec: StepSpec) -> dict[str, Any]:
+    return {k: v for k, v in (spec.runtime_env or {}).items() if k != "excludes"}
 
 
 def service_runtime_env(node_id: str | None) -> dict[str, Any] | None:
@@ -85,7 +126,7 @@ def service_runtime_env(node_id: str | None) -> dict[str, Any] | None:
 
 def actor_runtime_env(spec: StepSpec, launcher_py_modules: list[str]) -> dict[str, Any] | None:
     """The runtime env of the step's host actors: the user's, with the launcher's `py_modules` in front."""
-    env = {k: v for k, v in (spec.runtime_env or {}).items() if k != "excludes"}
+    env = _user_env(spec)
     if launcher_py_modules:  # a shipped launcher: the host processes import rayslice from it
         env["py_modules"] = launcher_py_modules + [m for m in env.get("py_modules") or []
                                                    if m not in launcher_py_modules]

@@ -6,6 +6,7 @@ The id rules are pure functions; the round trips run real Ray jobs (a quarter GP
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import uuid
 
@@ -171,9 +172,12 @@ def test_an_explicit_submission_id_reattaches_its_own_job_and_refuses_anyone_els
 
 
 def where_it_runs():
+    import os
+
     import ray
 
-    return {"runtime_env": ray.get_runtime_context().runtime_env, "rayslice": __import__("rayslice").__file__}
+    return {"runtime_env": ray.get_runtime_context().runtime_env, "rayslice": __import__("rayslice").__file__,
+            "cwd": os.getcwd()}
 
 
 def another_copy(tmp_path):
@@ -217,6 +221,8 @@ def test_hosts_start_without_a_runtime_env_where_the_cluster_has_the_same_launch
     else:
         assert host["runtime_env"] == {}  # no setup_worker step for the host process
         assert "/runtime_resources/" not in host["rayslice"]  # the cluster's own copy
+    # Its own folder, not the raylet's (shared by every step on the node), gone when the step ends.
+    assert os.path.basename(host["cwd"]).startswith("rayslice-step-") and not os.path.exists(host["cwd"])
 
 
 def test_an_installed_launcher_of_another_version_is_refused_before_anything_is_reserved(cluster):

@@ -96,6 +96,88 @@ def test_an_installed_launcher_ships_nothing(monkeypatch):
     assert host_env.launcher_modules(["a"]) == []
 
 
+@pytest.mark.parametrize("user_env", [
+    {"conda": "training-env"},                                   # another Python: no rayslice in it
+    {"image_uri": "us-docker.pkg.dev/p/r/trainer:1"},             # another image: none, or another version
+    {"container": {"image": "trainer:1"}},
+    {"py_executable": "/opt/trainer-venv/bin/python"},
+    {"py_modules": ["gcs://_ray_pkg_users_cloudpickle2.zip"]},    # the user's cloudpickle over the installed one
+    {"env_vars": {"PYTHONPATH": "/mnt/shared/vendored"}},         # the same through PYTHONPATH
+    {"pip": ["cloudpickle==2.2.1"]},                              # the same through pip
+], ids=lambda env: next(iter(env)))
+def test_a_step_with_its_own_runtime_env_keeps_the_launcher_in_front_on_a_labelled_node(shipped, monkeypatch,
+                                                                                           user_env):
+    """The label vouches for the node's own Python; a runtime env may run the host in another, or put other
+    copies in front of the installed ones. Such a host goes through Ray's setup_worker anyway: nothing to win."""
+    import rayslice.cluster as cluster
+
+    monkeypatch.setitem(sys.modules, "ray", FakeRay([node("a", "abc123"), node("b", "abc123")]))
+    step = StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["python", "train.py"], runtime_env=user_env)
+    env, digest = cluster._hosts_runtime_env(step, ["a", "b"])
+    assert env is not None and env["py_modules"][:2] == LAUNCHER, env
+    assert digest is None  # the hosts import the shipped copy: nothing installed to check
+
+
+def test_a_step_without_a_runtime_env_starts_bare_on_a_labelled_node_and_checks_the_label(shipped, monkeypatch):
+    import rayslice.cluster as cluster
+
+    monkeypatch.setitem(sys.modules, "ray", FakeRay([node("a", "abc123")]))
+    assert cluster._hosts_runtime_env(spec(), ["a"]) == (None, "abc123")
+
+
+def test_a_host_whose_installed_launcher_is_not_the_labelled_one_fails_saying_what_to_fix(monkeypatch):
+    """The label is set once, at the node's start; an editable install edited since, or a label copied from
+    another image, runs other files than the driver's under the same label."""
+    monkeypatch.setattr(host_env, "running_digest", lambda: "edited")
+    host_env.check_installed(None)  # the launcher shipped: nothing to check
+    host_env.check_installed("edited")
+    with pytest.raises(host_env.LauncherMismatchError, match=r"digest edited\) is not the launcher this step was "
+                                                              r"sent with \(abc123\).*rayslice launcher-label"):
+        host_env.check_installed("abc123")
+
+
+def test_the_host_process_checks_its_launcher_before_it_loads_the_step(monkeypatch):
+    from rayslice.cluster import gang
+
+    monkeypatch.setattr(host_env, "running_digest", lambda: "edited")
+    host = gang.HostProcess.__ray_actor_class__("host0", launcher_digest="abc123")
+    host._prepare(spec().model_dump_json(), None)
+    assert isinstance(host._failed, host_env.LauncherMismatchError)
+
+
+class Placed(Exception):
+    pass
+
+
+def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shipped, monkeypatch):
+    """Every GPU node alive at the check is labelled, so the launcher is left out; a GPU node that joins
+    afterwards (an autoscaled group whose image has no rayslice) must not get the actor."""
+    import rayslice.cluster as cluster
+    from rayslice.cluster import gang
+    from rayslice.core.accelerators import AcceleratorRequest
+
+    fake = FakeRay([{**node("gpu-a", "abc123"), "Resources": {"GPU": 1.0, "CPU": 4.0}},
+                    {**node("cpu-b"), "Resources": {"CPU": 4.0}}])
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(cluster, "ray", fake)
+    captured = {}
+
+    class FakeHostProcess:
+        @staticmethod
+        def options(**kwargs):
+            captured.update(kwargs)
+            raise Placed
+
+    monkeypatch.setattr(gang, "HostProcess", FakeHostProcess)
+    request = AcceleratorRequest(resource="GPU", count=0.5)
+    step = StepSpec(request=request, command=["python", "train.py"])
+    place = types.SimpleNamespace(entry=types.SimpleNamespace(part=0, preemptible=False))
+    with pytest.raises(Placed):
+        cluster._place_and_run_fraction(step, request, gang.Attempt(), None, None, 0.0, place)
+    assert captured["runtime_env"] is None
+    assert captured["label_selector"][launcher.LABEL] == "abc123"
+
+
 def test_flag_lists_are_joined_and_other_variables_replaced_with_a_note():
     current = {"XLA_FLAGS": "--xla_dump_to=/tmp/x", "JAX_PLATFORMS": "tpu"}
     ours = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu", "OTHER": "1"}

@@ -313,7 +313,7 @@ def test_a_preemptible_gpu_fraction_hears_the_queues_word_as_a_notice(monkeypatc
     monkeypatch.setattr(launcher.gang.HostProcess, "options",
                         lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
     monkeypatch.setattr(launcher.ray, "wait", lambda refs, timeout=None: (refs, []))
-    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: None)
+    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: launcher.HostsEnv(None, None))
     monkeypatch.setattr(launcher.gang, "kill", lambda actors: None)
     monkeypatch.setattr(notices.internal_kv, "_internal_kv_put", lambda *a, **k: None)
     monkeypatch.setattr(notices.internal_kv, "_internal_kv_del", lambda *a, **k: None)
@@ -413,7 +413,7 @@ def test_a_fraction_that_is_not_preemptible_listens_for_no_notice(monkeypatch):
     monkeypatch.setattr(launcher.gang.HostProcess, "options",
                         lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
     monkeypatch.setattr(launcher.ray, "wait", lambda refs, timeout=None: (refs, []))
-    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: None)
+    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: launcher.HostsEnv(None, None))
     monkeypatch.setattr(launcher.gang, "kill", lambda actors: None)
     seen = {}
     monkeypatch.setattr(launcher.gang, "run_gang", lambda actors, plans, spec, attempt, timeline, watch=None:
