@@ -425,8 +425,11 @@ def _hosts_runtime_env(spec: StepSpec, node_ids: list[str] | None = None, resour
     `resource` instead of nodes: Ray picks the node, so the launcher is left out only if every node that has
     the resource has it installed (and the caller pins the actor to the label: a node may join meanwhile).
     """
-    if node_ids is None:
-        node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
+    if node_ids is None:  # an autoscaler may add a node for it, which nobody can know to carry the label: ship it
+        from rayslice.cluster.reservation import _autoscaler_may_add
+
+        node_ids = [] if _autoscaler_may_add(resource) else \
+            [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
     modules = host_env.launcher_modules(node_ids, spec)
     env = host_env.actor_runtime_env(spec, modules)
     if spec.runtime_env:

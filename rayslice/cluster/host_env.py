@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
@@ -103,10 +104,14 @@ def check_installed(expected: str | None) -> None:
     """In a host process: fail, in words that say what to fix, if this node's launcher is not `expected`."""
     if expected is None or running_digest() == expected:
         return
+    import socket
+
     raise LauncherMismatchError(
-        f"this node's installed rayslice/cloudpickle (launcher digest {running_digest()}) is not the launcher "
+        f"node {socket.gethostname()}'s installed rayslice/cloudpickle (launcher digest {running_digest()}, in "
+        f"{sys.executable}) is not the launcher "
         f"this step was sent with ({expected}), though the node's {launcher.LABEL} label says it is: the files "
-        "changed after the label was set (an editable install edited, or a label copied from another image). "
+        "changed after the label was set (an editable install edited, or a label copied from another image), or "
+        "the label came from another Python than the one the node's workers run. "
         "Set the label from the node's own install when it starts (`rayslice launcher-label`; `rayslice local "
         "down` and `up` for a local cluster), or start the node without it: its steps then get the shipped copy"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import types
 
@@ -131,8 +132,11 @@ def test_a_host_whose_installed_launcher_is_not_the_labelled_one_fails_saying_wh
     monkeypatch.setattr(host_env, "running_digest", lambda: "edited")
     host_env.check_installed(None)  # the launcher shipped: nothing to check
     host_env.check_installed("edited")
-    with pytest.raises(host_env.LauncherMismatchError, match=r"digest edited\) is not the launcher this step was "
-                                                              r"sent with \(abc123\).*rayslice launcher-label"):
+    with pytest.raises(host_env.LauncherMismatchError, match=rf"node {socket.gethostname()}'s .*") as info:
+        host_env.check_installed("abc123")
+    assert sys.executable in str(info.value)  # which Python's install it read
+    sent = r"digest edited, in .*\) is not the launcher this step was sent with \(abc123\).*rayslice launcher-label"
+    with pytest.raises(host_env.LauncherMismatchError, match=sent):
         host_env.check_installed("abc123")
 
 
@@ -153,7 +157,7 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     """Every GPU node alive at the check is labelled, so the launcher is left out; a GPU node that joins
     afterwards (an autoscaled group whose image has no rayslice) must not get the actor."""
     import rayslice.cluster as cluster
-    from rayslice.cluster import gang
+    from rayslice.cluster import gang, reservation
     from rayslice.core.accelerators import AcceleratorRequest
 
     fake = FakeRay([{**node("gpu-a", "abc123"), "Resources": {"GPU": 1.0, "CPU": 4.0}},
@@ -172,10 +176,19 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     request = AcceleratorRequest(resource="GPU", count=0.5)
     step = StepSpec(request=request, command=["python", "train.py"])
     place = types.SimpleNamespace(entry=types.SimpleNamespace(part=0, preemptible=False))
+    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: False)
     with pytest.raises(Placed):
         cluster._place_and_run_fraction(step, request, gang.Attempt(), None, None, 0.0, place)
     assert captured["runtime_env"] is None
     assert captured["label_selector"][launcher.LABEL] == "abc123"
+    # Where an autoscaler may add a node for it, nobody can know that node will carry the label (it is set as
+    # the node starts): pinned, the step would wait out its capacity_timeout for a node never added. Shipped.
+    captured.clear()
+    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: True)
+    with pytest.raises(Placed):
+        cluster._place_and_run_fraction(step, request, gang.Attempt(), None, None, 0.0, place)
+    assert captured["runtime_env"]["py_modules"] == LAUNCHER
+    assert launcher.LABEL not in captured.get("label_selector", {})
 
 
 def test_flag_lists_are_joined_and_other_variables_replaced_with_a_note():
