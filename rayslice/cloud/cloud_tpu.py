@@ -182,7 +182,8 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
     worker and step runs that Python. It runs at every boot: an existing environment is reused and
     the install is a no-op once done. ``install=False``: the VM image already has all of it; only
     ``ray start``. Ray's Python check is set to the minor version (``RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor``,
-    which the head needs too), or ``python_version`` may name the head's exact patch (``"3.12.12"``). Ray detects the slice (TPU_NAME, worker id, pod type) from the TPU VM's metadata itself.
+    which the head needs too), or ``python_version`` may name the head's exact patch (``"3.12.12"``).
+    Ray detects the slice (TPU_NAME, worker id, pod type) from the TPU VM's metadata itself.
 
     rayslice is in no package registry, so it is installed only from ``wheel`` (a ``gs://`` or ``https://``
     URL, or a path on the VM, of the wheel ``uv build`` makes), for a ``launcher: installed`` connection.
