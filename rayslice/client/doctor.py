@@ -148,13 +148,13 @@ def judge_launcher(probe: dict[str, Any], *, mode: Launcher, client_rayslice: st
         if wrong:
             seen = ", ".join(f"{'head' if n['head'] else n.get('hostname')}: "
                              f"{n.get('rayslice_installed') or 'not installed'}" for n in wrong)
-            return Check("launcher", "FAIL", f"launcher: installed, but rayslice {client_rayslice} is not installed "
+            return Check("launcher", "FAIL", f"installed, but rayslice {client_rayslice} is not installed "
                          f"on every node ({seen})",
                          f"install rayslice {client_rayslice}'s wheel (`rayslice[cluster]`) on the head and every "
                          "host, or drop `launcher` from the `ray` connection (default: shipped with each job)")
-        return Check("launcher", "PASS", f"launcher: installed, rayslice {client_rayslice} on every node; {label}")
+        return Check("launcher", "PASS", f"installed, rayslice {client_rayslice} on every node; {label}")
     stale = [n for n in labelled if n not in same]
-    detail = f"launcher: shipped (each job uploads rayslice's cluster side); {label}"
+    detail = f"shipped (each job uploads rayslice's cluster side); {label}"
     if stale:
         return Check("launcher", "WARN", detail + f"; {len(stale)} carry another launcher's label (they start host "
                      "processes with Ray's runtime env step, about a second slower)",

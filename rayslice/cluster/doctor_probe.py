@@ -58,6 +58,7 @@ def _try_write(root: str) -> str | None:
 
         path = f"{root.rstrip('/')}/.rayslice-doctor/{uuid.uuid4().hex}"
         fs, inner = fsspec.core.url_to_fs(path)
+        fs.makedirs(fs._parent(inner), exist_ok=True)  # as a step's checkpoint folder is made (a no-op on buckets)
         with fs.open(inner, "wb") as handle:
             handle.write(b"rayslice doctor")
         with fs.open(inner, "rb") as handle:

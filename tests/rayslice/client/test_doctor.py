@@ -18,6 +18,7 @@ from rayslice.cli import app
 from rayslice.client import doctor
 from rayslice.client.capacity import GpuNode, Host, Slice, Snapshot
 from rayslice.core import launcher as launcher_files
+from tests.http_fake import JsonHttpFake, Request
 
 runner = CliRunner()
 DIGEST = "d" * 32
@@ -167,3 +168,24 @@ def test_flags_that_need_others_are_refused_in_their_words():
     assert "need --kuberay-namespace" in refused("--kubeconfig", "/k")
     assert "nothing to check" in refused()
     assert "--egress 'pypi.org': give host:port" in refused("--egress", "pypi.org")
+
+
+class TokenDashboard(JsonHttpFake):
+    """A Ray dashboard with token auth as far as the doctor's first calls go: the version for anyone, jobs by token."""
+
+    def answer(self, request: Request) -> tuple[int, object]:
+        if request.path == "/api/version":
+            return 200, {"version": "4", "ray_version": "2.60.0", "ray_commit": "x", "session_name": "s"}
+        if request.authorization != "Bearer right":
+            return 401, {"error": "Unauthorized"}
+        return 200, []
+
+
+def test_a_wrong_token_is_named_with_where_the_token_lives():
+    with TokenDashboard() as dash:
+        result = runner.invoke(app, ["doctor", "--address", dash.url, "--token", "wrong"])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 1, out
+    assert "PASS dashboard:" in out and "FAIL token: the Jobs API refused the token" in out
+    assert "fix: give the cluster's Ray auth token (--token, RAYSLICE_RAY_TOKEN" in out
+    assert "SKIP versions: needs the token check to pass" in out
