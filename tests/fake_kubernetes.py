@@ -180,7 +180,17 @@ class FakeKubernetes(JsonHttpFake):
 
     # ---- HTTP
 
-    def _handle(self, method: str, path: str, body: Any, auth: str | None) -> tuple[int, Any]:
+    def _prune_unknown_auth_fields(self, body: dict[str, Any]) -> None:
+        """What the API server does without ``fieldValidation=Strict`` (its default is Warn since Kubernetes 1.23):
+        unknown fields are dropped, not refused. Here only ``authOptions``' (the field KubeRay releases differ in)."""
+        known = self.schemas.auth_fields("RayCluster")
+        auth = (body.get("spec") or {}).get("authOptions")
+        if isinstance(auth, dict):
+            for key in [k for k in auth if known is None or k not in known]:
+                del auth[key]
+
+    def _handle(self, method: str, path: str, body: Any, auth: str | None,
+                query: dict[str, list[str]] | None = None) -> tuple[int, Any]:
         self.requests.append((method, path, body))
         for i, (m, pattern, code) in enumerate(self.failures):
             if m == method and pattern.search(path):
@@ -231,6 +241,8 @@ class FakeKubernetes(JsonHttpFake):
                 return 409, _status(409, "AlreadyExists", f'rayclusters.ray.io "{meta.get("name")}" already exists',
                                     name=meta.get("name"), group="ray.io", kind="rayclusters")
             body["metadata"]["namespace"] = ns
+            if (query or {}).get("fieldValidation") != ["Strict"]:
+                self._prune_unknown_auth_fields(body)
             try:
                 obj = self._store(body)
             except ValueError as exc:
@@ -283,4 +295,4 @@ class FakeKubernetes(JsonHttpFake):
         return 405, _status(405, "MethodNotAllowed", f"the fake does not serve {method} on secrets")
 
     def answer(self, request: Request) -> tuple[int, Any]:
-        return self._handle(request.method, request.path, request.body, request.authorization)
+        return self._handle(request.method, request.path, request.body, request.authorization, request.query)

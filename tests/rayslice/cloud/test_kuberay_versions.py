@@ -12,7 +12,7 @@ import base64
 import pytest
 
 from rayslice.cloud import kuberay, pins
-from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient
+from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient, KubeRayError
 from rayslice.cloud.kuberay_crds import KubeRayCrds
 from rayslice.core.exceptions import InvalidRequestError
 from tests.conftest import KUBERAY_RELEASES, kuberay_release_crds
@@ -77,3 +77,16 @@ def test_on_the_kubernetes_fake_token_auth_works_or_nothing_is_created(release, 
         assert stored["spec"]["authOptions"] == {"mode": "token", "secretName": secret}
         data = fake.secrets[("ml", secret)]["data"][kuberay.TOKEN_SECRET_KEY]
         assert base64.b64decode(data).decode() == token
+
+
+def test_an_unreadable_crd_does_not_let_an_old_kuberay_drop_the_token_secret(tmp_path):
+    """Without read access to CRDs the client cannot check first; the API server's default (fieldValidation=Warn)
+    would drop authOptions.secretName on KubeRay 1.5 and the operator would make its own random token (a 401 on
+    every step). The client asks for strict field validation, so the create is refused instead."""
+    with FakeKubernetes(crds=kuberay_release_crds("v1.5.1")) as fake:
+        ref = ClusterRef(name="rs", namespace="ml", kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")))
+        fake.fail_next("GET", r"/customresourcedefinitions/", 403)
+        manifest = kuberay.render_raycluster("rs", tpus=["v6e-16"], namespace="ml")
+        with KubeRayClient(ref) as kube, pytest.raises(KubeRayError, match=r"HTTP 422"):
+            kube.create(manifest, owner=OWNER)
+        assert fake.cluster("ml", "rs") is None
