@@ -97,6 +97,8 @@ def judge_versions(probe: dict[str, Any], *, client_python: str, client_rayslice
     """Ray and Python the same on every node; the cluster's Python minor the Airflow side's (steps by value)."""
     nodes = probe["nodes"]
     answered = [n for n in nodes if "python" in n]
+    if not answered:
+        return Check("versions", "SKIP", "no node reported its versions (see the nodes check)")
     rays = {n["ray"] for n in answered}
     pythons = {n["python"] for n in answered}
     seen = ", ".join(sorted(f"{'head' if n['head'] else n.get('hostname', n['node_id'][:8])}: Ray {n['ray']}, "
@@ -140,6 +142,8 @@ def judge_launcher(probe: dict[str, Any], *, mode: Launcher, client_rayslice: st
     """`installed`: the head (the job driver) and every host have this side's rayslice; `shipped`: the label says
     which nodes skip the upload."""
     nodes = [n for n in probe["nodes"] if "python" in n]
+    if not nodes:
+        return Check("launcher", "SKIP", "no node reported its rayslice (see the nodes check)")
     labelled = [n for n in nodes if n["labels"].get(launcher_files.LABEL)]
     same = [n for n in labelled if client_digest and n["labels"][launcher_files.LABEL] == client_digest]
     label = f"{len(same)} of {len(nodes)} node(s) carry this side's launcher label ({launcher_files.LABEL})"
@@ -274,7 +278,7 @@ def client_digest() -> str | None:
 
 
 def run_probe(client: RayJobsClient, *, launcher: Launcher, checkpoint_root: str | None, egress: list[str],
-              timeout: float = 120.0) -> dict[str, Any]:
+              timeout: float = 300.0) -> dict[str, Any]:
     """Submit the probe job and return its facts (raises RayJobsError when it ends without them)."""
     from rayslice.core.exceptions import RayJobsError
 

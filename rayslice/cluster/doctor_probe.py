@@ -21,8 +21,9 @@ from typing import Any
 
 #: The line the probe prints its facts on.
 MARKER = "::rayslice-doctor::"
-#: How long one node may take to answer (a node that does not is reported, not waited for).
-NODE_TIMEOUT_S = 30.0
+#: How long the nodes may take to answer (a node that does not is reported, not waited for). Generous: each node
+#: may first start a worker process and unpack the job's shipped launcher, slow on a loaded or cold cluster.
+NODE_TIMEOUT_S = 120.0
 
 
 def _installed_rayslice() -> str | None:

@@ -131,6 +131,12 @@ def test_a_node_that_did_not_answer_fails(probe):
     probe["nodes"][2]["error"] = "did not answer within 30 s"
     check = doctor.judge_nodes_answered(probe)
     assert check.status == "FAIL" and "did not answer within 30 s" in check.detail
+    for other in probe["nodes"]:
+        other.pop("python", None)
+    # With no node answering, the rules that need their facts say so instead of passing on nothing.
+    assert doctor.judge_versions(probe, client_python="3.12.1", client_rayslice="0.1.0",
+                                 pinned_ray="2.60.0").status == "SKIP"
+    assert doctor.judge_launcher(probe, mode="shipped", client_rayslice="0.1.0", client_digest=DIGEST).status == "SKIP"
 
 
 def test_a_smoke_step_with_a_host_short_fails():
