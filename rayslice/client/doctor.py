@@ -121,7 +121,7 @@ def judge_versions(probe: dict[str, Any], *, client_python: str, client_rayslice
     note = ""
     if len(pythons) > 1:
         note = (" (Python patch levels differ: these nodes joined with RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor; "
-                "keep it set on the head and every new host)")
+                "keep it in every new host's `ray start` environment)")
     ray = next(iter(rays), "?")
     off_pin = f"; rayslice is tested with Ray {pinned_ray}" if rays and ray != pinned_ray else ""
     return Check("versions", "PASS", f"Ray {ray}, Python {', '.join(sorted(pythons))} on {len(answered)} node(s), "

@@ -181,8 +181,9 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
     the ones rayslice is tested with, ``rayslice.cloud.pins``) and starts Ray from it, so every Ray
     worker and step runs that Python. It runs at every boot: an existing environment is reused and
     the install is a no-op once done. ``install=False``: the VM image already has all of it; only
-    ``ray start``. Ray's Python check is set to the minor version (``RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor``,
-    which the head needs too), or ``python_version`` may name the head's exact patch (``"3.12.12"``).
+    ``ray start``. Ray's Python check, made by the joining node, is set to the minor version
+    (``RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor``), or ``python_version`` may name the head's exact
+    patch (``"3.12.12"``).
     Ray detects the slice (TPU_NAME, worker id, pod type) from the TPU VM's metadata itself.
 
     rayslice is in no package registry, so it is installed only from ``wheel`` (a ``gs://`` or ``https://``
@@ -231,7 +232,7 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
                   f"RAY_AUTH_TOKEN=\"$(gcloud secrets versions access latest --secret={shlex.quote(token_secret)})\"",
                   "export RAY_AUTH_TOKEN"]
     # Ray refuses a node whose Python differs from the head's at patch level by default; uv's 3.12.x may not
-    # be the head's. The head must export the same (docs/deploying-tpu-vms.md), or pin python_version's patch.
+    # be the head's. The joining node checks itself, so the hosts' setting is what counts.
     lines.append(f"export {PYTHON_MATCH_LEVEL_ENV}=minor")
     if not install:
         return "\n".join([*lines, f"ray {start}"]) + "\n"

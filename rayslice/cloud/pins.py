@@ -16,9 +16,9 @@ RAY_VERSION = "2.60.0"
 JAX_VERSION = "0.12.0.1"
 #: The cluster's Python: functions shipped by value need the Airflow side's minor version.
 PYTHON_VERSION = "3.12"
-#: Ray refuses a node whose Python differs from the head's at patch level unless every node sets this to
-#: ``minor`` (``ray._private.utils.check_version_info``, default ``patch``); the Cloud TPU startup script sets it,
-#: so hosts whose uv-picked 3.12.x differs from the head's still join.
+#: Ray refuses a node whose Python differs from the head's at patch level unless the joining node's environment
+#: sets this to ``minor`` (``ray._private.utils.check_version_info``, default ``patch``); the Cloud TPU startup
+#: script sets it, so hosts whose uv-picked 3.12.x differs from the head's still join.
 PYTHON_MATCH_LEVEL_ENV = "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL"
 #: The oldest KubeRay the rendered token-auth clusters work on: ``authOptions.secretName`` first shipped in
 #: KubeRay 1.6.0 (ray-project/kuberay PR #4554). On 1.5.x rayslice refuses before creating anything.
