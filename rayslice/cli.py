@@ -448,6 +448,9 @@ def doctor(
         "--smoke-timeout", min=5, help="Seconds the smoke step may wait for its slice and run.")] = 120.0,
     kuberay_namespace: Annotated[str | None, typer.Option(
         "--kuberay-namespace", help="Also check KubeRay in this namespace: CRD version, TPU webhook, RBAC.")] = None,
+    kuberay_cluster: Annotated[str | None, typer.Option(
+        "--kuberay-cluster", help="With --kuberay-namespace: this RayCluster must be ready with its token Secret.")
+    ] = None,
     kuberay_manage: Annotated[bool, typer.Option(
         "--kuberay-manage", help="RBAC for creating/deleting RayClusters too (CreateRayClusterOperator), not only "
         "lookups.")] = False,
@@ -480,8 +483,9 @@ def doctor(
         raise fail("give --project and --zone together (the Cloud TPU checks need both)")
     if (tpu_type or service_account) and project is None:
         raise fail("--tpu-type and --service-account are Cloud TPU checks: give --project and --zone too")
-    if (kubeconfig or context or in_cluster or kuberay_manage) and not kuberay_namespace:
-        raise fail("--kubeconfig, --context, --in-cluster and --kuberay-manage need --kuberay-namespace")
+    if (kubeconfig or context or in_cluster or kuberay_manage or kuberay_cluster) and not kuberay_namespace:
+        raise fail("--kubeconfig, --context, --in-cluster, --kuberay-manage and --kuberay-cluster need "
+                   "--kuberay-namespace")
     for endpoint in egress:
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit():
@@ -509,7 +513,7 @@ def doctor(
         from rayslice.cloud.preflight import kuberay_checks
 
         checks += kuberay_checks(namespace=kuberay_namespace, kubeconfig=kubeconfig, context=context,
-                                 in_cluster=in_cluster, manage=kuberay_manage)
+                                 in_cluster=in_cluster, manage=kuberay_manage, cluster=kuberay_cluster)
     if project and zone:
         from rayslice.cloud.preflight import cloud_tpu_checks
 

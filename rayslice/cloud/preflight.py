@@ -107,9 +107,42 @@ def _rbac_check(api: Any, namespace: str, manage: bool) -> Check:
                  "service account>` (run the doctor as that identity: in its pod, or with its kubeconfig)")
 
 
+def _raycluster_check(api: Any, namespace: str, name: str) -> Check:
+    """The live RayCluster: ready, and its token auth as rendered (a pruned ``secretName`` means a token nobody has)."""
+    from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient, KubeRayError, is_ready
+
+    what = f"raycluster {namespace}/{name}"
+    try:
+        with KubeRayClient(ClusterRef(name=name, namespace=namespace), api_client=api) as kube:
+            obj = kube.get()
+            if obj is None:
+                return Check(what, "FAIL", "no such RayCluster", "create it (`rayslice kuberay manifest ... | kubectl "
+                             "apply -f -`, or CreateRayClusterOperator), or fix the name")
+            auth = obj.get("spec", {}).get("authOptions") or {}
+            secret = auth.get("secretName")
+            if auth.get("mode") == "token" and not secret:
+                return Check(what, "FAIL", "token auth without authOptions.secretName: KubeRay made its own random "
+                             "token (the field was dropped or never set), so the token rayslice holds is refused",
+                             f"upgrade KubeRay to >= {KUBERAY_FLOOR}, then recreate the cluster from rayslice's "
+                             "manifest")
+            if secret:
+                kube.read_token(secret)
+            state = (obj.get("status") or {}).get("state") or "no state yet"
+            if not is_ready(obj):
+                return Check(what, "FAIL", f"not ready ({state})", f"`kubectl describe raycluster -n {namespace} "
+                             f"{name}` and `kubectl get pods -n {namespace} -l ray.io/cluster={name}`: image pulls, "
+                             "a missing token Secret (CreateContainerConfigError), head resources")
+    except KubeRayError as exc:
+        return Check(what, "FAIL", str(exc), "see the kuberay rbac check; the token Secret must exist before the "
+                     "pods start")
+    token = f"token auth from Secret {secret}" if secret else "no token auth"
+    return Check(what, "PASS", f"ready, {token}")
+
+
 def kuberay_checks(*, namespace: str, kubeconfig: str | None = None, context: str | None = None,
-                   in_cluster: bool = False, manage: bool = False) -> list[Check]:
-    """The KubeRay CRD's version (authOptions fields), the TPU webhook, and RBAC for ``namespace``."""
+                   in_cluster: bool = False, manage: bool = False, cluster: str | None = None) -> list[Check]:
+    """The KubeRay CRD's version (authOptions fields), the TPU webhook, RBAC for ``namespace``, and the RayCluster
+    ``cluster`` (ready, its token Secret readable)."""
     from rayslice.cloud.kuberay_client import KubeRayError, load_api_client
 
     try:
@@ -118,7 +151,10 @@ def kuberay_checks(*, namespace: str, kubeconfig: str | None = None, context: st
     except KubeRayError as exc:
         return [Check("kubernetes", "FAIL", str(exc), "pass --kubeconfig/--context, or run in a pod")]
     try:
-        return [_crd_check(api), _webhook_check(api), _rbac_check(api, namespace, manage)]
+        checks = [_crd_check(api), _webhook_check(api), _rbac_check(api, namespace, manage)]
+        if cluster:
+            checks.append(_raycluster_check(api, namespace, cluster))
+        return checks
     finally:
         api.close()
 

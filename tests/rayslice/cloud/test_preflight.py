@@ -138,3 +138,33 @@ def test_a_missing_or_disabled_service_account(tpu):
     checks = by_name(cloud_tpu_checks(project=PROJECT, zone=ZONE, service_account=SA, api_endpoint=tpu.url,
                                       iam_endpoint=tpu.url))
     assert checks["service account"].status == "FAIL" and "is disabled" in checks["service account"].detail
+
+
+def test_the_live_raycluster_ready_with_its_token_secret(kube):
+    from rayslice.cloud import kuberay
+    from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient
+
+    manifest = kuberay.render_raycluster("rs", tpus=["v6e-16"], namespace="ml")
+    checks = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig, cluster="rs"))
+    assert checks["raycluster ml/rs"].status == "FAIL" and "no such RayCluster" in checks["raycluster ml/rs"].detail
+    kube.add_cluster(manifest, ready=False)
+    with KubeRayClient(ClusterRef(name="rs", namespace="ml", kubeconfig=kube.kubeconfig)) as client:
+        client.ensure_token_secret("rs-ray-token", owner="me")
+    code, out = doctor("--kuberay-namespace", "ml", "--kubeconfig", kube.kubeconfig, "--kuberay-cluster", "rs")
+    assert code == 1 and "FAIL raycluster ml/rs: not ready" in out and "kubectl describe raycluster -n ml rs" in out
+    kube.ready_after_gets = 1  # the operator readies it at the next read
+    code, out = doctor("--kuberay-namespace", "ml", "--kubeconfig", kube.kubeconfig, "--kuberay-cluster", "rs")
+    assert code == 0, out
+    assert "PASS raycluster ml/rs: ready, token auth from Secret rs-ray-token" in out
+
+
+def test_a_raycluster_whose_secret_name_was_dropped_is_named(kube):
+    """What KubeRay 1.5 with a non-strict client leaves: token mode, no secretName, a token nobody has."""
+    from rayslice.cloud import kuberay
+
+    manifest = kuberay.render_raycluster("rs", tpus=["v6e-16"], namespace="ml")
+    del manifest["spec"]["authOptions"]["secretName"]
+    kube.add_cluster(manifest)
+    check = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig, cluster="rs"))["raycluster ml/rs"]
+    assert check.status == "FAIL" and "KubeRay made its own random token" in check.detail
+    assert "upgrade KubeRay to >= 1.6.0" in check.fix
