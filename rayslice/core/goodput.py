@@ -168,8 +168,15 @@ def attempt_account(record: Mapping[str, Any]) -> Account:
     held_to = next((record[p] for p in ("released",) if p in record),
                    detail.get("gang_returned", record.get("step_done", held_from)))
     held_to = max(held_to, held_from)
-    # A failed or preempted attempt has no host's report: its body started when its hosts had started.
-    started = record.get("step_started", detail.get("actors_started", held_to))
+    # The body starts once it started on every host. An attempt whose hosts reported, but not all of them a start
+    # (one failed or was stopped before its body), never started its body: start-up to its end. A record without
+    # host reports (an older launcher's failed attempt): the body started when its hosts had started.
+    if "step_started" in record:
+        started = record["step_started"]
+    elif record.get("hosts"):
+        started = detail.get("gang_returned", held_to)
+    else:
+        started = detail.get("actors_started", held_to)
     started = min(max(started, held_from), held_to)
     body_end = record.get("step_done", detail.get("gang_returned", held_to))
     body_end = min(max(body_end, started), held_to)
