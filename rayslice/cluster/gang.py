@@ -26,7 +26,16 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rayslice.cluster import commands, environments, hang_watch, host_env, node_probe, notices, phases
+from rayslice.cluster import (
+    commands,
+    environments,
+    hang_watch,
+    host_env,
+    node_probe,
+    notices,
+    phases,
+    shutdown_noise,
+)
 from rayslice.cluster.environments import HostPlan
 from rayslice.core import goodput
 from rayslice.core.accelerators import TpuSliceRequest
@@ -783,8 +792,14 @@ class LogDrain:
         self._seen = threading.Condition()
         self._last_line = 0.0
         self._name = f"rayslice-drain-{id(self)}"
+        self._explainers: list[shutdown_noise.Explainer] = []
         if self.active:
             dispatcher.add_handler(self._name, self._handle)
+
+    def explain_shutdown(self, labels: set[str], noticed: Any) -> None:
+        """Until `close`: these hosts' JAX termination after `noticed()` is explained, not shown as fatal."""
+        if self.active:
+            self._explainers.append(shutdown_noise.Explainer(self._dispatcher, labels, noticed))
 
     def _handle(self, data: dict) -> None:
         with self._seen:
@@ -816,6 +831,8 @@ class LogDrain:
     def close(self) -> None:
         if self.active:
             self._dispatcher.remove_handler(self._name)
+        for explainer in self._explainers:
+            explainer.close()
 
 
 def raised_on(exc: BaseException, plans: list[HostPlan]) -> list[str]:
