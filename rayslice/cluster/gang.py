@@ -358,7 +358,7 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     reports: list[dict[str, float]] = [{} for _ in plans]
     pending = list(refs)
     deadline = None if spec.step_timeout is None else time.monotonic() + spec.step_timeout
-    returned = False
+    returned, ended_at = False, None
     try:
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -404,17 +404,20 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
                 raise error from None
         returned = True
     except SuspendedError:
+        ended_at = time.time()
         kill(actors)
         raise
     except HostLostError as exc:
+        ended_at = time.time()  # before the wait to tell a dead node from a dead process
         raise _lost_host(exc, index, actors, plans) from None
     except BaseException:
+        ended_at = time.time()
         kill(actors)  # cancel the whole gang at once
         raise
     finally:
         hang_watch.forget(watch_keys)
         if attempt.phases_key:
-            _record_phases(timeline, attempt.phases_key, plans, reports, ended_short=not returned)
+            _record_phases(timeline, attempt.phases_key, plans, reports, ended_at=None if returned else ended_at)
     _leave_group(actors, plans, reports)
     if timeline is not None:
         timeline.hosts(reports)
@@ -431,12 +434,13 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
 
 
 def _record_phases(timeline: phases.Timeline | None, key: str, plans: list[HostPlan],
-                   reports: list[dict[str, float]], *, ended_short: bool) -> None:
-    """After an end short of success: the hosts' phases from what they published; then the keys are forgotten."""
+                   reports: list[dict[str, float]], *, ended_at: float | None) -> None:
+    """After an end short of success (at `ended_at`, when the gang was stopped): the hosts' phases from what they
+    published; then the keys are forgotten."""
     try:
-        if ended_short and timeline is not None:
+        if ended_at is not None and timeline is not None:
             found = phases.published(key, {i: plan.label for i, plan in enumerate(plans) if not reports[i]})
-            timeline.hosts(phases.ended_short(reports, found, time.time()))
+            timeline.hosts(phases.ended_short(reports, found, ended_at))
     except Exception as exc:  # figures must never hide the step's own outcome
         print(f"[rayslice] the hosts' phase times are unavailable: {type(exc).__name__}: {exc}", flush=True)
     finally:
