@@ -47,7 +47,7 @@ _flags_without_placeholders()
 
 def _kuberay() -> None:
     try:
-        from rayslice.cloud.kuberay import app as kuberay_app
+        from rayslice.cloud.kuberay_cli import app as kuberay_app
     except ImportError:  # pragma: no cover - module is part of the package
         return
     app.add_typer(kuberay_app, name="kuberay")
