@@ -268,3 +268,12 @@ def reference_file(name: str) -> Path:
 def reference_crds() -> list[Path]:
     """KubeRay's real RayCluster and RayJob CRD files."""
     return [reference_file(name) for name in REFERENCE_CRDS]
+
+
+#: KubeRay releases whose CRDs `shared/reference/kuberay-crds/<release>/` holds (ray.io_rayclusters/rayjobs.yaml).
+KUBERAY_RELEASES = ("v1.5.1", "v1.6.2", "v1.7.0")
+
+
+def kuberay_release_crds(release: str) -> list[Path]:
+    """One KubeRay release's RayCluster and RayJob CRD files; missing, a skip here and a failure under CI."""
+    return [reference_file(f"kuberay-crds/{release}/ray.io_{plural}.yaml") for plural in ("rayclusters", "rayjobs")]

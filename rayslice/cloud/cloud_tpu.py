@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rayslice.cloud.pins import JAX_VERSION, PYTHON_VERSION, RAY_VERSION, RAYSLICE_VERSION
+from rayslice.cloud.pins import JAX_VERSION, PYTHON_MATCH_LEVEL_ENV, PYTHON_VERSION, RAY_VERSION, RAYSLICE_VERSION
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 
@@ -239,6 +239,10 @@ def _script(title: str, start: str, *, install: bool, packages: tuple[str, ...],
                   f"RAY_AUTH_TOKEN=\"$(gcloud secrets versions access latest --secret={shlex.quote(token_secret)} "
                   "| tr -d '\\n')\"",
                   "export RAY_AUTH_TOKEN"]
+    # Ray refuses a node whose Python differs from the head's at patch level by default, and the joining node
+    # checks itself. Head and hosts made by these scripts share one exact Python; this covers a head or an
+    # image made another way (install=False) that differs at patch level only.
+    lines.append(f"export {PYTHON_MATCH_LEVEL_ENV}=minor")
     if not install:
         return "\n".join([*lines, f"ray {start}"]) + "\n"
     if wheel:

@@ -23,7 +23,7 @@ import typer
 import yaml
 
 from rayslice.cloud.kuberay_crds import HOW_TO_VALIDATE, CrdUnavailableError, KubeRayCrds
-from rayslice.cloud.pins import DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, RAY_VERSION
+from rayslice.cloud.pins import DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, KUBERAY_FLOOR, KUBERAY_HELM_VERSION, RAY_VERSION
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV
 from rayslice.core.exceptions import InvalidRequestError
@@ -270,7 +270,7 @@ def render_raycluster(
     and push them, then pass the pushed names. ``rayVersion`` is a Ray image's tag's version, else the
     pinned Ray the recipes install.
 
-    Secure by default: Ray token auth is on (``authOptions``, KubeRay >= 1.5.1, Ray >= 2.52), with the
+    Secure by default: Ray token auth is on (``authOptions``, KubeRay >= 1.6.0, Ray >= 2.52), with the
     token in the Secret ``token_secret`` (default ``<name>-ray-token``, key ``auth_token``), which must
     exist before the pods start (``CreateRayClusterOperator`` makes it); the `ray` connection reads the
     same Secret. The head Service is ClusterIP unless ``head_service_type`` says otherwise, and an
@@ -427,7 +427,40 @@ def validate(manifest: dict[str, Any], crds: KubeRayCrds) -> str:
     CrdUnavailableError when ``crds`` has no CRD of the manifest's kind.
     """
     check_rules(manifest)
+    check_auth_floor(manifest, crds)
     return crds.validate(manifest)
+
+
+def _auth_options(manifest: dict[str, Any]) -> dict[str, Any]:
+    spec = manifest.get("spec") or {}
+    if manifest.get("kind") == "RayJob":
+        spec = spec.get("rayClusterSpec") or {}
+    return spec.get("authOptions") or {}
+
+
+def check_auth_floor(manifest: dict[str, Any], crds: KubeRayCrds) -> None:
+    """Refuse, naming the version, a token-auth manifest for a KubeRay older than ``KUBERAY_FLOOR``.
+
+    Why not let the schema say it: KubeRay 1.5.x's ``authOptions`` has ``mode`` only. ``kubectl apply``
+    then rejects ``secretName`` with a bare schema error, and a client without strict field validation
+    has it pruned: KubeRay 1.5 makes its own random token and every step gets a 401. Neither says that
+    the operator is too old.
+    """
+    auth = _auth_options(manifest)
+    if "secretName" not in auth:
+        return
+    kind = str(manifest.get("kind"))
+    version = str(manifest.get("apiVersion", "")).partition("/")[2] or "v1"
+    fields = crds.auth_fields(kind, version)
+    if fields is not None and "secretName" in fields:
+        return
+    has = "no authOptions" if fields is None else f"authOptions with {', '.join(sorted(fields)) or 'no fields'} only"
+    raise InvalidRequestError(
+        f"{crds.describe(kind, version)} is from a KubeRay older than {KUBERAY_FLOOR} ({has}): rayslice's "
+        f"token-auth clusters need authOptions.secretName, which first shipped in KubeRay {KUBERAY_FLOOR}. "
+        f"Upgrade the operator (`helm upgrade --install kuberay-operator kuberay/kuberay-operator --version "
+        f"{KUBERAY_HELM_VERSION}`, or a GKE version whose Ray add-on has KubeRay >= {KUBERAY_FLOOR}); nothing was "
+        "created")
 
 
 def _cluster_crds(kubeconfig: str | None, context: str | None) -> tuple[KubeRayCrds, Callable[[], None]]:
