@@ -29,6 +29,14 @@ OTHER_TOOLS_FLAGS = {"--xla", "--no-index", "--find-links", "--compile-bytecode"
                      # gcloud's, named in deploying-gke.md's prose (its commands' flags: CHECKED_GCLOUD in
                      # tests/test_deploying_docs.py, each checked against Google's reference)
                      "--cluster-version", "--tpu-topology", "--placement-policy",
+                     # gcloud's, named in the prose of deploying-gke.md, deploying-tpu-vms.md and metrics.md (issue 50):
+                     # https://cloud.google.com/sdk/gcloud/reference/container/clusters/update (Ray add-on
+                     # monitoring and logging), .../compute/accelerator-types/list (--filter: gcloud-wide),
+                     # .../compute/tpus/queued-resources/delete (--force), .../compute/instances/create
+                     # (--image-family, --image-project)
+                     "--enable-cost-allocation", "--filter", "--enable-ray-cluster-monitoring",
+                     "--enable-ray-cluster-logging", "--location", "--zone", "--force", "--image-family",
+                     "--image-project",
                      # `ray start --labels`, named in cli.md for `rayslice launcher-label`'s value
                      "--labels"}
 BLOCK = re.compile(r"^```(\w*)\n.*?^```$", re.S | re.M)
