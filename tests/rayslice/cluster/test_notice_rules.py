@@ -649,3 +649,62 @@ def test_an_admitted_fractions_worker_start_has_its_own_start_budget_not_what_th
 def test_a_fraction_whose_worker_is_still_starting_acts_on_the_queues_notice_at_once(monkeypatch):
     with pytest.raises(SuspendedError, match="still starting"):
         _fraction(monkeypatch, starts_on_wait=None, suspend=("suspended for d.urgent (priority 10)", 30.0))
+
+
+class _NoDrain:
+    """No host output to wait for (no Ray driver prints it here)."""
+
+    QUIET_S = 0.0
+
+    def wait(self, labels, quiet=0.0):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("resumptions_left", [1, 0])
+def test_the_launcher_acts_on_a_notice_while_the_hosts_start_only_where_a_resumption_is_left(
+        fake, monkeypatch, resumptions_left):
+    """Finding 4 through `_reserve_and_run_on_slices`: a victim still starting frees its slice within the grace,
+    and its capacity is released; with no resumption left an hour's drain notice lets it start and finish."""
+    import rayslice.cluster as launcher
+
+    plans = _plans(2)
+    released = []
+    reservation = types.SimpleNamespace(hosts=plans, hosts_group=None, bundles={(0, 0): 0, (0, 1): 1},
+                                        release=lambda: released.append(1) or [])
+    polls = []  # the watch's looks at the GCS: the hosts start only once it has seen the drain
+
+    class Started:
+        @property
+        def outcome(self):
+            return HANG if resumptions_left or len(polls) < 2 else 0
+
+    started = Started()
+    actor = types.SimpleNamespace(free_port=types.SimpleNamespace(remote=lambda: started))
+    monkeypatch.setattr(launcher, "reserve_slices", lambda *a, **k: reservation)
+    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+                        lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
+    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: launcher.HostsEnv(None, None))
+    monkeypatch.setattr(launcher.gang, "wait_dead", lambda actors, timeout=0: [])
+    monkeypatch.setattr(launcher.gang, "LogDrain", _NoDrain)
+    monkeypatch.setattr(launcher.gang, "run_gang", lambda actors, plans, spec, attempt, timeline, watch=None: ["done"])
+    monkeypatch.setattr(gang.node_probe, "raylet_unreachable", lambda node: False)
+    monkeypatch.setattr(notices, "draining", lambda nodes: polls.append(1) or {"node0": time.time() + 3600})
+    place = _Place([], [], True)
+    place.grow = None
+    spec = COMMAND.model_copy(update={"preemption_retries": resumptions_left})
+    waits = launcher.Waits(capacity=10.0, start=5.0, resumptions_left=resumptions_left)
+
+    def run():
+        return launcher._reserve_and_run_on_slices(spec, spec.request, launcher.gang.Attempt(),
+                                                   launcher.phases.Timeline(), waits, "rayslice:t", time.monotonic(),
+                                                   place)
+    if resumptions_left:
+        with pytest.raises(SuspendedError, match="still starting"):
+            run()
+        assert waits.start > 5.0 - 3.0, "it waited out its start-up, not the notice"
+    else:
+        assert run() == ["done"]
+    assert released == [1]
