@@ -26,7 +26,7 @@ from rayslice.core import goodput, launcher
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
 from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError, SuspendedError
-from rayslice.core.step import StepSpec
+from rayslice.core.step import StepSpec, checkpoint_root_problem
 
 __all__ = ["run_step", "reservation_name"]
 #: What sets a shell up for the local cluster (RAY_ADDRESS, RAY_AUTH_MODE, ...), named in refusals.
@@ -54,13 +54,26 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
     first.note("run_step")
     _reap_orphans(spec)
     first.note("reaped")
-    checkpoint_dir = checkpoint_dir_for(spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV), spec.owner)
+    checkpoint_dir = _checkpoint_dir(spec)
     waits = Waits(capacity=spec.capacity_timeout, start=gang.HOST_START_TIMEOUT_S)
     records: list[dict] = []  # every attempt's, for the step's goodput figures
     try:
         return _attempts(spec, first, checkpoint_dir, waits, records, driver_phases)
     finally:
         _report_goodput(spec, records)
+
+
+def _checkpoint_dir(spec: StepSpec) -> str | None:
+    """The step's checkpoint folder: under its own root, else the cluster's (`RAYSLICE_CHECKPOINT_ROOT`).
+
+    The step's root was checked when it was made; the cluster's is checked here, as the step starts: a
+    relative `file://` root would put every checkpoint in a per-step folder that is deleted after the step.
+    """
+    root = spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
+    if not spec.checkpoint_root and root and (problem := checkpoint_root_problem(root)):
+        raise InvalidRequestError(f"the cluster's {CHECKPOINT_ROOT_ENV} {problem}; got {root!r} (set it on every node, "
+                                  "or give the step its own checkpoint_root)")
+    return checkpoint_dir_for(root, spec.owner)
 
 
 def _report_goodput(spec: StepSpec, records: list[dict]) -> None:
