@@ -77,6 +77,7 @@ class Watch:
         """
         self.key = key
         self.resumable = resumable
+        self._held = False  # a notice held back from the hosts until its last call (said once it comes)
         self._nodes = node_ids
         self._requested = requested
         self._poll = poll
@@ -128,7 +129,8 @@ class Watch:
             elif not asked and self._asked is not None and self.notice is not None and self.notice.grow:
                 self._withdraw_offer()
             if self.notice is not None and not self._told and not self.held_back():
-                if not self.resumable and not self.notice.grow:
+                if self._held:
+                    self._held = False
                     print(f"[rayslice] preemption notice: its last call ({self.notice.seconds_left:.0f} s to the "
                           "deadline): every host is told now", flush=True)
                 self._tell_hosts()
@@ -155,6 +157,7 @@ class Watch:
             self.noticed_at = time.time()  # an offer to grow the step carried on past is no notice heard
         self._told = False
         if self.held_back():
+            self._held = True
             print(f"[rayslice] preemption notice: {notice.reason}; deadline in {notice.seconds_left:.0f} s. The step "
                   "has no preemption retry left, so stopping early cannot help: it runs on, and its hosts are told "
                   f"{LAST_CALL_S:.0f} s before it is stopped (to checkpoint for an Airflow retry)", flush=True)

@@ -486,6 +486,7 @@ MAXTEXT = textwrap.dedent("""
     import signal, sys, time
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    open(sys.argv[1] + ".ready", "w").close()
     for step in range(600):
         if stop:                               # reached_preemption(step)
             open(sys.argv[1], "w").write(f"checkpoint {step}")
@@ -502,8 +503,12 @@ EXPORTER = textwrap.dedent("""
 """)
 
 
-def _host_run(tmp_path, argv: list[str], signal_name: str, deliver_after: float, notice_s: float = 30):
-    """One host's program under a notice: what `HostProcess.run` returns (its result, and its report)."""
+def _host_run(tmp_path, argv: list[str], signal_name: str, deliver_after: float, notice_s: float = 30, ready=None):
+    """One host's program under a notice: what `HostProcess.run` returns (its result, and its report).
+
+    The notice comes `deliver_after` s after the start, or once `ready(report_dir)` holds (a loaded machine
+    starts Python slowly).
+    """
     report = tempfile.mkdtemp(dir=tmp_path)
     notice = notices.CommandNotice(os.path.join(report, "notice.json"), signal_name)
     out: dict = {}
@@ -516,7 +521,10 @@ def _host_run(tmp_path, argv: list[str], signal_name: str, deliver_after: float,
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(deliver_after)
+    if ready is None:
+        time.sleep(deliver_after)
+    else:
+        assert _until(lambda: ready(report), timeout=30), "the program never got ready"
     notice.deliver(PreemptionNotice(deadline=time.time() + notice_s, reason="test drain", node="n"))
     thread.join(30)
     return out["result"]
@@ -530,7 +538,8 @@ def test_a_maxtext_like_program_that_saves_and_exits_0_on_the_signal_is_suspende
     if wrapped:  # `exec` keeps the wrapper's pid: the program is the group's leader, as `exec python ...` is
         (tmp_path / "train.sh").write_text(f"echo preflight\nexec {' '.join(argv)}\n")
         argv = ["bash", str(tmp_path / "train.sh")]
-    host = _host_run(tmp_path, argv, "SIGTERM", deliver_after=1.0)
+    host = _host_run(tmp_path, argv, "SIGTERM", deliver_after=0,
+                     ready=lambda report: os.path.exists(f"{saved}.ready"))
     assert saved.read_text().startswith("checkpoint"), host
     with pytest.raises(SuspendedError, match="the step stopped for it"):
         _run(COMMAND, [host], _watch(30, resumable=True))
@@ -551,10 +560,13 @@ def test_a_program_that_wrote_its_result_and_then_died_of_the_notice_signal_has_
     script = tmp_path / "late.py"
     script.write_text(textwrap.dedent("""
         import json, os, time
-        json.dump({"rows": 3}, open(os.environ["RAYSLICE_RESULT_FILE"], "w"))
+        with open(os.environ["RAYSLICE_RESULT_FILE"] + ".tmp", "w") as f:
+            json.dump({"rows": 3}, f)
+        os.replace(os.environ["RAYSLICE_RESULT_FILE"] + ".tmp", os.environ["RAYSLICE_RESULT_FILE"])
         time.sleep(30)                         # exiting: no handler, SIGTERM ends it
     """))
-    host = _host_run(tmp_path, ["python", str(script)], "SIGTERM", deliver_after=1.0)
+    host = _host_run(tmp_path, ["python", str(script)], "SIGTERM", deliver_after=0,
+                     ready=lambda report: os.path.exists(os.path.join(report, "result.json")))
     assert not isinstance(host, BaseException), host
     assert _run(COMMAND, [host], _watch(30, resumable=True)) == [{"rows": 3}]
 
