@@ -532,8 +532,9 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
         watch.__enter__()
     suspended = False
     try:
+        budget = waits.start
         try:  # admitted: its worker's start has the host start budget, not what the queue left of capacity_timeout
-            started_in = _fraction_started(actor, plan, waits.start, watch)
+            started_in = _fraction_started(actor, plan, budget, watch)
         except SuspendedError:
             suspended = True
             raise
@@ -541,7 +542,7 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
             waits.spend("start", placing)
         if started_in is None:
             raise CapacityTimeoutError(
-                f"{request} was admitted, but its process did not start on a node within the {waits.start:.0f} s "
+                f"{request} was admitted, but its process did not start on a node within the {budget:.0f} s "
                 "left of the host start budget (its runtime_env installing, or Ray placing it): nothing was left "
                 "reserved. Check the job log for the runtime_env's setup, or that a node with that accelerator is up."
             )

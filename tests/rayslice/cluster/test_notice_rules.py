@@ -24,7 +24,7 @@ from rayslice.cluster import commands, gang, notices
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import NOTICE_FILE_ENV, PreemptionNotice
-from rayslice.core.exceptions import InvalidRequestError, StepFailedError, SuspendedError
+from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, StepFailedError, SuspendedError
 from rayslice.core.queue import QueueSettings
 from rayslice.core.step import StepSpec
 
@@ -656,6 +656,11 @@ def test_an_admitted_fractions_worker_start_has_its_own_start_budget_not_what_th
     result, waits = _fraction(monkeypatch, starts_on_wait=2)
     assert result == "done"
     assert waits.start < 3.0  # the start was charged to its own budget
+
+
+def test_a_fraction_whose_worker_never_starts_says_so_within_its_start_budget(monkeypatch):
+    with pytest.raises(CapacityTimeoutError, match="did not start on a node within the 3 s left of the host start"):
+        _fraction(monkeypatch, starts_on_wait=None)
 
 
 def test_a_fraction_whose_worker_is_still_starting_acts_on_the_queues_notice_at_once(monkeypatch):
