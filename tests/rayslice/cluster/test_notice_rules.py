@@ -545,12 +545,18 @@ def test_a_maxtext_like_program_that_saves_and_exits_0_on_the_signal_is_suspende
         _run(COMMAND, [host], _watch(30, resumable=True))
 
 
-def test_an_exporter_that_finishes_under_a_notice_is_done_and_not_run_again(fake, tmp_path):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["python", "bash-wrapper"])
+def test_an_exporter_that_finishes_under_a_notice_is_done_and_not_run_again(fake, tmp_path, wrapped):
     """notice_signal="none": the exporter runs on to its end (exit 0, no result file); with a retry left it
     must not be suspended (its resumption would write every row again)."""
     script, rows = tmp_path / "export.py", tmp_path / "rows"
     script.write_text(EXPORTER)
-    host = _host_run(tmp_path, ["python", str(script), str(rows)], "none", deliver_after=0.3)
+    argv = ["python", str(script), str(rows)]
+    if wrapped:
+        (tmp_path / "export.sh").write_text(f"echo preflight\n{' '.join(argv)}\necho exported\n")
+        argv = ["bash", str(tmp_path / "export.sh")]
+    host = _host_run(tmp_path, argv, "none", deliver_after=0,
+                     ready=lambda report: rows.exists())  # the notice comes while it writes
     assert _run(COMMAND, [host], _watch(30, resumable=True)) == [None]
     assert rows.read_text().count("row 0") == 1
 
