@@ -19,7 +19,7 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from rayslice.hooks.ray import RayHook
 from rayslice.operators.setup_triggers import DEFERRAL_GRACE_S, QueuedSliceActiveTrigger
-from rayslice.operators.step import is_templated
+from rayslice.operators.templating import is_templated
 
 from rayslice.cloud import pins
 from rayslice.cloud.cloud_tpu import QueuedSlice, startup_script

@@ -47,7 +47,7 @@ _flags_without_placeholders()
 
 def _kuberay() -> None:
     try:
-        from rayslice.cloud.kuberay import app as kuberay_app
+        from rayslice.cloud.kuberay_cli import app as kuberay_app
     except ImportError:  # pragma: no cover - module is part of the package
         return
     app.add_typer(kuberay_app, name="kuberay")
@@ -425,6 +425,107 @@ def reap(
     console.print(f"{verb}: {len(report.stopped)} job(s) stopped, {len(report.reaped)} leftover(s) removed")
     if not airflow_url:
         console.print("(no --airflow-url: running jobs were not checked against Airflow)")
+
+
+@app.command()
+def doctor(
+    address: Address = None,
+    token: Token = None,
+    conn_id: ConnId = None,
+    name: Name = "default",
+    installed: Annotated[bool | None, typer.Option(
+        "--installed/--shipped", help="The launcher mode to check: rayslice installed in the cluster's image, or "
+        "shipped with each job (default: the connection's `launcher` extra, else shipped).")] = None,
+    checkpoint_root: Annotated[str | None, typer.Option(
+        "--checkpoint-root", help="The checkpoint root a host must write (default: the connection's "
+        "`checkpoint_root` extra, or the local cluster's).")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke/--no-smoke",
+                                        help="Run jax.device_count() on every host of one slice.")] = True,
+    smoke_slice: Annotated[str | None, typer.Option(
+        "--smoke-slice", help="The slice (name or pod type, e.g. v6e-16) for the smoke step; default: a whole one.")
+    ] = None,
+    smoke_timeout: Annotated[float, typer.Option(
+        "--smoke-timeout", min=5, help="Seconds the smoke step may wait for its slice and run.")] = 120.0,
+    kuberay_namespace: Annotated[str | None, typer.Option(
+        "--kuberay-namespace", help="Also check KubeRay in this namespace: CRD version, TPU webhook, RBAC.")] = None,
+    kuberay_cluster: Annotated[str | None, typer.Option(
+        "--kuberay-cluster", help="With --kuberay-namespace: this RayCluster must be ready with its token Secret.")
+    ] = None,
+    kuberay_manage: Annotated[bool, typer.Option(
+        "--kuberay-manage", help="RBAC for creating/deleting RayClusters too (CreateRayClusterOperator), not only "
+        "lookups.")] = False,
+    kubeconfig: Annotated[str | None, typer.Option("--kubeconfig", help="With --kuberay-namespace.")] = None,
+    context: Annotated[str | None, typer.Option("--context", help="With --kuberay-namespace.")] = None,
+    in_cluster: Annotated[bool, typer.Option("--in-cluster", help="With --kuberay-namespace: this pod's service "
+                                                                  "account.")] = False,
+    project: Annotated[str | None, typer.Option("--project", help="Also check Cloud TPU in this GCP project "
+                                                                  "(with --zone).")] = None,
+    zone: Annotated[str | None, typer.Option("--zone", help="The Cloud TPU zone, e.g. us-east5-b.")] = None,
+    tpu_type: Annotated[str | None, typer.Option("--tpu-type", help="With --zone: the zone must offer it, "
+                                                                    "e.g. v6e-16.")] = None,
+    service_account: Annotated[str | None, typer.Option(
+        "--service-account", help="With --project: the TPU VMs' service account must exist.")] = None,
+    egress: Annotated[list[str], typer.Option(
+        "--egress", help="host:port a host must reach (repeat; with --project the startup script's endpoints "
+        "are checked by default).")] = [],  # noqa: B006
+    tpu_api_endpoint: Annotated[str | None, typer.Option("--tpu-api-endpoint", hidden=True)] = None,
+    iam_endpoint: Annotated[str | None, typer.Option("--iam-endpoint", hidden=True)] = None,
+    cluster_checks: Annotated[bool, typer.Option(
+        "--cluster/--no-cluster", help="Check the Ray cluster (default); --no-cluster: only the control planes.")
+    ] = True,
+) -> None:
+    """Preflight: each check PASS or FAIL with the fix (dashboard, token, versions, launcher, slices, checkpoint
+    root, metrics, a jax.device_count() smoke step; KubeRay and Cloud TPU with their flags). Exits 1 on a FAIL."""
+    from rayslice.client.doctor import DEFAULT_EGRESS, Check, Doctor, failed, render
+    from rayslice.cloud.pins import RAY_VERSION
+
+    if (project is None) != (zone is None):
+        raise fail("give --project and --zone together (the Cloud TPU checks need both)")
+    if (tpu_type or service_account) and project is None:
+        raise fail("--tpu-type and --service-account are Cloud TPU checks: give --project and --zone too")
+    if (kubeconfig or context or in_cluster or kuberay_manage or kuberay_cluster) and not kuberay_namespace:
+        raise fail("--kubeconfig, --context, --in-cluster, --kuberay-manage and --kuberay-cluster need "
+                   "--kuberay-namespace")
+    for endpoint in egress:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise fail(f"--egress {endpoint!r}: give host:port, e.g. pypi.org:443")
+    checks: list[Check] = []
+    if cluster_checks:
+        where = target(address, token, conn_id, name)
+        launcher, root = "shipped", checkpoint_root
+        if where.flag.startswith("--conn-id"):
+            from rayslice.hooks.ray import RayHook
+
+            settings = RayHook(conn_id).settings()
+            launcher, root = settings.launcher, root or settings.checkpoint_root
+        elif where.flag.startswith("--name"):
+            root = root or local_cluster.ClusterRecord.load(name).checkpoint_root or None
+        if installed is not None:
+            launcher = "installed" if installed else "shipped"
+        console.print(f"rayslice doctor: {where.url} ({where.flag})", highlight=False)
+        checks += Doctor(where.url, token=where.token, headers=where.headers, verify=where.verify,
+                         launcher=launcher, checkpoint_root=root,
+                         egress=tuple(egress) or (DEFAULT_EGRESS if project else ()), smoke=smoke,
+                         smoke_slice=smoke_slice, smoke_timeout=smoke_timeout, pinned_ray=RAY_VERSION,
+                         emit=lambda line: console.print(line, style="dim", highlight=False, markup=False)).run()
+    if kuberay_namespace:
+        from rayslice.cloud.preflight import kuberay_checks
+
+        checks += kuberay_checks(namespace=kuberay_namespace, kubeconfig=kubeconfig, context=context,
+                                 in_cluster=in_cluster, manage=kuberay_manage, cluster=kuberay_cluster)
+    if project and zone:
+        from rayslice.cloud.preflight import cloud_tpu_checks
+
+        checks += cloud_tpu_checks(project=project, zone=zone, tpu_type=tpu_type, service_account=service_account,
+                                   api_endpoint=tpu_api_endpoint, iam_endpoint=iam_endpoint)
+    if not checks:
+        raise fail("nothing to check: drop --no-cluster, or add --kuberay-namespace or --project/--zone")
+    console.print(render(checks), highlight=False, markup=False, soft_wrap=True)
+    bad = failed(checks)
+    console.print(f"{len(bad)} check(s) failed" if bad else "all checks passed", highlight=False)
+    if bad:
+        raise typer.Exit(1)
 
 
 cloud_tpu = typer.Typer(help="Cloud TPU VMs (no KubeRay) whose hosts join a Ray cluster.", no_args_is_help=True)

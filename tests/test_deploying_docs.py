@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayslice.cloud import kuberay
+from rayslice.cloud import kuberay, kuberay_cli
 from rayslice.cloud.kuberay_crds import KubeRayCrds
 from tests.airflow_env import REPO
 from tests.kubernetes_schemas import validate_manifest, validate_object
@@ -201,7 +201,7 @@ def test_every_pod_of_the_gke_pages_cluster_has_a_node_to_run_on():
     command = next(body for lang, body in blocks("deploying-gke.md")
                    if lang == "bash" and "kuberay manifest" in body)
     args = shlex.split(command.replace("\\\n", " ").split(">", 1)[0])[3:]
-    result = CliRunner().invoke(kuberay.app, ["manifest", *args, "--no-validate"])
+    result = CliRunner().invoke(kuberay_cli.app, ["manifest", *args, "--no-validate"])
     assert result.exit_code == 0, result.output
     spec = yaml.safe_load(result.stdout)["spec"]
     pools = gke_pools()
@@ -308,7 +308,7 @@ def test_the_gke_pages_queue_maxima_are_its_clusters():
     assert "--conn-id" in words  # the cluster's token: `--set` is the operator's
     manifest = next(body for lang, body in blocks("deploying-gke.md") if lang == "bash" and "kuberay manifest" in body)
     args = shlex.split(manifest.replace("\\\n", " ").split(">", 1)[0])[3:]
-    result = CliRunner().invoke(kuberay.app, ["manifest", *args, "--no-validate"])
+    result = CliRunner().invoke(kuberay_cli.app, ["manifest", *args, "--no-validate"])
     assert result.exit_code == 0, result.output
     most: dict[str, float] = {}
     for group in yaml.safe_load(result.stdout)["spec"]["workerGroupSpecs"]:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rayslice.cloud.pins import JAX_VERSION, PYTHON_VERSION, RAY_VERSION, RAYSLICE_VERSION
+from rayslice.cloud.pins import JAX_VERSION, PYTHON_MATCH_LEVEL_ENV, PYTHON_VERSION, RAY_VERSION, RAYSLICE_VERSION
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 
@@ -181,7 +181,10 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
     the ones rayslice is tested with, ``rayslice.cloud.pins``) and starts Ray from it, so every Ray
     worker and step runs that Python. It runs at every boot: an existing environment is reused and
     the install is a no-op once done. ``install=False``: the VM image already has all of it; only
-    ``ray start``. Ray detects the slice (TPU_NAME, worker id, pod type) from the TPU VM's metadata itself.
+    ``ray start``. Ray's Python check, made by the joining node, is set to the minor version
+    (``RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor``), or ``python_version`` may name the head's exact
+    patch (``"3.12.12"``).
+    Ray detects the slice (TPU_NAME, worker id, pod type) from the TPU VM's metadata itself.
 
     rayslice is in no package registry, so it is installed only from ``wheel`` (a ``gs://`` or ``https://``
     URL, or a path on the VM, of the wheel ``uv build`` makes), for a ``launcher: installed`` connection.
@@ -202,10 +205,11 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
             raise InvalidRequestError(f"{name} {value!r} is invalid: use a version such as '2.60.0'")
     if not isinstance(venv, str) or not venv.startswith("/"):
         raise InvalidRequestError(f"venv {venv!r} is invalid: give an absolute path, e.g. {VENV_DIR!r}")
-    minor = re.fullmatch(r"3\.(\d+)", python_version) if isinstance(python_version, str) else None
+    minor = re.fullmatch(r"3\.(\d+)(\.\d+)?", python_version) if isinstance(python_version, str) else None
     if not minor or int(minor[1]) < 12:
         raise InvalidRequestError(f"python_version {python_version!r} is invalid: rayslice needs Python 3.12 or "
-                                  "newer, e.g. '3.12' (the Airflow side's minor version, for steps shipped by value)")
+                                  "newer, e.g. '3.12' or the head's exact '3.12.12' (the Airflow side's minor "
+                                  "version, for steps shipped by value)")
     if wheel is not None and not _WHEEL.fullmatch(wheel or ""):
         raise InvalidRequestError(f"wheel {wheel!r} is invalid: give the URL or absolute path of rayslice's wheel, "
                                   "e.g. 'gs://my-bucket/wheels/rayslice-0.1.0-py3-none-any.whl'")
@@ -227,6 +231,9 @@ def startup_script(head_address: str, *, install: bool = True, ray_version: str 
         lines += ["export RAY_AUTH_MODE=token",
                   f"RAY_AUTH_TOKEN=\"$(gcloud secrets versions access latest --secret={shlex.quote(token_secret)})\"",
                   "export RAY_AUTH_TOKEN"]
+    # Ray refuses a node whose Python differs from the head's at patch level by default; uv's 3.12.x may not
+    # be the head's. The joining node checks itself, so the hosts' setting is what counts.
+    lines.append(f"export {PYTHON_MATCH_LEVEL_ENV}=minor")
     if not install:
         return "\n".join([*lines, f"ray {start}"]) + "\n"
     if wheel:

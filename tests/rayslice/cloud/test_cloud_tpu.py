@@ -311,3 +311,17 @@ def test_the_startup_script_command_names_the_flag_of_an_unclosed_quote():
     assert result.exit_code == 1 and result.exception is None or isinstance(result.exception, SystemExit), \
         result.exception
     assert "--ray-start-args" in result.output and "Traceback" not in result.output
+
+
+def test_hosts_join_a_head_whose_python_differs_at_patch_level():
+    """Ray 2.60 refuses a node whose Python differs from the head's at patch level unless
+    RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor (ray._private.utils.check_version_info); uv picks a 3.12.x."""
+    from rayslice.cloud.cloud_tpu import startup_script
+
+    for install in (True, False):
+        script = startup_script("10.0.0.2:6379", install=install)
+        assert script.index("export RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor") < script.index(" start --address")
+    pinned = startup_script("10.0.0.2:6379", python_version="3.12.12")  # or pin the head's exact patch
+    assert "uv venv --python 3.12.12" in pinned
+    with pytest.raises(InvalidRequestError, match="python_version '3.11.9'"):
+        startup_script("10.0.0.2:6379", python_version="3.11.9")
