@@ -344,3 +344,113 @@ def test_what_a_launcher_sends_never_changes_the_operators_policy_or_quotas(brok
     assert broker.settings.quotas == {"g": {"v6e-4": 0}}
     # The one v6e-4 goes to the later step within its quota, not to the team over its quota that asked first.
     assert not state["admitted"] and broker.heartbeat(within)["admitted"]
+
+
+
+def _round(broker, *entries, **suspended):
+    """One beat from each launcher (a replan apart, so no place expires); the answers by id. `suspended`: what a
+    launcher says it was told (by id)."""
+    out = {}
+    for e in entries:
+        broker.clock.now += queue.REPLAN_S
+        out[e["id"]] = broker.heartbeat(e, suspended=suspended.get(e["id"]))
+    return out
+
+
+def test_a_suspended_step_keeps_its_place_and_nobody_it_outranks_takes_its_slices(broker):
+    """Issue 49 (1): V left the queue at its release and rejoined seconds later: meanwhile the broker admitted H
+    and L onto its two slices, and V, back "first in line", waited for both (and could hit capacity_timeout).
+    Its launcher now requeues the place in one call (`requeue`), and rejoins with the next attempt's request."""
+    broker.set_settings({"preemption": "lower-priority"})
+    v, h, l = _slices("v", n=2, preemptible=True), _slices("h", priority=10, at=2), _slices("l", at=3)
+    assert _round(broker, v)["v"]["admitted"]
+    _round(broker, v, h, l)
+    assert "suspend" in _round(broker, v, h, l)["v"]
+    away = {**v, "admitted": False, "rejoining": True}
+    state = broker.requeue(away)  # at its release: back in line at its arrival (behind H only), still beating
+    assert not state["admitted"] and state["rank"] == 2 and broker.suspending == {}
+    for _ in range(3):  # the seconds its launcher spends between attempts: beats from everyone
+        _round(broker, h, l, away)
+    assert "h" in broker.running and "l" not in broker.running and "v" not in broker.running
+    assert not broker.reasons["v"].startswith("first in line")  # it suspends nobody while it is away
+    state = broker.requeue({**v, "admitted": False})  # the next attempt's request: first in line now
+    assert not state["admitted"] and state["rank"] == 1
+    broker.leave("h")
+    answers = _round(broker, l, {**v, "admitted": False})
+    assert answers["v"]["admitted"] and not _round(broker, l)["l"]["admitted"]
+
+
+def test_an_elastic_step_alone_in_its_line_does_not_take_what_a_requeued_step_released(monkeypatch):
+    broker = make_broker(monkeypatch, {"v6e-16": 3})
+    v = _slices("v", n=2, preemptible=True)
+    request = TpuSliceRequest(tpu="v6e-16", num_slices=(1, 3), multislice=True, elastic_wait=0)
+    e = rules.entry_for(request, id="e", label="d.e", arrival=1001.0).to_json()
+    assert _round(broker, v)["v"]["admitted"]
+    assert _round(broker, v, e)["e"]["admitted"] and broker.entries["e"].amount == 1  # the one slice free
+    broker.leave("e")  # it ended; V stops (a lost host) and requeues: a later elastic step asks, alone in line
+    away = {**v, "admitted": False, "rejoining": True}
+    broker.requeue(away)
+    e2 = {**e, "id": "e2", "arrival": 1002.0}
+    assert not _round(broker, away, e2)["e2"]["admitted"]  # not all three: V is ahead of it
+    broker.clock.now += 2 * queue.PLAN_S
+    assert broker.requeue({**v, "admitted": False})["admitted"]  # planned at once: admitted in the same call
+    assert _round(broker, e2)["e2"]["admitted"] and broker.entries["e2"].amount == 1
+
+
+def test_an_urgent_step_within_its_quota_preempts_behind_a_borrower_at_the_head_of_its_line(broker):
+    """Issue 49 (5): `_choose_suspensions` looked at the line's first entry only, an over-quota borrower there,
+    so the urgent request within its quota right behind it never suspended anyone."""
+    broker.set_settings({"preemption": "lower-priority", "quotas": {"a": {"v6e-16": 16}}})
+    a1 = rules.entry_for(TpuSliceRequest(tpu="v6e-16"), id="a1", label="d.a1", team="a", arrival=1.0).to_json()
+    v = _slices("v", preemptible=True, at=2)
+    a2 = rules.entry_for(TpuSliceRequest(tpu="v6e-16"), id="a2", label="d.a2", team="a", priority=10,
+                         arrival=3.0).to_json()
+    u = rules.entry_for(TpuSliceRequest(tpu="v6e-16"), id="u", label="d.u", team="u", priority=5,
+                        arrival=4.0).to_json()
+    assert all(s["admitted"] for s in _round(broker, a1, v).values())
+    _round(broker, a1, v, a2, u)
+    answers = _round(broker, a1, v, a2, u)
+    assert answers["a2"]["reason"].startswith("team a over its quota")
+    assert answers["u"]["reason"].startswith("first in line")
+    assert _round(broker, v)["v"]["suspend"].startswith("suspended for d.u (priority 5")
+
+
+def test_a_kind_an_autoscaler_adds_is_never_preempted_even_with_max_capacity_set(broker, monkeypatch):
+    """Issue 49 (7): docs/sharing.md says kinds an autoscaler adds are never preempted, but a finite
+    `max_capacity` made them preemptible (a running step there may still wait for its node: suspending
+    it frees nothing)."""
+    from rayslice.cluster import reservation
+
+    monkeypatch.setattr(type(broker), "_capacity", REAL_CAPACITY)
+    monkeypatch.setattr(queue.ray, "nodes", lambda: [])
+    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: True)
+    monkeypatch.setattr(queue, "group_maxima", lambda: {}, raising=False)
+    broker.set_settings({"max_capacity": {"v6e-16": 1}, "preemption": "lower-priority"})
+    v, h = _slices("v", preemptible=True), _slices("h", priority=10, at=1)
+    assert _round(broker, v)["v"]["admitted"]
+    for _ in range(2):
+        answers = _round(broker, v, h)
+    assert not answers["h"]["admitted"] and "suspend" not in answers["v"]
+
+
+def test_a_broker_made_anew_remembers_which_step_is_being_suspended(broker):
+    """Issue 49 (8): a broker restart forgot `suspending` and `told`; the new one chose victims afresh (by the
+    launchers' admission clocks) and told a second step to suspend while the first was checkpointing."""
+    broker.set_settings({"preemption": "lower-priority"})
+    first, second, h = _slices("v1", preemptible=True), _slices("v2", preemptible=True, at=1), \
+        _slices("h", priority=10, at=2)
+    assert all(s["admitted"] for s in _round(broker, first, second).values())
+    _round(broker, first, second, h)
+    answers = _round(broker, first, second, h)
+    told, other = (first, second) if "suspend" in answers["v1"] else (second, first)
+    why = broker.suspending[told["id"]]
+    assert "suspend" not in answers[other["id"]]
+    fresh = type(broker)()  # made anew: every launcher re-registers with its entry, and what it heard
+    fresh.clock = broker.clock
+    # The launchers' clocks when they heard their admissions: now the other one reads as the younger.
+    other = {**other, "admitted": True, "admitted_at": broker.clock.now + 50}
+    told = {**told, "admitted": True, "admitted_at": broker.clock.now}
+    for _ in range(int(queue.RECOVERY_S / queue.REPLAN_S) + 3):
+        answers = _round(fresh, other, told, h, **{told["id"]: why})
+    assert "suspend" not in answers[other["id"]] and answers[told["id"]]["suspend"] == why
+    assert fresh.suspending == {told["id"]: why}
