@@ -332,3 +332,22 @@ def test_an_elastic_step_is_admitted_only_on_slices_with_every_host(broker, monk
     assert reservation.intact_slices(TpuSliceRequest(tpu="v6e-16"), nodes) == 2
     assert _beat(broker, _elastic("e", 1, 3, broker.clock.now))["admitted"]
     assert broker.entries["e"].amount == 2
+
+
+def test_a_step_that_stopped_to_grow_comes_back_on_at_least_what_it_had(broker):
+    """Issue 49 (1): a step that stopped for an offer left the queue before it rejoined; a later one-slice step
+    took one of its slices meanwhile, and it came back waiting for slices it had held (docs/elastic.md: never
+    fewer than it had). It requeues at its release, and rejoins asking for at least what it had."""
+    g = _elastic("g", 1, 4, broker.clock.now)
+    busy = _fixed("busy", 2, broker.clock.now - 1)
+    assert _beat(broker, busy)["admitted"] and _beat(broker, g)["admitted"] and broker.entries["g"].amount == 2
+    broker.leave("busy")
+    assert _round(broker, g)["g"].get("grow")  # two more free: it checkpoints and stops to take them
+    broker.requeue({**g, "amount": 2.0, "admitted": False, "rejoining": True})  # at its release
+    later = _fixed("later", 1, broker.clock.now)
+    away = {**g, "admitted": False, "rejoining": True}
+    assert not _round(broker, later, away, later)["later"]["admitted"]
+    back = rules.entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=(1, 4), multislice=True, elastic_wait=0),
+                           id="g", label="d.g", arrival=g["arrival"], least_slices=2).to_json()
+    broker.clock.now += queue.REPLAN_S
+    assert broker.requeue(back)["admitted"] and broker.entries["g"].amount >= 2
