@@ -565,3 +565,20 @@ def test_a_launcher_never_leaves_the_queue_between_a_suspended_attempt_and_its_r
     assert methods.count("requeue") == 2 and "leave" not in methods[:max(i for i, m in enumerate(methods)
                                                                           if m == "requeue")], methods
     assert len({id for _, id in handle.calls}) == 1  # one place for both attempts
+
+
+def test_a_requeue_with_a_broker_from_before_it_leaves_and_registers_again(broker, monkeypatch):
+    """A detached broker started by an older rayslice has no `requeue`: the place must still come back (at its
+    arrival) rather than beat a call that can never succeed and expire."""
+    handle = _Handle(broker)
+    handle.watched = "v"
+    del handle.requeue
+    monkeypatch.setattr(queue, "broker", lambda: handle)
+    monkeypatch.setattr(queue.ray, "get", lambda value, timeout=None: value)
+    monkeypatch.setattr(queue.Place, "_run", lambda place: None)
+    place = queue.Place(rules.Entry.from_json(_slices("v", n=2)))
+    assert place.join().admitted.is_set()
+    place.requeue()
+    assert [name for name, _ in handle.calls] == ["heartbeat", "leave", "heartbeat"]
+    assert not broker.entries["v"].admitted and broker.entries["v"].arrival == 1000.0
+    assert not place.admitted.is_set() and not place._requeue
