@@ -357,6 +357,9 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     try:
         reservation = reserve_slices(request, timeout=waits.capacity, name=name, lost_nodes=waits.lost_nodes,
                                      place=place)
+    except SuspendedError as exc:  # told while Ray still placed its slices: nothing held, it resumes in its place
+        waits.keep_place(place, exc)
+        raise
     finally:
         waits.spend("capacity", reserving)
     timeline.mark("reserved")

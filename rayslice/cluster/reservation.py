@@ -21,6 +21,7 @@ second request claim a busy slice's head), single-host slices are pinned to thei
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -30,7 +31,7 @@ from rayslice.cluster import autoscaler
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest, TpuSliceRequest
-from rayslice.core.exceptions import CapacityTimeoutError, UnsatisfiableRequestError
+from rayslice.core.exceptions import CapacityTimeoutError, SuspendedError, UnsatisfiableRequestError
 from rayslice.core.queue import entry_for
 
 POD_TYPE_LABEL = "ray.io/tpu-pod-type"
@@ -104,6 +105,11 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
     claims only worker 0, so such a slice (a plain Ray task asking for `TPU` on a worker) would be
     held while its hosts stay busy. `lost_nodes`: nodes a step just lost, which the GCS may still show
     alive for seconds; their slices are avoided like broken ones.
+
+    A step the queue tells to suspend while Ray still places its slices (admitted, but its heads or hosts not
+    placed yet) raises `SuspendedError` within `RECHECK_S`, holding nothing: a victim still waiting frees
+    what it holds within the grace, not after its capacity_timeout. The place is then its caller's to keep
+    (the step resumes in it) or leave.
     """
     deadline = time.monotonic() + timeout
     nodes = ray.nodes()  # one snapshot for the reservation (refreshed only for a node that joined since)
@@ -119,10 +125,12 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
     except BaseException:
         place.leave()
         raise
+    suspended = _suspended_by(place)
     try:
-        heads = _hold_heads(request, nodes, broken, deadline, name, lost_nodes)
-    except BaseException:
-        place.leave()
+        heads = _hold_heads(request, nodes, broken, deadline, name, lost_nodes, suspended)
+    except BaseException as exc:
+        if not isinstance(exc, SuspendedError):
+            place.leave()
         raise
     if heads is None:
         place.leave()
@@ -140,18 +148,43 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
                 for _, slice_name, w in plan
             ],
         )
-        if not wait_ready(reservation.hosts_group, deadline):
+        if not _placed(reservation.hosts_group, deadline, suspended):
             busy = f"held the heads of {', '.join(slices)}, but their hosts stayed busy"
             raise _capacity_timeout(request, timeout, busy)
         _map_hosts(reservation, plan, nodes)
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, SuspendedError):
+            reservation.place = None  # its caller keeps the place (the step resumes in it) or leaves it
         reservation.release()
         raise
     return reservation
 
 
+def _suspended_by(place: admission.Place) -> Callable[[], None]:
+    """A check that raises `SuspendedError` once the queue told `place`'s step to suspend (`Place.suspend`)."""
+    def check() -> None:
+        told = getattr(place, "suspend", None)
+        if told is not None:
+            error = SuspendedError(f"suspended by a preemption notice ({told[0]}); Ray was still placing its "
+                                   "slices: no step body ran, and nothing is held", cause="preemption notice")
+            error.node_id, error.slice_name, error.stopped_at_deadline = "", "", False
+            raise error
+    return check
+
+
+def _placed(group: PlacementGroup, deadline: float, suspended: Callable[[], None]) -> bool:
+    """`wait_ready`, looking every `RECHECK_S` whether the step was told to suspend meanwhile (`suspended`)."""
+    while True:
+        suspended()
+        if wait_ready(group, min(deadline, time.monotonic() + RECHECK_S)):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
 def _hold_heads(request: TpuSliceRequest, nodes: list[dict], broken: set[str], deadline: float,
-                name: str, lost: frozenset[str] = frozenset()) -> PlacementGroup | None:
+                name: str, lost: frozenset[str] = frozenset(),
+                suspended: Callable[[], None] = lambda: None) -> PlacementGroup | None:
     """One head per slice, never on a slice that lost a host or whose head is free while a worker is busy.
 
     A trapped slice (a plain Ray task asking for `TPU` sits on a worker) would be held for hosts that
@@ -159,10 +192,12 @@ def _hold_heads(request: TpuSliceRequest, nodes: list[dict], broken: set[str], d
     that match, so the trapped slices are excluded by label, and looked at again every `RECHECK_S`:
     the group is made anew only when that set changes (a trap cleared, or a freshly released
     slice whose workers' chips Ray reports free a moment after its head). None: nothing by `deadline`.
+    `suspended` raises once the queue told the step to suspend (looked at as often): the heads are removed.
     """
     heads, avoided, first = None, None, True
     try:
         while True:
+            suspended()
             if not first:  # a lost host may be back (a new node), or another lost: look again
                 nodes = ray.nodes()
                 broken = _slices(request, nodes, lost)[0]

@@ -765,3 +765,28 @@ def test_a_notice_held_back_from_the_hosts_leaves_their_jax_termination_a_real_f
         assert (line not in printed) is explained and (shutdown_noise.EXPLAINED in printed) is explained, (
             resumable, printed)
         kv.clear()
+
+
+def test_a_victim_suspended_while_ray_places_its_slices_resumes_in_its_place(monkeypatch):
+    """Review 2026-12-06 (4): the reservation now hears the queue's word while Ray places its slices; the launcher
+    must then keep the step's place (requeue it for the next attempt), not leave the queue as after a failure."""
+    import rayslice.cluster as launcher
+
+    calls = []
+    place = _Place([], [], True)
+    place.requeue = lambda: calls.append("requeue") or place
+    place.leave = lambda: calls.append("leave")
+
+    def reserve(request, timeout, name, lost_nodes, place):
+        error = SuspendedError("suspended by a preemption notice (suspended for d.urgent (priority 10)); Ray was "
+                               "still placing its slices")
+        error.node_id, error.slice_name, error.stopped_at_deadline = "", "", False
+        raise error
+
+    monkeypatch.setattr(launcher, "check_satisfiable", lambda *a, **k: set())
+    monkeypatch.setattr(launcher, "_admit", lambda spec, waits, timeline, most_slices=None: place)
+    monkeypatch.setattr(launcher, "reserve_slices", reserve)
+    waits = launcher.Waits(capacity=10.0, start=5.0, resumptions_left=1)
+    with pytest.raises(SuspendedError):
+        launcher._run_on_slices(COMMAND, COMMAND.request, launcher.gang.Attempt(), launcher.phases.Timeline(), waits)
+    assert calls == ["requeue"] and waits.requeued is place

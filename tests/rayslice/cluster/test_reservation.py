@@ -313,3 +313,53 @@ def test_a_retry_avoids_the_slice_of_a_node_just_lost_while_the_gcs_still_shows_
             assert {host.slice_name for host in held.hosts} != {lost_slice}
         finally:
             assert held.release() == []
+
+
+class _SuspendedWhileWaiting:
+    """A step's queue place, admitted at once, that the broker tells to suspend after `after` looks at Ray's
+    placement; records whether the reservation gave the place up (its caller keeps or leaves it)."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.looks, self.left, self.suspend = after, 0, False, None
+
+    def wait(self, timeout):
+        return 0.0
+
+    def leave(self):
+        self.left = True
+
+
+@pytest.mark.parametrize("waiting_for", ["heads", "hosts"])
+def test_a_victim_still_waiting_for_ray_to_place_its_slices_gives_them_back_at_once(monkeypatch, waiting_for):
+    """Review 2026-12-06 (4): a victim admitted but still waiting for Ray to place its heads (or its hosts,
+    behind a busy worker) heard the suspension only once placed, so it held what it had until its whole
+    capacity_timeout. It looks at its place's word while it waits, and gives back what it holds at once."""
+    from rayslice.core.exceptions import SuspendedError
+
+    place = _SuspendedWhileWaiting(after=3)
+    made, removed = [], []
+
+    def ready(group, deadline):
+        place.looks += 1
+        assert place.looks <= place.after + 1, "it waited on for Ray after it was told to suspend"
+        if place.looks == place.after:
+            place.suspend = ("suspended for d.urgent (priority 10)", 30.0)
+        return waiting_for == "hosts" and group == "heads"  # the heads placed at once, or never
+
+    def group(bundles, strategy, name, bundle_label_selector):
+        made.append(name.rsplit("/", 1)[1])
+        return name.rsplit("/", 1)[1]
+
+    monkeypatch.setattr(reservation.ray, "nodes", lambda: [])
+    monkeypatch.setattr(reservation, "check_satisfiable", lambda request, nodes, lost=frozenset(): set())
+    monkeypatch.setattr(reservation, "trapped_slices", lambda request, nodes, broken: set())
+    monkeypatch.setattr(reservation, "_slices", lambda request, nodes, lost: (set(), 1))
+    monkeypatch.setattr(reservation, "_slice_names", lambda heads, nodes: ["v6e-16-a"])
+    monkeypatch.setattr(reservation, "placement_group", group)
+    monkeypatch.setattr(reservation, "remove_placement_group", removed.append)
+    monkeypatch.setattr(reservation, "_removed", lambda group: True)
+    monkeypatch.setattr(reservation, "wait_ready", ready)
+    with pytest.raises(SuspendedError, match="d.urgent"):
+        reserve_slices(TpuSliceRequest(tpu="v6e-16"), timeout=600, name="rayslice:v", place=place)
+    assert sorted(removed) == sorted(made) and made  # nothing held
+    assert not place.left  # the launcher requeues it (it resumes in its place) or leaves it
