@@ -344,9 +344,9 @@ class Broker:
         totals, autoscaled, devices = self._capacity(kinds)  # a GCS read every TOTALS_TTL_S, not timed
         started = time.perf_counter()
         # An elastic step is granted slices it can reserve: those with every host (as offers to grow count them).
-        intact = {k: min(v, totals.get(k, v)) for k, v in self._intact.items()}
+        intact = {**totals, **{k: min(v, totals.get(k, v)) for k, v in self._intact.items()}}
         decided = rules.plan_lines(self.lines, list(self.running.values()), totals, self.settings,
-                                   autoscaled=autoscaled, devices=devices, intact={**totals, **intact})
+                                   autoscaled=autoscaled, devices=devices, intact=intact)
         admitted_at = time.time()
         for id in decided.admit:
             e = self.entries[id]
@@ -360,13 +360,13 @@ class Broker:
         # capacity freed otherwise, is taken back before its step hears it.
         self.suspending = {id: why for id, why in self.suspending.items() if id in self.told}
         if self.settings.preemption == "lower-priority":
-            self._choose_suspensions(totals, devices, autoscaled)
+            self._choose_suspensions(totals, devices, autoscaled, intact)
         self._offer_growth(totals, autoscaled)
         self._planned, self._dirty = time.monotonic(), False
         self.plan_ms = [*self.plan_ms[-999:], (time.perf_counter() - started) * 1000]
 
     def _choose_suspensions(self, totals: dict[str, float], devices: dict[str, list[float]],
-                            autoscaled: set[str]) -> None:
+                            autoscaled: set[str], intact: dict[str, float] | None = None) -> None:
         """`preemption: lower-priority`: the first request of each kind that waits for capacity may suspend
         preemptible steps.
 
@@ -375,6 +375,8 @@ class Broker:
         borrowers over their team's quota (set aside). The choice is `rules.victims`. The chosen
         steps' launchers hear it at their next beat. Kinds an autoscaler adds are never preempted (a
         request there waits for the autoscaler, and a running step may be one still waiting for its node).
+        An elastic request counts only the slices with every host (`intact`), as its grant does: a free
+        slice missing a host is no room for it.
         """
         running = list(self.running.values())
         for kind, line in self.lines.items():
@@ -389,8 +391,10 @@ class Broker:
                     break
             if head is None:
                 continue
-            for victim in rules.victims(head, running, totals.get(kind, 0), frozenset(self.suspending),
-                                        devices.get(kind)):
+            total = totals.get(kind, 0)
+            if head.elastic and intact is not None:
+                total = min(total, intact.get(kind, total))
+            for victim in rules.victims(head, running, total, frozenset(self.suspending), devices.get(kind)):
                 self.suspending[victim.id] = (f"suspended for {rules.seen_by(head, victim)} (priority {head.priority}, "
                                               f"waiting for {head.what}; this step's priority is {victim.priority})")
 

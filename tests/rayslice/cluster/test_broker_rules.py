@@ -584,3 +584,20 @@ def test_a_requeue_with_a_broker_from_before_it_leaves_and_registers_again(broke
     assert [name for name, _ in handle.calls] == ["heartbeat", "leave", "heartbeat"]
     assert not broker.entries["v"].admitted and broker.entries["v"].arrival == 1000.0
     assert not place.admitted.is_set() and not place._requeue
+
+
+def test_an_urgent_elastic_step_preempts_when_only_a_slice_missing_a_host_is_free(monkeypatch):
+    """Elastic grants count only intact slices, but the choice of victims counted every slice with a worker 0:
+    with the one free slice missing a host, an urgent elastic (1, 2) step was "first in line" yet the broker
+    saw room for it and suspended nobody, so it waited for a natural release."""
+    broker = make_broker(monkeypatch, {"v6e-16": 3})
+    broker._intact = {"v6e-16": 2}  # slice c lost worker 2; its worker 0 lives
+    broker.set_settings({"preemption": "lower-priority"})
+    v, fixed = _slices("v", preemptible=True), _slices("f", at=1)
+    request = TpuSliceRequest(tpu="v6e-16", num_slices=(1, 2), multislice=True, elastic_wait=0)
+    urgent = rules.entry_for(request, id="e", label="d.e", priority=10, arrival=1002.0).to_json()
+    assert all(s["admitted"] for s in _round(broker, v, fixed).values())
+    for _ in range(2):
+        answers = _round(broker, v, fixed, urgent)
+    assert not answers["e"]["admitted"] and answers["e"]["reason"].startswith("first in line")
+    assert _round(broker, v)["v"]["suspend"].startswith("suspended for d.e (priority 10")
