@@ -65,6 +65,10 @@ EXPIRE_S = 3.0
 PROBE_LOST_S = 30.0
 #: An offer to grow that the step has not acted on after this long is taken back (and not made again as long).
 GROW_OFFER_S = 600.0
+#: A step between two attempts (`rejoining`) stops its line this long at most: its launcher ends the suspended
+#: attempt's hosts (up to gang's wait plus HOSTS_END_S), drains their logs and lists its checkpoints first. A
+#: launcher alive but stuck past it (a hung listing) no longer keeps everyone behind it waiting; it keeps its arrival.
+REJOIN_S = 180.0
 #: After a fresh start while launchers held places, the broker admits nothing this long (they re-register).
 RECOVERY_S = 3.0
 #: How long the broker reuses its reading of the cluster's capacity, and of its settings.
@@ -166,6 +170,7 @@ class Broker:
         self._probes: list[float] = []  # when the probes on their way through the queue were sent (`caught_up_to`)
         self._known_devices: dict[str, list[float]] = {}  # each node's devices, dead nodes too (`refusal`)
         self._intact: dict[str, float] = {}  # slice type -> its slices with every host alive (room to grow into)
+        self.rejoining_since: dict[str, float] = {}  # id -> (monotonic) since when it is between attempts
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
                   beat_s: float = HEARTBEAT_S, sent: float | None = None, suspended: str | None = None,
@@ -190,6 +195,8 @@ class Broker:
                     return {"admitted": False, "refused": why, "beat_s": HEARTBEAT_S}
             self.entries[mine.id] = mine
             mine.priority = self.settings.priority_of(mine.priority, mine.team)  # the operator's cap, if any
+            if mine.rejoining:  # kept across a repeated requeue (`requeue`): its line stops at it for REJOIN_S at most
+                self.rejoining_since.setdefault(mine.id, time.monotonic())
             if mine.admitted:
                 self.running[mine.id] = mine
                 if suspended:  # heard before this broker's time: it is checkpointing now (no taking it back)
@@ -244,7 +251,10 @@ class Broker:
         requests ranked ahead of it (leaving and registering again let a later, lower-ranked step take it
         in between). A place this broker does not know (made anew meanwhile) is registered.
         """
+        since = self.rejoining_since.get(entry["id"])  # a requeue sent again (a lost reply) extends nothing
         self._drop(entry["id"])
+        if since is not None and entry.get("rejoining"):
+            self.rejoining_since[entry["id"]] = since
         return self.heartbeat(entry, beat_s=beat_s)
 
     def set_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
@@ -277,6 +287,7 @@ class Broker:
         self.growing.pop(id, None)
         self.told_grow.discard(id)
         self.no_offer_until.pop(id, None)
+        self.rejoining_since.pop(id, None)
         if self.running.pop(id, None) is None:
             self._unline(e)
 
@@ -345,8 +356,10 @@ class Broker:
         started = time.perf_counter()
         # An elastic step is granted slices it can reserve: those with every host (as offers to grow count them).
         intact = {**totals, **{k: min(v, totals.get(k, v)) for k, v in self._intact.items()}}
+        now = time.monotonic()
+        lapsed = frozenset(id for id, since in self.rejoining_since.items() if now - since >= REJOIN_S)
         decided = rules.plan_lines(self.lines, list(self.running.values()), totals, self.settings,
-                                   autoscaled=autoscaled, devices=devices, intact=intact)
+                                   autoscaled=autoscaled, devices=devices, intact=intact, lapsed=lapsed)
         admitted_at = time.time()
         for id in decided.admit:
             e = self.entries[id]

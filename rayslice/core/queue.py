@@ -312,6 +312,9 @@ def refusal(e: Entry, totals: dict[str, float], autoscaled: set[str],
 
 #: Why an entry between two attempts of its step waits (never "first in line...": it suspends nobody).
 REJOINING = "resuming: between two attempts, it keeps its place until its launcher asks again"
+#: Why one that stayed between attempts too long (its launcher stuck) waits: the line passes it meanwhile.
+REJOIN_LAPSED = ("resuming: between two attempts for long; the steps behind it are served until its launcher "
+                 "asks again (it keeps its place)")
 
 
 @dataclass
@@ -333,7 +336,8 @@ def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings
 
 def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], settings: QueueSettings,
                now: float | None = None, autoscaled: set[str] | None = None,
-               devices: dict[str, list[float]] | None = None, intact: dict[str, float] | None = None) -> Plan:
+               devices: dict[str, list[float]] | None = None, intact: dict[str, float] | None = None,
+               lapsed: frozenset[str] = frozenset()) -> Plan:
     """Who of the waiting entries may reserve now, walking the lines in rank order as one queue.
 
     `totals`: the cluster's capacity per kind (slices of a type, accelerators of a resource); for a
@@ -346,7 +350,8 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     granted against these only: it starts on what it is granted, and a slice missing a host cannot be
     reserved (a fixed request waits for the hosts to come back instead). An entry `rejoining` (its
     step between two attempts) keeps its place and is admitted to nothing until its launcher rejoins:
-    its line stops at it, as at any entry that waits.
+    its line stops at it, as at any entry that waits. `lapsed`: rejoining entries whose launcher has not
+    come back for long (the broker's `REJOIN_S`): their line passes them, and they keep their place.
 
     A line stops at its first entry that must wait (nobody of its kind passes it), so the walk costs
     what is admitted and what is first in line, not the queue's length: the lines' heads are merged
@@ -457,6 +462,11 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
         _, kind, i = heapq.heappop(heads)
         line = lines[kind]
         e = line[i][1]
+        if e.rejoining and e.id in lapsed:  # holds nothing, stops nobody: those behind it are served
+            reasons[e.id] = REJOIN_LAPSED
+            if i + 1 < len(line):
+                heapq.heappush(heads, (line[i + 1][0], kind, i + 1))
+            continue
         team = over_quota(e, least(e))
         if team is not None:
             # Set aside, with every entry over a quota right behind it: they change no count until the

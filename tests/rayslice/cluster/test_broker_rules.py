@@ -601,3 +601,20 @@ def test_an_urgent_elastic_step_preempts_when_only_a_slice_missing_a_host_is_fre
         answers = _round(broker, v, fixed, urgent)
     assert not answers["e"]["admitted"] and answers["e"]["reason"].startswith("first in line")
     assert _round(broker, v)["v"]["suspend"].startswith("suspended for d.e (priority 10")
+
+
+def test_a_step_that_never_comes_back_from_between_attempts_holds_its_line_only_so_long(broker):
+    """A requeued step's launcher that stays alive but never rejoins (stuck listing a huge checkpoint folder, a
+    hung driver) kept beating `rejoining`, and its line stopped at it forever: nobody behind it was admitted,
+    though it held nothing. After `REJOIN_S` the line passes it; it keeps its arrival for when it comes back."""
+    v, low = _slices("v", n=2, preemptible=True), _slices("l", at=3)
+    assert _round(broker, v)["v"]["admitted"]
+    away = {**v, "admitted": False, "rejoining": True}
+    broker.requeue(away)
+    started = broker.clock.now
+    while broker.clock.now - started < queue.REJOIN_S - 2 * queue.REPLAN_S:
+        assert not _round(broker, away, low)["l"]["admitted"]  # the seconds a resuming step needs: kept
+    for _ in range(4):
+        answers = _round(broker, away, low)
+    assert answers["l"]["admitted"] and not answers["v"]["admitted"]
+    assert broker.requeue({**v, "admitted": False})["rank"] == 1  # back: first in line at its arrival
