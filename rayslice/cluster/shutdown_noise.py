@@ -9,6 +9,11 @@ The driver prints its hosts' output through Ray's log dispatcher. While an attem
 lines drain, a filter placed before Ray's printer rewrites that one line, from this attempt's hosts
 and only once the attempt heard its notice, into `EXPLAINED`. Every other line passes as it came: a
 real error after the notice, any line before it, and other attempts' hosts.
+
+The filter reaches into Ray's dispatcher (its lock and handler list) and runs on Ray's one log thread,
+inside `emit`: it must never cost the step or the log. On a Ray whose dispatcher differs it stands aside
+(the lines show as they come, and the driver says so once); a failure of its own passes the line as it came
+(an exception out of `emit` would end Ray's print thread: every later line of the driver lost).
 """
 
 from __future__ import annotations
@@ -31,15 +36,28 @@ class Explainer:
     def __init__(self, dispatcher: Any, labels: set[str], noticed: Callable[[], bool]) -> None:
         self._dispatcher, self._labels, self._noticed = dispatcher, set(labels), noticed
         self._name = f"rayslice-shutdown-noise-{next(_names)}"
-        with dispatcher._lock:  # first: every handler after it (Ray's printer) gets the rewritten lines
-            dispatcher.handlers = [(self._name, self._handle), *dispatcher.handlers]
+        self.active = False
+        try:
+            with dispatcher._lock:  # first: every handler after it (Ray's printer) gets the rewritten lines
+                handlers = list(dispatcher.handlers)
+                if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in handlers):
+                    raise TypeError(f"handlers are {type(handlers[0]).__name__}, not (name, handler)")
+                dispatcher.handlers = [(self._name, self._handle), *handlers]
+                self.active = True
+        except Exception as exc:  # a Ray whose dispatcher differs: the lines show as they come
+            print(f"[rayslice] a suspension's JAX shutdown lines are shown as they come (this Ray's log dispatcher "
+                  f"differs: {type(exc).__name__}: {exc})", flush=True)
 
     def _handle(self, data: dict) -> None:
-        lines = data.get("lines")
-        if not lines or data.get("actor_name") not in self._labels:
+        try:
+            lines = data.get("lines")
+            if not lines or data.get("actor_name") not in self._labels:
+                return
+            if any(FATAL_SIGN in line for line in lines) and self._noticed():
+                data["lines"] = [EXPLAINED if FATAL_SIGN in line else line for line in lines]
+        except Exception:  # never out of Ray's emit: the line passes as it came
             return
-        if any(FATAL_SIGN in line for line in lines) and self._noticed():
-            data["lines"] = [EXPLAINED if FATAL_SIGN in line else line for line in lines]
 
     def close(self) -> None:
-        self._dispatcher.remove_handler(self._name)
+        if self.active:
+            self._dispatcher.remove_handler(self._name)
