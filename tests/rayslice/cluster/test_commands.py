@@ -345,6 +345,6 @@ def test_a_guard_whose_program_ended_never_kills_the_group_that_reused_its_numbe
     that dies after its program ended (in the notice's linger, before it told its guard) must not have its
     guard kill whatever session leader now has that number: another step's program, a daemon."""
     (tmp_path / "report").mkdir()
-    out = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", REUSED, str(tmp_path / "report")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", REUSED,
+                          str(tmp_path / "report")], capture_output=True, text=True, timeout=60)
     assert out.stdout.split()[-1:] == ["alive"], out.stdout + out.stderr
