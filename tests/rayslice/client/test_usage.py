@@ -184,3 +184,22 @@ def test_a_goodput_record_the_program_printed_bills_no_more_than_its_job_lived(f
     [bar] = found.bars
     assert bar.hours * H <= 16 * (end - start + 2 * usage.CLOCK_SLACK_S)
     assert bar.hours * H >= 16 * (end - 5 - start - 60)  # never less than the host processes lived
+
+
+def test_hosts_that_started_as_their_attempt_was_stopped_are_not_billed_the_next_attempts_hold():
+    """A suspension (or a stop to grow) just as the hosts came up, and the next attempt reserved a second later: those
+    hosts started within the clock slack of the next hold, but they are the first attempt's, and billed as such."""
+    from rayslice.core import goodput
+
+    at = NOW - 2 * H
+    records = [{"reserved": at, "hosts_started": at + 29, "released": at + 30, "chips": 16, "outcome": "preempted",
+                "detail": {"actors_started": at + 29, "gang_returned": at + 29.5}},
+               {"reserved": at + 31, "hosts_started": at + 38, "step_started": at + 44, "released": at + 600,
+                "chips": 16, "outcome": "succeeded", "detail": {"actors_started": at + 38}}]
+    actors = [_actor(f"rayslice:s1/v6e-16-a/host{w}", at + 29, at + 29.5, {"TPU": 4}) for w in range(4)]
+    actors += [_actor(f"rayslice:s1/v6e-16-a/host{w}", at + 38, at + 599, {"TPU": 4}) for w in range(4)]
+    account = goodput.step_account(records)
+    found = usage.parse(_nodes(), {"data": {"actors": {str(i): a for i, a in enumerate(actors)}}},
+                        [_job("s1", "train", at - 10)], now=NOW, hours=6, goodput={"s1": account.to_json()})
+    [bar] = found.bars
+    assert bar.hours * H == pytest.approx(account.held_chip_s, rel=0.02)
