@@ -19,6 +19,7 @@ KV once its body starts (`publish`); the driver reads those of the hosts that di
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -78,7 +79,9 @@ def published(prefix: str, labels: dict[int, str]) -> dict[int, dict[str, float]
         try:
             raw = internal_kv._internal_kv_get(prefix + label, namespace=NAMESPACE)
             if raw:
-                found[index] = {k: float(v) for k, v in json.loads(raw).items() if isinstance(v, int | float)}
+                # any writer may have put it (Ray's KV has no owner per key): finite numbers only, never NaN
+                found[index] = {k: float(v) for k, v in json.loads(raw).items()
+                                if isinstance(v, int | float) and math.isfinite(v)}
         except Exception:  # unreadable: that host's phases stay unknown
             continue
     return found

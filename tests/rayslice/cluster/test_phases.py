@@ -136,3 +136,27 @@ def test_an_attempt_whose_body_never_started_on_every_host_is_start_up_to_its_en
     account = attempt_account(record)
     assert account.seconds["startup"] == 9.0 and account.seconds["productive"] == 0.0
     assert account.seconds["teardown"] == 1.0
+
+
+def test_phase_times_read_back_from_the_kv_are_finite_numbers_only(monkeypatch, kv):
+    """Ray's KV has no owner per key: whatever wrote a host's key (its own program, another tenant's) must not
+    make the attempt's figures NaN, which JSON carries through the record into the usage table and the metrics."""
+    import math
+
+    from rayslice.cluster import notices
+    from rayslice.core.goodput import attempt_account
+
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_get", lambda k, namespace=None, **kw: kv.get(k))
+    key = phases.attempt_key("s1", 0, "abcd1234")
+    kv[key + "a/host0"] = b'{"hosts_started": 1.0, "jax_ready": Infinity, "step_started": NaN}'
+    kv[key + "a/host1"] = b'{"hosts_started": 1.5, "jax_ready": 2.0, "step_started": 3.0}'
+    found = phases.published(key, {0: "a/host0", 1: "a/host1"})
+    assert all(math.isfinite(v) for report in found.values() for v in report.values())
+    timeline = Timeline()
+    timeline.mark("reserved", at=0.0)
+    timeline.hosts(phases.ended_short([{}, {}], found, 9.0))
+    timeline.mark("released", at=10.0)
+    timeline.chips = 4
+    account = attempt_account(timeline.record())
+    assert all(math.isfinite(v) for v in account.seconds.values())
+    assert account.seconds["startup"] == 10.0  # host0's body start is unknown: start-up to the end
