@@ -160,3 +160,29 @@ def test_phase_times_read_back_from_the_kv_are_finite_numbers_only(monkeypatch, 
     account = attempt_account(timeline.record())
     assert all(math.isfinite(v) for v in account.seconds.values())
     assert account.seconds["startup"] == 10.0  # host0's body start is unknown: start-up to the end
+
+
+def test_a_hosts_key_whose_put_lands_after_the_driver_forgot_it_is_not_left_behind(monkeypatch, kv):
+    """A loaded GCS: the host's put outlasts its bounded wait, the host returns its report, the driver forgets the
+    keys, then the put lands. Nothing deletes it later: one key per such host, forever, in the GCS."""
+    import threading
+
+    from rayslice.cluster import notices
+
+    landed, release = threading.Event(), threading.Event()
+    put = notices.internal_kv._internal_kv_put
+
+    def slow_put(k, v, namespace=None, **kw):
+        release.wait(10)
+        put(k, v, namespace=namespace)
+        landed.set()
+
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_put", slow_put)
+    key = phases.attempt_key("s1", 0, "abcd1234")
+    publishing = phases.publish(key, "a/host0", {"step_started": 1.0})
+    publishing.leave(0.01, reported=True)  # the host returns its report
+    phases.forget(key, ["a/host0"])  # the driver, once every host returned
+    release.set()
+    assert landed.wait(10)
+    publishing.join(10)
+    assert not [k for k in kv if k.startswith(phases.KEY_PREFIX)]
