@@ -7,8 +7,10 @@ is the suspension working, not a failure; shown as it comes, it reads like one, 
 
 The driver prints its hosts' output through Ray's log dispatcher. While an attempt runs and its last
 lines drain, a filter placed before Ray's printer rewrites that one line, from this attempt's hosts
-and only once the attempt heard its notice, into `EXPLAINED`. Every other line passes as it came: a
-real error after the notice, any line before it, and other attempts' hosts.
+and only once the attempt heard its notice, into `EXPLAINED` and the status JAX gave: a line is judged
+as it reaches the driver, so a real failure's line may arrive after the notice, and its cause stays.
+Every other line passes as it came: a real error after the notice, any line before it, and other
+attempts' hosts.
 
 The filter reaches into Ray's dispatcher (its lock and handler list) and runs on Ray's one log thread,
 inside `emit`: it must never cost the step or the log. On a Ray whose dispatcher differs it stands aside
@@ -27,7 +29,15 @@ FATAL_SIGN = "Terminating process because the JAX distributed service detected f
 #: What the task log gets instead, after the host's prefix.
 EXPLAINED = ("[rayslice] JAX ended this host's process because its peers had already stopped for the preemption "
              "notice: the suspension's expected shutdown, not an error")
+#: Where JAX's line says what went wrong (kept: a real failure's line may reach the driver after the notice).
+STATUS_SIGN = "absl::Status:"
 _names = itertools.count()
+
+
+def explained(line: str) -> str:
+    """`EXPLAINED`, and the status JAX gave, if any: the fatal wording goes, the cause stays."""
+    status = line.partition(STATUS_SIGN)[2].strip()
+    return EXPLAINED + (f" (JAX's status: {status})" if status else "")
 
 
 class Explainer:
@@ -54,7 +64,7 @@ class Explainer:
             if not lines or data.get("actor_name") not in self._labels:
                 return
             if any(FATAL_SIGN in line for line in lines) and self._noticed():
-                data["lines"] = [EXPLAINED if FATAL_SIGN in line else line for line in lines]
+                data["lines"] = [explained(line) if FATAL_SIGN in line else line for line in lines]
         except Exception:  # never out of Ray's emit: the line passes as it came
             return
 

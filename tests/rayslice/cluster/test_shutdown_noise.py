@@ -50,7 +50,7 @@ def test_after_a_notice_a_hosts_jax_termination_is_explained_and_real_errors_sta
     _host("v6e-16-a/host2", FATAL)  # after the attempt: as it came
     fatal = [(label, line) for label, line in printed if shutdown_noise.FATAL_SIGN in line]
     assert fatal == [("v6e-16-a/host1", FATAL), ("v6e-16-b/host0", FATAL), ("v6e-16-a/host2", FATAL)]
-    assert ("v6e-16-a/host1", shutdown_noise.EXPLAINED) in printed
+    assert ("v6e-16-a/host1", shutdown_noise.explained(FATAL)) in printed
     assert ("v6e-16-a/host1", "saving step 120") in printed
     assert ("v6e-16-a/host2", "ZeroDivisionError: division by zero") in printed
 
@@ -96,3 +96,19 @@ def test_on_a_ray_whose_dispatcher_differs_the_filter_stands_aside_and_says_so(c
     explainer.close()
     assert [name for name, _ in other.handlers] == ["ray_print_logs"]
     assert "shown as they come" in capsys.readouterr().out
+
+
+def test_the_explained_line_keeps_what_jax_said_went_wrong(printed):
+    """The filter decides when a line reaches the driver: a real failure's line (a host out of memory) that arrives
+    after the notice is explained too. Its cause must stay in the log, only the fatal wording goes."""
+    drain = gang.LogDrain()
+    drain.explain_shutdown({"v6e-16-a/host1"}, lambda: True)
+    real = FATAL.replace("UNAVAILABLE: Failed to send RPC to coordination service",
+                         "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB")
+    try:
+        _host("v6e-16-a/host1", real)
+    finally:
+        drain.close()
+    [line] = [line for label, line in printed if label == "v6e-16-a/host1"]
+    assert line.startswith(shutdown_noise.EXPLAINED) and shutdown_noise.FATAL_SIGN not in line
+    assert "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB" in line
