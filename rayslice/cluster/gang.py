@@ -793,7 +793,11 @@ class LogDrain:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
         self._dispatcher = dispatcher
-        self.active = any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
+        try:  # made once capacity is reserved: a Ray whose dispatcher differs must not cost the step
+            self.active = any(pair[0] == "ray_print_logs" for pair in dispatcher.handlers
+                              if isinstance(pair, tuple) and len(pair) == 2)
+        except Exception:
+            self.active = False
         self._done: set[str] = set()
         self._seen = threading.Condition()
         self._last_line = 0.0

@@ -112,3 +112,26 @@ def test_the_explained_line_keeps_what_jax_said_went_wrong(printed):
     [line] = [line for label, line in printed if label == "v6e-16-a/host1"]
     assert line.startswith(shutdown_noise.EXPLAINED) and shutdown_noise.FATAL_SIGN not in line
     assert "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB" in line
+
+
+def test_on_a_ray_that_keeps_its_handlers_by_name_the_drain_stands_aside(monkeypatch):
+    """The drain is made once capacity is reserved, before the attempt's try: raising there left the slices held."""
+    from ray._private import ray_logging
+
+    class ByName:
+        def __init__(self) -> None:
+            self.handlers = {"ray_print_logs": lambda data: None}
+
+        def add_handler(self, name, handler) -> None:
+            self.handlers[name] = handler
+
+        def remove_handler(self, name) -> None:
+            self.handlers.pop(name, None)
+
+    other = ByName()
+    monkeypatch.setattr(ray_logging, "global_worker_stdstream_dispatcher", other)
+    drain = gang.LogDrain()
+    drain.explain_shutdown({"v6e-16-a/host1"}, lambda: True)
+    drain.wait(["v6e-16-a/host1"])
+    drain.close()
+    assert list(other.handlers) == ["ray_print_logs"]
