@@ -248,6 +248,10 @@ def _reap_orphans(spec: StepSpec) -> None:
             log(f"reaped {orphan.kind} {orphan.name}: its Ray job {orphan.submission_id} is {orphan.job_status}")
     except Exception as exc:
         log(f"could not sweep orphaned reservations: {type(exc).__name__}: {exc}")
+    try:  # keys in Ray's KV outlive their job: a killed driver never forgot its hosts' phase times
+        reaper.forget_ended_phases(exclude=spec.owner.submission_id or None)
+    except Exception as exc:
+        log(f"could not sweep ended steps' phase keys: {type(exc).__name__}: {exc}")
 
 
 def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices: int | None = None) -> admission.Place:
