@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -338,8 +339,14 @@ REUSED = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True).returncode != 0
-                    if sys.platform == "linux" else True, reason="needs a PID namespace (unshare, root)")
+def _pid_namespaces() -> bool:
+    """Whether this machine lets a test start a PID namespace of its own (Linux, unshare, root)."""
+    if sys.platform != "linux" or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _pid_namespaces(), reason="needs a PID namespace (unshare, root)")
 def test_a_guard_whose_program_ended_never_kills_the_group_that_reused_its_number(tmp_path):
     """pid_max is 32768 on many hosts: a program's number comes back within minutes on a busy one. A host
     that dies after its program ended (in the notice's linger, before it told its guard) must not have its
