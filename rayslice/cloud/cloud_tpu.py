@@ -272,6 +272,9 @@ def _script(title: str, start: str, *, install: bool, packages: tuple[str, ...],
         'have="$("$venv/bin/python" -c "import platform; print(platform.python_version())" 2>/dev/null || true)"',
         f'case "$have" in {wanted}|{wanted}.*) ;; *) uv venv --clear --python {wanted} "$venv" ;; esac',
         f'uv pip install --python "$venv/bin/python" {quoted}',
+        # Ray runs a job's entrypoint (`python -m rayslice.cluster ...`) through the shell with this PATH: a
+        # startup script's is the system's (Debian 12 has no `python`), so the venv's bin goes first.
+        'export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"',
         f'"$venv/bin/ray" {start}',
     ]
     return "\n".join(lines) + "\n"
