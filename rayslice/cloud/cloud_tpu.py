@@ -401,6 +401,14 @@ class QueuedSlice:
         if not isinstance(self.queued_resource_id, str) or not _RESOURCE_ID.match(self.queued_resource_id):
             raise InvalidRequestError(f"queued_resource_id {self.queued_resource_id!r} is invalid: lowercase "
                                       "letters, digits and '-', starting with a letter, at most 63 characters")
+        if isinstance(self.num_slices, int) and self.num_slices > 1:
+            # The API names a multislice's nodes `<id>-0` .. `<id>-<n-1>`: each a resource id of <= 63 characters.
+            last = f"{self.queued_resource_id}-{self.num_slices - 1}"
+            if len(last) > 63:
+                raise InvalidRequestError(
+                    f"queued_resource_id {self.queued_resource_id!r} is too long for num_slices={self.num_slices}: "
+                    f"its last node id {last!r} is {len(last)} characters, the API allows 63; shorten the id to "
+                    f"{63 - len(last) + len(self.queued_resource_id)} characters")
         version = served_version(self.tpu, self.num_slices)  # raises when bad
         if self.runtime_version is None and version not in RUNTIME_VERSIONS:
             raise InvalidRequestError(f"no default TPU VM runtime for {version}: pass runtime_version "

@@ -506,3 +506,13 @@ def test_rays_jobs_find_the_venvs_python_on_path(tmp_path, make):
                           env={"PATH": f"{stubs}:{system}", "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert log.read_text().splitlines() == [f"python={venv}/bin/python"]
+
+
+def test_a_multislice_ids_node_names_fit_the_api():
+    """With num_slices > 1 the API names the nodes `<id>-0` .. `<id>-<n-1>` (MultisliceParams.node_id_prefix
+    defaults to the queued resource's id); each is a resource id of at most 63 characters, so an id that fits
+    alone but not with its suffix is refused up front, naming the longest node id."""
+    QueuedSlice(project="my-project", zone="us-east5-b", queued_resource_id="a" * 63, tpu="v6e-16")
+    QueuedSlice(project="my-project", zone="us-east5-b", queued_resource_id="a" * 61, tpu="v6e-16", num_slices=10)
+    with pytest.raises(InvalidRequestError, match=re.escape(f"'{'a' * 62}-1' is 64 characters")):
+        QueuedSlice(project="my-project", zone="us-east5-b", queued_resource_id="a" * 62, tpu="v6e-16", num_slices=2)
