@@ -113,8 +113,9 @@ def _rbac_check(api: Any, namespace: str, manage: bool, names: dict[tuple[str, s
             return Check("kuberay rbac", "FAIL", f"SelfSubjectAccessReview failed: HTTP {exc.status} ({exc.reason})",
                          "the credentials may not ask the API server; check the kubeconfig")
         if not status.get("allowed"):
-            what = (f"{verb} {resource}{'.' + group if group else ''}" + (f" {attrs['name']}" if "name" in attrs else "")
-                    + (f" in {ns}" if ns else " (cluster-wide)"))
+            named = f" {attrs['name']}" if "name" in attrs else ""
+            where = f" in {ns}" if ns else " (cluster-wide)"
+            what = f"{verb} {resource}{'.' + group if group else ''}{named}{where}"
             denied.append(what + (f" ({status['reason']})" if status.get("reason") else ""))
     scope = "lookup and manage" if manage else "lookup"
     if not denied:
