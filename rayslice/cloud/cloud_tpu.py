@@ -272,6 +272,9 @@ def _script(title: str, start: str, *, install: bool, packages: tuple[str, ...],
         'have="$("$venv/bin/python" -c "import platform; print(platform.python_version())" 2>/dev/null || true)"',
         f'case "$have" in {wanted}|{wanted}.*) ;; *) uv venv --clear --python {wanted} "$venv" ;; esac',
         f'uv pip install --python "$venv/bin/python" {quoted}',
+        # Ray runs a job's entrypoint (`python -m rayslice.cluster ...`) through the shell with this PATH: a
+        # startup script's is the system's (Debian 12 has no `python`), so the venv's bin goes first.
+        'export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"',
         f'"$venv/bin/ray" {start}',
     ]
     return "\n".join(lines) + "\n"
@@ -398,6 +401,14 @@ class QueuedSlice:
         if not isinstance(self.queued_resource_id, str) or not _RESOURCE_ID.match(self.queued_resource_id):
             raise InvalidRequestError(f"queued_resource_id {self.queued_resource_id!r} is invalid: lowercase "
                                       "letters, digits and '-', starting with a letter, at most 63 characters")
+        if isinstance(self.num_slices, int) and self.num_slices > 1:
+            # The API names a multislice's nodes `<id>-0` .. `<id>-<n-1>`: each a resource id of <= 63 characters.
+            last = f"{self.queued_resource_id}-{self.num_slices - 1}"
+            if len(last) > 63:
+                raise InvalidRequestError(
+                    f"queued_resource_id {self.queued_resource_id!r} is too long for num_slices={self.num_slices}: "
+                    f"its last node id {last!r} is {len(last)} characters, the API allows 63; shorten the id to "
+                    f"{63 - len(last) + len(self.queued_resource_id)} characters")
         version = served_version(self.tpu, self.num_slices)  # raises when bad
         if self.runtime_version is None and version not in RUNTIME_VERSIONS:
             raise InvalidRequestError(f"no default TPU VM runtime for {version}: pass runtime_version "
