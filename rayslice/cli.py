@@ -481,6 +481,13 @@ def doctor(
 
     if (project is None) != (zone is None):
         raise fail("give --project and --zone together (the Cloud TPU checks need both)")
+    if project is not None and zone is not None:
+        from rayslice.cloud.cloud_tpu import check_project_zone
+
+        try:  # a typo is the user's, in their flag's words: not a failed API call with a credentials fix
+            check_project_zone(project, zone)
+        except RaysliceError as exc:
+            raise fail(str(exc).replace("GCP project ", "--project ").replace("zone ", "--zone ", 1)) from None
     if (tpu_type or service_account) and project is None:
         raise fail("--tpu-type and --service-account are Cloud TPU checks: give --project and --zone too")
     if (kubeconfig or context or in_cluster or kuberay_manage or kuberay_cluster) and not kuberay_namespace:

@@ -33,6 +33,7 @@ __all__ = [
     "CloudTpuError",
     "QueuedSlice",
     "check_accelerator_type",
+    "check_project_zone",
     "owner_label",
     "startup_script",
     "tpu_client",
@@ -64,7 +65,8 @@ class CloudTpuError(RaysliceError):
     transient: bool = False
 
 
-def _check(project: str, zone: str) -> None:
+def check_project_zone(project: str, zone: str) -> None:
+    """A project ID and a zone as the Cloud TPU API takes them: a typo is refused before any call."""
     if not isinstance(project, str) or not _PROJECT.match(project):
         raise InvalidRequestError(f"GCP project {project!r} is invalid: use the project ID, e.g. 'my-project-123'")
     if not isinstance(zone, str) or not _ZONE.match(zone):
@@ -103,7 +105,7 @@ def _api_error(what: str, exc: Exception) -> CloudTpuError:
 def zone_accelerator_types(project: str, zone: str, *, client: Any = None, api_endpoint: str | None = None,
                            max_age: float = ZONE_CACHE_SECONDS) -> tuple[str, ...]:
     """The accelerator types (``v6e-16``, ...) the zone offers, cached per project and zone for ``max_age`` s."""
-    _check(project, zone)
+    check_project_zone(project, zone)
     key = (api_endpoint or "", project, zone)
     with _zone_lock:
         hit = _zone_cache.get(key)
@@ -287,7 +289,7 @@ class QueuedSlice:
     spot: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.project, self.zone)
+        check_project_zone(self.project, self.zone)
         if not isinstance(self.queued_resource_id, str) or not _RESOURCE_ID.match(self.queued_resource_id):
             raise InvalidRequestError(f"queued_resource_id {self.queued_resource_id!r} is invalid: lowercase "
                                       "letters, digits and '-', starting with a letter, at most 63 characters")

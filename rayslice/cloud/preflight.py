@@ -174,7 +174,7 @@ def cloud_tpu_checks(*, project: str, zone: str, tpu_type: str | None = None, se
 
     checks: list[Check] = []
     try:
-        cloud_tpu._check(project, zone)
+        cloud_tpu.check_project_zone(project, zone)
         client = cloud_tpu.tpu_client(api_endpoint, credentials=credentials)
         types = {t.type_ for t in client.list_accelerator_types(parent=f"projects/{project}/locations/{zone}")}
     except gexc.GoogleAPICallError as exc:
