@@ -361,6 +361,9 @@ class Doctor:
     smoke: bool = True
     smoke_slice: str | None = None  # a slice name or pod type; default the first whole slice
     smoke_timeout: float = 120.0
+    #: Past the step's own timeouts (capacity, then run): time for its job to start (runtime env) and end. A job
+    #: that outlives them all (a driver stuck starting or hung) is given up on and stopped: the doctor never hangs.
+    smoke_grace: float = 120.0
     pinned_ray: str = ""  # the Ray rayslice is tested with (rayslice.cloud.pins, which this side may not import)
     emit: Callable[[str], None] = lambda line: None
 
@@ -456,9 +459,14 @@ class Doctor:
             async with AsyncRayJobsClient(self.url, token=self.token, headers=self.headers,
                                           verify=self.verify) as client:
                 sid = spec.owner.submission_id  # known before the POST: a Ctrl-C during it still finds the job
+                limit = 2 * self.smoke_timeout + self.smoke_grace
                 try:
-                    return await wait_for_step(client, await submit_step(client, spec, emit=self.emit),
-                                               emit=self.emit)
+                    follow = wait_for_step(client, await submit_step(client, spec, emit=self.emit), emit=self.emit)
+                    try:
+                        return await asyncio.wait_for(follow, timeout=limit)
+                    except TimeoutError:
+                        raise RaysliceError(f"the smoke step's job {sid} did not end within {limit:g} s (its "
+                                            f"timeouts and {self.smoke_grace:g} s to start); it was stopped") from None
                 except BaseException:
                     # Ctrl-C (the task cancelled), a follow that gave up, the step's own failure: the smoke
                     # step is the doctor's alone, so it must not hold a slice once the doctor stops watching.

@@ -32,6 +32,13 @@ def _crd_check(api: Any) -> Check:
     try:
         fields = KubeRayCrds.from_cluster(api).auth_fields("RayCluster")
     except CrdUnavailableError as exc:
+        if exc.status_code in (401, 403):  # KubeRay may well be there: this identity may not look
+            return Check("kuberay crd", "FAIL", str(exc),
+                         "grant get on customresourcedefinitions.apiextensions.k8s.io (the `rayslice kuberay rbac` "
+                         "manage role has it) to whoever runs the doctor, or check by hand: `kubectl get crd "
+                         "rayclusters.ray.io -o jsonpath='{.spec.versions[*].schema.openAPIV3Schema.properties.spec"
+                         ".properties.authOptions.properties}'` (secretName there: KubeRay >= "
+                         f"{KUBERAY_FLOOR})")
         return Check("kuberay crd", "FAIL", str(exc),
                      f"install KubeRay >= {KUBERAY_FLOOR}: `helm install kuberay-operator kuberay/kuberay-operator "
                      f"--version {KUBERAY_HELM_VERSION}`, or enable GKE's Ray operator add-on")

@@ -384,3 +384,14 @@ def test_every_rayslice_doctor_command_in_the_docs_parses_with_the_real_cli():
         # that a GKE or Cloud TPU admin does not have: it must name its target, or --no-cluster.
         if {"--kuberay-namespace", "--project"} & set(args):
             assert {"--address", "--conn-id", "--name", "--no-cluster"} & set(args), where
+
+
+def test_a_smoke_step_that_never_ends_is_given_up_on_and_stopped():
+    """A job whose driver never ends it (stuck starting, a hung driver): the doctor may not wait for ever. Past the
+    smoke step's own timeouts and a grace it gives up, says so, and stops the job."""
+    with JobsDashboard() as dash:  # jobs stay RUNNING until stopped
+        smoke = doctor.Doctor(dash.url, launcher="installed", smoke_timeout=0.5, smoke_grace=0.5)
+        check = smoke._smoke(*whole_slice())
+        (sid,) = dash.jobs
+        assert check.status == "FAIL" and "did not end within" in check.detail, check
+        assert dash.stopped == [sid] and dash.jobs[sid]["status"] == "STOPPED"

@@ -168,3 +168,11 @@ def test_a_raycluster_whose_secret_name_was_dropped_is_named(kube):
     check = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig, cluster="rs"))["raycluster ml/rs"]
     assert check.status == "FAIL" and "KubeRay made its own random token" in check.detail
     assert "upgrade KubeRay to >= 1.6.0" in check.fix
+
+
+def test_a_crd_this_identity_may_not_read_is_named_as_rbac_not_as_a_missing_kuberay(kube):
+    """Seen failing first: a 403 on the CRD read gave "install KubeRay" (already installed) as the fix."""
+    kube.fail_next("GET", r"/customresourcedefinitions/", 403)
+    check = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig))["kuberay crd"]
+    assert check.status == "FAIL" and "not allowed" in check.detail, check
+    assert "get on customresourcedefinitions" in check.fix and "helm install" not in check.fix, check
