@@ -495,8 +495,17 @@ def doctor(
                    "--kuberay-namespace")
     for endpoint in egress:
         host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise fail(f"--egress {endpoint!r}: give host:port, e.g. pypi.org:443")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise fail(f"--egress {endpoint!r}: give host:port (port 1-65535), e.g. pypi.org:443")
+    # Flags only the Ray cluster's checks read: silently dropping them would report on something not checked.
+    unused = [flag for flag, given in (("--address", address), ("--conn-id", conn_id),
+                                       ("--installed/--shipped", installed is not None),
+                                       ("--checkpoint-root", checkpoint_root), ("--egress", egress),
+                                       ("--smoke-slice", smoke_slice)) if given]
+    if not cluster_checks and unused:
+        raise fail(f"{', '.join(unused)} check the Ray cluster: drop --no-cluster, or drop them")
+    if smoke_slice and not smoke:
+        raise fail("--smoke-slice names the smoke step's slice: drop --no-smoke, or drop --smoke-slice")
     checks: list[Check] = []
     if cluster_checks:
         where = target(address, token, conn_id, name)

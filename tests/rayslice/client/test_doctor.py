@@ -395,3 +395,14 @@ def test_a_smoke_step_that_never_ends_is_given_up_on_and_stopped():
         (sid,) = dash.jobs
         assert check.status == "FAIL" and "did not end within" in check.detail, check
         assert dash.stopped == [sid] and dash.jobs[sid]["status"] == "STOPPED"
+
+
+def test_flags_that_would_be_silently_ignored_or_misread_are_refused():
+    """Seen failing first: a port out of range passed the flag check (and the host's connect wraps it: 99999 tries
+    port 34463, so the check answers for another port); cluster-only flags with --no-cluster, and --smoke-slice
+    with --no-smoke, were dropped without a word."""
+    assert "--egress 'pypi.org:99999': give host:port" in refused("--egress", "pypi.org:99999")
+    out = refused("--kuberay-namespace", "ml", "--checkpoint-root", "gs://b/c", "--egress", "pypi.org:443")
+    assert "--checkpoint-root, --egress check the Ray cluster: drop --no-cluster" in out, out
+    result = runner.invoke(app, ["doctor", "--address", "http://127.0.0.1:1", "--no-smoke", "--smoke-slice", "v6e-16"])
+    assert result.exit_code == 1 and "--smoke-slice names the smoke step's slice: drop --no-smoke" in result.output
