@@ -367,8 +367,10 @@ class Doctor:
     pinned_ray: str = ""  # the Ray rayslice is tested with (rayslice.cloud.pins, which this side may not import)
     emit: Callable[[str], None] = lambda line: None
 
-    def _client(self) -> RayJobsClient:
-        return RayJobsClient(self.url, token=self.token, headers=self.headers, verify=self.verify, retries=1)
+    def _client(self, retries: int = 1) -> RayJobsClient:
+        """One attempt per call for the first looks (a dashboard that is not there fails fast); the probe's calls
+        get the usual retries: on a loaded head one slow answer must not FAIL the probe and SKIP every check."""
+        return RayJobsClient(self.url, token=self.token, headers=self.headers, verify=self.verify, retries=retries)
 
     def run(self) -> list[Check]:
         """Every cluster check in order; a check that needs an earlier one that failed is a SKIP naming it."""
@@ -398,8 +400,9 @@ class Doctor:
             if token_error is not None:
                 return [*checks, *self._skipped("token")]
             try:
-                probe = run_probe(client, launcher=self.launcher, checkpoint_root=self.checkpoint_root,
-                                  egress=list(self.egress))
+                with self._client(retries=3) as patient:
+                    probe = run_probe(patient, launcher=self.launcher, checkpoint_root=self.checkpoint_root,
+                                      egress=list(self.egress))
             except RaysliceError as exc:
                 fix = "read the job's log in the dashboard (Jobs tab, id rayslice-doctor-...)"
                 if self.launcher == "installed" and "No module named 'rayslice" in str(exc):

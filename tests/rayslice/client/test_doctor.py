@@ -406,3 +406,28 @@ def test_flags_that_would_be_silently_ignored_or_misread_are_refused():
     assert "--checkpoint-root, --egress check the Ray cluster: drop --no-cluster" in out, out
     result = runner.invoke(app, ["doctor", "--address", "http://127.0.0.1:1", "--no-smoke", "--smoke-slice", "v6e-16"])
     assert result.exit_code == 1 and "--smoke-slice names the smoke step's slice: drop --no-smoke" in result.output
+
+
+class BusyOnceDashboard(JobsDashboard):
+    """A loaded head: the first look at the probe job gets a 503 (as a read timeout would), then it has ended with
+    its facts."""
+
+    def __init__(self, facts: dict) -> None:
+        super().__init__(end=("SUCCEEDED", doctor.PROBE_MARKER + __import__("json").dumps(facts) + "\n"))
+        self.busy = 1
+
+    def answer(self, request: Request) -> tuple[int, object]:
+        if request.method == "GET" and request.path.startswith("/api/jobs/rayslice-doctor-") and self.busy:
+            self.busy -= 1
+            return 503, {"error": "busy"}
+        return super().answer(request)
+
+
+def test_one_slow_answer_while_the_probe_runs_does_not_fail_it(probe):
+    """Seen failing first, on the local cluster under load: the doctor's client makes one attempt per call (so that
+    the dashboard check fails fast), and the probe polls through it, so one timed-out poll FAILed the probe and
+    SKIPped every cluster check. The probe's calls get the usual retries."""
+    with BusyOnceDashboard(probe) as dash:
+        checks = doctor.Doctor(dash.url, launcher="installed", smoke=False).run()
+    assert not [c for c in checks if c.name == "probe"], doctor.render(checks)
+    assert one(checks, "nodes").status == "PASS" and one(checks, "versions").status == "PASS", doctor.render(checks)
