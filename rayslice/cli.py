@@ -445,7 +445,8 @@ def doctor(
         "--smoke-slice", help="The slice (name or pod type, e.g. v6e-16) for the smoke step; default: a whole one.")
     ] = None,
     smoke_timeout: Annotated[float, typer.Option(
-        "--smoke-timeout", min=5, help="Seconds the smoke step may wait for its slice and run.")] = 120.0,
+        "--smoke-timeout", min=5, max=3600, help="Seconds the smoke step may wait for its slice and run (5-3600).")
+    ] = 120.0,
     kuberay_namespace: Annotated[str | None, typer.Option(
         "--kuberay-namespace", help="Also check KubeRay in this namespace: CRD version, TPU webhook, RBAC.")] = None,
     kuberay_cluster: Annotated[str | None, typer.Option(

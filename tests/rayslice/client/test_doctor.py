@@ -431,3 +431,10 @@ def test_one_slow_answer_while_the_probe_runs_does_not_fail_it(probe):
         checks = doctor.Doctor(dash.url, launcher="installed", smoke=False).run()
     assert not [c for c in checks if c.name == "probe"], doctor.render(checks)
     assert one(checks, "nodes").status == "PASS" and one(checks, "versions").status == "PASS", doctor.render(checks)
+
+
+def test_an_endless_smoke_timeout_is_refused():
+    """Seen failing first: `--smoke-timeout inf` was taken, and the smoke step then waits for ever (its own timeouts
+    and the doctor's limit are all infinite)."""
+    result = runner.invoke(app, ["doctor", "--address", "http://127.0.0.1:1", "--smoke-timeout", "inf"])
+    assert result.exit_code == 2 and "--smoke-timeout" in result.output, result.output
