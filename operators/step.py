@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, XComArg
+from airflow.sdk import BaseOperator
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import RayConnectionSettings, RayHook
@@ -41,6 +41,7 @@ from rayslice.operators.start_trigger import (
     ship_function,
     start_trigger_args,
 )
+from rayslice.operators.templating import is_templated  # also importable from here, as it always was
 from rayslice.operators.triggers import EXECUTION_TIMEOUT, RayStepTrigger
 
 from rayslice.client.jobs_client import AsyncRayJobsClient
@@ -51,9 +52,11 @@ from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
 from rayslice.core.queue import TEAM_PATTERN, team_for
 from rayslice.core.step import (
+    CHECKPOINT_ROOT_FORMS,
     PREEMPTIBLE_NEEDS_RETRIES,
     Owner,
     StepSpec,
+    checkpoint_root_problem,
     notice_signal_name,
     split_command,
     split_templated_command,
@@ -76,15 +79,6 @@ ATTEMPT_MARGIN_S = 600.0
 #: Airflow's own timeout of a deferral comes this long after the trigger's deadline: the trigger stops
 #: the job at its deadline and reports; Airflow's timeout only catches a trigger that could not.
 DEFERRAL_BACKSTOP_S = 300.0
-
-
-def is_templated(value: Any) -> bool:
-    """Whether a value is only known at run time (Jinja, or another task's output)."""
-    if isinstance(value, str):
-        return "{{" in value or "{%" in value
-    if isinstance(value, (list, tuple)):  # Airflow renders inside them: `num_slices=(1, "{{ params.most }}")`
-        return any(is_templated(item) for item in value)
-    return isinstance(value, XComArg)
 
 
 def _run_coroutine(coroutine: Any) -> Any:
@@ -461,11 +455,9 @@ class RayStepOperator(BaseOperator):
     def _check_checkpoint_root(self, root: Any) -> None:
         if root is None or is_templated(root):
             return
-        if not isinstance(root, str) or "://" not in root:
-            raise InvalidRequestError(
-                f"checkpoint_root of {self.task_id!r} must be a URL like 'gs://bucket/checkpoints', "
-                f"'s3://bucket/checkpoints' or 'file:///shared/checkpoints', got {root!r}"
-            )
+        problem = checkpoint_root_problem(root) if isinstance(root, str) else f"must be {CHECKPOINT_ROOT_FORMS}"
+        if problem:
+            raise InvalidRequestError(f"checkpoint_root of {self.task_id!r} {problem}; got {root!r}")
 
     def _check_zone_offers(self, hook: RayHook, request: Any) -> None:
         """A slice type the connection's Cloud TPU zone lacks fails here (optional `cloud_tpu` extra).

@@ -47,7 +47,7 @@ _flags_without_placeholders()
 
 def _kuberay() -> None:
     try:
-        from rayslice.cloud.kuberay import app as kuberay_app
+        from rayslice.cloud.kuberay_cli import app as kuberay_app
     except ImportError:  # pragma: no cover - module is part of the package
         return
     app.add_typer(kuberay_app, name="kuberay")
@@ -549,29 +549,109 @@ cloud_tpu = typer.Typer(help="Cloud TPU VMs (no KubeRay) whose hosts join a Ray 
 app.add_typer(cloud_tpu, name="cloud-tpu")
 
 
+_SCRIPT_FLAGS = (("head_address", "--head-address"), ("token_secret", "--token-secret"), ("wheel", "--wheel"),
+                 ("ray_start_args", "--ray-start-args"), ("python_version", "--python-version"),
+                 ("metrics_port", "--metrics-port"), ("port", "--port"))
+PythonVersion = Annotated[str | None, typer.Option(
+    "--python-version", help="The exact Python (e.g. 3.12.16) of the head and every host: Ray refuses a node whose "
+    "Python differs from the head's. Default: rayslice's.")]
+TokenSecret = Annotated[str | None, typer.Option(
+    "--token-secret", help="The Secret Manager secret with the head's Ray auth token (read at boot).")]
+Wheel = Annotated[str | None, typer.Option(
+    "--wheel", help="rayslice's wheel (gs:// or https:// URL) for a `launcher: installed` connection.")]
+Install = Annotated[bool, typer.Option(
+    "--install/--no-install", help="Install Python, Ray (and JAX) at boot (default), or only `ray start`.")]
+RayStartArgs = Annotated[str, typer.Option("--ray-start-args", help="More `ray start` arguments.")]
+
+
+def _script_error(exc: RaysliceError) -> typer.Exit:
+    message = str(exc)
+    for word, flag in _SCRIPT_FLAGS:
+        message = message.replace(f"{word} ", f"{flag} ", 1) if message.startswith(f"{word} ") else message
+    return fail(message)
+
+
 @cloud_tpu.command("startup-script")
 def startup_script(
     head_address: Annotated[str, typer.Option("--head-address", help="The Ray head's GCS address, host:6379.")],
-    token_secret: Annotated[str | None, typer.Option(
-        "--token-secret", help="The Secret Manager secret with the head's Ray auth token (read at boot).")] = None,
-    wheel: Annotated[str | None, typer.Option(
-        "--wheel", help="rayslice's wheel (gs:// or https:// URL) for a `launcher: installed` connection.")] = None,
-    install: Annotated[bool, typer.Option(
-        "--install/--no-install", help="Install Python, Ray and JAX at boot (default), or only `ray start`.")] = True,
-    ray_start_args: Annotated[str, typer.Option("--ray-start-args", help="More `ray start` arguments.")] = "",
+    token_secret: TokenSecret = None,
+    wheel: Wheel = None,
+    install: Install = True,
+    ray_start_args: RayStartArgs = "",
+    python_version: PythonVersion = None,
 ) -> None:
-    """Print the TPU VMs' startup script: Python 3.12, Ray and JAX at rayslice's versions, then join the head."""
+    """Print the TPU VMs' startup script: rayslice's Python, Ray and JAX, then join the head."""
+    from rayslice.cloud.cloud_tpu import HOST_PYTHON
     from rayslice.cloud.cloud_tpu import startup_script as render
 
     try:
         typer.echo(render(head_address, install=install, wheel=wheel, token_secret=token_secret,
-                          ray_start_args=ray_start_args), nl=False)
+                          ray_start_args=ray_start_args, python_version=python_version or HOST_PYTHON), nl=False)
+    except RaysliceError as exc:
+        raise _script_error(exc) from None
+
+
+@cloud_tpu.command("head-script")
+def head_script(
+    token_secret: TokenSecret = None,
+    wheel: Wheel = None,
+    install: Install = True,
+    ray_start_args: RayStartArgs = "",
+    python_version: PythonVersion = None,
+    port: Annotated[int, typer.Option("--port", help="Ray's control store (GCS) port.")] = 6379,
+    metrics_port: Annotated[int, typer.Option("--metrics-port", help="Ray's metrics port, for Prometheus.")] = 8080,
+) -> None:
+    """Print the head VM's startup script: the hosts' Python and Ray, then `ray start --head` (at every boot)."""
+    from rayslice.cloud.cloud_tpu import HOST_PYTHON, head_startup_script
+
+    try:
+        typer.echo(head_startup_script(port=port, metrics_port=metrics_port, install=install, wheel=wheel,
+                                       token_secret=token_secret, ray_start_args=ray_start_args,
+                                       python_version=python_version or HOST_PYTHON), nl=False)
+    except RaysliceError as exc:
+        raise _script_error(exc) from None
+
+
+def _duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``12h`` or ``2d`` in seconds; a clear error naming --older-than otherwise."""
+    import re
+
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+    if not match:
+        raise fail(f"--older-than {text!r} is invalid: give a duration such as 12h, 90m, 2d or 3600 (seconds)")
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+
+
+@cloud_tpu.command("sweep")
+def sweep(
+    project: Annotated[str, typer.Option("--project", help="The GCP project.")],
+    zone: Annotated[str, typer.Option("--zone", help="The zone of the slices.")],
+    older_than: Annotated[str, typer.Option(
+        "--older-than", help="Only queued resources older than this (12h, 90m, 2d): longer than any run lasts.")],
+    deployment: Annotated[str, typer.Option(
+        envvar="RAYSLICE_DEPLOYMENT", help="That Airflow's deployment name (its `ray` connection's 'deployment' "
+        "extra, or its `rayslice_deployment` Variable); other deployments' slices are never touched.")],
+    delete: Annotated[bool, typer.Option("--delete", help="Delete them (default: only list them).")] = False,
+    api_endpoint: Annotated[str | None, typer.Option(
+        "--api-endpoint", help="Another Cloud TPU API endpoint (a private one).")] = None,
+) -> None:
+    """List (or, with --delete, delete) one Airflow's TPU slices whose teardown never ran."""
+    from rayslice.cloud.cloud_tpu import sweep as run_sweep
+
+    seconds = _duration(older_than)
+    try:
+        found = run_sweep(project, zone, deployment=deployment, older_than_s=seconds, delete=delete,
+                          api_endpoint=api_endpoint)
     except RaysliceError as exc:
         message = str(exc)
-        for word, flag in (("head_address", "--head-address"), ("token_secret", "--token-secret"),
-                           ("wheel", "--wheel"), ("ray_start_args", "--ray-start-args")):
-            message = message.replace(f"{word} ", f"{flag} ", 1) if message.startswith(word) else message
+        for word, flag in (("GCP project", "--project"), ("zone", "--zone"), ("deployment", "--deployment")):
+            message = message.replace(word, flag, 1) if message.startswith(word) else message
         raise fail(message) from None
+    for swept in found:
+        console.print(f"{swept.queued_resource_id}\t{swept.age_s / 3600:.1f} h\t{swept.outcome}", highlight=False)
+    acted = sum(s.outcome in ("deleted", "would delete") for s in found)
+    console.print(f"{'deleted' if delete else 'would delete (add --delete)'}: {acted} of {len(found)} queued "
+                  f"resource(s) of deployment {deployment!r} in {zone}", highlight=False)
 
 
 @app.command("launcher-label")

@@ -23,6 +23,9 @@ import pytest
 
 from rayslice.local import local_cluster, processes
 
+#: The slowest tests and each directory's total at the end of every run, and the suite's time budget.
+pytest_plugins = ["tests.timing_report"]
+
 TEST_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
 TOTAL_TPU_CHIPS = 36
 

@@ -59,11 +59,14 @@ class FakeCloudTpu(JsonHttpFake):
         self._operations: dict[str, dict[str, Any]] = {}
         super().__init__()
 
-    def add_queued(self, parent: str, queued_id: str, body: dict[str, Any], state: str = "ACTIVE") -> dict:
-        """A queued resource someone else made (e.g. with gcloud)."""
+    def add_queued(self, parent: str, queued_id: str, body: dict[str, Any], state: str = "ACTIVE",
+                   create_time: str | None = None) -> dict:
+        """A queued resource someone else made (e.g. with gcloud), or made at ``create_time`` (RFC 3339)."""
         with self._lock:
             obj = self._store(parent, queued_id, body)
             obj["state"] = {"state": state, "stateInitiator": "USER"}
+            if create_time:
+                obj["createTime"] = create_time
             return obj
 
     def _store(self, parent: str, queued_id: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -137,6 +140,14 @@ class FakeCloudTpu(JsonHttpFake):
         parent, zone, queued_id = m[1], m[3], m[4]
         if zone not in self.zones:
             return 404, _error(404, "NOT_FOUND", f"Location {parent} not found")
+        if method == "GET" and queued_id is None:  # list, a page at a time
+            names = sorted(n for n in self.queued if n.startswith(f"{parent}/"))
+            start = int((query.get("pageToken") or ["0"])[0])
+            out = {"queuedResources": [checked(tpu_v2.QueuedResource, self.queued[n])
+                                       for n in names[start:start + self.page_size]]}
+            if start + self.page_size < len(names):
+                out["nextPageToken"] = str(start + self.page_size)
+            return 200, out
         if method == "POST" and queued_id is None:
             queued_id = (query.get("queuedResourceId") or [""])[0]
             name = f"{parent}/queuedResources/{queued_id}"

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rayslice.cluster import checkpoints, gang, host_env, metrics, notices, phases, reaper, suspend
+from rayslice.cluster import autoscaler, checkpoints, gang, host_env, metrics, notices, phases, reaper, suspend
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, intact_slices, reserve_slices
@@ -26,7 +26,7 @@ from rayslice.core import goodput, launcher
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
 from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError, SuspendedError
-from rayslice.core.step import StepSpec
+from rayslice.core.step import StepSpec, checkpoint_root_problem
 
 __all__ = ["run_step", "reservation_name"]
 #: What sets a shell up for the local cluster (RAY_ADDRESS, RAY_AUTH_MODE, ...), named in refusals.
@@ -54,13 +54,28 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
     first.note("run_step")
     _reap_orphans(spec)
     first.note("reaped")
-    checkpoint_dir = checkpoint_dir_for(spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV), spec.owner)
+    checkpoint_dir = _checkpoint_dir(spec)
     waits = Waits(capacity=spec.capacity_timeout, start=gang.HOST_START_TIMEOUT_S)
     records: list[dict] = []  # every attempt's, for the step's goodput figures
     try:
         return _attempts(spec, first, checkpoint_dir, waits, records, driver_phases)
     finally:
+        if waits.requeued is not None:  # requeued for an attempt that never came (it failed before it asked)
+            waits.requeued.leave()
         _report_goodput(spec, records)
+
+
+def _checkpoint_dir(spec: StepSpec) -> str | None:
+    """The step's checkpoint folder: under its own root, else the cluster's (`RAYSLICE_CHECKPOINT_ROOT`).
+
+    The step's root was checked when it was made; the cluster's is checked here, as the step starts: a
+    relative `file://` root would put every checkpoint in a per-step folder that is deleted after the step.
+    """
+    root = spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
+    if not spec.checkpoint_root and root and (problem := checkpoint_root_problem(root)):
+        raise InvalidRequestError(f"the cluster's {CHECKPOINT_ROOT_ENV} {problem}; got {root!r} (set it on every node, "
+                                  "or give the step its own checkpoint_root)")
+    return checkpoint_dir_for(root, spec.owner)
 
 
 def _report_goodput(spec: StepSpec, records: list[dict]) -> None:
@@ -120,8 +135,8 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
                     log(suspend.exhausted(spec))
                 raise
             retries_used += not grows
-            if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
-                waits.lost_nodes |= {exc.node_id}
+            # The GCS may show a lost node alive for seconds yet (a host lost in a notice's grace rides along too).
+            waits.lost_nodes |= {node for node in (getattr(exc, "node_id", ""), getattr(exc, "also_lost", "")) if node}
             waits.suspended = str(exc) if suspended is not None else ""
             waits.held_slices = waits.granted_slices if getattr(exc, "grow", False) else 0
             if getattr(exc, "grow", False):
@@ -194,9 +209,27 @@ class Waits:
     granted_slices: int = 0  # an elastic step: the slices its current attempt runs on
     grows_left: int = 0  # an elastic step: suspensions to grow it may still take (no more offers after)
     held_slices: int = 0  # an elastic step that stopped to grow: the slices it had (it never comes back on fewer)
+    # The queue place of an attempt that ended to resume: back to waiting in its line, never left (`_admit` rejoins
+    # it; `run_step` leaves it if no attempt does).
+    requeued: admission.Place | None = None
 
     def spend(self, kind: str, since: float) -> None:
         setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
+
+    def resumes_after(self, error: BaseException | None) -> bool:
+        """Whether `_attempts` starts another attempt after this one ended with `error` (as it decides): a
+        preemption (a suspension, a lost host) with a preemption retry left, or a stop to grow with a growth
+        left. Then the step's queue place is requeued at its release rather than left."""
+        if not isinstance(error, PreemptedError):
+            return False
+        return self.resumptions_left > 0 or (bool(getattr(error, "grow", False)) and self.grows_left > 0)
+
+    def keep_place(self, place: admission.Place, error: BaseException | None) -> bool:
+        """At an attempt's release: requeue `place` (True) when the step resumes, else the caller leaves it."""
+        if not self.resumes_after(error):
+            return False
+        self.requeued = place.requeue()
+        return True
 
 
 def _require_connected_driver() -> None:
@@ -251,10 +284,15 @@ def _reap_orphans(spec: StepSpec) -> None:
 
 
 def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices: int | None = None) -> admission.Place:
-    """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted."""
+    """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted.
+
+    After an attempt that ended to resume, the place it kept (requeued, never left) takes this attempt's request.
+    """
     place = admission.place_for(spec, arrival=waits.arrival,
                                 preemptible=spec.preemptible and waits.resumptions_left > 0, most_slices=most_slices,
                                 least_slices=waits.held_slices or None, grows=waits.grows_left > 0)
+    if waits.requeued is not None:
+        place, waits.requeued = waits.requeued.rejoin(place.entry), None
     started = time.monotonic()
     timeline.note("queued")
     marker = None
@@ -307,7 +345,8 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
         timeline.chips = request.total_chips
         return _reserve_and_run_on_slices(spec, request, attempt, timeline, waits, name, started, place)
     finally:
-        place.leave()
+        if waits.requeued is not place:
+            place.leave()
 
 
 def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt,
@@ -328,13 +367,17 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     # From here on a drained node of the reservation is the step's preemption notice (cluster/notices.py).
     # An elastic function step also hears the queue's offer to grow (a command step's program is never offered it:
     # its exit after the notice would read as a stop for it).
+    # With no resumption left, stopping early cannot help: the hosts hear a notice only at its last call.
     watch = notices.Watch(f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}",
                           {h.node_id: h.label for h in reservation.hosts if h.node_id},
                           requested=lambda: place.suspend or ((place.grow, 0.0, True)
-                                                              if place.grow and spec.command is None else None))
+                                                              if place.grow and spec.command is None else None),
+                          resumable=waits.resumptions_left > 0)
     attempt = replace(attempt, notice_key=watch.key)
-    suspended = False
+    suspended, ended = False, None
     watch.__enter__()
+    # Once the attempt heard its notice, its hosts' JAX ending their processes as peers stop is expected noise.
+    drain.explain_shutdown({h.label for h in reservation.hosts}, watch.hosts_stopping)
     try:
         slices = sorted({h.slice_name for h in reservation.hosts})
         log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")
@@ -357,8 +400,11 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
             )
         timeline.note("actors_created")
         starting = time.monotonic()
-        try:
-            ports = gang.await_started(actors, reservation.hosts, timeout=waits.start)
+        try:  # a notice while the hosts start suspends the step at once: a victim frees its slice within its grace
+            ports = gang.await_started(actors, reservation.hosts, timeout=waits.start, watch=watch)
+        except SuspendedError:
+            suspended = True
+            raise
         finally:
             waits.spend("start", starting)
         timeline.note("actors_started")
@@ -379,13 +425,20 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
             raise
         drain_from, quiet = [plan.label for plan in plans], 0.0
         return results
+    except BaseException as exc:
+        ended = exc
+        raise
     finally:
         timeline.note("gang_returned")
         watch.__exit__(None, None, None)
         if watch.noticed_at is not None:
             timeline.note("notice", watch.noticed_at)
         gang.kill(actors)
-        still_held = reservation.release()  # and leaves the queue: the next in line may reserve now
+        # and leaves the queue (the next in line may reserve now), or, if the step resumes, keeps its place in line
+        resumes = waits.resumes_after(ended)
+        still_held = reservation.release(requeue=resumes)
+        if resumes:
+            waits.requeued = place
         if suspended:  # no step body may run on two slices at once: the next attempt starts after every host ended
             _wait_for_hosts_to_end(actors)
         timeline.mark("released")
@@ -426,9 +479,7 @@ def _hosts_runtime_env(spec: StepSpec, node_ids: list[str] | None = None, resour
     the resource has it installed (and the caller pins the actor to the label: a node may join meanwhile).
     """
     if node_ids is None:  # an autoscaler may add a node for it, which nobody can know to carry the label: ship it
-        from rayslice.cluster.reservation import _autoscaler_may_add
-
-        node_ids = [] if _autoscaler_may_add(resource) else \
+        node_ids = [] if autoscaler.may_add(resource) else \
             [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
     modules = host_env.launcher_modules(node_ids, spec)
     env = host_env.actor_runtime_env(spec, modules)
@@ -455,7 +506,27 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
     try:
         return _place_and_run_fraction(spec, request, attempt, timeline, waits, started, place)
     finally:
-        place.leave()
+        if waits.requeued is not place:
+            place.leave()
+
+
+def _fraction_started(actor: Any, plan: HostPlan, within: float, watch: notices.Watch | None) -> float | None:
+    """Wait (up to `within` s) for the fraction's worker to run: how long it took, or None if it did not.
+
+    A notice told meanwhile suspends the step at once: no body ran, and its accelerator is free for whoever
+    outranks it within the grace, not after the worker's start-up.
+    """
+    began = time.monotonic()
+    ref = actor.free_port.remote()
+    while True:
+        left = within - (time.monotonic() - began)
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(left, notices.POLL_S if watch is not None else left)))
+        if ready:
+            return time.monotonic() - began
+        if watch is not None and (told := watch.heard()) is not None and not told.grow:
+            raise gang.suspension_while_starting(watch, [plan])
+        if left <= 0:
+            return None
 
 
 def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
@@ -490,17 +561,24 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
     if place.entry.preemptible:
         watch = notices.Watch(
             f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}", {},
-            requested=lambda: place.suspend)
+            requested=lambda: place.suspend, resumable=waits.resumptions_left > 0)
         attempt = replace(attempt, notice_key=watch.key)
         watch.__enter__()
-    suspended = False
+    suspended, ended = False, None
     try:
-        ready, _ = ray.wait([actor.free_port.remote()], timeout=waits.capacity)
-        waits.spend("capacity", placing)
-        if not ready:
+        budget = waits.start
+        try:  # admitted: its worker's start has the host start budget, not what the queue left of capacity_timeout
+            started_in = _fraction_started(actor, plan, budget, watch)
+        except SuspendedError:
+            suspended = True
+            raise
+        finally:
+            waits.spend("start", placing)
+        if started_in is None:
             raise CapacityTimeoutError(
-                f"no capacity for {request} within capacity_timeout={spec.capacity_timeout:.0f} s; "
-                "nothing was left reserved. Raise capacity_timeout or add nodes with that accelerator."
+                f"{request} was admitted, but its process did not start on a node within the {budget:.0f} s "
+                "left of the host start budget (its runtime_env installing, or Ray placing it): nothing was left "
+                "reserved. Check the job log for the runtime_env's setup, or that a node with that accelerator is up."
             )
         log(f"running on {request}")
         try:
@@ -513,6 +591,9 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
             raise
         drain_from, quiet = [str(request)], 0.0
         return result
+    except BaseException as exc:
+        ended = exc
+        raise
     finally:
         if watch is not None:
             watch.__exit__(None, None, None)
@@ -521,7 +602,8 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
         gang.kill([actor])
         if suspended:  # its process has ended before the step resumes: no body runs twice at once
             _wait_for_hosts_to_end([actor])
-        place.leave()
+        if not waits.keep_place(place, ended):  # a step that resumes keeps its place in line
+            place.leave()
         timeline.mark("released")
         log(f"released {request} after {time.monotonic() - started:.1f} s")
         drain.wait(drain_from, quiet=quiet)

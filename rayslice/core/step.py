@@ -24,6 +24,7 @@ from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import StepRequest
 from rayslice.core.exceptions import FAILURE_FIELDS, InvalidRequestError, StepFailedError
 from rayslice.core.queue import SETTINGS_ENV, TEAM_PATTERN
+from rayslice.core.version import __version__
 
 RESULT_MARKER = "::rayslice-result::"
 ERROR_MARKER = "::rayslice-error::"
@@ -89,12 +90,6 @@ class Owner(TaskRef):
 Launcher = Literal["shipped", "installed"]
 
 
-def _rayslice_version() -> str:
-    from rayslice import __version__  # the package imports this module: read it at call time
-
-    return __version__
-
-
 def notice_signal_name(value: Any) -> str:
     """A command step's `notice_signal` as its canonical name ("SIGTERM", or "none"); a clear error otherwise."""
     import signal
@@ -108,6 +103,28 @@ def notice_signal_name(value: Any) -> str:
         raise InvalidRequestError(f"notice_signal {value!r} is not a signal a program can catch: give a name such "
                                   "as SIGTERM (the default), SIGINT or SIGUSR1, or 'none' (the notice file only)")
     return name
+
+
+#: What a checkpoint root may be, as refusals name it.
+CHECKPOINT_ROOT_FORMS = "a URL like 'gs://bucket/checkpoints', 's3://bucket/checkpoints' or 'file:///shared/checkpoints'"
+
+
+def checkpoint_root_problem(root: str) -> str | None:
+    """Why `root` cannot be a checkpoint root (None: it can), in words for the refusal.
+
+    It must be a URL, and a `file://` one must name an absolute path: a relative one would resolve
+    inside each host's per-step folder (cluster/gang.py `_step_folder`), which is deleted after the
+    step, so every checkpoint would vanish and every resume start fresh. Parsed without fsspec: it
+    runs at DAG parse time.
+    """
+    if "://" not in root:
+        return f"must be {CHECKPOINT_ROOT_FORMS}"
+    protocol, _, path = root.partition("://")
+    if protocol.lower() in ("file", "local") and not path.startswith("/"):
+        return (f"must be {CHECKPOINT_ROOT_FORMS}; a {protocol}:// root needs an absolute path (three slashes, "
+                f"'{protocol}:///shared/checkpoints', on storage every host reaches): a relative one resolves inside "
+                "each host's per-step folder, which is deleted after the step, so every resume would start fresh")
+    return None
 
 
 #: A preemptible step is suspended and resumed: its resumption counts within `preemption_retries`.
@@ -152,7 +169,7 @@ class StepSpec(BaseModel):
     launcher: Launcher = Field(
         "shipped", description="ship rayslice's cluster side with the job, or use the copy installed on the cluster"
     )
-    rayslice_version: str = Field(default_factory=_rayslice_version,
+    rayslice_version: str = Field(__version__,
                                   description="the submitter's rayslice; an installed launcher must match it")
     marker_tag: str = Field("", pattern=r"^[0-9a-f]*$",
                             description="a per-submission secret in the driver's result and error lines, so that "
@@ -187,6 +204,13 @@ class StepSpec(BaseModel):
     @classmethod
     def _valid_notice_signal(cls, value: str) -> str:
         return notice_signal_name(value)
+
+    @field_validator("checkpoint_root")
+    @classmethod
+    def _valid_checkpoint_root(cls, value: str | None) -> str | None:
+        if value is not None and (problem := checkpoint_root_problem(value)):
+            raise InvalidRequestError(f"checkpoint_root {problem}; got {value!r}")
+        return value
 
     @field_validator("runtime_env", mode="before")
     @classmethod
