@@ -41,6 +41,7 @@ __all__ = [
     "CloudTpuError",
     "QueuedSlice",
     "check_accelerator_type",
+    "check_project_zone",
     "head_startup_script",
     "owner_label",
     "startup_script",
@@ -84,7 +85,8 @@ class CloudTpuError(RaysliceError):
     transient: bool = False
 
 
-def _check(project: str, zone: str) -> None:
+def check_project_zone(project: str, zone: str) -> None:
+    """A project ID and a zone as the Cloud TPU API takes them: a typo is refused before any call."""
     if not isinstance(project, str) or not _PROJECT.match(project):
         raise InvalidRequestError(f"GCP project {project!r} is invalid: use the project ID, e.g. 'my-project-123'")
     if not isinstance(zone, str) or not _ZONE.match(zone):
@@ -123,7 +125,7 @@ def _api_error(what: str, exc: Exception) -> CloudTpuError:
 def zone_accelerator_types(project: str, zone: str, *, client: Any = None, api_endpoint: str | None = None,
                            max_age: float = ZONE_CACHE_SECONDS) -> tuple[str, ...]:
     """The accelerator types (``v6e-16``, ...) the zone offers, cached per project and zone for ``max_age`` s."""
-    _check(project, zone)
+    check_project_zone(project, zone)
     key = (api_endpoint or "", project, zone)
     with _zone_lock:
         hit = _zone_cache.get(key)
@@ -376,7 +378,7 @@ class QueuedSlice:
     scopes: tuple[str, ...] = DEFAULT_SCOPES
 
     def __post_init__(self) -> None:
-        _check(self.project, self.zone)
+        check_project_zone(self.project, self.zone)
         object.__setattr__(self, "scopes", tuple(self.scopes) if isinstance(self.scopes, (list, tuple)) else
                            self.scopes)
         if self.network is not None and (not isinstance(self.network, str) or not _NETWORK.match(self.network)):
@@ -586,7 +588,7 @@ def sweep(project: str, zone: str, *, deployment: str, older_than_s: float, dele
     another Airflow's, and any made by hand or by another tool, are never listed. A run still using
     its slices is as old as its run: pick ``older_than_s`` longer than any run lasts.
     """
-    _check(project, zone)
+    check_project_zone(project, zone)
     if not isinstance(deployment, str) or not deployment:
         raise InvalidRequestError("deployment is required: the Airflow deployment whose slices to sweep (its "
                                   "`ray` connection's 'deployment' extra, or its `rayslice_deployment` Variable)")

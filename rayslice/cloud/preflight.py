@@ -38,8 +38,15 @@ def _crd_check(api: Any, namespace: str, manage: bool) -> Check:
     try:
         fields = KubeRayCrds.from_cluster(api).auth_fields("RayCluster")
     except CrdUnavailableError as exc:
-        if exc.status_code == 403 and not manage:
+        if exc.status_code == 403 and not manage:  # lookup-only RBAC never grants this read
             return Check("kuberay crd", "WARN", str(exc), _ADMIN_CHECK.format(namespace=namespace))
+        if exc.status_code in (401, 403):  # KubeRay may well be there: this identity may not look
+            return Check("kuberay crd", "FAIL", str(exc),
+                         "grant get on customresourcedefinitions.apiextensions.k8s.io (the `rayslice kuberay rbac` "
+                         "manage role has it) to whoever runs the doctor, or check by hand: `kubectl get crd "
+                         "rayclusters.ray.io -o jsonpath='{.spec.versions[*].schema.openAPIV3Schema.properties.spec"
+                         ".properties.authOptions.properties}'` (secretName there: KubeRay >= "
+                         f"{KUBERAY_FLOOR})")
         return Check("kuberay crd", "FAIL", str(exc),
                      f"install KubeRay >= {KUBERAY_FLOOR}: `helm install kuberay-operator kuberay/kuberay-operator "
                      f"--version {KUBERAY_HELM_VERSION}`, or enable GKE's Ray operator add-on")
@@ -201,7 +208,7 @@ def cloud_tpu_checks(*, project: str, zone: str, tpu_type: str | None = None, se
 
     checks: list[Check] = []
     try:
-        cloud_tpu._check(project, zone)
+        cloud_tpu.check_project_zone(project, zone)
         client = cloud_tpu.tpu_client(api_endpoint, credentials=credentials)
         types = {t.type_ for t in client.list_accelerator_types(parent=f"projects/{project}/locations/{zone}")}
     except gexc.GoogleAPICallError as exc:

@@ -207,3 +207,14 @@ def test_the_doctor_passes_as_the_identity_the_rendered_rbac_binds(kube):
     kube.rbac_rules = _rendered_rules("--namespace", "ml", "--manage")
     checks = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig, manage=True))
     assert checks["kuberay rbac"].status == "PASS", checks["kuberay rbac"]
+
+
+def test_a_crd_this_identity_may_not_read_is_named_as_rbac_not_as_a_missing_kuberay(kube):
+    """Seen failing first: a 403 on the CRD read gave "install KubeRay" (already installed) as the fix."""
+    kube.fail_next("GET", r"/customresourcedefinitions/", 403)
+    check = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig, manage=True))["kuberay crd"]
+    assert check.status == "FAIL" and "not allowed" in check.detail, check
+    assert "get on customresourcedefinitions" in check.fix and "helm install" not in check.fix, check
+    kube.fail_next("GET", r"/customresourcedefinitions/", 403)  # lookup-only: never granted, so checked as an admin
+    check = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig))["kuberay crd"]
+    assert check.status == "WARN" and "helm install" not in check.fix, check
