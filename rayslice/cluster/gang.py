@@ -652,6 +652,13 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
     return ports
 
 
+def stopped_to_grow(watch: notices.Watch) -> bool:
+    """Whether a suspension of this watch's attempt is a stop to grow: what its hosts were told last is an offer
+    (one the queue took back meanwhile, or one told before a notice that is still held back from them)."""
+    told = watch.heard()
+    return told is not None and told.grow
+
+
 def suspension_while_starting(watch: notices.Watch, plans: list[HostPlan]) -> SuspendedError:
     """A notice told before the step's body ran on any host: suspended at once, with nothing to save."""
     return _suspension(watch, plans, stopped=False, how="its hosts were still starting: no step body ran")

@@ -208,10 +208,11 @@ class Watch:
         """What the hosts are told: the notice (or the last offer to grow, kept when taken back), unless held back.
 
         Only a told notice changes what the step's end means: a host's failure under a notice held
-        back is its own.
+        back is its own. An offer to grow told before the notice came is still what the hosts heard:
+        a step that stops for it stops to grow.
         """
         if self.held_back():
-            return None
+            return self.offer
         return self.notice or self.offer
 
     def hosts_stopping(self) -> bool:

@@ -852,3 +852,24 @@ def test_a_maxtext_like_program_behind_a_wrapper_that_ignores_the_signal_still_h
     assert saved.read_text().startswith("checkpoint"), host
     with pytest.raises(SuspendedError, match="the step stopped for it"):
         _run(COMMAND, [host], _watch(30, resumable=True))
+
+
+def _offered_then_drained(kv) -> notices.Watch:
+    """An elastic step with no preemption retry left: told an offer to grow, then a drain an hour ahead (held back)."""
+    watch = notices.Watch("k", {"node0": "v6e-16-a/host0"}, resumable=False)
+    watch.publish(PreemptionNotice(deadline=time.time() + notices.GROW_DEADLINE_S, reason="1 more slice free",
+                                   grow=True))
+    assert json.loads(kv["k"])["grow"], "the hosts were told the offer"
+    watch.publish(PreemptionNotice(deadline=time.time() + 3600, reason="node0 is being drained", node="node0"))
+    assert watch.held_back() and json.loads(kv["k"])["grow"], "the drain is held back: the hosts still see the offer"
+    return watch
+
+
+def test_a_step_that_stops_for_the_offer_it_was_told_while_a_drain_is_held_back_is_suspended_to_grow(fake, kv):
+    """Before: the held-back drain hid the offer the hosts had acted on (`heard()` was None), so the step's
+    StepSuspended for the offer read as a plain failure: the try failed."""
+    watch = _offered_then_drained(kv)
+    with pytest.raises(SuspendedError) as info:
+        _run(FUNCTION, [StepSuspended("saved, to grow")], watch)
+    assert info.value.node_id == "node0", "the drained node is avoided on resumption"
+    assert gang.stopped_to_grow(watch), "it resumes as a growth (no preemption retry), not a failed try"
