@@ -873,3 +873,34 @@ def test_a_step_that_stops_for_the_offer_it_was_told_while_a_drain_is_held_back_
         _run(FUNCTION, [StepSuspended("saved, to grow")], watch)
     assert info.value.node_id == "node0", "the drained node is avoided on resumption"
     assert gang.stopped_to_grow(watch), "it resumes as a growth (no preemption retry), not a failed try"
+
+
+class _ReturnsAsTheWaitEnds(Ref):
+    """A host whose value arrives just after the launcher's wait timed out (its body ended right at the stop)."""
+
+    def __init__(self, value, fake: FakeRay) -> None:
+        super().__init__(value)
+        self._value, self._fake = value, fake
+
+    @property
+    def outcome(self):
+        return self._value if len(self._fake.waits) > 1 else HANG
+
+    @outcome.setter
+    def outcome(self, value):
+        pass
+
+
+@pytest.mark.parametrize("due", ["notice-stop", "step_timeout"])
+def test_a_function_step_that_returns_right_as_its_stop_comes_keeps_its_value(fake, due):
+    """Before: the wait timed out, the value arrived, and the stop (or step_timeout) due then discarded it: a step
+    that had finished was suspended and run again (or failed its try)."""
+    spec = FUNCTION
+    if due == "notice-stop":
+        watch = _watch(-10, resumable=True)
+        watch.noticed_at -= notices.MIN_GRACE_S  # the stop is due at once
+    else:
+        spec, watch = FUNCTION.model_copy(update={"step_timeout": 0.0}), None
+    ref = _ReturnsAsTheWaitEnds({"exported": 1200}, fake)
+    actor = types.SimpleNamespace(run=types.SimpleNamespace(remote=lambda *a: ref))
+    assert gang.run_gang([actor], _plans(1), spec, gang.Attempt(), None, watch) == [{"exported": 1200}]
