@@ -421,8 +421,8 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         except BaseException as exc:
             drain_from = gang.raised_on(exc, plans)
             suspended = isinstance(exc, SuspendedError)
-            if suspended and (watch.notice or watch.offer) is not None and (watch.notice or watch.offer).grow:
-                # it stopped to take more slices (for an offer, even one the queue took back meanwhile)
+            if suspended and gang.stopped_to_grow(watch):
+                # it stopped to take more slices (for an offer, even one the queue took back or a notice held back)
                 exc.grow = True  # type: ignore[attr-defined]
             if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
                 quiet = 0.0

@@ -396,6 +396,8 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
                 timeout = notices.POLL_S if timeout is None else min(timeout, notices.POLL_S)
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:  # a host that already returned counts, even when the stop is due: its body is done
+                if _stop_due(watch, deadline) and _all_returned(pending):
+                    continue  # every host returned as the wait ended: collected above, never stopped or timed out
                 if watch is not None and (stop_at := watch.stop_at()) is not None and time.time() >= stop_at:
                     raise _suspension(watch, plans, stopped=True)
                 stopping = watch is not None and (told := watch.heard()) is not None and not told.grow
@@ -472,6 +474,22 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
         print("[rayslice] the step returned after a preemption notice: its value is taken as the step's result "
               "(raise rayslice.StepSuspended instead to be resumed from the checkpoint)", flush=True)
     return results
+
+
+def _stop_due(watch: notices.Watch | None, deadline: float | None) -> bool:
+    """Whether the notice's stop or the step_timeout (`deadline`, monotonic) is due now."""
+    stop_at = None if watch is None else watch.stop_at()
+    return (stop_at is not None and time.time() >= stop_at) or (deadline is not None and time.monotonic() >= deadline)
+
+
+def _all_returned(pending: list[Any]) -> bool:
+    """A last look, without waiting, before a stop ends the gang: have all of these hosts returned meanwhile?
+
+    A body that ended between the wait's timeout and the stop is done; stopping it would discard its
+    value, and a resumption would run a finished step again (its writes twice).
+    """
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+    return len(done) == len(pending)
 
 
 def _lost_in_grace(index: int, first: StepFailedError, pending: list[Any], refs: dict[Any, int],
@@ -652,6 +670,13 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
         raise HostLostError(f"the host processes on {where} did not start within {timeout:.0f} s",
                             slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip)
     return ports
+
+
+def stopped_to_grow(watch: notices.Watch) -> bool:
+    """Whether a suspension of this watch's attempt is a stop to grow: what its hosts were told last is an offer
+    (one the queue took back meanwhile, or one told before a notice that is still held back from them)."""
+    told = watch.heard()
+    return told is not None and told.grow
 
 
 def suspension_while_starting(watch: notices.Watch, plans: list[HostPlan]) -> SuspendedError:
