@@ -23,12 +23,17 @@ GLOBAL_ROWS = 64
 MODULUS = 2**31 - 1
 
 
-def train(steps: int | str, checkpoint_every: int | str, seconds_per_step: float | str, seed: int | str) -> dict:
+def train(steps: int | str, checkpoint_every: int | str, seconds_per_step: float | str, seed: int | str,
+          feed: str) -> dict:
     """The integer state after `steps` steps, resumed from the newest checkpoint in the step's checkpoint folder.
 
     After each step the hosts agree (allgather) whether any of them heard a notice (a drain, a
     higher-priority step, an offer to grow); if so the lead saves that step and every host stops
     with `StepSuspended`, so no completed step is done again.
+
+    Its data arrives as a stream: step N's batch may be read once the file `feed` says at least N+1
+    (the test publishes the stream as the day goes on, so each notice reaches a training that is
+    running, whatever Airflow's and the machine's latencies). While it waits, it heeds notices too.
     """
     import json
     import os
@@ -91,7 +96,28 @@ def train(steps: int | str, checkpoint_every: int | str, seconds_per_step: float
             note(f"saved {step} {where}")
         multihost_utils.sync_global_devices(f"saved {step}")
 
+    def fed_or_noticed(step: int) -> bool:
+        """Whether any host heard a notice, once the feed has published step `step`'s batch (or a notice came).
+
+        Every host takes part in each round (an allgather of the notice flags and the lead's view of the
+        feed), so all of them leave the wait at the same round, together.
+        """
+        while True:
+            published = int(Path(feed).read_text() or 0) if lead and Path(feed).exists() else 0
+            flags = np.array([int(context.preempted), published], dtype=np.int32)
+            gathered = np.asarray(multihost_utils.process_allgather(flags)).reshape(-1, 2)
+            if gathered[:, 0].any():
+                return True
+            if gathered[:, 1].max() > step:
+                return False
+            time.sleep(0.2)
+
+    last_saved = start
     for step in range(start, steps):
+        if fed_or_noticed(step):  # a notice while waiting for the data: the newest step is saved already?
+            if step > last_saved:
+                save(step)
+            raise rayslice.StepSuspended(f"saved step {step} on a notice")
         rows = np.random.default_rng([seed, step]).integers(0, 1000, size=GLOBAL_ROWS, dtype=np.int32)
         block = rows[me * per_process:(me + 1) * per_process]
         total = total_of(jax.make_array_from_process_local_data(by_row, block, (GLOBAL_ROWS,)))
@@ -103,6 +129,7 @@ def train(steps: int | str, checkpoint_every: int | str, seconds_per_step: float
         noticed = bool(np.asarray(multihost_utils.process_allgather(flag)).any())
         if (step + 1) % checkpoint_every == 0 or step + 1 == steps or noticed:
             save(step + 1)
+            last_saved = step + 1
         if noticed and step + 1 < steps:
             raise rayslice.StepSuspended(f"saved step {step + 1} on a notice")
     return {"state": state, "devices": devices, "attempt": attempt, "resumed_from": start}
@@ -140,7 +167,8 @@ with DAG("day_train", schedule=None, start_date=START, catchup=False):
                    preemption_retries=3, priority=0, ray_conn_id="day_research", retries=0,
                    checkpoint_root="{{ dag_run.conf['root'] }}", task_id="train")(train)(
         steps="{{ dag_run.conf['steps'] }}", checkpoint_every="{{ dag_run.conf['every'] }}",
-        seconds_per_step="{{ dag_run.conf['seconds_per_step'] }}", seed="{{ dag_run.conf['seed'] }}")
+        seconds_per_step="{{ dag_run.conf['seconds_per_step'] }}", seed="{{ dag_run.conf['seed'] }}",
+        feed="{{ dag_run.conf['feed'] }}")
     task.ray_accelerator(accelerator="GPU", count=0.25, ray_conn_id="day_research", retries=0,
                          task_id="sweep")(score).expand(scale=[1, 2, 3, 4])
 
