@@ -60,6 +60,8 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
     try:
         return _attempts(spec, first, checkpoint_dir, waits, records, driver_phases)
     finally:
+        if waits.requeued is not None:  # requeued for an attempt that never came (it failed before it asked)
+            waits.requeued.leave()
         _report_goodput(spec, records)
 
 
@@ -194,9 +196,27 @@ class Waits:
     granted_slices: int = 0  # an elastic step: the slices its current attempt runs on
     grows_left: int = 0  # an elastic step: suspensions to grow it may still take (no more offers after)
     held_slices: int = 0  # an elastic step that stopped to grow: the slices it had (it never comes back on fewer)
+    # The queue place of an attempt that ended to resume: back to waiting in its line, never left (`_admit` rejoins
+    # it; `run_step` leaves it if no attempt does).
+    requeued: admission.Place | None = None
 
     def spend(self, kind: str, since: float) -> None:
         setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
+
+    def resumes_after(self, error: BaseException | None) -> bool:
+        """Whether `_attempts` starts another attempt after this one ended with `error` (as it decides): a
+        preemption (a suspension, a lost host) with a preemption retry left, or a stop to grow with a growth
+        left. Then the step's queue place is requeued at its release rather than left."""
+        if not isinstance(error, PreemptedError):
+            return False
+        return self.resumptions_left > 0 or (bool(getattr(error, "grow", False)) and self.grows_left > 0)
+
+    def keep_place(self, place: admission.Place, error: BaseException | None) -> bool:
+        """At an attempt's release: requeue `place` (True) when the step resumes, else the caller leaves it."""
+        if not self.resumes_after(error):
+            return False
+        self.requeued = place.requeue()
+        return True
 
 
 def _require_connected_driver() -> None:
@@ -251,10 +271,15 @@ def _reap_orphans(spec: StepSpec) -> None:
 
 
 def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices: int | None = None) -> admission.Place:
-    """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted."""
+    """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted.
+
+    After an attempt that ended to resume, the place it kept (requeued, never left) takes this attempt's request.
+    """
     place = admission.place_for(spec, arrival=waits.arrival,
                                 preemptible=spec.preemptible and waits.resumptions_left > 0, most_slices=most_slices,
                                 least_slices=waits.held_slices or None, grows=waits.grows_left > 0)
+    if waits.requeued is not None:
+        place, waits.requeued = waits.requeued.rejoin(place.entry), None
     started = time.monotonic()
     timeline.note("queued")
     marker = None
@@ -307,7 +332,8 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
         timeline.chips = request.total_chips
         return _reserve_and_run_on_slices(spec, request, attempt, timeline, waits, name, started, place)
     finally:
-        place.leave()
+        if waits.requeued is not place:
+            place.leave()
 
 
 def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt,
@@ -333,7 +359,7 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
                           requested=lambda: place.suspend or ((place.grow, 0.0, True)
                                                               if place.grow and spec.command is None else None))
     attempt = replace(attempt, notice_key=watch.key)
-    suspended = False
+    suspended, ended = False, None
     watch.__enter__()
     try:
         slices = sorted({h.slice_name for h in reservation.hosts})
@@ -379,13 +405,20 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
             raise
         drain_from, quiet = [plan.label for plan in plans], 0.0
         return results
+    except BaseException as exc:
+        ended = exc
+        raise
     finally:
         timeline.note("gang_returned")
         watch.__exit__(None, None, None)
         if watch.noticed_at is not None:
             timeline.note("notice", watch.noticed_at)
         gang.kill(actors)
-        still_held = reservation.release()  # and leaves the queue: the next in line may reserve now
+        # and leaves the queue (the next in line may reserve now), or, if the step resumes, keeps its place in line
+        resumes = waits.resumes_after(ended)
+        still_held = reservation.release(requeue=resumes)
+        if resumes:
+            waits.requeued = place
         if suspended:  # no step body may run on two slices at once: the next attempt starts after every host ended
             _wait_for_hosts_to_end(actors)
         timeline.mark("released")
@@ -455,7 +488,8 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
     try:
         return _place_and_run_fraction(spec, request, attempt, timeline, waits, started, place)
     finally:
-        place.leave()
+        if waits.requeued is not place:
+            place.leave()
 
 
 def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
@@ -493,7 +527,7 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
             requested=lambda: place.suspend)
         attempt = replace(attempt, notice_key=watch.key)
         watch.__enter__()
-    suspended = False
+    suspended, ended = False, None
     try:
         ready, _ = ray.wait([actor.free_port.remote()], timeout=waits.capacity)
         waits.spend("capacity", placing)
@@ -513,6 +547,9 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
             raise
         drain_from, quiet = [str(request)], 0.0
         return result
+    except BaseException as exc:
+        ended = exc
+        raise
     finally:
         if watch is not None:
             watch.__exit__(None, None, None)
@@ -521,7 +558,8 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
         gang.kill([actor])
         if suspended:  # its process has ended before the step resumes: no body runs twice at once
             _wait_for_hosts_to_end([actor])
-        place.leave()
+        if not waits.keep_place(place, ended):  # a step that resumes keeps its place in line
+            place.leave()
         timeline.mark("released")
         log(f"released {request} after {time.monotonic() - started:.1f} s")
         drain.wait(drain_from, quiet=quiet)

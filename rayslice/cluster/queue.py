@@ -168,12 +168,16 @@ class Broker:
         self._intact: dict[str, float] = {}  # slice type -> its slices with every host alive (room to grow into)
 
     def heartbeat(self, entry: dict[str, Any], settings: dict[str, Any] | None = None,
-                  beat_s: float = HEARTBEAT_S, sent: float | None = None, **newer: Any) -> dict[str, Any]:
+                  beat_s: float = HEARTBEAT_S, sent: float | None = None, suspended: str | None = None,
+                  **newer: Any) -> dict[str, Any]:
         """Register or refresh a place (a re-registration keeps the arrival it carries); where it stands now.
 
         `settings` (sent by launchers before issue 38) is ignored: the policy is the operator's. `beat_s`:
         how often this launcher beats now. `sent` (the caller's clock, sent by earlier launchers) is ignored:
-        a clock set ahead made live places behind a backlog expire. Arguments from newer launchers are ignored.
+        a clock set ahead made live places behind a backlog expire. `suspended`: why a broker told this
+        running step to suspend, as its launcher heard it: a broker made anew (which forgot it) restores it
+        when the place re-registers, so it neither tells a second step to suspend for the same request nor
+        counts the capacity being freed as held. Arguments from newer launchers are ignored.
         """
         mine = self.entries.get(entry["id"])
         if mine is None:  # a new place, or one a restart lost
@@ -188,6 +192,9 @@ class Broker:
             mine.priority = self.settings.priority_of(mine.priority, mine.team)  # the operator's cap, if any
             if mine.admitted:
                 self.running[mine.id] = mine
+                if suspended:  # heard before this broker's time: it is checkpointing now (no taking it back)
+                    self.suspending[mine.id] = str(suspended)
+                    self.told.add(mine.id)
             else:
                 bisect.insort(self.lines.setdefault(mine.kind, []), (rules.rank_key(mine), mine))
             self._dirty = True
@@ -227,6 +234,18 @@ class Broker:
         self._drop(id)
         self.expires.pop(id, None)
         self._tick()
+
+    def requeue(self, entry: dict[str, Any], beat_s: float = HEARTBEAT_S, **newer: Any) -> dict[str, Any]:
+        """Put a place back in its line as `entry` says, in one call: a step's running entry back to waiting
+        (its attempt ended to resume: suspended, stopped to grow, a host lost), or a waiting one's request
+        changed (its next attempt asks for what it asks now). The arrival it carries keeps its place.
+
+        One call, so no plan ever sees the step out of the queue: the capacity it released goes only to
+        requests ranked ahead of it (leaving and registering again let a later, lower-ranked step take it
+        in between). A place this broker does not know (made anew meanwhile) is registered.
+        """
+        self._drop(entry["id"])
+        return self.heartbeat(entry, beat_s=beat_s)
 
     def set_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
         """The operator's new settings (`rayslice queue --set`): kept in the GCS, so a new broker reads them too."""
@@ -324,8 +343,10 @@ class Broker:
         kinds |= {(e.family, e.kind) for e in self.running.values()}
         totals, autoscaled, devices = self._capacity(kinds)  # a GCS read every TOTALS_TTL_S, not timed
         started = time.perf_counter()
+        # An elastic step is granted slices it can reserve: those with every host (as offers to grow count them).
+        intact = {k: min(v, totals.get(k, v)) for k, v in self._intact.items()}
         decided = rules.plan_lines(self.lines, list(self.running.values()), totals, self.settings,
-                                   autoscaled=autoscaled, devices=devices)
+                                   autoscaled=autoscaled, devices=devices, intact={**totals, **intact})
         admitted_at = time.time()
         for id in decided.admit:
             e = self.entries[id]
@@ -339,21 +360,34 @@ class Broker:
         # capacity freed otherwise, is taken back before its step hears it.
         self.suspending = {id: why for id, why in self.suspending.items() if id in self.told}
         if self.settings.preemption == "lower-priority":
-            self._choose_suspensions(totals, devices)
+            self._choose_suspensions(totals, devices, autoscaled)
         self._offer_growth(totals, autoscaled)
         self._planned, self._dirty = time.monotonic(), False
         self.plan_ms = [*self.plan_ms[-999:], (time.perf_counter() - started) * 1000]
 
-    def _choose_suspensions(self, totals: dict[str, float], devices: dict[str, list[float]]) -> None:
-        """`preemption: lower-priority`: the first waiting request of each kind may suspend preemptible steps.
+    def _choose_suspensions(self, totals: dict[str, float], devices: dict[str, list[float]],
+                            autoscaled: set[str]) -> None:
+        """`preemption: lower-priority`: the first request of each kind that waits for capacity may suspend
+        preemptible steps.
 
         Only a request that waits for capacity (not for its team's quota, nor held back by another)
-        does; the choice is `rules.victims`. The chosen steps' launchers hear it at their next beat.
+        does: in a line, that is the entry the plan says is "first in line", which may stand behind
+        borrowers over their team's quota (set aside). The choice is `rules.victims`. The chosen
+        steps' launchers hear it at their next beat. Kinds an autoscaler adds are never preempted (a
+        request there waits for the autoscaler, and a running step may be one still waiting for its node).
         """
         running = list(self.running.values())
         for kind, line in self.lines.items():
-            head = line[0][1]
-            if not self.reasons.get(head.id, "").startswith("first in line"):
+            if kind in autoscaled:
+                continue
+            head = None
+            for _, e in line:  # the plan's reasons: borrowers set aside first, then the one that waits for capacity
+                why = self.reasons.get(e.id, "")
+                if why.startswith("first in line"):
+                    head = e
+                if head is not None or not why:  # found, or the rest of the line stands behind it
+                    break
+            if head is None:
                 continue
             for victim in rules.victims(head, running, totals.get(kind, 0), frozenset(self.suspending),
                                         devices.get(kind)):
@@ -533,7 +567,9 @@ class Place:
 
     A thread heartbeats the whole entry as often as the broker asks (`HEARTBEAT_S`, or `SLOW_BEAT_S`
     far back in the line), re-registering it (same arrival) with a broker that lost it; `wait` logs
-    where the step stands whenever that changes.
+    where the step stands whenever that changes. A step whose attempt ended to resume keeps its place
+    across attempts: `requeue` at its release, `rejoin` with the next attempt's request, never a leave
+    in between (someone it outranks would take its capacity meanwhile).
     """
 
     def __init__(self, entry: rules.Entry, log: Any = None) -> None:
@@ -549,17 +585,29 @@ class Place:
         self._broker: Any = None
         self.suspend: tuple[str, float] | None = None  # (why, grace in seconds): the broker suspends this step
         self.grow: str | None = None  # an elastic step's offer to grow (more slices free)
+        self._requeue = False  # the broker must be told the entry changed (`requeue`) before it is only refreshed
+        self._lock = threading.Lock()  # a beat's entry and its answer belong together (no stale "admitted")
 
     def _beat(self) -> None:
+        with self._lock:
+            self._beat_locked()
+
+    def _beat_locked(self) -> None:
         try:
             if self._broker is None:
                 self._broker = broker()
-            beat = self._broker.heartbeat.remote(self.entry.to_json(), beat_s=self.beat_s)
-            state = ray.get(beat, timeout=5 + self.beat_s)
-        except Exception:  # the broker restarts: its handle stays good, the next beat re-registers
+            entry = self.entry.to_json()
+            if self._requeue:
+                state = self._requeue_at(self._broker, entry)
+            else:
+                beat = self._broker.heartbeat.remote(entry, beat_s=self.beat_s,
+                                                     suspended=self.suspend[0] if self.suspend else None)
+                state = ray.get(beat, timeout=5 + self.beat_s)
+        except Exception:  # the broker restarts: its handle stays good, the next beat re-registers (or requeues)
             self._broker = None
             self.beat_s = HEARTBEAT_S
             return
+        self._requeue = False
         if state.get("refused"):
             self.refused = state["refused"]
             self._stop.set()
@@ -579,6 +627,43 @@ class Place:
         self.beat_s = min(max(float(state.get("beat_s", HEARTBEAT_S)), HEARTBEAT_S), MAX_BEAT_S)
         self.state = state
         self._changed.set()
+
+    def _requeue_at(self, handle: Any, entry: dict[str, Any]) -> dict[str, Any]:
+        """`Broker.requeue`; a broker older than it (detached, from before an upgrade) gets a leave and a fresh
+        registration instead (its place kept by its arrival, but not atomically)."""
+        try:
+            call = handle.requeue
+        except AttributeError:
+            ray.get(handle.leave.remote(entry["id"]), timeout=5)
+            return ray.get(handle.heartbeat.remote(entry, beat_s=HEARTBEAT_S), timeout=5 + HEARTBEAT_S)
+        return ray.get(call.remote(entry, beat_s=HEARTBEAT_S), timeout=5 + HEARTBEAT_S)
+
+    def requeue(self) -> Place:
+        """At an attempt's release, when the step will resume: back to waiting in its line at its arrival, in one
+        broker call (`Broker.requeue`), still beating. It is admitted to nothing until `rejoin` says what the
+        next attempt asks for; meanwhile only requests ranked ahead of it may take what it released."""
+        with self._lock:
+            self.entry.admitted, self.entry.admitted_at, self.entry.rejoining = False, None, True
+            self.admitted.clear()
+            self.suspend = self.grow = None
+            self.state = {}
+            self._requeue = True
+            if not self._stop.is_set():
+                self._beat_locked()  # now; if the broker cannot be reached, every beat tries again until it can
+        return self
+
+    def rejoin(self, entry: rules.Entry) -> Place:
+        """The next attempt's request (`entry`, from `place_for`) in this place: same id, same arrival, in one
+        broker call. A place that was given up meanwhile (refused) is taken afresh."""
+        if self._stop.is_set():
+            return Place(entry, self.log)
+        entry.id, entry.arrival = self.entry.id, self.entry.arrival
+        with self._lock:
+            self.entry = entry
+            self.admitted.clear()
+            self._requeue = True
+            self._beat_locked()
+        return self
 
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):

@@ -58,12 +58,14 @@ class SliceReservation:
     def groups(self) -> list[PlacementGroup]:
         return [self.heads, *([self.hosts_group] if self.hosts_group is not None else [])]
 
-    def release(self, timeout: float | None = None) -> list[str]:
+    def release(self, timeout: float | None = None, requeue: bool = False) -> list[str]:
         """Remove every group and wait (bounded) until Ray frees them; never raises.
 
         Returns the names of the groups Ray had not freed within `timeout`: their removal was
         requested, so Ray frees them when it catches up, and the launcher's sweep of ended jobs
         removes them if it never does. A slow GCS must not replace the step's outcome.
+        `requeue`: the step resumes in another attempt, so its place goes back to waiting in its line
+        (`Place.requeue`, one broker call) instead of leaving the queue: nobody it outranks gets in between.
         """
         timeout = RELEASE_TIMEOUT_S if timeout is None else timeout
         pending = []
@@ -79,7 +81,9 @@ class SliceReservation:
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
-        if self.place is not None:
+        if self.place is not None and requeue:
+            self.place.requeue()  # those ranked ahead of it may reserve now; it keeps its place before the rest
+        elif self.place is not None:
             self.place.leave()  # the next in line may reserve now
         return [_name(group) for group in pending]
 

@@ -177,6 +177,11 @@ class Entry:
     max_amount: float = 0.0
     elastic_at: float = 0.0
     grows: bool = True  # whether it may be offered more slices while it runs (not a command step)
+    # Between two attempts of one step (suspended, stopped to grow, or retried after a lost host): it keeps its
+    # place in line (its arrival) but is not admitted until its launcher rejoins with what the next attempt asks
+    # for; meanwhile nobody it outranks passes it (`plan_lines`), so the capacity it released goes only to
+    # requests ranked ahead of it.
+    rejoining: bool = False
 
     @property
     def elastic(self) -> bool:
@@ -305,6 +310,10 @@ def refusal(e: Entry, totals: dict[str, float], autoscaled: set[str],
             "(the cluster's node groups, or its operator's max_capacity in the queue settings)")
 
 
+#: Why an entry between two attempts of its step waits (never "first in line...": it suspends nobody).
+REJOINING = "resuming: between two attempts, it keeps its place until its launcher asks again"
+
+
 @dataclass
 class Plan:
     """What `plan` decided: who is admitted now, and why each other entry waits."""
@@ -315,15 +324,16 @@ class Plan:
 
 
 def plan(entries: list[Entry], totals: dict[str, float], settings: QueueSettings, now: float | None = None,
-         autoscaled: set[str] | None = None, devices: dict[str, list[float]] | None = None) -> Plan:
+         autoscaled: set[str] | None = None, devices: dict[str, list[float]] | None = None,
+         intact: dict[str, float] | None = None) -> Plan:
     """Who of the waiting entries may reserve now (`plan_lines` over `entries`' lines)."""
     return plan_lines(lines_of(entries), [e for e in entries if e.admitted], totals, settings, now,
-                      autoscaled=autoscaled, devices=devices)
+                      autoscaled=autoscaled, devices=devices, intact=intact)
 
 
 def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], settings: QueueSettings,
                now: float | None = None, autoscaled: set[str] | None = None,
-               devices: dict[str, list[float]] | None = None) -> Plan:
+               devices: dict[str, list[float]] | None = None, intact: dict[str, float] | None = None) -> Plan:
     """Who of the waiting entries may reserve now, walking the lines in rank order as one queue.
 
     `totals`: the cluster's capacity per kind (slices of a type, accelerators of a resource); for a
@@ -332,6 +342,11 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     fitting (Ray waits for hosts that come back). Slices held by chip steps count whole: their
     shares, rounded up (the launcher packs them onto as few as it can). `devices`: for accelerator
     kinds of fixed nodes, each node's device count: those are counted device by device (`Devices`).
+    `intact`: slice type -> its slices with every host alive (default: `totals`). An elastic request is
+    granted against these only: it starts on what it is granted, and a slice missing a host cannot be
+    reserved (a fixed request waits for the hosts to come back instead). An entry `rejoining` (its
+    step between two attempts) keeps its place and is admitted to nothing until its launcher rejoins:
+    its line stops at it, as at any entry that waits.
 
     A line stops at its first entry that must wait (nobody of its kind passes it), so the walk costs
     what is admitted and what is first in line, not the queue's length: the lines' heads are merged
@@ -391,6 +406,8 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
     def fits(e: Entry, amount: float | None = None) -> bool:
         amount = e.amount if amount is None else amount
         total = totals.get(e.kind, 0)
+        if e.elastic and intact is not None and e.kind not in autoscaled:
+            total = min(total, intact.get(e.kind, total))
         if e.kind in packs:
             return packs[e.kind].place(amount, take=False)
         if e.part:
@@ -462,13 +479,15 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
             continue
         granted = elastic_grant(e, alone=i + 1 == len(line)) if e.elastic else None
         blocker = held_back(e)
-        if blocker is None and (granted is not None if e.elastic else fits(e)):
+        if not e.rejoining and blocker is None and (granted is not None if e.elastic else fits(e)):
             admit.append(e.id)
             if granted is not None:
                 amounts[e.id] = granted
             count(e, granted)
         else:  # it waits, and so does its whole line behind it
-            if blocker is None and e.elastic and fits(e, e.min_amount) and now < e.elastic_at:
+            if e.rejoining:
+                reasons[e.id] = REJOINING
+            elif blocker is None and e.elastic and fits(e, e.min_amount) and now < e.elastic_at:
                 reasons[e.id] = (f"first in line; waiting up to {e.elastic_at - now:.0f} s more for all "
                                  f"{e.amount:g} {e.kind} ({in_use(e.kind):g} of {totals.get(e.kind, 0):g} in use) "
                                  f"before it starts on fewer")
@@ -495,12 +514,14 @@ def plan_lines(lines: Lines, running: list[Entry], totals: dict[str, float], set
             reasons[e.id] = why
             continue
         smallest = least(e)  # a borrower takes no more than its least
-        if held_back(e) is not None or not fits(e, smallest):
+        if e.rejoining or held_back(e) is not None or not fits(e, smallest):
             blocked_kinds[e.kind] = e
             quota = settings.quotas[team].get(e.kind, 0)
             reasons[e.id] = whys[(team, e.kind)] = (
                 f"team {team} over its quota ({team_used.get((team, e.kind), 0):g} of {quota:g} {e.kind} in use), "
                 "borrowing only what nobody within quota waits for")
+            if e.rejoining:
+                reasons[e.id] = REJOINING
             continue
         admit.append(e.id)
         if smallest is not None:

@@ -344,3 +344,241 @@ def test_what_a_launcher_sends_never_changes_the_operators_policy_or_quotas(brok
     assert broker.settings.quotas == {"g": {"v6e-4": 0}}
     # The one v6e-4 goes to the later step within its quota, not to the team over its quota that asked first.
     assert not state["admitted"] and broker.heartbeat(within)["admitted"]
+
+
+
+def _round(broker, *entries, **suspended):
+    """One beat from each launcher (a replan apart, so no place expires); the answers by id. `suspended`: what a
+    launcher says it was told (by id)."""
+    out = {}
+    for e in entries:
+        broker.clock.now += queue.REPLAN_S
+        out[e["id"]] = broker.heartbeat(e, suspended=suspended.get(e["id"]))
+    return out
+
+
+def test_a_suspended_step_keeps_its_place_and_nobody_it_outranks_takes_its_slices(broker):
+    """Issue 49 (1): V left the queue at its release and rejoined seconds later: meanwhile the broker admitted H
+    and L onto its two slices, and V, back "first in line", waited for both (and could hit capacity_timeout).
+    Its launcher now requeues the place in one call (`requeue`), and rejoins with the next attempt's request."""
+    broker.set_settings({"preemption": "lower-priority"})
+    v, h, low = _slices("v", n=2, preemptible=True), _slices("h", priority=10, at=2), _slices("l", at=3)
+    assert _round(broker, v)["v"]["admitted"]
+    _round(broker, v, h, low)
+    assert "suspend" in _round(broker, v, h, low)["v"]
+    away = {**v, "admitted": False, "rejoining": True}
+    state = broker.requeue(away)  # at its release: back in line at its arrival (behind H only), still beating
+    assert not state["admitted"] and state["rank"] == 2 and broker.suspending == {}
+    for _ in range(3):  # the seconds its launcher spends between attempts: beats from everyone
+        _round(broker, h, low, away)
+    assert "h" in broker.running and "l" not in broker.running and "v" not in broker.running
+    assert not broker.reasons["v"].startswith("first in line")  # it suspends nobody while it is away
+    state = broker.requeue({**v, "admitted": False})  # the next attempt's request: first in line now
+    assert not state["admitted"] and state["rank"] == 1
+    broker.leave("h")
+    answers = _round(broker, low, {**v, "admitted": False})
+    assert answers["v"]["admitted"] and not _round(broker, low)["l"]["admitted"]
+
+
+def test_an_elastic_step_alone_in_its_line_does_not_take_what_a_requeued_step_released(monkeypatch):
+    broker = make_broker(monkeypatch, {"v6e-16": 3})
+    v = _slices("v", n=2, preemptible=True)
+    request = TpuSliceRequest(tpu="v6e-16", num_slices=(1, 3), multislice=True, elastic_wait=0)
+    e = rules.entry_for(request, id="e", label="d.e", arrival=1001.0).to_json()
+    assert _round(broker, v)["v"]["admitted"]
+    assert _round(broker, v, e)["e"]["admitted"] and broker.entries["e"].amount == 1  # the one slice free
+    broker.leave("e")  # it ended; V stops (a lost host) and requeues: a later elastic step asks, alone in line
+    away = {**v, "admitted": False, "rejoining": True}
+    broker.requeue(away)
+    e2 = {**e, "id": "e2", "arrival": 1002.0}
+    assert not _round(broker, away, e2)["e2"]["admitted"]  # not all three: V is ahead of it
+    broker.clock.now += 2 * queue.PLAN_S
+    assert broker.requeue({**v, "admitted": False})["admitted"]  # planned at once: admitted in the same call
+    assert _round(broker, e2)["e2"]["admitted"] and broker.entries["e2"].amount == 1
+
+
+def test_an_urgent_step_within_its_quota_preempts_behind_a_borrower_at_the_head_of_its_line(broker):
+    """Issue 49 (5): `_choose_suspensions` looked at the line's first entry only, an over-quota borrower there,
+    so the urgent request within its quota right behind it never suspended anyone."""
+    broker.set_settings({"preemption": "lower-priority", "quotas": {"a": {"v6e-16": 16}}})
+    a1 = rules.entry_for(TpuSliceRequest(tpu="v6e-16"), id="a1", label="d.a1", team="a", arrival=1.0).to_json()
+    v = _slices("v", preemptible=True, at=2)
+    a2 = rules.entry_for(TpuSliceRequest(tpu="v6e-16"), id="a2", label="d.a2", team="a", priority=10,
+                         arrival=3.0).to_json()
+    u = rules.entry_for(TpuSliceRequest(tpu="v6e-16"), id="u", label="d.u", team="u", priority=5,
+                        arrival=4.0).to_json()
+    assert all(s["admitted"] for s in _round(broker, a1, v).values())
+    _round(broker, a1, v, a2, u)
+    answers = _round(broker, a1, v, a2, u)
+    assert answers["a2"]["reason"].startswith("team a over its quota")
+    assert answers["u"]["reason"].startswith("first in line")
+    assert _round(broker, v)["v"]["suspend"].startswith("suspended for d.u (priority 5")
+
+
+def test_a_kind_an_autoscaler_adds_is_never_preempted_even_with_max_capacity_set(broker, monkeypatch):
+    """Issue 49 (7): docs/sharing.md says kinds an autoscaler adds are never preempted, but a finite
+    `max_capacity` made them preemptible (a running step there may still wait for its node: suspending
+    it frees nothing)."""
+    from rayslice.cluster import reservation
+
+    monkeypatch.setattr(type(broker), "_capacity", REAL_CAPACITY)
+    monkeypatch.setattr(queue.ray, "nodes", lambda: [])
+    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: True)
+    monkeypatch.setattr(queue, "group_maxima", lambda: {}, raising=False)
+    broker.set_settings({"max_capacity": {"v6e-16": 1}, "preemption": "lower-priority"})
+    v, h = _slices("v", preemptible=True), _slices("h", priority=10, at=1)
+    assert _round(broker, v)["v"]["admitted"]
+    for _ in range(2):
+        answers = _round(broker, v, h)
+    assert not answers["h"]["admitted"] and "suspend" not in answers["v"]
+
+
+def test_a_broker_made_anew_remembers_which_step_is_being_suspended(broker):
+    """Issue 49 (8): a broker restart forgot `suspending` and `told`; the new one chose victims afresh (by the
+    launchers' admission clocks) and told a second step to suspend while the first was checkpointing."""
+    broker.set_settings({"preemption": "lower-priority"})
+    first, second, h = _slices("v1", preemptible=True), _slices("v2", preemptible=True, at=1), \
+        _slices("h", priority=10, at=2)
+    assert all(s["admitted"] for s in _round(broker, first, second).values())
+    _round(broker, first, second, h)
+    answers = _round(broker, first, second, h)
+    told, other = (first, second) if "suspend" in answers["v1"] else (second, first)
+    why = broker.suspending[told["id"]]
+    assert "suspend" not in answers[other["id"]]
+    fresh = type(broker)()  # made anew: every launcher re-registers with its entry, and what it heard
+    fresh.clock = broker.clock
+    # The launchers' clocks when they heard their admissions: now the other one reads as the younger.
+    other = {**other, "admitted": True, "admitted_at": broker.clock.now + 50}
+    told = {**told, "admitted": True, "admitted_at": broker.clock.now}
+    for _ in range(int(queue.RECOVERY_S / queue.REPLAN_S) + 3):
+        answers = _round(fresh, other, told, h, **{told["id"]: why})
+    assert "suspend" not in answers[other["id"]] and answers[told["id"]]["suspend"] == why
+    assert fresh.suspending == {told["id"]: why}
+
+
+class _Handle:
+    """The broker's actor handle, over the plain class: each call runs at once (one at a time), and the calls of
+    one launcher's place (`watched`) are recorded as (method, id)."""
+
+    def __init__(self, broker) -> None:
+        import threading
+
+        self.broker, self.lock, self.calls, self.watched = broker, threading.Lock(), [], None
+        for name in ("heartbeat", "requeue", "leave"):
+            setattr(self, name, self._method(name))
+
+    def _method(self, name):
+        import types
+
+        def remote(*args, **kwargs):
+            id = args[0] if name == "leave" else args[0]["id"]
+            with self.lock:
+                if self.watched is not None and id.startswith(self.watched):
+                    self.calls.append((name, id))
+                return getattr(self.broker, name)(*args, **kwargs)
+
+        return types.SimpleNamespace(remote=remote)
+
+
+def test_a_launcher_never_leaves_the_queue_between_a_suspended_attempt_and_its_resumption(broker, monkeypatch):
+    """Issue 49 (1), at the launcher: `release()` left the queue, and only after the log drain, the checkpoint
+    listings and the timeline did the next attempt join again. Every broker call of the step's place is
+    recorded: no leave between the release and the next attempt's admission, and in that gap the urgent step
+    is admitted at once while the later, lower-ranked one is not."""
+    import types
+
+    import rayslice.cluster as launcher
+    from rayslice.cluster import reservation
+    from rayslice.cluster.environments import HostPlan
+    from rayslice.core.exceptions import SuspendedError
+    from rayslice.core.step import StepSpec
+
+    handle = _Handle(broker)
+    handle.watched = "adhoc/"
+    monkeypatch.setattr(queue, "broker", lambda: handle)
+    monkeypatch.setattr(queue.ray, "get", lambda value, timeout=None: value)
+
+    def run(place):  # its beats while it waits to be admitted, each a replan later; between attempts, the test's
+        while not place._stop.wait(0.005):
+            if not place.admitted.is_set() and not getattr(place.entry, "rejoining", False):
+                with handle.lock:
+                    broker.clock.now += queue.REPLAN_S
+                place._beat()
+
+    monkeypatch.setattr(queue.Place, "_run", run)
+    broker.set_settings({"preemption": "lower-priority"})
+    urgent, later = _slices("h", priority=10, at=5), _slices("l", at=6)
+    seen = {}
+
+    def reserve(request, timeout, name, lost_nodes, place):
+        seen["place"] = place
+        host = HostPlan(slice_index=0, slice_name="slice-a", worker_id=0, ip="10.0.0.1", process_id=0,
+                        num_processes=1, coordinator="", megascale_coordinator="", node_id="n0")
+        return reservation.SliceReservation(request=request, heads="heads", hosts=[host], bundles={(0, 0): 0},
+                                            place=place)
+
+    def run_gang(actors, plans, spec, attempt, timeline, watch):
+        if attempt.preemption_attempt == 0:  # the urgent and the later step ask; the step is suspended
+            for e in (urgent, later):
+                handle.heartbeat.remote(e)
+            error = SuspendedError("suspended by a preemption notice (suspended for d.h (priority 10)); stopped")
+            error.node_id, error.slice_name, error.stopped_at_deadline = "", "", False
+            raise error
+        return ["done"]
+
+    def between_attempts(actors):  # after the release: the other launchers beat for a while
+        seen["calls at release"] = list(handle.calls)
+        for _ in range(5):
+            broker.clock.now += queue.REPLAN_S
+            answers = {e["id"]: handle.heartbeat.remote(e) for e in (urgent, later)}
+            seen["place"]._beat()
+            # Said here, not after: once the later step holds a slice, the step would wait for it forever.
+            assert not answers["l"]["admitted"], "a lower-ranked step took the suspended step's capacity"
+        assert answers["h"]["admitted"]  # the urgent step at once
+        handle.leave.remote("h")  # the urgent step ran and is done
+        broker.clock.now += queue.REPLAN_S
+
+    monkeypatch.setattr(launcher, "check_satisfiable", lambda *a, **k: set())
+    monkeypatch.setattr(launcher, "reserve_slices", reserve)
+    monkeypatch.setattr(reservation, "remove_placement_group", lambda group: None)
+    monkeypatch.setattr(reservation, "_removed", lambda group: True)
+    monkeypatch.setattr(launcher, "placement_group", lambda *a, **k: "marker")
+    monkeypatch.setattr(launcher, "remove_placement_group", lambda group: None)
+    monkeypatch.setattr(launcher.notices, "Watch", lambda key, nodes, requested=None: types.SimpleNamespace(
+        key=key, notice=None, offer=None, noticed_at=None, __enter__=lambda: None, __exit__=lambda *a: None))
+    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *a, **k: launcher.HostsEnv(None, None))
+    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+                        lambda **kw: types.SimpleNamespace(remote=lambda *a: "actor"), raising=False)
+    monkeypatch.setattr(launcher.gang, "await_started", lambda actors, hosts, timeout: [1234])
+    monkeypatch.setattr(launcher.gang, "run_gang", run_gang)
+    monkeypatch.setattr(launcher.gang, "kill", lambda actors: None)
+    monkeypatch.setattr(launcher.gang, "LogDrain", type("Drain", (), {
+        "QUIET_S": 0.0, "wait": lambda self, *a, **k: None, "close": lambda self: None}))
+    monkeypatch.setattr(launcher, "_wait_for_hosts_to_end", between_attempts)
+    monkeypatch.setattr(launcher.metrics.sender, "attempt", lambda *a, **k: None)
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16", num_slices=2), callable="t:f", preemptible=True,
+                    preemption_retries=1, capacity_timeout=60)
+    waits = launcher.Waits(capacity=60, start=60, arrival=broker.clock.now)  # it asked before the other two
+    assert launcher._attempts(spec, launcher.phases.Timeline(), None, waits, [], None) == ["done"]
+    methods = [name for name, _ in handle.calls]
+    assert "leave" not in [name for name, _ in seen["calls at release"]], seen["calls at release"]
+    assert methods.count("requeue") == 2 and "leave" not in methods[:max(i for i, m in enumerate(methods)
+                                                                          if m == "requeue")], methods
+    assert len({id for _, id in handle.calls}) == 1  # one place for both attempts
+
+
+def test_a_requeue_with_a_broker_from_before_it_leaves_and_registers_again(broker, monkeypatch):
+    """A detached broker started by an older rayslice has no `requeue`: the place must still come back (at its
+    arrival) rather than beat a call that can never succeed and expire."""
+    handle = _Handle(broker)
+    handle.watched = "v"
+    del handle.requeue
+    monkeypatch.setattr(queue, "broker", lambda: handle)
+    monkeypatch.setattr(queue.ray, "get", lambda value, timeout=None: value)
+    monkeypatch.setattr(queue.Place, "_run", lambda place: None)
+    place = queue.Place(rules.Entry.from_json(_slices("v", n=2)))
+    assert place.join().admitted.is_set()
+    place.requeue()
+    assert [name for name, _ in handle.calls] == ["heartbeat", "leave", "heartbeat"]
+    assert not broker.entries["v"].admitted and broker.entries["v"].arrival == 1000.0
+    assert not place.admitted.is_set() and not place._requeue

@@ -210,8 +210,10 @@ def test_no_offer_to_grow_onto_a_slice_that_has_lost_hosts(broker, monkeypatch):
     assert reservation.intact_slices(TpuSliceRequest(tpu="v6e-16"), nodes) == 1
     e = _elastic("e", 1, 2, broker.clock.now)
     busy = _fixed("busy", 1, broker.clock.now - 1)
-    assert _beat(broker, busy)["admitted"]
+    # e first: it is granted only the intact slice (issue 49 (2)); busy is counted on the broken one, and
+    # waits for Ray there, as a fixed request does.
     assert _beat(broker, e)["admitted"] and broker.entries["e"].amount == 1
+    assert _beat(broker, busy)["admitted"]
     broker.leave("busy")
     broker.clock.now += 1000  # past TOTALS_TTL_S
     state = _beat(broker, e)
@@ -309,3 +311,43 @@ def test_offers_stop_once_the_suspensions_to_grow_are_used_up(monkeypatch):
     _launcher_without_a_cluster(monkeypatch, place_for, reserve_and_run)
     launcher._attempts(spec, launcher.phases.Timeline(), None, launcher.Waits(capacity=60, start=60), [], None)
     assert grows == [True, False], f"offers to grow after the one free grow was used: {grows}"
+
+
+def test_an_elastic_step_is_admitted_only_on_slices_with_every_host(broker, monkeypatch):
+    """Issue 49 (2): the broker counts a slice while its worker 0 lives, and only offers to grow used the intact
+    count. A (1, 3) step (fresh, or back after stopping to grow) was admitted on 3 slices when one had lost its
+    worker 2: `reserve_slices` avoids that slice, so it waited its whole capacity_timeout and failed the try,
+    while the queue counted 3 slices as held."""
+    from rayslice.cluster import reservation
+
+    Broker = queue.Broker.__ray_actor_class__
+    monkeypatch.setattr(Broker, "_capacity", REAL_CAPACITY)
+    nodes = [{"NodeID": f"{s}{w}", "Alive": not (s == "c" and w == 2), "Resources": {"TPU": 4.0},
+              "Labels": {queue.POD_TYPE_LABEL: "v6e-16", queue.WORKER_ID_LABEL: str(w),
+                         reservation.SLICE_NAME_LABEL: f"slice-{s}"}}
+             for s in "abc" for w in range(4)]
+    monkeypatch.setattr(queue.ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(queue, "group_maxima", lambda: {})
+    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: False)
+    assert reservation.intact_slices(TpuSliceRequest(tpu="v6e-16"), nodes) == 2
+    assert _beat(broker, _elastic("e", 1, 3, broker.clock.now))["admitted"]
+    assert broker.entries["e"].amount == 2
+
+
+def test_a_step_that_stopped_to_grow_comes_back_on_at_least_what_it_had(broker):
+    """Issue 49 (1): a step that stopped for an offer left the queue before it rejoined; a later one-slice step
+    took one of its slices meanwhile, and it came back waiting for slices it had held (docs/elastic.md: never
+    fewer than it had). It requeues at its release, and rejoins asking for at least what it had."""
+    g = _elastic("g", 1, 4, broker.clock.now)
+    busy = _fixed("busy", 2, broker.clock.now - 1)
+    assert _beat(broker, busy)["admitted"] and _beat(broker, g)["admitted"] and broker.entries["g"].amount == 2
+    broker.leave("busy")
+    assert _round(broker, g)["g"].get("grow")  # two more free: it checkpoints and stops to take them
+    broker.requeue({**g, "amount": 2.0, "admitted": False, "rejoining": True})  # at its release
+    later = _fixed("later", 1, broker.clock.now)
+    away = {**g, "admitted": False, "rejoining": True}
+    assert not _round(broker, later, away, later)["later"]["admitted"]
+    back = rules.entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=(1, 4), multislice=True, elastic_wait=0),
+                           id="g", label="d.g", arrival=g["arrival"], least_slices=2).to_json()
+    broker.clock.now += queue.REPLAN_S
+    assert broker.requeue(back)["admitted"] and broker.entries["g"].amount >= 2

@@ -245,3 +245,31 @@ def test_a_step_right_behind_an_elastic_one_over_quota_is_checked_for_its_own_si
     decided = plan(entries, {"v6e-16": 1}, settings, now=10)
     assert decided.reasons["grow"].startswith("team research/vision over its quota")
     assert decided.reasons["fixed"].startswith("team research over its quota"), decided.reasons
+
+
+def test_a_step_between_two_attempts_keeps_its_place_and_nobody_it_outranks_passes_it():
+    """Issue 49 (1): a suspended step left the queue before it rejoined, and in between a later, lower-ranked step
+    was admitted onto its slices. Between attempts it stays in line (`rejoining`): the urgent step ahead of it is
+    admitted, the later one waits, and the rejoining step itself starts nothing until its launcher asks again."""
+    victim, urgent, later = tpu("v", slices=2, at=0), tpu("h", at=5, priority=10), tpu("l", at=3)
+    victim.rejoining = True
+    decided = plan([victim, urgent, later], TOTALS, BEST_EFFORT, now=10)
+    assert decided.admit == ["h"]
+    assert not decided.reasons["v"].startswith("first in line")  # it suspends nobody while it is away
+    over = tpu("v2", at=0, team="a")  # a borrower between attempts starts nothing either
+    over.rejoining = True
+    assert plan([over], TOTALS, QueueSettings(quotas={"a": {"v6e-16": 0}}), now=1).admit == []
+    victim.rejoining = False  # back with its next attempt: first in line, ahead of the later step
+    assert plan([victim, later], TOTALS, BEST_EFFORT, now=10).admit == ["v"]
+
+
+def test_an_elastic_request_is_granted_only_slices_with_every_host():
+    """Issue 49 (2): a (1, 3) step was admitted on 3 slices when one had lost a host: it waited its whole
+    capacity_timeout in the reservation, and failed, while the queue counted 3 slices as held."""
+    e = entry_for(TpuSliceRequest(tpu="v6e-16", num_slices=(1, 3), multislice=True, elastic_wait=0), id="e",
+                  label="d.e", arrival=0)
+    decided = plan([e], {"v6e-16": 3}, BEST_EFFORT, now=1, intact={"v6e-16": 2})
+    assert decided.admit == ["e"] and decided.amounts["e"] == 2
+    assert plan([e], {"v6e-16": 3}, BEST_EFFORT, now=1).amounts["e"] == 3  # without the count: as before
+    fixed = tpu("f", slices=3)  # a fixed request still waits for the hosts to come back (Ray places it then)
+    assert plan([fixed], {"v6e-16": 3}, BEST_EFFORT, now=1, intact={"v6e-16": 2}).admit == ["f"]
