@@ -51,9 +51,11 @@ from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
 from rayslice.core.queue import TEAM_PATTERN, team_for
 from rayslice.core.step import (
+    CHECKPOINT_ROOT_FORMS,
     PREEMPTIBLE_NEEDS_RETRIES,
     Owner,
     StepSpec,
+    checkpoint_root_problem,
     notice_signal_name,
     split_command,
     split_templated_command,
@@ -461,11 +463,9 @@ class RayStepOperator(BaseOperator):
     def _check_checkpoint_root(self, root: Any) -> None:
         if root is None or is_templated(root):
             return
-        if not isinstance(root, str) or "://" not in root:
-            raise InvalidRequestError(
-                f"checkpoint_root of {self.task_id!r} must be a URL like 'gs://bucket/checkpoints', "
-                f"'s3://bucket/checkpoints' or 'file:///shared/checkpoints', got {root!r}"
-            )
+        problem = checkpoint_root_problem(root) if isinstance(root, str) else f"must be {CHECKPOINT_ROOT_FORMS}"
+        if problem:
+            raise InvalidRequestError(f"checkpoint_root of {self.task_id!r} {problem}; got {root!r}")
 
     def _check_zone_offers(self, hook: RayHook, request: Any) -> None:
         """A slice type the connection's Cloud TPU zone lacks fails here (optional `cloud_tpu` extra).

@@ -26,7 +26,7 @@ from rayslice.core import goodput, launcher
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
 from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError, SuspendedError
-from rayslice.core.step import StepSpec
+from rayslice.core.step import StepSpec, checkpoint_root_problem
 
 __all__ = ["run_step", "reservation_name"]
 #: What sets a shell up for the local cluster (RAY_ADDRESS, RAY_AUTH_MODE, ...), named in refusals.
@@ -54,7 +54,7 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
     first.note("run_step")
     _reap_orphans(spec)
     first.note("reaped")
-    checkpoint_dir = checkpoint_dir_for(spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV), spec.owner)
+    checkpoint_dir = _checkpoint_dir(spec)
     waits = Waits(capacity=spec.capacity_timeout, start=gang.HOST_START_TIMEOUT_S)
     records: list[dict] = []  # every attempt's, for the step's goodput figures
     try:
@@ -63,6 +63,19 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
         if waits.requeued is not None:  # requeued for an attempt that never came (it failed before it asked)
             waits.requeued.leave()
         _report_goodput(spec, records)
+
+
+def _checkpoint_dir(spec: StepSpec) -> str | None:
+    """The step's checkpoint folder: under its own root, else the cluster's (`RAYSLICE_CHECKPOINT_ROOT`).
+
+    The step's root was checked when it was made; the cluster's is checked here, as the step starts: a
+    relative `file://` root would put every checkpoint in a per-step folder that is deleted after the step.
+    """
+    root = spec.checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
+    if not spec.checkpoint_root and root and (problem := checkpoint_root_problem(root)):
+        raise InvalidRequestError(f"the cluster's {CHECKPOINT_ROOT_ENV} {problem}; got {root!r} (set it on every node, "
+                                  "or give the step its own checkpoint_root)")
+    return checkpoint_dir_for(root, spec.owner)
 
 
 def _report_goodput(spec: StepSpec, records: list[dict]) -> None:
@@ -122,8 +135,8 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
                     log(suspend.exhausted(spec))
                 raise
             retries_used += not grows
-            if getattr(exc, "node_id", ""):  # the GCS may show it alive for seconds yet
-                waits.lost_nodes |= {exc.node_id}
+            # The GCS may show a lost node alive for seconds yet (a host lost in a notice's grace rides along too).
+            waits.lost_nodes |= {node for node in (getattr(exc, "node_id", ""), getattr(exc, "also_lost", "")) if node}
             waits.suspended = str(exc) if suspended is not None else ""
             waits.held_slices = waits.granted_slices if getattr(exc, "grow", False) else 0
             if getattr(exc, "grow", False):
@@ -354,10 +367,12 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     # From here on a drained node of the reservation is the step's preemption notice (cluster/notices.py).
     # An elastic function step also hears the queue's offer to grow (a command step's program is never offered it:
     # its exit after the notice would read as a stop for it).
+    # With no resumption left, stopping early cannot help: the hosts hear a notice only at its last call.
     watch = notices.Watch(f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}",
                           {h.node_id: h.label for h in reservation.hosts if h.node_id},
                           requested=lambda: place.suspend or ((place.grow, 0.0, True)
-                                                              if place.grow and spec.command is None else None))
+                                                              if place.grow and spec.command is None else None),
+                          resumable=waits.resumptions_left > 0)
     attempt = replace(attempt, notice_key=watch.key)
     suspended, ended = False, None
     watch.__enter__()
@@ -383,8 +398,11 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
             )
         timeline.note("actors_created")
         starting = time.monotonic()
-        try:
-            ports = gang.await_started(actors, reservation.hosts, timeout=waits.start)
+        try:  # a notice while the hosts start suspends the step at once: a victim frees its slice within its grace
+            ports = gang.await_started(actors, reservation.hosts, timeout=waits.start, watch=watch)
+        except SuspendedError:
+            suspended = True
+            raise
         finally:
             waits.spend("start", starting)
         timeline.note("actors_started")
@@ -492,6 +510,25 @@ def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.
             place.leave()
 
 
+def _fraction_started(actor: Any, plan: HostPlan, within: float, watch: notices.Watch | None) -> float | None:
+    """Wait (up to `within` s) for the fraction's worker to run: how long it took, or None if it did not.
+
+    A notice told meanwhile suspends the step at once: no body ran, and its accelerator is free for whoever
+    outranks it within the grace, not after the worker's start-up.
+    """
+    began = time.monotonic()
+    ref = actor.free_port.remote()
+    while True:
+        left = within - (time.monotonic() - began)
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(left, notices.POLL_S if watch is not None else left)))
+        if ready:
+            return time.monotonic() - began
+        if watch is not None and (told := watch.heard()) is not None and not told.grow:
+            raise gang.suspension_while_starting(watch, [plan])
+        if left <= 0:
+            return None
+
+
 def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
                             timeline: phases.Timeline, waits: Waits, started: float, place: admission.Place) -> Any:
     placing = time.monotonic()
@@ -524,17 +561,24 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
     if place.entry.preemptible:
         watch = notices.Watch(
             f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}", {},
-            requested=lambda: place.suspend)
+            requested=lambda: place.suspend, resumable=waits.resumptions_left > 0)
         attempt = replace(attempt, notice_key=watch.key)
         watch.__enter__()
     suspended, ended = False, None
     try:
-        ready, _ = ray.wait([actor.free_port.remote()], timeout=waits.capacity)
-        waits.spend("capacity", placing)
-        if not ready:
+        budget = waits.start
+        try:  # admitted: its worker's start has the host start budget, not what the queue left of capacity_timeout
+            started_in = _fraction_started(actor, plan, budget, watch)
+        except SuspendedError:
+            suspended = True
+            raise
+        finally:
+            waits.spend("start", placing)
+        if started_in is None:
             raise CapacityTimeoutError(
-                f"no capacity for {request} within capacity_timeout={spec.capacity_timeout:.0f} s; "
-                "nothing was left reserved. Raise capacity_timeout or add nodes with that accelerator."
+                f"{request} was admitted, but its process did not start on a node within the {budget:.0f} s "
+                "left of the host start budget (its runtime_env installing, or Ray placing it): nothing was left "
+                "reserved. Check the job log for the runtime_env's setup, or that a node with that accelerator is up."
             )
         log(f"running on {request}")
         try:

@@ -261,3 +261,17 @@ class _Relay(threading.Thread):
         line = raw.decode(errors="replace")
         self._tail.append(line)
         print(line, file=self._out, flush=True)
+
+
+def written_result(report_dir: str) -> tuple[Any] | None:
+    """The JSON the program left in its result file, as a 1-tuple (it may be null), or None if it wrote none.
+
+    After a preemption notice's signal ended a program, a result already written means it had finished.
+    """
+    text = None
+    try:
+        with open(os.path.join(report_dir, "result.json")) as f:
+            text = f.read()
+        return (json.loads(text) if text.strip() else None,)
+    except (OSError, ValueError):
+        return None

@@ -53,7 +53,8 @@ COORDINATOR_DEATH_WINDOW_S = 1.0
 PROGRAM_END_WINDOW_S = 2.0
 #: How long hosts that all returned may take to leave their JAX groups before they are killed anyway.
 LEAVE_TIMEOUT_S = 10.0
-#: A host report's key: when the notice reached the command step's program (absent: it ended before).
+#: A host report's key: when the notice's signal was sent to the command step's running program (absent: it
+#: never was: it ended before, the notice was held back, or `notice_signal="none"`).
 NOTICE_HEARD_KEY = "notice_heard"
 #: Once a host has ended for a preemption notice, how much longer its peers may take to end too (bounded
 #: by the stop before the deadline): a peer stuck in a collective the first one left must not hold the
@@ -153,13 +154,11 @@ class HostProcess:
                     env = _over_user_env(spec, plan, environment.command_env(spec.request, plan))
                     notice = notices.CommandNotice(os.path.join(report_dir, "notice.json"), spec.notice_signal)
                     with _listening(attempt, notice.deliver):
-                        result = commands.run(spec.command, {**os.environ, **env, **context.to_env(),
-                                                             goodput.SPANS_FILE_ENV: spans_file,
-                                                             NOTICE_FILE_ENV: notice.path},
-                                              report_dir, attempt.hang_interval if watched else 0.0,
-                                              on_start=notice.started, on_end=notice.program_ended)
-                    if notice.heard_at is not None:  # the driver tells a program stopped for it from one done
-                        self._times[NOTICE_HEARD_KEY] = notice.heard_at
+                        result, heard = run_program(spec.command, {**os.environ, **env, **context.to_env(),
+                                                                   goodput.SPANS_FILE_ENV: spans_file,
+                                                                   NOTICE_FILE_ENV: notice.path},
+                                                    report_dir, attempt.hang_interval if watched else 0.0, notice)
+                    self._times.update(heard)  # the driver tells a program stopped for the notice from one done
                 else:
                     set_step_context(context)
                     try:
@@ -189,6 +188,32 @@ class HostProcess:
             print(f"[rayslice] leaving the JAX group failed after the step succeeded: {type(exc).__name__}: {exc}",
                   flush=True)
         return time.time()
+
+
+def run_program(argv: list[str], env: dict[str, str], report_dir: str, hang_interval: float,
+                notice: notices.CommandNotice) -> tuple[Any, dict[str, float]]:
+    """A command step's program on this host, under its notice: its result, and the host's notice report.
+
+    A program that wrote its result file has finished, even if the notice's signal then ended it on
+    its way out (an exporter that wrote its rows must not be run again). The report says whether the
+    signal was sent while it ran: only then does a clean exit without a result read as a stop for it.
+    """
+    try:
+        result = commands.run(argv, env, report_dir, hang_interval, on_start=notice.started,
+                              on_end=notice.program_ended)
+    except commands.CommandExitError:
+        written = commands.written_result(report_dir)
+        if notice.signalled_at is None or written is None:
+            raise
+        print("[rayslice] the program wrote its result before the notice's signal ended it: it has finished",
+              flush=True)
+        result = written[0]
+    return result, notice_report(notice)
+
+
+def notice_report(notice: notices.CommandNotice) -> dict[str, float]:
+    """What a host tells the driver of its program and the notice: when the notice's signal was sent to it."""
+    return {} if notice.signalled_at is None else {NOTICE_HEARD_KEY: notice.signalled_at}
 
 
 @dataclass(frozen=True)
@@ -321,8 +346,9 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     """Run the step on every actor; return results in host order, or fail on the first error.
 
     The hosts' phase times go to `timeline` once every host has returned. With a `watch`, a
-    preemption notice changes what an end means: every host returning is still success, but
-    any failure after the notice (the step stopping for it, a host lost) is a suspension
+    preemption notice the hosts were told changes what an end means (docs/preemption.md, "How a
+    step's end is read"): every host returning is still success, but any failure after it (the step
+    stopping for it, a host lost, its step_timeout or hang_timeout expiring) is a suspension
     (`SuspendedError`), and a step still running shortly before the deadline is stopped.
     """
     spec_json = spec.model_dump_json()
@@ -349,24 +375,36 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
             if not ready:  # a host that already returned counts, even when the stop is due: its body is done
                 if watch is not None and (stop_at := watch.stop_at()) is not None and time.time() >= stop_at:
                     raise _suspension(watch, plans, stopped=True)
+                stopping = watch is not None and (told := watch.heard()) is not None and not told.grow
                 if deadline is not None and time.monotonic() >= deadline:
+                    if stopping:  # it was stopping for the notice: a suspension, not a failed try
+                        raise _suspension(watch, plans, stopped=True, how=(
+                            f"its step_timeout={spec.step_timeout:.0f} s expired while it stopped for the notice"))
                     slow = ", ".join(plans[refs[r]].label for r in pending)
                     raise StepTimeoutError(
                         f"step exceeded step_timeout={spec.step_timeout:.0f} s; still running on {slow}")
-                _check_hang(spec, [plans[refs[r]] for r in pending], watch_keys, plans)
+                try:
+                    _check_hang(spec, [plans[refs[r]] for r in pending], watch_keys, plans)
+                except CollectiveHangError as exc:
+                    if not stopping:
+                        raise
+                    raise _suspension(watch, plans, stopped=True, how=(
+                        "its hang_timeout expired while it stopped for the notice (its hosts sat in a collective "
+                        "their peers had left)")) from exc
                 continue
             index = refs[ready[0]]
             try:
                 results[index], reports[index] = _get(ready[0], plans[index])
             except StepFailedError as exc:
-                told = None if watch is None else watch.notice or watch.offer  # an offer taken back still counts
+                told = None if watch is None else watch.heard()  # an offer taken back still counts
                 if told is not None and (not told.grow or exc.cause.startswith("StepSuspended")):
                     # After a notice, an end short of success is the step stopping for it (or its node going):
                     # the others get until shortly before the deadline (at most PEERS_STOP_S more) to finish
                     # their checkpoint too. The host's own error stays in the message and as the cause.
                     stopped = _wait_until(pending, min(watch.stop_at() or time.time() + PEERS_STOP_S,
                                                        time.time() + PEERS_STOP_S))
-                    raise _suspension(watch, plans, stopped=stopped, ended=exc) from exc
+                    lost = _lost_in_grace(index, exc, pending, refs, actors, plans)
+                    raise _suspension(watch, plans, stopped=stopped, ended=exc, lost=lost) from exc
                 if isinstance(exc, HostLostError):
                     index, error = _coordinator_first(index, exc, pending, refs, plans)
                     raise error from None
@@ -394,16 +432,38 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
     _leave_group(actors, plans, reports)
     if timeline is not None:
         timeline.hosts(reports)
-    if watch is not None and watch.notice is not None:
-        heard = any(NOTICE_HEARD_KEY in report for report in reports)
-        if spec.command is not None and heard and all(r is None for r in results):
-            # A program that exits 0 once noticed (MaxText: save, then `sys.exit()`) wrote no result: it stopped
-            # for the notice, unfinished. (One that finished anyway resumes from its last checkpoint and ends.)
+    if watch is not None and watch.heard() is not None and watch.notice is not None:
+        signalled = any(NOTICE_HEARD_KEY in report for report in reports)
+        if spec.command is not None and signalled and all(r is None for r in results):
+            # A program sent the notice's signal that then exits 0 with no result (MaxText: save, then
+            # `sys.exit()`) stopped for it, unfinished. One never sent it (`notice_signal="none"`, a notice held
+            # back) that exits 0 has finished: resuming it would run it twice.
             kill(actors)
             raise _suspension(watch, plans, stopped=False)
         print("[rayslice] the step returned after a preemption notice: its value is taken as the step's result "
               "(raise rayslice.StepSuspended instead to be resumed from the checkpoint)", flush=True)
     return results
+
+
+def _lost_in_grace(index: int, first: StepFailedError, pending: list[Any], refs: dict[Any, int],
+                   actors: list[Any], plans: list[HostPlan]) -> HostLostError | None:
+    """A host lost while the step stopped for its notice (the first to end, or one that ended since), as
+    `_lost_host` names it: with its node and slice where the node went, so the resumption avoids them.
+    """
+    if not isinstance(first, HostLostError):
+        first = None
+        ended, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
+        for ref in ended:
+            try:
+                _get(ref, plans[refs[ref]])
+            except HostLostError as exc:
+                index, first = refs[ref], exc
+                break
+            except StepFailedError:
+                continue
+    if first is None:
+        return None
+    return _lost_host(first, index, actors, plans)
 
 
 def _wait_until(pending: list[Any], until: float | None) -> bool:
@@ -415,16 +475,18 @@ def _wait_until(pending: list[Any], until: float | None) -> bool:
 
 
 def _suspension(watch: notices.Watch, plans: list[HostPlan], *, stopped: bool,
-                ended: StepFailedError | None = None) -> SuspendedError:
+                ended: StepFailedError | None = None, how: str = "",
+                lost: BaseException | None = None) -> SuspendedError:
     """The suspension error: which notice, which host's node, whether the step stopped by itself, and how.
 
     `ended`: the first host's end after the notice, kept in the message (a host that raised a real
-    error as the notice came must not vanish into "suspended").
+    error as the notice came must not vanish into "suspended"). `lost`: a host lost meanwhile whose
+    node is gone (`_with_node`): its node and slice ride on the error too, so the resumption avoids them.
     """
     notice = watch.notice or watch.offer
     assert notice is not None
-    how = ("it was still running shortly before the deadline and was stopped: it resumes from its last checkpoint"
-           if stopped else "the step stopped for it")
+    how = how or ("it was still running shortly before the deadline and was stopped: it resumes from its last "
+                  "checkpoint" if stopped else "the step stopped for it")
     if ended is not None and not ended.cause.startswith("StepSuspended"):
         first = str(ended).strip().splitlines()[0][:300] if str(ended).strip() else type(ended).__name__
         how += f" (the first host to end: {first})"
@@ -434,6 +496,11 @@ def _suspension(watch: notices.Watch, plans: list[HostPlan], *, stopped: bool,
     error.node_id = notice.node
     error.slice_name = next((p.slice_name for p in plans if p.node_id == notice.node), "")
     error.stopped_at_deadline = stopped
+    lost_node = getattr(lost, "node_id", "")
+    if lost_node and not error.node_id:  # a priority notice names no node: the lost host's is the one to avoid
+        error.node_id, error.slice_name = lost_node, getattr(lost, "slice_name", "")
+    elif lost_node and lost_node != error.node_id:
+        error.also_lost = lost_node  # type: ignore[attr-defined]
     return error
 
 
@@ -479,11 +546,14 @@ def _leave_group(actors: list[Any], plans: list[HostPlan], reports: list[dict[st
             pass
 
 
-def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOST_START_TIMEOUT_S) -> list[int]:
+def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOST_START_TIMEOUT_S,
+                  watch: notices.Watch | None = None) -> list[int]:
     """Wait until every host process runs; each returns a free port (the group leaders' become coordinators).
 
     Bounded, and watching the hosts' nodes: a node lost before the step starts is a
-    preemption exactly like one lost mid-step (whole-gang retry), never a hang.
+    preemption exactly like one lost mid-step (whole-gang retry), never a hang. With a `watch`, a
+    notice told while the hosts still start suspends the step at once (no body ran: nothing to save),
+    so a victim frees its slice within its grace, not after its start-up (`HOST_START_TIMEOUT_S`).
     """
     refs = {actor.free_port.remote(): i for i, actor in enumerate(actors)}
     ports = [0] * len(actors)
@@ -494,7 +564,8 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending),
-                                      timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                                      timeout=max(0.0, min(1.0 if watch is None else notices.POLL_S,
+                                                           deadline - time.monotonic())))
             for ref in ready:
                 index = refs[ref]
                 ports[index] = _get(ref, plans[index])
@@ -505,14 +576,25 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
                 index = refs[ref]
                 if plans[index].node_id in dead:
                     plan = plans[index]
-                    raise _with_node(PreemptedError(
+                    lost = _with_node(PreemptedError(
                         f"host {_where(plan)} was lost before the step started: its node was preempted or removed",
                         slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip,
                         cause="its node was preempted or removed",
                     ), plan)
+                    if watch is not None and watch.notice is not None and not watch.notice.grow:
+                        # the noticed node went: a suspension (budgets renewed), avoiding the lost node's slice
+                        kill(actors)
+                        raise _suspension(watch, plans, stopped=False, lost=lost, how=(
+                            f"its hosts were still starting when {_where(plan)}'s node went")) from None
+                    raise lost
+            if watch is not None and (told := watch.heard()) is not None and not told.grow:
+                kill(actors)
+                raise suspension_while_starting(watch, plans)
             if time.monotonic() >= deadline:
                 slow = [refs[ref] for ref in pending]
                 break
+    except SuspendedError:
+        raise
     except HostLostError as exc:
         raise _lost_host(exc, index, actors, plans) from None
     if slow:  # alive as far as the GCS knows (checked each second): one probe of its raylet, no death window
@@ -527,6 +609,11 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
         raise HostLostError(f"the host processes on {where} did not start within {timeout:.0f} s",
                             slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip)
     return ports
+
+
+def suspension_while_starting(watch: notices.Watch, plans: list[HostPlan]) -> SuspendedError:
+    """A notice told before the step's body ran on any host: suspended at once, with nothing to save."""
+    return _suspension(watch, plans, stopped=False, how="its hosts were still starting: no step body ran")
 
 
 def _with_node(error: PreemptedError, plan: HostPlan) -> PreemptedError:

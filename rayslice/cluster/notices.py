@@ -43,6 +43,10 @@ LINGER_S = 60.0
 DEFAULT_GRACE_S = 30.0
 #: An offer to grow (an elastic step, more slices free) has no deadline: this far ahead, it never stops a step.
 GROW_DEADLINE_S = 10 * 365 * 86400.0
+#: A step with no resumption left (its preemption_retries used up) cannot gain from stopping early: its hosts
+#: hear the notice only this long before the launcher's stop (at once when that is nearer), to write a last
+#: checkpoint an Airflow retry resumes from. Until then it runs on, and may finish.
+LAST_CALL_S = 30.0
 
 
 def draining(node_ids: Iterable[str]) -> dict[str, float]:
@@ -62,14 +66,18 @@ class Watch:
     """The driver's watch over one attempt's nodes: the first drained node becomes the step's notice."""
 
     def __init__(self, key: str, node_ids: dict[str, str], poll: float = POLL_S,
-                 requested: Callable[[], tuple | None] | None = None) -> None:
+                 requested: Callable[[], tuple | None] | None = None, resumable: bool = True) -> None:
         """`node_ids`: Ray node id -> the host it holds (its label), for the log line.
 
         `requested`: the admission queue's word that a higher-priority request suspends this step
         (why, grace seconds), or that an elastic step may grow (why, grace, True), or None: priority
         preemption takes the same path as a drained node; a later word replaces an offer to grow.
+        `resumable`: whether a suspension could resume the step (a preemption retry left). If not,
+        the hosts hear a notice only at its last call (`LAST_CALL_S` before the stop).
         """
         self.key = key
+        self.resumable = resumable
+        self._held = False  # a notice held back from the hosts until its last call (said once it comes)
         self._nodes = node_ids
         self._requested = requested
         self._poll = poll
@@ -120,7 +128,11 @@ class Watch:
                                               reason=why, grow=grow))
             elif not asked and self._asked is not None and self.notice is not None and self.notice.grow:
                 self._withdraw_offer()
-            if self.notice is not None and not self._told:
+            if self.notice is not None and not self._told and not self.held_back():
+                if self._held:
+                    self._held = False
+                    print(f"[rayslice] preemption notice: its last call ({self.notice.seconds_left:.0f} s to the "
+                          "deadline): every host is told now", flush=True)
                 self._tell_hosts()
             self._stop.wait(self._poll)
 
@@ -144,6 +156,12 @@ class Watch:
         if self.noticed_at is None or (current is not None and current.grow and not notice.grow):
             self.noticed_at = time.time()  # an offer to grow the step carried on past is no notice heard
         self._told = False
+        if self.held_back():
+            self._held = True
+            print(f"[rayslice] preemption notice: {notice.reason}; deadline in {notice.seconds_left:.0f} s. The step "
+                  "has no preemption retry left, so stopping early cannot help: it runs on, and its hosts are told "
+                  f"{LAST_CALL_S:.0f} s before it is stopped (to checkpoint for an Airflow retry)", flush=True)
+            return
         self._tell_hosts()
         if notice.grow:
             print(f"[rayslice] elastic: {notice.reason}; every host is told "
@@ -177,6 +195,24 @@ class Watch:
             self._tell_failed = True
             return
         self._told = True
+
+    def held_back(self) -> bool:
+        """Whether the hosts are not told the notice yet: no resumption left, and its last call not yet come."""
+        notice = self.notice
+        if notice is None or notice.grow or self.resumable:
+            return False
+        stop = self.stop_at()
+        return stop is not None and time.time() < stop - LAST_CALL_S
+
+    def heard(self) -> PreemptionNotice | None:
+        """What the hosts are told: the notice (or the last offer to grow, kept when taken back), unless held back.
+
+        Only a told notice changes what the step's end means: a host's failure under a notice held
+        back is its own.
+        """
+        if self.held_back():
+            return None
+        return self.notice or self.offer
 
     def stop_at(self) -> float | None:
         """When the launcher stops the step (epoch seconds): a little before the deadline; None without a notice.
@@ -250,6 +286,7 @@ class CommandNotice:
         self._pending: PreemptionNotice | None = None
         self._ended = False
         self.heard_at: float | None = None  # when the notice reached the running program
+        self.signalled_at: float | None = None  # when the notice's signal was sent to the running program
         self._lock = threading.Lock()
 
     def started(self, pid: int) -> None:
@@ -293,7 +330,12 @@ class CommandNotice:
         return min(max(notice.deadline - STOP_MARGIN_S, heard + MIN_GRACE_S), now + LINGER_S)
 
     def _signal_program(self) -> None:
+        """Send the notice's signal: from then on, a clean exit without a result reads as a stop for the notice."""
         if self._signal is None or self._pid is None or (self._pending is not None and self._pending.grow):
             return  # an offer to grow is only written to the notice file: no program is stopped for it
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._pid, self._signal)
+        with self._lock:
+            if self._ended:
+                return  # a program that already ended was asked nothing
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._pid, self._signal)
+                self.signalled_at = time.time()

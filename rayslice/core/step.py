@@ -110,6 +110,28 @@ def notice_signal_name(value: Any) -> str:
     return name
 
 
+#: What a checkpoint root may be, as refusals name it.
+CHECKPOINT_ROOT_FORMS = "a URL like 'gs://bucket/checkpoints', 's3://bucket/checkpoints' or 'file:///shared/checkpoints'"
+
+
+def checkpoint_root_problem(root: str) -> str | None:
+    """Why `root` cannot be a checkpoint root (None: it can), in words for the refusal.
+
+    It must be a URL, and a `file://` one must name an absolute path: a relative one would resolve
+    inside each host's per-step folder (cluster/gang.py `_step_folder`), which is deleted after the
+    step, so every checkpoint would vanish and every resume start fresh. Parsed without fsspec: it
+    runs at DAG parse time.
+    """
+    if "://" not in root:
+        return f"must be {CHECKPOINT_ROOT_FORMS}"
+    protocol, _, path = root.partition("://")
+    if protocol.lower() in ("file", "local") and not path.startswith("/"):
+        return (f"must be {CHECKPOINT_ROOT_FORMS}; a {protocol}:// root needs an absolute path (three slashes, "
+                f"'{protocol}:///shared/checkpoints', on storage every host reaches): a relative one resolves inside "
+                "each host's per-step folder, which is deleted after the step, so every resume would start fresh")
+    return None
+
+
 #: A preemptible step is suspended and resumed: its resumption counts within `preemption_retries`.
 PREEMPTIBLE_NEEDS_RETRIES = (
     "preemptible=True needs preemption_retries of at least 1: a step suspended for a higher-priority one resumes "
@@ -187,6 +209,13 @@ class StepSpec(BaseModel):
     @classmethod
     def _valid_notice_signal(cls, value: str) -> str:
         return notice_signal_name(value)
+
+    @field_validator("checkpoint_root")
+    @classmethod
+    def _valid_checkpoint_root(cls, value: str | None) -> str | None:
+        if value is not None and (problem := checkpoint_root_problem(value)):
+            raise InvalidRequestError(f"checkpoint_root {problem}; got {value!r}")
+        return value
 
     @field_validator("runtime_env", mode="before")
     @classmethod

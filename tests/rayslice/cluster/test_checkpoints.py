@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from rayslice.cluster import run_step
+from rayslice.cluster import _checkpoint_dir, run_step
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.core.context import checkpoint_dir_for
+from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
+from rayslice.core.exceptions import InvalidRequestError
 from rayslice.core.step import Owner, StepSpec
 from tests.rayslice.cluster.test_launcher import assert_all_released
 
@@ -91,3 +92,13 @@ def test_a_preempted_attempt_loses_the_work_after_its_newest_checkpoint(tmp_path
     assert timeline.spans == {"lost": [[170.0, 200.0]]} and account.seconds["lost"] == 30.0
     assert account.seconds["productive"] == 70.0 and account.seconds["startup"] == 10.0
     assert sum(account.chip_s[c] for c in HELD) == account.held_chip_s == 111.0 * 16
+
+
+def test_the_clusters_relative_file_checkpoint_root_is_refused_as_the_step_starts(monkeypatch):
+
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["true"])
+    monkeypatch.setenv(CHECKPOINT_ROOT_ENV, "file://ckpt")
+    with pytest.raises(InvalidRequestError, match=f"the cluster's {CHECKPOINT_ROOT_ENV} must be a URL"):
+        _checkpoint_dir(spec)
+    monkeypatch.setenv(CHECKPOINT_ROOT_ENV, "file:///shared/ckpt")
+    assert _checkpoint_dir(spec).startswith("file:///shared/ckpt/")

@@ -17,14 +17,14 @@ import time
 import types
 
 import pytest
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from rayslice import StepSuspended
 from rayslice.cluster import commands, gang, notices
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import NOTICE_FILE_ENV, PreemptionNotice
-from rayslice.core.exceptions import InvalidRequestError, StepFailedError, SuspendedError
+from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, StepFailedError, SuspendedError
 from rayslice.core.queue import QueueSettings
 from rayslice.core.step import StepSpec
 
@@ -43,12 +43,19 @@ class FakeRay:
         return ready, [r for r in pending if r not in ready]
 
     def get(self, ref):
+        if isinstance(ref.outcome, RayActorError):  # the host's process or node died
+            raise ref.outcome
         if isinstance(ref.outcome, BaseException):
             raise RayTaskError("run", "Traceback: ...", ref.outcome)
         return ref.outcome if isinstance(ref.outcome, tuple) else (ref.outcome, {})
 
     def kill(self, actor, no_restart=True):
         pass
+
+    dead: frozenset = frozenset()
+
+    def nodes(self):
+        return [{"NodeID": f"node{i}", "Alive": f"node{i}" not in self.dead} for i in range(4)]
 
 
 class Ref:
@@ -433,3 +440,294 @@ def test_a_stored_setting_that_todays_rules_refuse_drops_only_itself(monkeypatch
     assert settings.preemption == "lower-priority" and settings.quotas == {"a": {"v6e-16": 16}}
     assert settings.preemption_grace_s == QueueSettings().preemption_grace_s
     assert "preemption_grace_s ignored" in capsys.readouterr().out
+
+
+# ---- Issue 49, finding 3: one rule for a notice's end (docs/preemption.md "How a step's end is read")
+
+
+def _watch(seconds_left: float, resumable: bool) -> notices.Watch:
+    watch = notices.Watch("k", {"node0": "v6e-16-a/host0"}, resumable=resumable)
+    watch.publish(PreemptionNotice(deadline=time.time() + seconds_left, reason="node0 is being drained", node="node0"))
+    return watch
+
+
+def test_with_no_resumption_left_a_far_notice_is_held_back_from_the_hosts_and_a_near_one_is_not(fake, kv):
+    """Suspending a step that cannot resume fails it: the hosts hear the notice only for a last checkpoint."""
+    far = _watch(3600, resumable=False)
+    assert "k" not in kv and far.heard() is None
+    near = _watch(notices.LAST_CALL_S / 2, resumable=False)
+    assert "k" in kv and near.heard() is near.notice
+    kv.clear()
+    assert _watch(3600, resumable=True).heard() is not None and "k" in kv  # resumable: told at once
+
+
+def test_a_held_back_notice_reaches_the_hosts_at_its_last_call(kv):
+    deadline = time.time() + notices.STOP_MARGIN_S + notices.LAST_CALL_S + 0.3
+    with notices.Watch("k", {"node0": "h"}, poll=0.02, resumable=False) as watch:
+        watch.publish(PreemptionNotice(deadline=deadline, reason="maintenance", node="node0"))
+        assert "k" not in kv
+        assert _until(lambda: "k" in kv), "the last call never came"
+        assert time.time() >= watch.stop_at() - notices.LAST_CALL_S
+
+
+@pytest.mark.parametrize("resumable", [True, False], ids=["retries-left", "none-left"])
+def test_a_program_that_exits_0_without_being_sent_the_signal_has_finished(fake, resumable):
+    """Before: with the default preemption_retries=0, a command that finished after a notice failed the step."""
+    assert _run(COMMAND, [(None, {}), (None, {})], _watch(30, resumable)) == [None, None]
+
+
+def test_with_no_resumption_left_a_hosts_error_under_a_held_back_notice_is_its_own_failure(fake):
+    with pytest.raises(StepFailedError) as info:
+        _run(FUNCTION, [ZeroDivisionError("the real bug")], _watch(3600, resumable=False))
+    assert not isinstance(info.value, SuspendedError)
+
+
+MAXTEXT = textwrap.dedent("""
+    import signal, sys, time
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    open(sys.argv[1] + ".ready", "w").close()
+    for step in range(600):
+        if stop:                               # reached_preemption(step)
+            open(sys.argv[1], "w").write(f"checkpoint {step}")
+            sys.exit()                         # MaxText: status 0, no result, unfinished
+        time.sleep(0.05)
+    open(sys.argv[1], "w").write("finished")
+""")
+
+EXPORTER = textwrap.dedent("""
+    import sys, time
+    for row in range(3):                       # not idempotent: every run appends its rows again
+        open(sys.argv[1], "a").write(f"row {row}\\n")
+        time.sleep(0.4)
+""")
+
+
+def _host_run(tmp_path, argv: list[str], signal_name: str, deliver_after: float, notice_s: float = 30, ready=None):
+    """One host's program under a notice: what `HostProcess.run` returns (its result, and its report).
+
+    The notice comes `deliver_after` s after the start, or once `ready(report_dir)` holds (a loaded machine
+    starts Python slowly).
+    """
+    report = tempfile.mkdtemp(dir=tmp_path)
+    notice = notices.CommandNotice(os.path.join(report, "notice.json"), signal_name)
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = gang.run_program(argv, {**os.environ, NOTICE_FILE_ENV: notice.path}, report, 0.0, notice)
+        except commands.CommandExitError as exc:
+            out["result"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    if ready is None:
+        time.sleep(deliver_after)
+    else:
+        assert _until(lambda: ready(report), timeout=30), "the program never got ready"
+    notice.deliver(PreemptionNotice(deadline=time.time() + notice_s, reason="test drain", node="n"))
+    thread.join(30)
+    return out["result"]
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["python", "bash-wrapper"])
+def test_a_maxtext_like_program_that_saves_and_exits_0_on_the_signal_is_suspended(fake, tmp_path, wrapped):
+    script, saved = tmp_path / "maxtext.py", tmp_path / "saved"
+    script.write_text(MAXTEXT)
+    argv = ["python", str(script), str(saved)]
+    if wrapped:  # `exec` keeps the wrapper's pid: the program is the group's leader, as `exec python ...` is
+        (tmp_path / "train.sh").write_text(f"echo preflight\nexec {' '.join(argv)}\n")
+        argv = ["bash", str(tmp_path / "train.sh")]
+    host = _host_run(tmp_path, argv, "SIGTERM", deliver_after=0,
+                     ready=lambda report: os.path.exists(f"{saved}.ready"))
+    assert saved.read_text().startswith("checkpoint"), host
+    with pytest.raises(SuspendedError, match="the step stopped for it"):
+        _run(COMMAND, [host], _watch(30, resumable=True))
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["python", "bash-wrapper"])
+def test_an_exporter_that_finishes_under_a_notice_is_done_and_not_run_again(fake, tmp_path, wrapped):
+    """notice_signal="none": the exporter runs on to its end (exit 0, no result file); with a retry left it
+    must not be suspended (its resumption would write every row again)."""
+    script, rows = tmp_path / "export.py", tmp_path / "rows"
+    script.write_text(EXPORTER)
+    argv = ["python", str(script), str(rows)]
+    if wrapped:
+        (tmp_path / "export.sh").write_text(f"echo preflight\n{' '.join(argv)}\necho exported\n")
+        argv = ["bash", str(tmp_path / "export.sh")]
+    host = _host_run(tmp_path, argv, "none", deliver_after=0,
+                     ready=lambda report: rows.exists())  # the notice comes while it writes
+    assert _run(COMMAND, [host], _watch(30, resumable=True)) == [None]
+    assert rows.read_text().count("row 0") == 1
+
+
+def test_a_program_that_wrote_its_result_and_then_died_of_the_notice_signal_has_finished(fake, tmp_path):
+    """The race an exporter cannot avoid: its result is written, and the signal kills it on its way out."""
+    script = tmp_path / "late.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, time
+        with open(os.environ["RAYSLICE_RESULT_FILE"] + ".tmp", "w") as f:
+            json.dump({"rows": 3}, f)
+        os.replace(os.environ["RAYSLICE_RESULT_FILE"] + ".tmp", os.environ["RAYSLICE_RESULT_FILE"])
+        time.sleep(30)                         # exiting: no handler, SIGTERM ends it
+    """))
+    host = _host_run(tmp_path, ["python", str(script)], "SIGTERM", deliver_after=0,
+                     ready=lambda report: os.path.exists(os.path.join(report, "result.json")))
+    assert not isinstance(host, BaseException), host
+    assert _run(COMMAND, [host], _watch(30, resumable=True)) == [{"rows": 3}]
+
+
+# ---- Issue 49, findings 4, 6, 9, 10: notices that come while a step starts, loses a host, or times out
+
+
+def _starting(n: int):
+    """Host actors whose process never starts (a runtime env still installing)."""
+    ref = Ref(HANG)
+    return [types.SimpleNamespace(free_port=types.SimpleNamespace(remote=lambda: ref)) for _ in range(n)]
+
+
+def test_a_notice_while_the_hosts_start_suspends_the_step_at_once_not_after_its_start_up(fake, monkeypatch):
+    """Before: `await_started` never looked at the notice; a victim kept the slice up to 300 s of start-up."""
+    monkeypatch.setattr(gang.node_probe, "raylet_unreachable", lambda node: False)
+    with pytest.raises(SuspendedError, match="still starting"):
+        gang.await_started(_starting(2), _plans(2), timeout=2.0, watch=_watch(30, resumable=True))
+    assert all(t is not None and t <= notices.POLL_S for t in fake.waits)
+
+
+def test_a_drained_node_that_dies_while_the_hosts_start_is_a_suspension_that_avoids_its_slice(fake):
+    """Before: a plain PreemptedError (the retry started with what the first waits had left)."""
+    fake.dead = frozenset({"node1"})
+    with pytest.raises(SuspendedError) as info:
+        gang.await_started(_starting(2), _plans(2), timeout=2.0, watch=_watch(3600, resumable=False))
+    assert (info.value.node_id, info.value.slice_name) in {("node0", "v6e-16-a"), ("node1", "v6e-16-a")}
+    assert "node1" in {info.value.node_id, getattr(info.value, "also_lost", "")}
+
+
+def test_a_host_lost_during_a_priority_notices_grace_is_recorded_so_the_resumption_avoids_it(fake, monkeypatch):
+    """Before: the suspension named the notice's node (none, for a priority notice): the lost host was forgotten."""
+    monkeypatch.setattr(gang, "_node_died", lambda node_id, actor, within=0: True)
+    with _priority_noticed() as watch:
+        with pytest.raises(SuspendedError) as info:
+            _run(FUNCTION, [StepSuspended("saved"), RayActorError()], watch)
+    assert (info.value.node_id, info.value.slice_name) == ("node1", "v6e-16-a")
+
+
+@pytest.mark.parametrize("expiring", ["step_timeout", "hang_timeout"])
+def test_a_timeout_that_expires_while_the_step_stops_for_the_notice_is_a_suspension(fake, monkeypatch, expiring):
+    """Before: StepTimeoutError or CollectiveHangError, a failed try, although the step was stopping for the notice."""
+    spec = FUNCTION.model_copy(update={"step_timeout": 0.2})
+    if expiring == "hang_timeout":
+        spec = FUNCTION
+
+        def hung(*args):
+            raise gang.CollectiveHangError("collective hang: ...", slice_index=0, worker_id=0, host="h",
+                                           cause="collective hang")
+        monkeypatch.setattr(gang, "_check_hang", hung)
+    with pytest.raises(SuspendedError, match=expiring):
+        _run(spec, [HANG], _watch(3600, resumable=True))
+
+
+def _fraction(monkeypatch, starts_on_wait: int | None, suspend=None):
+    """Run a preemptible GPU fraction whose worker starts on this `ray.wait` (None: never)."""
+    import rayslice.cluster as launcher
+
+    spec = StepSpec(request=AcceleratorRequest(resource="GPU", count=0.5), command=["true"], preemption_retries=1,
+                    preemptible=True, capacity_timeout=600)
+    place = _Place([], [], True)
+    place.suspend = suspend
+    actor = types.SimpleNamespace(free_port=types.SimpleNamespace(remote=lambda: "port"))
+    waited: list = []
+
+    def wait(refs, timeout=None):
+        waited.append(timeout)
+        return (refs, []) if starts_on_wait is not None and len(waited) >= starts_on_wait else ([], refs)
+
+    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+                        lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
+    monkeypatch.setattr(launcher.ray, "wait", wait)
+    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: launcher.HostsEnv(None, None))
+    monkeypatch.setattr(launcher.gang, "kill", lambda actors: None)
+    monkeypatch.setattr(launcher.gang, "wait_dead", lambda actors, timeout=0: [])
+    monkeypatch.setattr(launcher.gang, "run_gang", lambda actors, plans, spec, attempt, timeline, watch=None: ["done"])
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_put", lambda *a, **k: None)
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_del", lambda *a, **k: None)
+    waits = launcher.Waits(capacity=0.0, start=3.0)  # the queue wait used all of capacity_timeout
+    result = launcher._place_and_run_fraction(spec, spec.request, launcher.gang.Attempt(), launcher.phases.Timeline(),
+                                              waits, time.monotonic(), place)
+    return result, waits
+
+
+def test_an_admitted_fractions_worker_start_has_its_own_start_budget_not_what_the_queue_left(monkeypatch):
+    """Before: admitted after nearly all of capacity_timeout, its worker had the few seconds left to start."""
+    result, waits = _fraction(monkeypatch, starts_on_wait=2)
+    assert result == "done"
+    assert waits.start < 3.0  # the start was charged to its own budget
+
+
+def test_a_fraction_whose_worker_never_starts_says_so_within_its_start_budget(monkeypatch):
+    with pytest.raises(CapacityTimeoutError, match="did not start on a node within the 3 s left of the host start"):
+        _fraction(monkeypatch, starts_on_wait=None)
+
+
+def test_a_fraction_whose_worker_is_still_starting_acts_on_the_queues_notice_at_once(monkeypatch):
+    with pytest.raises(SuspendedError, match="still starting"):
+        _fraction(monkeypatch, starts_on_wait=None, suspend=("suspended for d.urgent (priority 10)", 30.0))
+
+
+class _NoDrain:
+    """No host output to wait for (no Ray driver prints it here)."""
+
+    QUIET_S = 0.0
+
+    def wait(self, labels, quiet=0.0):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("resumptions_left", [1, 0])
+def test_the_launcher_acts_on_a_notice_while_the_hosts_start_only_where_a_resumption_is_left(
+        fake, monkeypatch, resumptions_left):
+    """Finding 4 through `_reserve_and_run_on_slices`: a victim still starting frees its slice within the grace,
+    and its capacity is released; with no resumption left an hour's drain notice lets it start and finish."""
+    import rayslice.cluster as launcher
+
+    plans = _plans(2)
+    released = []
+    reservation = types.SimpleNamespace(hosts=plans, hosts_group=None, bundles={(0, 0): 0, (0, 1): 1},
+                                        release=lambda: released.append(1) or [])
+    polls = []  # the watch's looks at the GCS: the hosts start only once it has seen the drain
+
+    class Started:
+        @property
+        def outcome(self):
+            return HANG if resumptions_left or len(polls) < 2 else 0
+
+    started = Started()
+    actor = types.SimpleNamespace(free_port=types.SimpleNamespace(remote=lambda: started))
+    monkeypatch.setattr(launcher, "reserve_slices", lambda *a, **k: reservation)
+    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+                        lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
+    monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: launcher.HostsEnv(None, None))
+    monkeypatch.setattr(launcher.gang, "wait_dead", lambda actors, timeout=0: [])
+    monkeypatch.setattr(launcher.gang, "LogDrain", _NoDrain)
+    monkeypatch.setattr(launcher.gang, "run_gang", lambda actors, plans, spec, attempt, timeline, watch=None: ["done"])
+    monkeypatch.setattr(gang.node_probe, "raylet_unreachable", lambda node: False)
+    monkeypatch.setattr(notices, "draining", lambda nodes: polls.append(1) or {"node0": time.time() + 3600})
+    place = _Place([], [], True)
+    place.grow = None
+    spec = COMMAND.model_copy(update={"preemption_retries": resumptions_left})
+    waits = launcher.Waits(capacity=10.0, start=5.0, resumptions_left=resumptions_left)
+
+    def run():
+        return launcher._reserve_and_run_on_slices(spec, spec.request, launcher.gang.Attempt(),
+                                                   launcher.phases.Timeline(), waits, "rayslice:t", time.monotonic(),
+                                                   place)
+    if resumptions_left:
+        with pytest.raises(SuspendedError, match="still starting"):
+            run()
+        assert waits.start > 5.0 - 3.0, "it waited out its start-up, not the notice"
+    else:
+        assert run() == ["done"]
+    assert released == [1]

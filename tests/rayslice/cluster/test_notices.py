@@ -282,3 +282,40 @@ def test_a_priority_10_evaluation_suspends_a_preemptible_two_slice_training_whic
     assert_matches(resumed, reference_fit(DATASET, 0.05, steps, hosts=8))
     assert wait_until(lambda: ray_driver.available_resources().get("TPU-v6e-16-head") == 2, timeout=120)
     assert_all_released(ray_driver)
+
+
+EXPORT = textwrap.dedent('''
+    import os, signal, sys, time
+    from pathlib import Path
+
+    rows = Path(sys.argv[1])
+    signalled = []
+    signal.signal(signal.SIGTERM, lambda *_: signalled.append(1))  # it would stop for the notice if told
+    if int(os.environ["RAYSLICE_PROCESS_INDEX"]) == 0:
+        (rows.parent / "started").touch()
+    for row in range(8):
+        time.sleep(1.0)
+        if signalled:
+            sys.exit(75)
+        if int(os.environ["RAYSLICE_PROCESS_INDEX"]) == 0:
+            with rows.open("a") as f:   # not idempotent: a second run would append every row again
+                f.write(f"row {row}\\n")
+''')
+
+
+def test_with_no_preemption_retry_a_drain_notice_lets_a_command_step_finish_and_it_runs_once(
+    cluster, ray_driver, tmp_path, capsys
+):
+    """Issue 49 finding 3: before, the default preemption_retries=0 sent SIGTERM at once under a 60 s notice, and a
+    program that ended after it failed the step. Suspending cannot help a step with no retry: it runs on."""
+    from rayslice.cluster import run_step
+
+    rows = tmp_path / "rows"
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=["python", "-c", EXPORT, str(rows)],
+                    owner=Owner(submission_id=f"test-export-notice-{time.time_ns()}"))
+    with Preemption(cluster, ray_driver, spec, lambda: (tmp_path / "started").exists(), seconds=60) as preemption:
+        run_step(spec)
+    assert preemption.victim
+    assert rows.read_text().count("row 0") == 1 and "row 7" in rows.read_text()
+    assert "its hosts are told 30 s before it is stopped" in capsys.readouterr().out
+    assert_all_released(ray_driver)

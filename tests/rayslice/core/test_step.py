@@ -105,3 +105,17 @@ def test_a_step_cannot_set_the_clusters_queue_policy():
         StepSpec(request=TpuSliceRequest(tpu="v6e-4"), callable="m:f", queue=QueueSettings(quotas={"a": {}}))
     assert StepSpec.model_validate({"request": {"kind": "tpu_slice", "tpu": "v6e-4"}, "callable": "m:f",
                                     "queue": None}).team is None  # an older submitter's spec.json without one
+
+
+@pytest.mark.parametrize("root", ["file://ckpt", "file://./ckpt", "local://ckpt", "/shared/ckpt"])
+def test_a_checkpoint_root_that_is_no_url_or_a_relative_file_url_is_refused(root):
+    """Issue 49 finding 11: `file://ckpt` resolved inside each host's per-step folder, deleted after the step."""
+    with pytest.raises(ValidationError, match="checkpoint_root must be a URL like 'gs://bucket/checkpoints'"):
+        StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["true"], checkpoint_root=root)
+
+
+@pytest.mark.parametrize("root", ["file:///shared/ckpt", "gs://bucket/ckpt", "s3://b/c", "memory://ckpt"])
+def test_an_absolute_file_url_and_object_storage_roots_are_taken(root):
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["true"], checkpoint_root=root)
+    assert spec.checkpoint_root == root
+
