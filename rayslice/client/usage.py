@@ -10,7 +10,14 @@ start and end in ms). A step's host processes are named `rayslice:<submission id
 A bar spans a step's host processes on one lane: from the first one's start to the last one's
 end (still running: until now). Accelerator-hours are summed per host process over its overlap
 with the window: TPU chip-hours = chips x hours, GPU-hours = GPU share x hours. The time a step
-spent waiting for capacity (job start to its first host process) is shown, never billed.
+spent waiting for capacity (job start to its reservation) is shown, never billed.
+
+A host process starts seconds after its attempt's capacity is reserved (the worker process, the
+runtime env) and ends a little before the release: the chips are held all along. An ended step's
+goodput record names each attempt's hold (reserved to released, `Account.held`), so each of its
+host processes is billed over its attempt's whole hold: the bill and the goodput's held chip-time
+agree. A running step (no record yet), or one whose record is unreadable, is billed from its host
+processes' lifetimes.
 
 How far back: as far as Ray keeps ended actors, the `maximum_gcs_destroyed_actor_cached_count`
 most recent (100,000 by default in Ray 2.60: 25,000 four-host steps), and never before the head
@@ -130,7 +137,8 @@ def _amount(resources: dict[str, Any], name: str) -> float:
     return max((float(v) for k, v in (resources or {}).items() if _base(k) == name and v), default=0.0)
 
 
-def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: float) -> Usage:
+def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: float,
+          goodput: dict[str, dict[str, Any]] | None = None) -> Usage:
     """Bars and lanes for the window `[now - hours, now]` from the dashboard's answers (no I/O)."""
     since = now - hours * 3600
     nodes = (nodes_body or {}).get("data", {}).get("result", {}).get("result") or [] if isinstance(
@@ -156,6 +164,7 @@ def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: fl
 
     # (submission id, lane, resource) -> the host processes of that step there: (start, end or None, amount)
     spans: dict[tuple[str, str, str], list[tuple[float, float | None, float]]] = {}
+    holds = {sid: Account.from_json(figures).held for sid, figures in (goodput or {}).items()}
     oldest: float | None = None
     for actor in actors.values():
         name = (actor or {}).get("name") or ""
@@ -165,6 +174,7 @@ def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: fl
         oldest = start if oldest is None else min(oldest, start)
         sid, _, rest = name[len(PREFIX):].partition("/")
         end = _ms(actor.get("endTime")) if actor.get("state") == "DEAD" else None
+        start, end = _held(start, end, holds.get(sid))
         if end is not None and end < since:
             continue
         held = [(r, a) for r in ACCELERATORS if (a := _amount(actor.get("requiredResources") or {}, r))]
@@ -200,7 +210,23 @@ def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: fl
     bars.sort(key=lambda b: (b.start, b.lane))
     ordered = sorted(lanes.values(), key=lambda lane: (lane.kind != "tpu", lane.title))
     return Usage(since=_at(since), until=_at(now), hours=hours, lanes=ordered, bars=bars,
-                 oldest=_at(oldest) if oldest is not None else None)
+                 oldest=_at(oldest) if oldest is not None else None, goodput=dict(goodput or {}))
+
+
+#: A host process starts within its attempt's hold; clocks of two machines may disagree by this much.
+CLOCK_SLACK_S = 5.0
+
+
+def _held(start: float, end: float | None, holds: list[list[float]] | None) -> tuple[float, float | None]:
+    """A host process's billed span: its attempt's whole hold (reserved to released) where the record names it.
+
+    The attempt is the one whose hold contains the process's start (the latest such, after a suspension).
+    """
+    found = [(a, b) for a, b, _ in holds or () if a - CLOCK_SLACK_S <= start <= b + CLOCK_SLACK_S]
+    if not found or end is None:
+        return start, end
+    reserved, released = max(found)
+    return min(start, reserved), max(end, released)
 
 
 def step_ids(actors_body: Any, *, now: float, hours: float) -> set[str]:
@@ -297,8 +323,8 @@ def usage(dashboard_url: str, token: str | None = None, *, hours: float = DEFAUL
         now = time.time()
         jobs = records_for(client.address).find(client, step_ids(actors, now=now, hours=hours))
         figures = step_goodput.find(client, jobs)
-    found = parse(nodes, actors, jobs, now=now, hours=hours)
-    found.goodput = {sid: account.to_json() for sid, account in figures.items()}
+    found = parse(nodes, actors, jobs, now=now, hours=hours,
+                  goodput={sid: account.to_json() for sid, account in figures.items()})
     return found
 
 
@@ -315,8 +341,8 @@ async def ausage(dashboard_url: str, token: str | None = None, *, hours: float =
                          headers=headers, now=now, hours=hours))
         jobs = await records_for(client.address).afind(client, step_ids(actors, now=now, hours=hours))
         figures = await step_goodput.afind(client, jobs)
-    found = await asyncio.to_thread(parse, nodes, actors, jobs, now=now, hours=hours)
-    found.goodput = {sid: account.to_json() for sid, account in figures.items()}
+    found = await asyncio.to_thread(parse, nodes, actors, jobs, now=now, hours=hours,
+                                    goodput={sid: account.to_json() for sid, account in figures.items()})
     return found
 
 

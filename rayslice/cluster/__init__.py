@@ -376,6 +376,8 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     attempt = replace(attempt, notice_key=watch.key)
     suspended, ended = False, None
     watch.__enter__()
+    # Once the attempt heard its notice, its hosts' JAX ending their processes as peers stop is expected noise.
+    drain.explain_shutdown({h.label for h in reservation.hosts}, lambda: (watch.notice or watch.offer) is not None)
     try:
         slices = sorted({h.slice_name for h in reservation.hosts})
         log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")

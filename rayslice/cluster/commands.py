@@ -48,6 +48,8 @@ PROGRAM_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_au
 REPORT_ENV = "RAYSLICE_PROGRAM_REPORT"  # rayslice_program.REPORT_ENV
 HANG_INTERVAL_ENV = "RAYSLICE_HANG_INTERVAL"
 EXIT_FILE = "exit.json"
+#: How long the guard's first process may take to fork the guard away (a Python started with -S -E).
+GUARD_START_S = 5.0
 IDLE_FILE = "idle.json"  # where the program says since when it is idle in JAX (cluster/hang_watch.py reads it)
 
 
@@ -100,15 +102,17 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
     if argv[0] in ("python", "python3"):
         argv = [sys.executable, *argv[1:]]
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    marker = f"{REPORT_ENV}={report_dir}"
+    guard = _guard(marker)  # before the program: a host killed as the program starts still has it ended
     try:
         child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  stdin=subprocess.DEVNULL, start_new_session=True,
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     except OSError as exc:
+        _tell(guard, program_group.DONE)
         raise CommandExitError(f"command {argv[0]!r} could not start in {os.getcwd()}: {exc.strerror or exc}",
                                127, time.time()) from None
-    marker = f"{REPORT_ENV}={report_dir}"
-    guard = _guard(child.pid, marker)
+    _tell(guard, program_group.GROUP + str(child.pid).encode(), close=False)
     if on_start is not None:
         on_start(child.pid)
     relays = [_Relay(stream, out, tail) for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
@@ -121,9 +125,7 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
             _linger(os.fsencode(marker), until, child.pid)
         program_group.end(child.pid, os.fsencode(marker))
         child.wait()
-        if guard is not None:
-            guard.kill()
-            guard.wait()
+        _tell(guard, program_group.DONE)  # the program is ended: the guard stands down
         for relay in relays:
             relay.finish(DRAIN_S)
     if code != 0:
@@ -190,19 +192,44 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def _guard(pgid: int, marker: str) -> subprocess.Popen | None:
+def _guard(marker: str) -> subprocess.Popen | None:
     """A small process that ends the program once the host actor is gone (its stdin pipe reads EOF).
 
     Only this actor holds the pipe's write end, so any death of the actor (`ray.kill`, SIGKILL)
-    closes it. Started after the program, so the program does not inherit that end. No site, no
-    environment: it starts in milliseconds and imports nothing of the program's.
+    closes it. Started before the program (which does not inherit that end: close_fds). It forks
+    away at once (`program_group.guard`) and its first process is reaped here, so a dying Ray worker,
+    which kills its own children first, cannot kill it. No site, no environment: it starts in
+    milliseconds and imports nothing of the program's.
     """
     try:
-        return subprocess.Popen([sys.executable, "-S", "-E", program_group.__file__, str(pgid), marker],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        guard = subprocess.Popen([sys.executable, "-S", "-E", program_group.__file__, marker],
+                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
     except OSError:  # the parent-death signal still ends the program itself
         return None
+    try:
+        guard.wait(GUARD_START_S)  # its first process exits once the guard has forked away
+    except subprocess.TimeoutExpired:
+        pass  # a loaded host: it still guards, as the host's child until it forks
+    return guard
+
+
+def _tell(guard: subprocess.Popen | None, word: bytes, *, close: bool = True) -> None:
+    """One line to the guard (`program_group.GROUP`, `DONE`); closing the pipe after `DONE` lets it exit."""
+    if guard is None or guard.stdin is None:
+        return
+    try:
+        guard.stdin.write(word + b"\n")
+        guard.stdin.flush()
+        if close:
+            guard.stdin.close()
+    except (OSError, ValueError):  # it died: nothing to tell
+        pass
+    if close:
+        try:
+            guard.wait(GUARD_START_S)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _signal_name(number: int) -> str:

@@ -26,7 +26,16 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rayslice.cluster import commands, environments, hang_watch, host_env, node_probe, notices, phases
+from rayslice.cluster import (
+    commands,
+    environments,
+    hang_watch,
+    host_env,
+    node_probe,
+    notices,
+    phases,
+    shutdown_noise,
+)
 from rayslice.cluster.environments import HostPlan
 from rayslice.core import goodput
 from rayslice.core.accelerators import TpuSliceRequest
@@ -53,6 +62,8 @@ COORDINATOR_DEATH_WINDOW_S = 1.0
 PROGRAM_END_WINDOW_S = 2.0
 #: How long hosts that all returned may take to leave their JAX groups before they are killed anyway.
 LEAVE_TIMEOUT_S = 10.0
+#: How long a host that ends waits for its phase times to be published (phases.publish), at most.
+PUBLISH_WAIT_S = 5.0
 #: A host report's key: when the notice's signal was sent to the command step's running program (absent: it
 #: never was: it ended before, the notice was held back, or `notice_signal="none"`).
 NOTICE_HEARD_KEY = "notice_heard"
@@ -139,6 +150,9 @@ class HostProcess:
             num_slices=getattr(spec.request, "num_slices", 1),
         )
         self._times["step_started"] = time.time()
+        # Read back by the driver if this host never returns its report (it raised, or was stopped).
+        publishing = phases.publish(attempt.phases_key, plan.label, dict(self._times)) if attempt.phases_key \
+            else None
         watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice
         try:
             with _step_folder(spec), \
@@ -172,6 +186,8 @@ class HostProcess:
             if spans:
                 self._times[phases.SPANS_KEY] = spans  # type: ignore[assignment]
         finally:  # also when the step raised: the driver waits for this host's last lines either way
+            if publishing is not None:
+                publishing.join(PUBLISH_WAIT_S)  # before the driver reads and forgets it
             sys.stderr.flush()
             print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
         return result, self._times
@@ -225,6 +241,7 @@ class Attempt:
     hang_watch: str = ""  # the key prefix simulated hosts publish their idleness under ("": not watched)
     hang_interval: float = 0.0
     notice_key: str = ""  # where the driver publishes a preemption notice for this attempt ("": none watched)
+    phases_key: str = ""  # where each host publishes its phase times as its body starts ("": not recorded)
 
 
 @contextmanager
@@ -358,12 +375,16 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
         prefix = f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}:"
         attempt = replace(attempt, hang_watch=prefix, hang_interval=hang_watch.poll_interval(spec.hang_timeout))
         watch_keys = {plan.label: prefix + plan.label for plan in plans}
+    if timeline is not None:  # every host publishes its phases as its body starts: read back if it never returns
+        attempt = replace(attempt, phases_key=phases.attempt_key(spec.owner.submission_id,
+                                                                 attempt.preemption_attempt, uuid.uuid4().hex[:8]))
     refs = {actor.run.remote(spec_json, plan, attempt): i
             for i, (actor, plan) in enumerate(zip(actors, plans, strict=True))}
     results: list[Any] = [None] * len(plans)
     reports: list[dict[str, float]] = [{} for _ in plans]
     pending = list(refs)
     deadline = None if spec.step_timeout is None else time.monotonic() + spec.step_timeout
+    returned, ended_at = False, None
     try:
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -419,16 +440,22 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
                     raise
                 index, error = _coordinator_first(*lost, pending, refs, plans)
                 raise error from None
+        returned = True
     except SuspendedError:
+        ended_at = time.time()
         kill(actors)
         raise
     except HostLostError as exc:
+        ended_at = time.time()  # before the wait to tell a dead node from a dead process
         raise _lost_host(exc, index, actors, plans) from None
     except BaseException:
+        ended_at = time.time()
         kill(actors)  # cancel the whole gang at once
         raise
     finally:
         hang_watch.forget(watch_keys)
+        if attempt.phases_key:
+            _record_phases(timeline, attempt.phases_key, plans, reports, ended_at=None if returned else ended_at)
     _leave_group(actors, plans, reports)
     if timeline is not None:
         timeline.hosts(reports)
@@ -464,6 +491,20 @@ def _lost_in_grace(index: int, first: StepFailedError, pending: list[Any], refs:
     if first is None:
         return None
     return _lost_host(first, index, actors, plans)
+
+
+def _record_phases(timeline: phases.Timeline | None, key: str, plans: list[HostPlan],
+                   reports: list[dict[str, float]], *, ended_at: float | None) -> None:
+    """After an end short of success (at `ended_at`, when the gang was stopped): the hosts' phases from what they
+    published; then the keys are forgotten."""
+    try:
+        if ended_at is not None and timeline is not None:
+            found = phases.published(key, {i: plan.label for i, plan in enumerate(plans) if not reports[i]})
+            timeline.hosts(phases.ended_short(reports, found, ended_at))
+    except Exception as exc:  # figures must never hide the step's own outcome
+        print(f"[rayslice] the hosts' phase times are unavailable: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        phases.forget(key, [plan.label for plan in plans])
 
 
 def _wait_until(pending: list[Any], until: float | None) -> bool:
@@ -842,8 +883,14 @@ class LogDrain:
         self._seen = threading.Condition()
         self._last_line = 0.0
         self._name = f"rayslice-drain-{id(self)}"
+        self._explainers: list[shutdown_noise.Explainer] = []
         if self.active:
             dispatcher.add_handler(self._name, self._handle)
+
+    def explain_shutdown(self, labels: set[str], noticed: Any) -> None:
+        """Until `close`: these hosts' JAX termination after `noticed()` is explained, not shown as fatal."""
+        if self.active:
+            self._explainers.append(shutdown_noise.Explainer(self._dispatcher, labels, noticed))
 
     def _handle(self, data: dict) -> None:
         with self._seen:
@@ -875,6 +922,8 @@ class LogDrain:
     def close(self) -> None:
         if self.active:
             self._dispatcher.remove_handler(self._name)
+        for explainer in self._explainers:
+            explainer.close()
 
 
 def raised_on(exc: BaseException, plans: list[HostPlan]) -> list[str]:

@@ -9,12 +9,18 @@ machine that saw them (hosts of a real slice must have synchronized clocks, as N
 The log gets one readable summary line and one `[rayslice] phases: {json}` line with every
 phase's (and every host's) epoch times, which benchmarks parse (`parse_phases`). Task logs show the
 summary only: the follower keeps the JSON line out of them (it stays in the Ray job's log).
+
+A host returns its phase times with its result, so a host that raised, was killed (a peer failed,
+`step_timeout`, a suspension) or died would take them with it. Each host also publishes them in Ray's
+KV once its body starts (`publish`); the driver reads those of the hosts that did not return
+(`published`), so every attempt, whatever its ending, has its host phases and a true start-up.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from itertools import pairwise
 from typing import Any
@@ -38,6 +44,69 @@ MARKER = PHASES_MARKER
 HOST_PHASES = ("hosts_started", "jax_ready", "step_started", "step_done")
 #: A host report's key for the spans its step reported through its context ({kind: [[start, end], ...]}).
 SPANS_KEY = "spans"
+#: Where hosts publish their phase times as their body starts (Ray's KV namespace), and how each key begins.
+NAMESPACE = "rayslice-phases"
+KEY_PREFIX = "phases:"
+
+
+def attempt_key(submission_id: str, preemption_attempt: int, unique: str) -> str:
+    """The prefix of one gang attempt's keys: a host's key is this prefix and its label."""
+    return f"{KEY_PREFIX}{submission_id or 'adhoc'}:{preemption_attempt}:{unique}:"
+
+
+def publish(prefix: str, label: str, times: dict[str, Any]) -> threading.Thread:
+    """In a thread (the body is not held up): this host's phase times so far, for the driver if it never returns."""
+    def put() -> None:
+        try:
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_put(prefix + label, json.dumps(times), namespace=NAMESPACE)
+        except Exception:  # a phase record must never fail the step
+            pass
+
+    thread = threading.Thread(target=put, name="rayslice-phases", daemon=True)
+    thread.start()
+    return thread
+
+
+def published(prefix: str, labels: dict[int, str]) -> dict[int, dict[str, float]]:
+    """The times the hosts `labels` (index -> label) published (none for a host that never started its body)."""
+    from ray.experimental import internal_kv
+
+    found = {}
+    for index, label in labels.items():
+        try:
+            raw = internal_kv._internal_kv_get(prefix + label, namespace=NAMESPACE)
+            if raw:
+                found[index] = {k: float(v) for k, v in json.loads(raw).items() if isinstance(v, int | float)}
+        except Exception:  # unreadable: that host's phases stay unknown
+            continue
+    return found
+
+
+def forget(prefix: str, labels: list[str]) -> None:
+    from ray.experimental import internal_kv
+
+    for label in labels:
+        try:
+            internal_kv._internal_kv_del(prefix + label, namespace=NAMESPACE)
+        except Exception:
+            pass
+
+
+def ended_short(reports: list[dict[str, Any]], found: dict[int, dict[str, float]], ended: float) -> list[dict]:
+    """The host reports of an attempt that ended short of success: each host's own, else what it published.
+
+    A host whose body started and that returned no report (it raised, or was stopped) ran its body
+    until the gang ended (`ended`): that is its `step_done`, so the attempt's body ends when the gang did.
+    """
+    out = []
+    for index, report in enumerate(reports):
+        report = dict(report) if report else dict(found.get(index, {}))
+        if "step_started" in report and "step_done" not in report:
+            report["step_done"] = ended
+        out.append(report)
+    return out
 
 
 def process_start_time() -> float:

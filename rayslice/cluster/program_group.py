@@ -7,8 +7,15 @@ leaves the group but keeps the program's environment, which carries a marker uni
 holds it is ended too.
 
 Stdlib only: the host actor imports it, and its guard runs it as a script (`python -S -E
-program_group.py PGID MARKER`): the guard reads its stdin, a pipe only the host actor holds, and
-ends the program once that reaches its end, that is once the host actor died (`ray.kill`, SIGKILL).
+program_group.py MARKER`): the guard reads its stdin, a pipe only the host actor holds, and ends the
+program once that reaches its end, that is once the host actor died (`ray.kill`, SIGKILL). The host
+writes `group PGID` once the program runs, and `done` once it has ended the program itself (the guard
+then stands down: the group's id may be reused by then).
+
+The guard is nobody's child: it forks and its first process exits at once. A dying Ray worker kills
+its own children as it exits (`RAY_kill_child_processes_on_worker_exit`, on by default), before its
+pipes close, so a guard that was the worker's child died before it could act, and a backgrounded child
+of the program (forked, not exec'd: no parent-death signal) outlived the step.
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ import time
 SETTLE_S = 2.0
 
 
-def end(pgid: int, marker: bytes, within: float = SETTLE_S) -> None:
-    """Kill the program's group, then every process that still carries the marker, until none is left."""
-    _kill_group(pgid)
+def end(pgid: int | None, marker: bytes, within: float = SETTLE_S) -> None:
+    """Kill the program's group (if known), then every process that still carries the marker, until none is left."""
+    if pgid is not None:
+        _kill_group(pgid)
     deadline = time.monotonic() + within
     while True:
         left = marked(marker)
@@ -68,6 +76,23 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-if __name__ == "__main__":  # the guard
-    sys.stdin.buffer.read()
-    end(int(sys.argv[1]), os.fsencode(sys.argv[2]))
+#: What the host writes to its guard: the program's group once it runs, and that it ended the program itself.
+GROUP, DONE = b"group ", b"done"
+
+
+def guard(marker: bytes) -> None:
+    """The guard's body: detach from the host actor's process tree, then wait for the host's word or its death."""
+    if os.fork() > 0:
+        os._exit(0)  # the host reaps this first process at once; the guard lives on, reparented
+    pgid, done = None, False
+    for line in sys.stdin.buffer:  # until the pipe's end: the host closed it, or died
+        if line.startswith(GROUP):
+            pgid = int(line[len(GROUP):])
+        elif line.strip() == DONE:
+            done = True
+    if not done:
+        end(pgid, marker)
+
+
+if __name__ == "__main__":
+    guard(os.fsencode(sys.argv[1]))

@@ -73,6 +73,8 @@ class Account:
     chip_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
     held_chip_s: float = 0.0
     attempts: int = 0
+    #: Each attempt's hold: [reserved, released, chips] (epoch seconds): what `rayslice usage` bills.
+    held: list[list[float]] = field(default_factory=list)
 
     @property
     def goodput(self) -> float | None:
@@ -85,13 +87,15 @@ class Account:
             self.chip_s[name] += other.chip_s.get(name, 0.0)
         self.held_chip_s += other.held_chip_s
         self.attempts += other.attempts
+        self.held.extend(list(span) for span in other.held)
         return self
 
     def to_json(self) -> dict[str, Any]:
         return {"seconds": {k: round(v, 4) for k, v in self.seconds.items()},
                 "chip_s": {k: round(v, 4) for k, v in self.chip_s.items()},
                 "held_chip_s": round(self.held_chip_s, 4), "attempts": self.attempts,
-                "goodput": None if self.goodput is None else round(self.goodput, 6)}
+                "goodput": None if self.goodput is None else round(self.goodput, 6),
+                "held": [[round(a, 4), round(b, 4), c] for a, b, c in self.held]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Account:
@@ -101,6 +105,10 @@ class Account:
             out.chip_s[name] = float((data.get("chip_s") or {}).get(name, 0.0))
         out.held_chip_s = float(data.get("held_chip_s", 0.0))
         out.attempts = int(data.get("attempts", 0))
+        held = data.get("held")
+        for span in held if isinstance(held, list) else []:  # a record of an older launcher has none
+            if isinstance(span, list) and len(span) == 3 and all(isinstance(x, int | float) for x in span):
+                out.held.append([float(x) for x in span])
         return out
 
     def summary(self) -> str:
@@ -168,8 +176,15 @@ def attempt_account(record: Mapping[str, Any]) -> Account:
     held_to = next((record[p] for p in ("released",) if p in record),
                    detail.get("gang_returned", record.get("step_done", held_from)))
     held_to = max(held_to, held_from)
-    # A failed or preempted attempt has no host's report: its body started when its hosts had started.
-    started = record.get("step_started", detail.get("actors_started", held_to))
+    # The body starts once it started on every host. An attempt whose hosts reported, but not all of them a start
+    # (one failed or was stopped before its body), never started its body: start-up to its end. A record without
+    # host reports (an older launcher's failed attempt): the body started when its hosts had started.
+    if "step_started" in record:
+        started = record["step_started"]
+    elif record.get("hosts"):
+        started = detail.get("gang_returned", held_to)
+    else:
+        started = detail.get("actors_started", held_to)
     started = min(max(started, held_from), held_to)
     body_end = record.get("step_done", detail.get("gang_returned", held_to))
     body_end = min(max(body_end, started), held_to)
@@ -190,6 +205,7 @@ def attempt_account(record: Mapping[str, Any]) -> Account:
         out.seconds[name] = value
         out.chip_s[name] = value * chips
     out.held_chip_s = (held_to - held_from) * chips
+    out.held = [[float(held_from), float(held_to), chips]]
     return out
 
 

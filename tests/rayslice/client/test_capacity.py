@@ -178,18 +178,24 @@ def _check_usage(url: str, token: str | None, ids: dict[str, str]) -> None:
     assert bars["tpu2"].waited_s > max(bars["tpu0"].waited_s, bars["tpu1"].waited_s)  # it waited for a slice
     assert [lane.key for lane in found.lanes] == ["v6e-16-a", "v6e-16-b", "v6e-4-a", gpu_node.node_id]
 
-    # The arithmetic, from the raw actor records: amount x (end - start) of every host process, summed.
+    # The arithmetic, from the raw actor records and the step's hold (its goodput record: reserved to released):
+    # amount x the hold of every host process, summed; and the bill is the chip-time the step held (issue 49).
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     actors = httpx.get(f"{url}/logical/actors", params={"nocache": "1"}, headers=headers,
                        timeout=30).json()["data"]["actors"].values()
     for task, sid in ids.items():
         mine = [a for a in actors if (a.get("name") or "").startswith(f"rayslice:{sid}/")]
         assert len(mine) == (4 if task.startswith("tpu") else 1), mine
-        expected = sum((a["endTime"] - a["startTime"]) / 1000 * next(iter(
-            v for k, v in a["requiredResources"].items() if k in ("TPU", "GPU"))) for a in mine) / 3600
+        figures = Account.from_json(found.goodput[sid])
+        [(reserved, released, _)] = figures.held
+        starts = [min(a["startTime"] / 1000, reserved) for a in mine]
+        ends = [max(a["endTime"] / 1000, released) for a in mine]
+        expected = sum((end - start) * next(iter(v for k, v in a["requiredResources"].items() if k in ("TPU", "GPU")))
+                       for a, start, end in zip(mine, starts, ends, strict=True)) / 3600
         assert bars[task].hours == pytest.approx(expected, abs=1e-6) and expected > 0
-        assert bars[task].start.timestamp() == pytest.approx(min(a["startTime"] for a in mine) / 1000, abs=1e-3)
-        assert bars[task].end.timestamp() == pytest.approx(max(a["endTime"] for a in mine) / 1000, abs=1e-3)
+        assert bars[task].hours * 3600 == pytest.approx(figures.held_chip_s, rel=0.02)
+        assert bars[task].start.timestamp() == pytest.approx(min(starts), abs=1e-3)
+        assert bars[task].end.timestamp() == pytest.approx(max(ends), abs=1e-3)
     by_dag, by_task = usage.totals(found.bars)
     [dag_row] = [r for r in by_dag if r.dag_id == DAG]
     tpu_hours = sum(b.hours for t, b in bars.items() if t.startswith("tpu"))

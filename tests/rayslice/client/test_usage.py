@@ -124,3 +124,39 @@ def test_select_keeps_one_dag_task_or_team_and_a_team_takes_its_sub_teams():
     assert {b.submission_id for b in usage.select(found, team="research/vision")} == {"a"}
     assert {b.submission_id for b in usage.select(found, dag_id="d", task_id="train")} == {"a", "c"}
     assert usage.select(found, dag_id="other") == []
+
+
+@pytest.mark.parametrize("endings", [["succeeded"], ["preempted", "succeeded"], ["preempted", "preempted"]])
+def test_the_bill_is_the_chip_time_the_attempts_held_from_reservation_to_release(endings):
+    """Issue 49: the seconds from the reservation to the host processes' start (their runtime env, the worker
+    process) are held too, and a suspended attempt has many of them: billed, they agree with goodput's held time."""
+    from rayslice.core import goodput
+
+    actors, records, at = [], [], NOW - 2 * H
+    for ending in endings:
+        reserved, up, killed = at, at + 7.0, at + (29.0 if ending == "preempted" else 600.0)
+        records.append({"queued": at - 5, "reserved": reserved, "hosts_started": up - 0.5, "step_started": up + 6,
+                        "released": killed + 0.4, "chips": 16, "outcome": ending,
+                        "detail": {"actors_started": up, "gang_returned": killed}})
+        actors += [_actor(f"rayslice:s1/v6e-16-a/host{w}", up, killed, {"TPU": 4}) for w in range(4)]
+        at = killed + 30
+    account = goodput.step_account(records)
+    found = usage.parse(_nodes(), {"data": {"actors": {str(i): a for i, a in enumerate(actors)}}},
+                        [_job("s1", "train", NOW - 2 * H - 10)], now=NOW, hours=6,
+                        goodput={"s1": account.to_json()})
+    [bar] = found.bars
+    assert bar.hours * H == pytest.approx(account.held_chip_s, rel=0.02)
+    [row] = usage.totals(found.bars, found.goodput)[1]
+    assert row.tpu_chip_hours == pytest.approx(row.held_chip_h, rel=0.02)
+
+
+def test_a_window_that_cuts_an_attempt_bills_only_its_held_time_inside():
+    from rayslice.core import goodput
+
+    record = {"reserved": NOW - 3 * H, "step_started": NOW - 3 * H + 60, "released": NOW - H, "chips": 16,
+              "outcome": "succeeded", "detail": {"actors_started": NOW - 3 * H + 50}}
+    actors = [_actor(f"rayslice:s1/v6e-16-a/host{w}", NOW - 3 * H + 50, NOW - H - 1, {"TPU": 4}) for w in range(4)]
+    found = usage.parse(_nodes(), {"data": {"actors": {str(i): a for i, a in enumerate(actors)}}},
+                        [_job("s1", "train", NOW - 3 * H)], now=NOW, hours=2,
+                        goodput={"s1": goodput.step_account([record]).to_json()})
+    assert found.bars[0].hours == pytest.approx(16 * 1.0)  # the hour of its hold inside the 2 h window

@@ -13,7 +13,7 @@ import pytest
 
 from rayslice.client.submission import run_step_job
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.core.exceptions import StepFailedError
+from rayslice.core.exceptions import HostLostError, StepFailedError, StepTimeoutError
 from rayslice.core.step import Owner, StepSpec
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
 
@@ -248,3 +248,76 @@ def test_a_programs_reported_checkpoint_shows_in_the_steps_goodput_line(ray_driv
     [line] = [line for line in capfd.readouterr().out.splitlines() if line.startswith("[rayslice] goodput: ")]
     seconds = float(line.split("checkpointing ")[1].split(" s")[0])
     assert 0.6 <= seconds < 5, line
+
+
+#: Issue 49's held-out check: a background child in the program's group (forked: no parent-death signal), and
+#: the foreground process bash execs. `{end}` is how the foreground part ends.
+BACKGROUNDED = "(exec -a {name}-bg sleep 900) & {end}"
+ENDINGS = {  # ending -> (slice type, how the foreground part ends, step_timeout)
+    "success": ("v6e-4", "exec -a {name}-fg sleep 3", 120),
+    "failure": ("v6e-4", "sleep 3; exit 3", 120),
+    "step_timeout": ("v6e-4", "exec -a {name}-fg sleep 900", 5),
+    "kill": ("v6e-4", "exec -a {name}-fg sleep 900", 120),  # `ray job stop`: the driver's KeyboardInterrupt
+    "notice": ("v6e-4", "exec -a {name}-fg sleep 900", 120),  # a drain notice (its signal goes to the group)
+    "lost peer": ("v6e-16", "exec -a {name}-fg sleep 900", 120),  # another host's process dies
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_every_ending_leaves_no_process_of_the_program_and_the_chips_free(ray_driver, monkeypatch, ending):
+    """Installed launcher (this driver's own rayslice on its hosts): whatever ends the step, nothing of it is left."""
+    import _thread
+    import threading
+
+    import ray
+
+    from rayslice.cluster import notices, run_step
+    from tests.rayslice.cluster.test_commands import _named
+
+    tpu, end, timeout = ENDINGS[ending]
+    name = f"rayslice-ending-{time.time_ns()}"
+    sid = f"test-cmd-ending-{time.time_ns()}"
+    spec = StepSpec(request=TpuSliceRequest(tpu=tpu), step_timeout=timeout, owner=Owner(submission_id=sid),
+                    command=["bash", "-c", BACKGROUNDED.format(name=name, end=end.format(name=name))])
+    hosts = 4 if tpu == "v6e-16" else 1
+
+    def end_it() -> None:  # once every host's background child runs
+        if not wait_until(lambda: len(_named(f"{name}-bg")) == hosts, timeout=120):
+            return
+        if ending == "kill":
+            _thread.interrupt_main()
+        elif ending == "notice":
+            monkeypatch.setattr(notices, "draining", lambda nodes: dict.fromkeys(nodes, time.time() + 30))
+        elif ending == "lost peer":
+            for label in ("v6e-16-a/host1", "v6e-16-b/host1"):
+                try:
+                    ray.kill(ray.get_actor(f"rayslice:{sid}/{label}"), no_restart=True)
+                except ValueError:
+                    continue
+
+    ender = threading.Thread(target=end_it, daemon=True)
+    ender.start()
+    try:
+        outcome = run_step(spec)
+    except BaseException as exc:  # noqa: BLE001 (every ending has its own; the leftovers are the point)
+        outcome = exc
+    ender.join(10)
+    expected = {"success": list, "failure": StepFailedError, "step_timeout": StepTimeoutError,
+                "kill": KeyboardInterrupt, "notice": BaseException, "lost peer": HostLostError}[ending]
+    assert isinstance(outcome, expected), outcome
+    assert wait_until(lambda: not _named(name), timeout=15), f"left running after {ending}: {_named(name)}"
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=15)
+
+
+def test_a_step_timeout_on_the_shipped_launcher_leaves_no_background_child(cluster, ray_driver):
+    """The same program submitted as a job: the launcher shipped with it (py_modules), the hosts' guard from there."""
+    from tests.rayslice.cluster.test_commands import _named
+
+    name = f"rayslice-shipped-{time.time_ns()}"
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-4"), step_timeout=5,
+                    owner=Owner(submission_id=f"test-cmd-shipped-{time.time_ns()}"),
+                    command=["bash", "-c", BACKGROUNDED.format(name=name, end=f"exec -a {name}-fg sleep 900")])
+    with pytest.raises(StepTimeoutError):
+        job(cluster, spec, [])
+    assert wait_until(lambda: not _named(name), timeout=15), f"left running: {_named(name)}"
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=15)

@@ -89,6 +89,52 @@ def test_a_killed_host_process_ends_its_programs_whole_group(tmp_path):
         host.kill()
 
 
+#: The held-out check's program: a background child in the program's group, the foreground one exec'd by bash.
+BACKGROUNDED = 'echo up; (exec -a {name}-bg sleep 900) & exec -a {name}-fg sleep 900'
+BASH_HOST = textwrap.dedent('''
+    import os, sys
+    from rayslice.cluster import commands
+    os.makedirs(sys.argv[1], exist_ok=True)
+    commands.run(["bash", "-c", sys.argv[2]], dict(os.environ), sys.argv[1])
+''')
+
+
+def test_a_host_killed_as_ray_kills_an_actor_leaves_no_backgrounded_child(tmp_path):
+    """`ray.kill` (a step_timeout, a failed peer): the dying worker SIGKILLs its own children first, then ends.
+
+    The guard must survive that (it is not the worker's child), or a program's backgrounded child, which has
+    no parent-death signal (it was forked, not exec'd), outlives the step and holds the host's chips.
+    """
+    name = f"rayslice-test-{os.getpid()}-{time.monotonic_ns()}"
+    host = subprocess.Popen([sys.executable, "-c", BASH_HOST, str(tmp_path / "report"), BACKGROUNDED.format(name=name)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "up"
+        assert wait_until(lambda: len(_named(name)) == 2, timeout=10), _named(name)
+        for child in _children(host.pid):  # what Ray's KillChildProcs does as the worker exits
+            os.kill(int(child), 9)
+        host.kill()
+        host.wait()
+        assert wait_until(lambda: not _named(name), timeout=10), f"left running: {_named(name)}"
+    finally:
+        host.kill()
+        for pid in _named(name):
+            os.kill(pid, 9)
+
+
+def _named(prefix: str) -> list[int]:
+    """Live processes whose argv[0] starts with `prefix`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _alive(int(entry)):
+            try:
+                if _cmdline(int(entry)).startswith(prefix):
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
 def _children(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
 

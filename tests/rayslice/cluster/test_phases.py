@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import types
 
+import pytest
+
+from rayslice import StepSuspended
 from rayslice.client.submission import LogFollower
 from rayslice.cluster import phases
 from rayslice.cluster.phases import Timeline, parse_phases
@@ -78,3 +82,57 @@ def test_a_suspension_is_counted_apart_from_running_time_in_both_attempts_lines(
     assert json.loads(record.split(phases.MARKER, 1)[1])["suspended"] == {
         "notice": 125.0, "released": 140.0, "stopped_at_deadline": False, "slice": "v6e-16-a", "resumed": 160.0,
         "suspended_s": 20.0}
+
+
+# Issue 49: an attempt that does not end in success has its hosts' phases too, so its start-up lasts until
+# the body started on every host, as on a successful one (not until the host processes started).
+@pytest.mark.parametrize("ending", ["suspended", "failed", "step_timeout", "lost peer", "stopped"])
+def test_an_attempt_that_ends_short_of_success_has_every_hosts_phases_and_true_start_up(monkeypatch, kv, ending):
+    from rayslice.cluster import gang, notices
+    from rayslice.core.goodput import attempt_account
+    from tests.rayslice.cluster import test_notice_rules as rules
+
+    monkeypatch.setattr(gang, "ray", rules.FakeRay())
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_get", lambda k, namespace=None, **kw: kv.get(k))
+    reserved = 1000.0
+    body = {"hosts_started": reserved + 1.0, "jax_ready": reserved + 6.0, "step_started": reserved + 6.5}
+
+    def host(outcome):  # as HostProcess.run: it publishes its phases once its body starts, then ends its way
+        ref = rules.Ref(outcome)
+
+        def run(spec_json, plan, attempt):
+            phases.publish(attempt.phases_key, plan.label, body).join()
+            return ref
+        return types.SimpleNamespace(run=types.SimpleNamespace(remote=run))
+
+    stop = {"suspended": StepSuspended("saved"), "failed": ZeroDivisionError("bug"), "step_timeout": rules.HANG,
+            "lost peer": RuntimeError("XlaRuntimeError: Connection reset"), "stopped": KeyboardInterrupt()}[ending]
+    spec = rules.FUNCTION.model_copy(update={"step_timeout": 0.001 if ending == "step_timeout" else None})
+    timeline = Timeline()
+    timeline.mark("reserved", at=reserved)
+    timeline.note("actors_started", reserved + 1.2)
+    timeline.chips, timeline.outcome = 8, "preempted" if ending == "suspended" else "failed"
+    with pytest.raises(BaseException):  # noqa: B017, PT011 (each ending raises its own error)
+        gang.run_gang([host(stop), host(rules.HANG)], rules._plans(2), spec, gang.Attempt(), timeline,
+                      rules._noticed(3600) if ending == "suspended" else None)
+    timeline.note("gang_returned")
+    timeline.mark("released")
+    assert [p for p in phases.PHASES if p in timeline.times] == ["reserved", "hosts_started", "jax_ready",
+                                                                 "step_started", "step_done", "released"]
+    summary = timeline.lines()[0]
+    for phase in ("every host process started", "JAX imported and wired", "step started", "step done"):
+        assert phase in summary
+    account = attempt_account(timeline.record())
+    assert account.seconds["startup"] == pytest.approx(6.5)  # reservation to the body on every host
+    assert not [key for key in kv if key.startswith(phases.KEY_PREFIX)]  # read back, then forgotten
+
+
+def test_an_attempt_whose_body_never_started_on_every_host_is_start_up_to_its_end():
+    from rayslice.core.goodput import attempt_account
+
+    record = {"reserved": 0.0, "released": 10.0, "chips": 4, "outcome": "failed",
+              "detail": {"actors_started": 1.0, "gang_returned": 9.0},
+              "hosts": [{"hosts_started": 0.5, "step_started": 5.0}, {"hosts_started": 0.6}]}
+    account = attempt_account(record)
+    assert account.seconds["startup"] == 9.0 and account.seconds["productive"] == 0.0
+    assert account.seconds["teardown"] == 1.0
