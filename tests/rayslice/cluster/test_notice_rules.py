@@ -682,6 +682,9 @@ class _NoDrain:
     def wait(self, labels, quiet=0.0):
         pass
 
+    def explain_shutdown(self, labels, noticed):
+        pass
+
     def close(self):
         pass
 
@@ -696,7 +699,7 @@ def test_the_launcher_acts_on_a_notice_while_the_hosts_start_only_where_a_resump
     plans = _plans(2)
     released = []
     reservation = types.SimpleNamespace(hosts=plans, hosts_group=None, bundles={(0, 0): 0, (0, 1): 1},
-                                        release=lambda: released.append(1) or [])
+                                        release=lambda requeue=False: released.append(1) or [])
     polls = []  # the watch's looks at the GCS: the hosts start only once it has seen the drain
 
     class Started:
