@@ -19,18 +19,22 @@ from airflow.sdk import dag, task
 from rayslice.operators.kuberay import CreateRayClusterOperator, DeleteRayClusterOperator
 
 from rayslice.cloud.cluster_names import PER_RUN
+from rayslice.cloud.kuberay import PodSettings
 
 RAY_CONN = "ray_kuberay"
-#: The image docker/Dockerfile.tpu builds, pushed where your nodes pull from (docs/deploying-gke.md, step 5).
-IMAGE = "us-docker.pkg.dev/my-project/rayslice/rayslice-cluster:0.1.0-tpu"
+#: The image docker/Dockerfile.tpu builds, pushed where your nodes pull from (docs/deploying-gke.md, step 3).
+IMAGE = "us-docker.pkg.dev/my-project/ml/rayslice-cluster:0.1.0-tpu"
+#: The Ray pods' Kubernetes service account, which Workload Identity maps to the checkpoint bucket (step 4).
+PODS = PodSettings(service_account="ray-ksa")
 
 
 @dag(schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["rayslice", "kuberay"])
 def rayslice_kuberay_cluster_per_run():
     create = CreateRayClusterOperator(task_id="create_cluster", ray_conn_id=RAY_CONN, name=PER_RUN,
-                                      tpus=["v6e-16"], image=IMAGE)
+                                      tpus=["v6e-16"], image=IMAGE, pods=PODS)
 
-    @task.tpu_slice(tpu="v6e-16", ray_conn_id=RAY_CONN, kuberay_cluster=PER_RUN)
+    # The run's cluster starts with no TPU node: scaling a slice from zero can take longer than 600 s.
+    @task.tpu_slice(tpu="v6e-16", ray_conn_id=RAY_CONN, kuberay_cluster=PER_RUN, capacity_timeout=1800)
     def train():
         import jax
 

@@ -75,7 +75,9 @@ def train_linear_model(steps: int, learning_rate: float) -> dict:
     tags=["rayslice", "tpu", "training"],
 )
 def tpu_slice_training():
-    @task.tpu_slice(tpu="v6e-16")
+    # 1800 s: on a cluster whose TPU pools scale from zero (docs/deploying-gke.md), node creation, TPU start and
+    # the image pull on every host can take longer than the default 600 s.
+    @task.tpu_slice(tpu="v6e-16", capacity_timeout=1800)
     def train(steps: int = 5, learning_rate: float = 0.1) -> dict:
         return train_linear_model(steps, learning_rate)
 

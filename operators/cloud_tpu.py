@@ -6,6 +6,11 @@ Why: without KubeRay nothing adds TPU hosts to a Ray cluster for a step. ``Creat
 by default), deleting it again if that fails (a failed setup skips its teardown).
 ``DeleteTpuSliceOperator`` (``.as_teardown(setups=...)``) deletes it after the steps, whatever they
 did, but only if this DAG run made it.
+
+The queued resource's id defaults to ``"per-run"``: a name of the run's own (a hash of deployment,
+DAG and run id, as KubeRay's per-run clusters), computed alike by the setup and the teardown with no
+XCom, defined for every run (asset-triggered ones have no logical date, so no ``ts``), and never
+shared by two DAGs or two Airflows.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from rayslice.hooks.ray import RayHook
 from rayslice.operators.setup_triggers import DEFERRAL_GRACE_S, QueuedSliceActiveTrigger
-from rayslice.operators.step import is_templated
+from rayslice.operators.templating import is_templated
 
 from rayslice.cloud import pins
-from rayslice.cloud.cloud_tpu import QueuedSlice, startup_script
+from rayslice.cloud.cloud_tpu import DEFAULT_SCOPES, HOST_PYTHON, QueuedSlice, startup_script
+from rayslice.cloud.cluster_names import PER_RUN, per_run_name
 from rayslice.core.exceptions import InvalidRequestError
 
 __all__ = ["CreateTpuSliceOperator", "DeleteTpuSliceOperator"]
@@ -39,7 +45,7 @@ class _QueuedOperator(BaseOperator):
     template_fields: Sequence[str] = ("project", "zone", "queued_resource_id")
     ui_color = "#e8f5e9"
 
-    def __init__(self, *, project: str, zone: str, queued_resource_id: str, tpu: str = "v6e-16",
+    def __init__(self, *, project: str, zone: str, queued_resource_id: str = PER_RUN, tpu: str = "v6e-16",
                  num_slices: int = 1, runtime_version: str | None = None, spot: bool = False,
                  api_endpoint: str | None = None, poll_interval: float = 30.0,
                  ray_conn_id: str = RayHook.default_conn_name, **kwargs: Any) -> None:
@@ -52,27 +58,46 @@ class _QueuedOperator(BaseOperator):
             raise InvalidRequestError(f"poll_interval={poll_interval} of {self.task_id!r} is invalid: use > 0")
         self.poll_interval = poll_interval
         if not any(is_templated(getattr(self, f, None)) for f in _TEMPLATED):
-            self._queued()  # bad project, zone, id, type or count fail when the DAG file is parsed
+            self._queued(None)  # bad project, zone, id, type or count fail when the DAG file is parsed
         elif not is_templated(tpu) and isinstance(num_slices, int):
             from rayslice.cloud.cloud_tpu import served_version
 
             served_version(tpu, num_slices)  # a type Cloud TPU cannot make fails then too (the id is often templated)
 
-    def _queued(self) -> QueuedSlice:
-        return QueuedSlice(project=self.project, zone=self.zone, queued_resource_id=self.queued_resource_id,
-                           tpu=self.tpu, num_slices=self.num_slices, runtime_version=self.runtime_version,
-                           spot=self.spot)
+    def _queued_id(self, context: Context | None) -> str:
+        """The id as given, or for ``"per-run"`` the run's own (``rs-<dag>-<hash>``; a placeholder at parse time)."""
+        if self.queued_resource_id != PER_RUN:
+            return self.queued_resource_id
+        if context is None:
+            return per_run_name("dag", "run")
+        run = context["dag_run"]
+        return per_run_name(run.dag_id, run.run_id, RayHook(self.ray_conn_id).deployment())
 
-    def _client(self) -> Any:
+    def _slice_settings(self) -> dict[str, Any]:
+        return {}
+
+    def _queued(self, context: Context | None) -> QueuedSlice:
+        return QueuedSlice(project=self.project, zone=self.zone, queued_resource_id=self._queued_id(context),
+                           tpu=self.tpu, num_slices=self.num_slices, runtime_version=self.runtime_version,
+                           spot=self.spot, **self._slice_settings())
+
+    def _client(self, context: Context | None) -> Any:
         from rayslice.cloud.cloud_tpu import QueuedSliceClient
 
-        return QueuedSliceClient(self._queued(), api_endpoint=self.api_endpoint)
+        return QueuedSliceClient(self._queued(context), api_endpoint=self.api_endpoint)
 
 
 class CreateTpuSliceOperator(_QueuedOperator):
     """Provision ``num_slices`` slices of ``tpu`` whose hosts join the Ray cluster; wait until ACTIVE.
 
-    :param project: / zone / queued_resource_id: where, and the queued resource's id (templated).
+    :param project: / zone / queued_resource_id: where, and the queued resource's id (templated); default
+        ``"per-run"``: the run's own id, unique per deployment, DAG and run (give the teardown the same).
+    :param network: / subnetwork: the hosts' VPC and subnetwork (default: the ``default`` network).
+    :param enable_external_ips: an external IP on every host (default, as gcloud does; the raw API does not).
+        False: the startup script reaches PyPI and uv's downloads only through Cloud NAT, and Google's APIs
+        through Private Google Access on the subnetwork.
+    :param service_account: the hosts' service account e-mail (default: the project's Compute Engine default
+        account); it needs the token's secret and the bucket. ``scopes``: its OAuth scopes (``cloud-platform``).
     :param head_address: the Ray head's GCS address ``host:6379`` (templated); default: the host of the
         `ray` connection's dashboard URL, port 6379.
     :param install: at boot, make a Python ``python_version`` environment with uv and install
@@ -94,10 +119,15 @@ class CreateTpuSliceOperator(_QueuedOperator):
 
     def __init__(self, *, head_address: str | None = None, ray_conn_id: str = RayHook.default_conn_name,
                  install: bool = True, ray_version: str = pins.RAY_VERSION, jax_version: str = pins.JAX_VERSION,
-                 python_version: str = pins.PYTHON_VERSION, ray_start_args: str = "", wheel: str | None = None,
+                 python_version: str = HOST_PYTHON, ray_start_args: str = "", wheel: str | None = None,
                  token_secret: str | None = None, check_zone: bool = True,
-                 active_timeout: float = 3600.0, deferrable: bool = True, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+                 active_timeout: float = 3600.0, deferrable: bool = True, network: str | None = None,
+                 subnetwork: str | None = None, enable_external_ips: bool = True,
+                 service_account: str | None = None, scopes: Sequence[str] = DEFAULT_SCOPES,
+                 **kwargs: Any) -> None:
+        self.network, self.subnetwork, self.enable_external_ips = network, subnetwork, enable_external_ips
+        self.service_account, self.scopes = service_account, tuple(scopes)
+        super().__init__(ray_conn_id=ray_conn_id, **kwargs)
         self.deferrable = deferrable
         self.head_address = head_address
         self.ray_conn_id = ray_conn_id
@@ -113,6 +143,10 @@ class CreateTpuSliceOperator(_QueuedOperator):
         else:  # the versions are checked now all the same
             startup_script("0.0.0.0:6379", **self.script_kwargs)
 
+    def _slice_settings(self) -> dict[str, Any]:
+        return {"network": self.network, "subnetwork": self.subnetwork, "enable_external_ips": self.enable_external_ips,
+                "service_account": self.service_account, "scopes": self.scopes}
+
     def _head_address(self) -> str:
         if self.head_address:
             return self.head_address
@@ -123,14 +157,15 @@ class CreateTpuSliceOperator(_QueuedOperator):
     def execute(self, context: Context) -> dict[str, str]:
         from rayslice.cloud.cloud_tpu import check_accelerator_type
 
-        queued = self._queued()
+        queued = self._queued(context)
         script = startup_script(self._head_address(), **self.script_kwargs)
         if self.check_zone:
             check_accelerator_type(self.tpu, queued.project, queued.zone, api_endpoint=self.api_endpoint)
-        owner = _owner(context, RayHook(self.ray_conn_id).deployment())
-        client = self._client()
+        deployment = RayHook(self.ray_conn_id).deployment()
+        owner = _owner(context, deployment)
+        client = self._client(context)
         try:
-            client.create(owner=owner, script=script)
+            client.create(owner=owner, script=script, deployment=deployment)
             self.log.info("[rayslice] queued %s (%d x %s); waiting for ACTIVE%s", queued.name, self.num_slices,
                           self.tpu, " in the triggerer" if self.deferrable else "")
             if not self.deferrable:
@@ -150,8 +185,8 @@ class CreateTpuSliceOperator(_QueuedOperator):
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, str]:
         """Back from the triggerer: the ACTIVE slices, or their deletion and the reason the wait failed."""
         if event.get("status") == "ready":
-            return self._active(self._queued())
-        self._delete_own(self._client(), _owner(context, RayHook(self.ray_conn_id).deployment()))
+            return self._active(self._queued(context))
+        self._delete_own(self._client(context), _owner(context, RayHook(self.ray_conn_id).deployment()))
         from rayslice.cloud.cloud_tpu import CloudTpuError
 
         raise CloudTpuError(event.get("message", event))
@@ -179,7 +214,7 @@ class DeleteTpuSliceOperator(_QueuedOperator):
         self.delete_timeout = delete_timeout
 
     def execute(self, context: Context) -> str:
-        client = self._client()
+        client = self._client(context)
         owner = _owner(context, RayHook(self.ray_conn_id).deployment())
         outcome = client.delete(owner=owner, wait=self.wait)
         if outcome == "not-owned":

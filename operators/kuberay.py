@@ -26,7 +26,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 from rayslice.hooks.ray import RayHook
 from rayslice.operators.setup_triggers import DEFERRAL_GRACE_S, RayClusterReadyTrigger
-from rayslice.operators.step import is_templated
+from rayslice.operators.templating import is_templated
 
 from rayslice.cloud import cluster_names, kuberay
 from rayslice.core.exceptions import InvalidRequestError

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, XComArg
+from airflow.sdk import BaseOperator
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import RayConnectionSettings, RayHook
@@ -41,6 +41,7 @@ from rayslice.operators.start_trigger import (
     ship_function,
     start_trigger_args,
 )
+from rayslice.operators.templating import is_templated  # also importable from here, as it always was
 from rayslice.operators.triggers import EXECUTION_TIMEOUT, RayStepTrigger
 
 from rayslice.client.jobs_client import AsyncRayJobsClient
@@ -78,15 +79,6 @@ ATTEMPT_MARGIN_S = 600.0
 #: Airflow's own timeout of a deferral comes this long after the trigger's deadline: the trigger stops
 #: the job at its deadline and reports; Airflow's timeout only catches a trigger that could not.
 DEFERRAL_BACKSTOP_S = 300.0
-
-
-def is_templated(value: Any) -> bool:
-    """Whether a value is only known at run time (Jinja, or another task's output)."""
-    if isinstance(value, str):
-        return "{{" in value or "{%" in value
-    if isinstance(value, (list, tuple)):  # Airflow renders inside them: `num_slices=(1, "{{ params.most }}")`
-        return any(is_templated(item) for item in value)
-    return isinstance(value, XComArg)
 
 
 def _run_coroutine(coroutine: Any) -> Any:

@@ -24,8 +24,7 @@ from rayslice.core.exceptions import (
 )
 from rayslice.core.queue import QueueSettings
 from rayslice.core.step import Owner, StepSpec
-
-__version__ = "0.1.0"
+from rayslice.core.version import __version__ as __version__
 
 
 def __getattr__(name: str):

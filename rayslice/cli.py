@@ -47,7 +47,7 @@ _flags_without_placeholders()
 
 def _kuberay() -> None:
     try:
-        from rayslice.cloud.kuberay import app as kuberay_app
+        from rayslice.cloud.kuberay_cli import app as kuberay_app
     except ImportError:  # pragma: no cover - module is part of the package
         return
     app.add_typer(kuberay_app, name="kuberay")
@@ -427,33 +427,214 @@ def reap(
         console.print("(no --airflow-url: running jobs were not checked against Airflow)")
 
 
+@app.command()
+def doctor(
+    address: Address = None,
+    token: Token = None,
+    conn_id: ConnId = None,
+    name: Name = "default",
+    installed: Annotated[bool | None, typer.Option(
+        "--installed/--shipped", help="The launcher mode to check: rayslice installed in the cluster's image, or "
+        "shipped with each job (default: the connection's `launcher` extra, else shipped).")] = None,
+    checkpoint_root: Annotated[str | None, typer.Option(
+        "--checkpoint-root", help="The checkpoint root a host must write (default: the connection's "
+        "`checkpoint_root` extra, or the local cluster's).")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke/--no-smoke",
+                                        help="Run jax.device_count() on every host of one slice.")] = True,
+    smoke_slice: Annotated[str | None, typer.Option(
+        "--smoke-slice", help="The slice (name or pod type, e.g. v6e-16) for the smoke step; default: a whole one.")
+    ] = None,
+    smoke_timeout: Annotated[float, typer.Option(
+        "--smoke-timeout", min=5, help="Seconds the smoke step may wait for its slice and run.")] = 120.0,
+    kuberay_namespace: Annotated[str | None, typer.Option(
+        "--kuberay-namespace", help="Also check KubeRay in this namespace: CRD version, TPU webhook, RBAC.")] = None,
+    kuberay_cluster: Annotated[str | None, typer.Option(
+        "--kuberay-cluster", help="With --kuberay-namespace: this RayCluster must be ready with its token Secret.")
+    ] = None,
+    kuberay_manage: Annotated[bool, typer.Option(
+        "--kuberay-manage", help="RBAC for creating/deleting RayClusters too (CreateRayClusterOperator), not only "
+        "lookups.")] = False,
+    kubeconfig: Annotated[str | None, typer.Option("--kubeconfig", help="With --kuberay-namespace.")] = None,
+    context: Annotated[str | None, typer.Option("--context", help="With --kuberay-namespace.")] = None,
+    in_cluster: Annotated[bool, typer.Option("--in-cluster", help="With --kuberay-namespace: this pod's service "
+                                                                  "account.")] = False,
+    project: Annotated[str | None, typer.Option("--project", help="Also check Cloud TPU in this GCP project "
+                                                                  "(with --zone).")] = None,
+    zone: Annotated[str | None, typer.Option("--zone", help="The Cloud TPU zone, e.g. us-east5-b.")] = None,
+    tpu_type: Annotated[str | None, typer.Option("--tpu-type", help="With --zone: the zone must offer it, "
+                                                                    "e.g. v6e-16.")] = None,
+    service_account: Annotated[str | None, typer.Option(
+        "--service-account", help="With --project: the TPU VMs' service account must exist.")] = None,
+    egress: Annotated[list[str], typer.Option(
+        "--egress", help="host:port a host must reach (repeat; with --project the startup script's endpoints "
+        "are checked by default).")] = [],  # noqa: B006
+    tpu_api_endpoint: Annotated[str | None, typer.Option("--tpu-api-endpoint", hidden=True)] = None,
+    iam_endpoint: Annotated[str | None, typer.Option("--iam-endpoint", hidden=True)] = None,
+    cluster_checks: Annotated[bool, typer.Option(
+        "--cluster/--no-cluster", help="Check the Ray cluster (default); --no-cluster: only the control planes.")
+    ] = True,
+) -> None:
+    """Preflight: each check PASS or FAIL with the fix (dashboard, token, versions, launcher, slices, checkpoint
+    root, metrics, a jax.device_count() smoke step; KubeRay and Cloud TPU with their flags). Exits 1 on a FAIL."""
+    from rayslice.client.doctor import DEFAULT_EGRESS, Check, Doctor, failed, render
+    from rayslice.cloud.pins import RAY_VERSION
+
+    if (project is None) != (zone is None):
+        raise fail("give --project and --zone together (the Cloud TPU checks need both)")
+    if (tpu_type or service_account) and project is None:
+        raise fail("--tpu-type and --service-account are Cloud TPU checks: give --project and --zone too")
+    if (kubeconfig or context or in_cluster or kuberay_manage or kuberay_cluster) and not kuberay_namespace:
+        raise fail("--kubeconfig, --context, --in-cluster, --kuberay-manage and --kuberay-cluster need "
+                   "--kuberay-namespace")
+    for endpoint in egress:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise fail(f"--egress {endpoint!r}: give host:port, e.g. pypi.org:443")
+    checks: list[Check] = []
+    if cluster_checks:
+        where = target(address, token, conn_id, name)
+        launcher, root = "shipped", checkpoint_root
+        if where.flag.startswith("--conn-id"):
+            from rayslice.hooks.ray import RayHook
+
+            settings = RayHook(conn_id).settings()
+            launcher, root = settings.launcher, root or settings.checkpoint_root
+        elif where.flag.startswith("--name"):
+            root = root or local_cluster.ClusterRecord.load(name).checkpoint_root or None
+        if installed is not None:
+            launcher = "installed" if installed else "shipped"
+        console.print(f"rayslice doctor: {where.url} ({where.flag})", highlight=False)
+        checks += Doctor(where.url, token=where.token, headers=where.headers, verify=where.verify,
+                         launcher=launcher, checkpoint_root=root,
+                         egress=tuple(egress) or (DEFAULT_EGRESS if project else ()), smoke=smoke,
+                         smoke_slice=smoke_slice, smoke_timeout=smoke_timeout, pinned_ray=RAY_VERSION,
+                         emit=lambda line: console.print(line, style="dim", highlight=False, markup=False)).run()
+    if kuberay_namespace:
+        from rayslice.cloud.preflight import kuberay_checks
+
+        checks += kuberay_checks(namespace=kuberay_namespace, kubeconfig=kubeconfig, context=context,
+                                 in_cluster=in_cluster, manage=kuberay_manage, cluster=kuberay_cluster)
+    if project and zone:
+        from rayslice.cloud.preflight import cloud_tpu_checks
+
+        checks += cloud_tpu_checks(project=project, zone=zone, tpu_type=tpu_type, service_account=service_account,
+                                   api_endpoint=tpu_api_endpoint, iam_endpoint=iam_endpoint)
+    if not checks:
+        raise fail("nothing to check: drop --no-cluster, or add --kuberay-namespace or --project/--zone")
+    console.print(render(checks), highlight=False, markup=False, soft_wrap=True)
+    bad = failed(checks)
+    console.print(f"{len(bad)} check(s) failed" if bad else "all checks passed", highlight=False)
+    if bad:
+        raise typer.Exit(1)
+
+
 cloud_tpu = typer.Typer(help="Cloud TPU VMs (no KubeRay) whose hosts join a Ray cluster.", no_args_is_help=True)
 app.add_typer(cloud_tpu, name="cloud-tpu")
+
+
+_SCRIPT_FLAGS = (("head_address", "--head-address"), ("token_secret", "--token-secret"), ("wheel", "--wheel"),
+                 ("ray_start_args", "--ray-start-args"), ("python_version", "--python-version"),
+                 ("metrics_port", "--metrics-port"), ("port", "--port"))
+PythonVersion = Annotated[str | None, typer.Option(
+    "--python-version", help="The exact Python (e.g. 3.12.16) of the head and every host: Ray refuses a node whose "
+    "Python differs from the head's. Default: rayslice's.")]
+TokenSecret = Annotated[str | None, typer.Option(
+    "--token-secret", help="The Secret Manager secret with the head's Ray auth token (read at boot).")]
+Wheel = Annotated[str | None, typer.Option(
+    "--wheel", help="rayslice's wheel (gs:// or https:// URL) for a `launcher: installed` connection.")]
+Install = Annotated[bool, typer.Option(
+    "--install/--no-install", help="Install Python, Ray (and JAX) at boot (default), or only `ray start`.")]
+RayStartArgs = Annotated[str, typer.Option("--ray-start-args", help="More `ray start` arguments.")]
+
+
+def _script_error(exc: RaysliceError) -> typer.Exit:
+    message = str(exc)
+    for word, flag in _SCRIPT_FLAGS:
+        message = message.replace(f"{word} ", f"{flag} ", 1) if message.startswith(f"{word} ") else message
+    return fail(message)
 
 
 @cloud_tpu.command("startup-script")
 def startup_script(
     head_address: Annotated[str, typer.Option("--head-address", help="The Ray head's GCS address, host:6379.")],
-    token_secret: Annotated[str | None, typer.Option(
-        "--token-secret", help="The Secret Manager secret with the head's Ray auth token (read at boot).")] = None,
-    wheel: Annotated[str | None, typer.Option(
-        "--wheel", help="rayslice's wheel (gs:// or https:// URL) for a `launcher: installed` connection.")] = None,
-    install: Annotated[bool, typer.Option(
-        "--install/--no-install", help="Install Python, Ray and JAX at boot (default), or only `ray start`.")] = True,
-    ray_start_args: Annotated[str, typer.Option("--ray-start-args", help="More `ray start` arguments.")] = "",
+    token_secret: TokenSecret = None,
+    wheel: Wheel = None,
+    install: Install = True,
+    ray_start_args: RayStartArgs = "",
+    python_version: PythonVersion = None,
 ) -> None:
-    """Print the TPU VMs' startup script: Python 3.12, Ray and JAX at rayslice's versions, then join the head."""
+    """Print the TPU VMs' startup script: rayslice's Python, Ray and JAX, then join the head."""
+    from rayslice.cloud.cloud_tpu import HOST_PYTHON
     from rayslice.cloud.cloud_tpu import startup_script as render
 
     try:
         typer.echo(render(head_address, install=install, wheel=wheel, token_secret=token_secret,
-                          ray_start_args=ray_start_args), nl=False)
+                          ray_start_args=ray_start_args, python_version=python_version or HOST_PYTHON), nl=False)
+    except RaysliceError as exc:
+        raise _script_error(exc) from None
+
+
+@cloud_tpu.command("head-script")
+def head_script(
+    token_secret: TokenSecret = None,
+    wheel: Wheel = None,
+    install: Install = True,
+    ray_start_args: RayStartArgs = "",
+    python_version: PythonVersion = None,
+    port: Annotated[int, typer.Option("--port", help="Ray's control store (GCS) port.")] = 6379,
+    metrics_port: Annotated[int, typer.Option("--metrics-port", help="Ray's metrics port, for Prometheus.")] = 8080,
+) -> None:
+    """Print the head VM's startup script: the hosts' Python and Ray, then `ray start --head` (at every boot)."""
+    from rayslice.cloud.cloud_tpu import HOST_PYTHON, head_startup_script
+
+    try:
+        typer.echo(head_startup_script(port=port, metrics_port=metrics_port, install=install, wheel=wheel,
+                                       token_secret=token_secret, ray_start_args=ray_start_args,
+                                       python_version=python_version or HOST_PYTHON), nl=False)
+    except RaysliceError as exc:
+        raise _script_error(exc) from None
+
+
+def _duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``12h`` or ``2d`` in seconds; a clear error naming --older-than otherwise."""
+    import re
+
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+    if not match:
+        raise fail(f"--older-than {text!r} is invalid: give a duration such as 12h, 90m, 2d or 3600 (seconds)")
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+
+
+@cloud_tpu.command("sweep")
+def sweep(
+    project: Annotated[str, typer.Option("--project", help="The GCP project.")],
+    zone: Annotated[str, typer.Option("--zone", help="The zone of the slices.")],
+    older_than: Annotated[str, typer.Option(
+        "--older-than", help="Only queued resources older than this (12h, 90m, 2d): longer than any run lasts.")],
+    deployment: Annotated[str, typer.Option(
+        envvar="RAYSLICE_DEPLOYMENT", help="That Airflow's deployment name (its `ray` connection's 'deployment' "
+        "extra, or its `rayslice_deployment` Variable); other deployments' slices are never touched.")],
+    delete: Annotated[bool, typer.Option("--delete", help="Delete them (default: only list them).")] = False,
+    api_endpoint: Annotated[str | None, typer.Option(
+        "--api-endpoint", help="Another Cloud TPU API endpoint (a private one).")] = None,
+) -> None:
+    """List (or, with --delete, delete) one Airflow's TPU slices whose teardown never ran."""
+    from rayslice.cloud.cloud_tpu import sweep as run_sweep
+
+    seconds = _duration(older_than)
+    try:
+        found = run_sweep(project, zone, deployment=deployment, older_than_s=seconds, delete=delete,
+                          api_endpoint=api_endpoint)
     except RaysliceError as exc:
         message = str(exc)
-        for word, flag in (("head_address", "--head-address"), ("token_secret", "--token-secret"),
-                           ("wheel", "--wheel"), ("ray_start_args", "--ray-start-args")):
-            message = message.replace(f"{word} ", f"{flag} ", 1) if message.startswith(word) else message
+        for word, flag in (("GCP project", "--project"), ("zone", "--zone"), ("deployment", "--deployment")):
+            message = message.replace(word, flag, 1) if message.startswith(word) else message
         raise fail(message) from None
+    for swept in found:
+        console.print(f"{swept.queued_resource_id}\t{swept.age_s / 3600:.1f} h\t{swept.outcome}", highlight=False)
+    acted = sum(s.outcome in ("deleted", "would delete") for s in found)
+    console.print(f"{'deleted' if delete else 'would delete (add --delete)'}: {acted} of {len(found)} queued "
+                  f"resource(s) of deployment {deployment!r} in {zone}", highlight=False)
 
 
 @app.command("launcher-label")

@@ -23,6 +23,9 @@ import pytest
 
 from rayslice.local import local_cluster, processes
 
+#: The slowest tests and each directory's total at the end of every run, and the suite's time budget.
+pytest_plugins = ["tests.timing_report"]
+
 TEST_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
 TOTAL_TPU_CHIPS = 36
 
@@ -268,3 +271,12 @@ def reference_file(name: str) -> Path:
 def reference_crds() -> list[Path]:
     """KubeRay's real RayCluster and RayJob CRD files."""
     return [reference_file(name) for name in REFERENCE_CRDS]
+
+
+#: KubeRay releases whose CRDs `shared/reference/kuberay-crds/<release>/` holds (ray.io_rayclusters/rayjobs.yaml).
+KUBERAY_RELEASES = ("v1.5.1", "v1.6.2", "v1.7.0")
+
+
+def kuberay_release_crds(release: str) -> list[Path]:
+    """One KubeRay release's RayCluster and RayJob CRD files; missing, a skip here and a failure under CI."""
+    return [reference_file(f"kuberay-crds/{release}/ray.io_{plural}.yaml") for plural in ("rayclusters", "rayjobs")]

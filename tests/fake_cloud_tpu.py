@@ -23,6 +23,7 @@ from tests.http_fake import JsonHttpFake, Request
 
 _TYPES = re.compile(r"^/v2/projects/([^/]+)/locations/([^/]+)/acceleratorTypes$")
 _QUEUED = re.compile(r"^/v2/(projects/([^/]+)/locations/([^/]+))/queuedResources(?:/([^/:]+))?$")
+_SERVICE_ACCOUNT = re.compile(r"^/v1/projects/[^/]+/serviceAccounts/([^/]+)$")  # IAM, on the same fake
 _OPERATION = re.compile(r"^/v2/(projects/[^/]+/locations/[^/]+/operations/[^/]+)$")
 DEFAULT_TYPES = ("v6e-1", "v6e-4", "v6e-8", "v6e-16", "v6e-32", "v5litepod-8", "v5litepod-16", "v4-8")
 
@@ -50,17 +51,22 @@ class FakeCloudTpu(JsonHttpFake):
         self.active_after_gets = active_after_gets  # None: stays PROVISIONING
         self.fail_with: str | None = None  # a message: the resource goes FAILED instead of ACTIVE
         self.page_size = page_size
+        self.api_disabled = False  # every TPU call answers 403 SERVICE_DISABLED, as for a project without the API
+        self.service_accounts: dict[str, bool] = {}  # IAM: email -> disabled
         self.queued: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str, dict[str, list[str]], Any]] = []  # method, path, query, body
         self._gets: dict[str, int] = {}
         self._operations: dict[str, dict[str, Any]] = {}
         super().__init__()
 
-    def add_queued(self, parent: str, queued_id: str, body: dict[str, Any], state: str = "ACTIVE") -> dict:
-        """A queued resource someone else made (e.g. with gcloud)."""
+    def add_queued(self, parent: str, queued_id: str, body: dict[str, Any], state: str = "ACTIVE",
+                   create_time: str | None = None) -> dict:
+        """A queued resource someone else made (e.g. with gcloud), or made at ``create_time`` (RFC 3339)."""
         with self._lock:
             obj = self._store(parent, queued_id, body)
             obj["state"] = {"state": state, "stateInitiator": "USER"}
+            if create_time:
+                obj["createTime"] = create_time
             return obj
 
     def _store(self, parent: str, queued_id: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -97,6 +103,19 @@ class FakeCloudTpu(JsonHttpFake):
 
     def _handle(self, method: str, path: str, query: dict[str, list[str]], body: Any) -> tuple[int, Any]:
         self.requests.append((method, path, query, body))
+        if m := _SERVICE_ACCOUNT.match(path):
+            if m[1] not in self.service_accounts:
+                return 404, _error(404, "NOT_FOUND", f"Unknown service account {m[1]}")
+            return 200, {"email": m[1], "name": f"projects/-/serviceAccounts/{m[1]}",
+                         "disabled": self.service_accounts[m[1]]}
+        if self.api_disabled:
+            return 403, {"error": {"code": 403, "status": "PERMISSION_DENIED", "message":
+                                   "Cloud TPU API has not been used in project 123456789 before or it is disabled. "
+                                   "Enable it by visiting https://console.developers.google.com/apis/api/"
+                                   "tpu.googleapis.com/overview?project=123456789 then retry.",
+                                   "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                                                "reason": "SERVICE_DISABLED", "domain": "googleapis.com",
+                                                "metadata": {"service": "tpu.googleapis.com"}}]}}
         if m := _TYPES.match(path):
             if method != "GET":
                 return 405, _error(405, "UNIMPLEMENTED", "method not served")
@@ -121,6 +140,14 @@ class FakeCloudTpu(JsonHttpFake):
         parent, zone, queued_id = m[1], m[3], m[4]
         if zone not in self.zones:
             return 404, _error(404, "NOT_FOUND", f"Location {parent} not found")
+        if method == "GET" and queued_id is None:  # list, a page at a time
+            names = sorted(n for n in self.queued if n.startswith(f"{parent}/"))
+            start = int((query.get("pageToken") or ["0"])[0])
+            out = {"queuedResources": [checked(tpu_v2.QueuedResource, self.queued[n])
+                                       for n in names[start:start + self.page_size]]}
+            if start + self.page_size < len(names):
+                out["nextPageToken"] = str(start + self.page_size)
+            return 200, out
         if method == "POST" and queued_id is None:
             queued_id = (query.get("queuedResourceId") or [""])[0]
             name = f"{parent}/queuedResources/{queued_id}"

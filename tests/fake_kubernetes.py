@@ -31,6 +31,8 @@ _CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^
 _SERVICE = re.compile(r"^/api/v1/namespaces/([^/]+)/services/([^/]+)$")
 _SECRETS = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets(?:/([^/]+))?$")
 _CRD = re.compile(r"^/apis/apiextensions\.k8s\.io/v1/customresourcedefinitions/([^/]+)$")
+_WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+_SSAR = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 
 
 def _now() -> str:
@@ -59,6 +61,10 @@ class FakeKubernetes(JsonHttpFake):
         self.cluster_ip = cluster_ip  # every head Service's cluster IP (a test may point it at a local Ray)
         # Head Service ports by name, over the head container's (a test's Ray dashboard on another port).
         self.service_ports = dict(service_ports or {})
+        # Mutating webhook configurations installed (by name): the TPU webhook's by default.
+        self.mutating_webhooks: list[str] = ["kuberay-tpu-webhook-mutating-webhook-configuration"]
+        # (verb, resource) pairs a SelfSubjectAccessReview answers "not allowed" for; everything else is allowed.
+        self.denied: set[tuple[str, str]] = set()
         self.clusters: dict[tuple[str, str], dict[str, Any]] = {}
         self.services: dict[tuple[str, str], dict[str, Any]] = {}
         self.secrets: dict[tuple[str, str], dict[str, Any]] = {}  # as stored: ``data`` base64, like the API
@@ -174,7 +180,17 @@ class FakeKubernetes(JsonHttpFake):
 
     # ---- HTTP
 
-    def _handle(self, method: str, path: str, body: Any, auth: str | None) -> tuple[int, Any]:
+    def _prune_unknown_auth_fields(self, body: dict[str, Any]) -> None:
+        """What the API server does without ``fieldValidation=Strict`` (its default is Warn since Kubernetes 1.23):
+        unknown fields are dropped, not refused. Here only ``authOptions``' (the field KubeRay releases differ in)."""
+        known = self.schemas.auth_fields("RayCluster")
+        auth = (body.get("spec") or {}).get("authOptions")
+        if isinstance(auth, dict):
+            for key in [k for k in auth if known is None or k not in known]:
+                del auth[key]
+
+    def _handle(self, method: str, path: str, body: Any, auth: str | None,
+                query: dict[str, list[str]] | None = None) -> tuple[int, Any]:
         self.requests.append((method, path, body))
         for i, (m, pattern, code) in enumerate(self.failures):
             if m == method and pattern.search(path):
@@ -182,6 +198,16 @@ class FakeKubernetes(JsonHttpFake):
                 return code, _status(code, "InternalError" if code >= 500 else "Forbidden", "injected failure")
         if auth != f"Bearer {self.token}":
             return 401, _status(401, "Unauthorized", "Unauthorized")
+        if path == _WEBHOOKS and method == "GET":
+            return 200, {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfigurationList",
+                         "metadata": {}, "items": [
+                             {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+                              "metadata": {"name": name}, "webhooks": []} for name in self.mutating_webhooks]}
+        if path == _SSAR and method == "POST":
+            attrs = ((body or {}).get("spec") or {}).get("resourceAttributes") or {}
+            allowed = (attrs.get("verb"), attrs.get("resource")) not in self.denied
+            return 201, {**body, "status": {"allowed": allowed} | ({} if allowed else {
+                "reason": f"RBAC: no rule allows {attrs.get('verb')} {attrs.get('resource')}"})}
         if m := _CRD.match(path):
             if method != "GET":
                 return 405, _status(405, "MethodNotAllowed", "the fake serves GET on CRDs")
@@ -215,6 +241,8 @@ class FakeKubernetes(JsonHttpFake):
                 return 409, _status(409, "AlreadyExists", f'rayclusters.ray.io "{meta.get("name")}" already exists',
                                     name=meta.get("name"), group="ray.io", kind="rayclusters")
             body["metadata"]["namespace"] = ns
+            if (query or {}).get("fieldValidation") != ["Strict"]:
+                self._prune_unknown_auth_fields(body)
             try:
                 obj = self._store(body)
             except ValueError as exc:
@@ -267,4 +295,4 @@ class FakeKubernetes(JsonHttpFake):
         return 405, _status(405, "MethodNotAllowed", f"the fake does not serve {method} on secrets")
 
     def answer(self, request: Request) -> tuple[int, Any]:
-        return self._handle(request.method, request.path, request.body, request.authorization)
+        return self._handle(request.method, request.path, request.body, request.authorization, request.query)

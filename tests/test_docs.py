@@ -29,6 +29,14 @@ OTHER_TOOLS_FLAGS = {"--xla", "--no-index", "--find-links", "--compile-bytecode"
                      # gcloud's, named in deploying-gke.md's prose (its commands' flags: CHECKED_GCLOUD in
                      # tests/test_deploying_docs.py, each checked against Google's reference)
                      "--cluster-version", "--tpu-topology", "--placement-policy",
+                     # gcloud's, named in the prose of deploying-gke.md, deploying-tpu-vms.md and metrics.md (issue 50):
+                     # https://cloud.google.com/sdk/gcloud/reference/container/clusters/update (Ray add-on
+                     # monitoring and logging), .../compute/accelerator-types/list (--filter: gcloud-wide),
+                     # .../compute/tpus/queued-resources/delete (--force), .../compute/instances/create
+                     # (--image-family, --image-project)
+                     "--enable-cost-allocation", "--filter", "--enable-ray-cluster-monitoring",
+                     "--enable-ray-cluster-logging", "--location", "--zone", "--force", "--image-family",
+                     "--image-project",
                      # `ray start --labels`, named in cli.md for `rayslice launcher-label`'s value
                      "--labels"}
 BLOCK = re.compile(r"^```(\w*)\n.*?^```$", re.S | re.M)
@@ -146,11 +154,17 @@ def test_the_cli_synopsis_lists_every_command_and_flag():
 
 def test_every_flag_the_docs_name_exists():
     """In prose and in the commands users run here (`bash` blocks); other blocks are other tools' commands."""
-    known = set().union(*_cli_commands().values()) | OTHER_TOOLS_FLAGS
+    known = set().union(*_cli_commands().values()) | OTHER_TOOLS_FLAGS | _test_suite_flags()
     for page, text in _text().items():
         text = BLOCK.sub(lambda m: m[0] if m[1] == "bash" else "", text)
         unknown = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)) - known
         assert not unknown, f"{page} names flags no command has: {sorted(unknown)}"
+
+
+def _test_suite_flags() -> set[str]:
+    """`scripts/test`'s own pytest options (tests/timing_report.py), which the README names."""
+    source = (REPO / "tests" / "timing_report.py").read_text()
+    return set(re.findall(r"addoption\(\"(--[a-z][a-z0-9-]*)\"", source))
 
 
 def test_decorators_and_operators_the_docs_name_exist():

@@ -12,6 +12,9 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 #: What Ray's Prometheus endpoint adds to each metric type's name (Ray prefixes every name with `ray_`).
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
 EXPORTED = {f"ray_{name}{suffix}": name for name, (kind, _, _) in METRICS.items() for suffix in SUFFIXES[kind]}
+#: The label the scrape adds to every Ray metric of one Ray cluster (KubeRay's pod label `ray.io/cluster`, as
+#: docs/metrics.md's PodMonitoring and scrape configs set it): not a tag of rayslice's metrics.
+CLUSTER_LABEL = "ray_io_cluster"
 
 
 def dashboard() -> dict:
@@ -30,7 +33,7 @@ def test_the_dashboard_parses_and_its_panels_are_well_formed():
         assert panel["title"] and panel["targets"] and {"x", "y", "w", "h"} <= set(panel["gridPos"]), panel["title"]
         ref_ids = [target["refId"] for target in panel["targets"]]
         assert len(ref_ids) == len(set(ref_ids)), panel["title"]
-    assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "kind"]
+    assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "cluster", "kind"]
 
 
 def test_every_query_names_metrics_and_tags_the_code_defines():
@@ -43,6 +46,7 @@ def test_every_query_names_metrics_and_tags_the_code_defines():
         tags = {tag for name in names for tag in METRICS[EXPORTED[name]][2]}
         used = {label.strip() for group in re.findall(r"by \(([^)]*)\)", expr) for label in group.split(",")}
         used |= set(re.findall(r"(\w+)=~?\"", expr))
+        used.discard(CLUSTER_LABEL)
         assert used - {"le"} <= tags, f"{title}: tags {sorted(used - {'le'} - tags)} are not the metric's ({tags})"
         if "le" in used:
             assert all(name.endswith("_bucket") for name in names if "le" in expr), (title, expr)
@@ -54,3 +58,17 @@ def test_every_metric_has_a_panel_and_a_line_in_the_metrics_page():
     page = (DOCS / "metrics.md").read_text()
     for name in METRICS:
         assert f"ray_{name}" in page, f"docs/metrics.md does not list ray_{name}"
+
+
+def test_every_query_and_the_kind_list_keep_to_the_chosen_clusters():
+    """Issue 50: per-run clusters and several shared ones would be summed together without a cluster filter."""
+    board = dashboard()
+    [cluster] = [v for v in board["templating"]["list"] if v["name"] == "cluster"]
+    assert cluster["query"]["query"] == f"label_values(ray_rayslice_steps_total, {CLUSTER_LABEL})"
+    assert cluster["includeAll"] and cluster["allValue"] == ".*"  # also matches series without the label
+    [kind] = [v for v in board["templating"]["list"] if v["name"] == "kind"]
+    assert f'{CLUSTER_LABEL}=~"$cluster"' in kind["query"]["query"]
+    for title, expr in queries():
+        selectors = re.findall(r"ray_rayslice_\w+\{([^}]*)\}", expr)
+        assert selectors and len(selectors) == len(re.findall(r"\bray_rayslice_\w+", expr)), (title, expr)
+        assert all(f'{CLUSTER_LABEL}=~"$cluster"' in sel for sel in selectors), (title, expr)

@@ -3,11 +3,13 @@
 The Airflow side talks to Ray only through this module, so it imports nothing
 but httpx, pydantic and the standard library: never ``ray``.
 
-Layout: ``_BaseJobsClient`` writes every call once, as an *operation*: a generator that yields
-the requests to send and the back-off sleeps of the one retry loop (``_exchange``), and parses
-the answers, with no I/O of its own. ``RayJobsClient`` (``httpx.Client``, blocking) and
+Layout: ``_BaseJobsClient`` writes every call once, as an *operation* (``operations``): a generator
+that yields the requests to send and the back-off sleeps of the one retry loop (``_exchange``), and
+parses the answers, with no I/O of its own. ``RayJobsClient`` (``httpx.Client``, blocking) and
 ``AsyncRayJobsClient`` (``httpx.AsyncClient``, awaitable) only run operations (``_drive``), so
-both have the same methods with the same retries, errors and token scrubbing.
+both have the same methods with the same retries, errors and token scrubbing. What the calls
+return and take lives beside it: job records (``job_details``), packages (``packages``), an open
+log stream (``log_tail``); their public names are importable from here too, as they always were.
 
 REST shapes, as served by Ray 2.60 (``ray/dashboard/modules/job/job_head.py``):
 
@@ -44,28 +46,25 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import io
 import json
 import logging
 import os
 import re
 import ssl
-import stat
 import time
-import zipfile
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from enum import StrEnum
-from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 import websockets
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
+from rayslice.client.job_details import JobDetails, JobStatus
+from rayslice.client.log_tail import LogTail
+from rayslice.client.operations import Call, Op, advance, operation
+from rayslice.client.packages import package_name_for, split_package_uri, zip_directory
 from rayslice.core.exceptions import (
     InvalidRequestError,
     JobNotFoundError,
@@ -93,12 +92,6 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 #: The largest log-tail websocket message accepted; a bigger one (one log line longer than this) breaks the
 #: stream, and the follower falls back to bounded reads (``log_lines``).
 LOG_MESSAGE_MAX_BYTES = 8 * 2**20
-# Package formats the Ray dashboard accepts for upload (ray._common.runtime_env_package).
-PACKAGE_EXTENSIONS = (".zip", ".whl", ".tar.gz", ".tgz", ".tar.xz")
-# Ray's own prefix for content-addressed packages (ray._private.runtime_env.packaging).
-RAY_PKG_PREFIX = "_ray_pkg_"
-# Zip entries get this timestamp, so equal trees give equal bytes (zip's epoch).
-_ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 _MAX_TEXT = 500
 _AUTH_HINT = "set the `ray` connection's password to the cluster's token"
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*$")
@@ -114,180 +107,13 @@ def _default_tls(verify: bool) -> ssl.SSLContext:
     return httpx.create_ssl_context(verify=verify)
 
 
-class JobStatus(StrEnum):
-    """A Ray job's status, as the Jobs API reports it."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    STOPPED = "STOPPED"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-
-    @property
-    def is_terminal(self) -> bool:
-        """True for STOPPED, SUCCEEDED and FAILED: the job will not change status again."""
-        return self in (JobStatus.STOPPED, JobStatus.SUCCEEDED, JobStatus.FAILED)
-
-
-class JobDetails(BaseModel):
-    """One job, as ``GET /api/jobs/{id}`` describes it; unknown fields are kept, not rejected.
-
-    ``start_time`` and ``end_time`` are Unix timestamps in milliseconds.
-    """
-
-    model_config = ConfigDict(extra="allow")
-
-    status: JobStatus
-    submission_id: str | None = None
-    job_id: str | None = None
-    type: str | None = None
-    entrypoint: str | None = None
-    message: str | None = None
-    error_type: str | None = None
-    start_time: int | None = None
-    end_time: int | None = None
-    metadata: dict[str, str] | None = None
-    runtime_env: dict[str, Any] | None = None
-    driver_exit_code: int | None = None
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.status.is_terminal
-
-
-# --------------------------------------------------------------------------- packages
-
-
-def package_name_for(data: bytes, extension: str = ".zip") -> str:
-    """Ray's content-addressed package name for ``data``: ``_ray_pkg_<sha1 hex><extension>``.
-
-    The same convention ``ray.job_submission`` uses for file packages, so a
-    package we upload and one Ray's own client uploads for the same bytes share a URI.
-    """
-    return f"{RAY_PKG_PREFIX}{hashlib.sha1(data).hexdigest()}{extension}"
-
-
-def _default_include(relpath: str) -> bool:
-    name = relpath.rsplit("/", 1)[-1]
-    return name != "__pycache__" and not name.endswith((".pyc", ".pyo"))
-
-
-def zip_directory(
-    path: str | os.PathLike[str],
-    *,
-    include: Callable[[str], bool] | None = None,
-    include_parent_dir: bool = False,
-) -> bytes:
-    """Zip the tree under ``path`` deterministically: equal trees give equal bytes (and hash).
-
-    Entries are sorted, timestamped 1980-01-01 and given mode 0644 (0755 when the
-    file is executable), so neither mtimes nor the walk order change the result.
-
-    ``include`` is called with each entry's POSIX path relative to ``path`` (e.g.
-    ``"pkg/mod.py"``), directories included: returning False for a directory
-    prunes it. The default keeps everything but ``__pycache__`` and ``*.pyc``.
-
-    ``include_parent_dir=True`` puts the entries under ``<basename of path>/``:
-    the layout ``py_modules`` wants (the unpacked package directory goes on
-    ``sys.path``, so ``import <basename>`` works). Leave it False for ``working_dir``.
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise InvalidRequestError(f"zip_directory: {str(root)!r} is not a directory")
-    keep = include or _default_include
-    prefix = f"{root.resolve().name}/" if include_parent_dir else ""
-
-    entries: list[tuple[str, Path | None]] = []  # (arcname, file or None for a directory)
-    if prefix:
-        entries.append((prefix, None))
-
-    def walk(directory: Path, rel: str) -> None:
-        for child in sorted(directory.iterdir(), key=lambda p: p.name):
-            child_rel = f"{rel}{child.name}"
-            if not keep(child_rel):
-                continue
-            if child.is_dir():
-                entries.append((f"{prefix}{child_rel}/", None))
-                walk(child, f"{child_rel}/")
-            elif child.is_file():
-                entries.append((f"{prefix}{child_rel}", child))
-
-    walk(root, "")
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for arcname, file in entries:
-            info = zipfile.ZipInfo(arcname, date_time=_ZIP_EPOCH)
-            info.create_system = 3  # Unix, so external_attr means mode bits everywhere
-            if file is None:
-                info.external_attr = (stat.S_IFDIR | 0o755) << 16 | 0x10
-                zf.writestr(info, b"")
-            else:
-                executable = os.access(file, os.X_OK)
-                info.external_attr = (stat.S_IFREG | (0o755 if executable else 0o644)) << 16
-                info.compress_type = zipfile.ZIP_DEFLATED
-                zf.writestr(info, file.read_bytes(), compresslevel=6)
-    return buf.getvalue()
-
-
 # --------------------------------------------------------------------------- base client
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One request to make: what the I/O layers send, and what parsers describe in errors."""
-
-    method: str
-    path: str
-    json: Any = None
-    content: bytes | None = None
-    timeout: float | None = None
-    params: dict[str, str] | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.method} {self.path}"
-
-    @property
-    def request(self) -> dict[str, Any]:
-        """The arguments of ``httpx.Client.request`` / ``httpx.AsyncClient.request``."""
-        timeout = httpx.Timeout(self.timeout) if self.timeout else httpx.USE_CLIENT_DEFAULT
-        return {"method": self.method, "url": self.path, "json": self.json, "content": self.content,
-                "params": self.params, "timeout": timeout}
-
-
-#: An operation: a generator that yields the requests to send (``_Call``) and the seconds to sleep
-#: before a retry (``float``), receives each response (or the transport error, thrown in), and
-#: returns the call's result. Written once; the sync and the async client only run it (``_drive``).
-_Op = Generator[_Call | float, Any, T]
-
-
-def _operation(steps: Callable[..., _Op[T]]) -> Callable[..., Any]:
-    """A client method from an operation: blocking on ``RayJobsClient``, awaitable on ``AsyncRayJobsClient``."""
-
-    @functools.wraps(steps)
-    def method(self: _BaseJobsClient, *args: Any, **kwargs: Any) -> Any:
-        return self._drive(steps(self, *args, **kwargs))
-
-    return method
 
 
 def _quote(value: str, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{what} must be a non-empty string, got {value!r}")
     return quote(value, safe="")
-
-
-def _split_package_uri(uri: str) -> tuple[str, str]:
-    protocol, sep, name = uri.partition("://")
-    if not sep or not protocol or not name or "/" in name:
-        raise InvalidRequestError(
-            f"package URI must look like 'gcs://_ray_pkg_<hash>.zip', got {uri!r}"
-        )
-    if not name.endswith(PACKAGE_EXTENSIONS):
-        raise InvalidRequestError(
-            f"package {uri!r} must end in one of {', '.join(PACKAGE_EXTENSIONS)}"
-        )
-    return protocol, name
 
 
 def _check_runtime_env(runtime_env: dict[str, Any]) -> None:
@@ -409,7 +235,7 @@ class _BaseJobsClient:
     def _delay(self, attempt: int) -> float:
         return self.backoff * 2**attempt
 
-    def _transient(self, call: _Call, attempt: int, cause: str) -> float | None:
+    def _transient(self, call: Call, attempt: int, cause: str) -> float | None:
         """Note a transient failure; the seconds to sleep before retrying, or None when out of tries."""
         if attempt + 1 >= self.retries:
             return None
@@ -433,7 +259,7 @@ class _BaseJobsClient:
 
     # ---- response checking
 
-    def _raise_for_status(self, call: _Call, resp: httpx.Response, *, not_found: str | None) -> None:
+    def _raise_for_status(self, call: Call, resp: httpx.Response, *, not_found: str | None) -> None:
         code = resp.status_code
         if 200 <= code < 300:
             return
@@ -460,7 +286,7 @@ class _BaseJobsClient:
             status_code=code,
         )
 
-    def _json(self, call: _Call, resp: httpx.Response, kind: type | None = None, what: str = "") -> Any:
+    def _json(self, call: Call, resp: httpx.Response, kind: type | None = None, what: str = "") -> Any:
         """The JSON body; with ``kind``, one of that type (``what`` names it in the error)."""
         try:
             body = resp.json()
@@ -478,7 +304,7 @@ class _BaseJobsClient:
             )
         return body
 
-    def _field(self, call: _Call, resp: httpx.Response, key: str, kind: type) -> Any:
+    def _field(self, call: Call, resp: httpx.Response, key: str, kind: type) -> Any:
         body = self._json(call, resp)
         if not isinstance(body, dict) or not isinstance(body.get(key), kind):
             raise RayJobsError(
@@ -488,7 +314,7 @@ class _BaseJobsClient:
             )
         return body[key]
 
-    def _details(self, call: _Call, resp: httpx.Response, raw: Any) -> JobDetails:
+    def _details(self, call: Call, resp: httpx.Response, raw: Any) -> JobDetails:
         try:
             return JobDetails.model_validate(raw)
         except ValidationError as exc:
@@ -501,9 +327,9 @@ class _BaseJobsClient:
                 status_code=resp.status_code,
             ) from None
 
-    # ---- the calls, each written once as an operation (see ``_operation``)
+    # ---- the calls, each written once as an operation (see ``operation``)
 
-    def _exchange(self, call: _Call) -> _Op[httpx.Response]:
+    def _exchange(self, call: Call) -> Op[httpx.Response]:
         """Send ``call`` under the retry policy: the one retry loop, run by both clients' ``_drive``."""
         for attempt in range(self.retries):
             try:
@@ -523,18 +349,18 @@ class _BaseJobsClient:
             yield delay
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _drive(self, op: _Op[T]) -> Any:
+    def _drive(self, op: Op[T]) -> Any:
         """Run an operation to its result: the sync client blocks, the async one returns a coroutine."""
         raise NotImplementedError
 
-    def _steps(self, name: str, *args: Any, **kwargs: Any) -> _Op[Any]:
+    def _steps(self, name: str, *args: Any, **kwargs: Any) -> Op[Any]:
         """Another operation's steps, so operations compose: ``yield from self._steps("package_exists", uri)``."""
         return getattr(type(self), name).__wrapped__(self, *args, **kwargs)
 
-    @_operation
-    def version(self) -> _Op[dict[str, Any]]:
+    @operation
+    def version(self) -> Op[dict[str, Any]]:
         """``GET /api/version``: ``{"version", "ray_version", "ray_commit", "session_name"}``."""
-        call = _Call("GET", "/api/version")
+        call = Call("GET", "/api/version")
         resp = yield from self._exchange(call)
         if resp.status_code == 404:
             raise RayJobsError(
@@ -545,7 +371,7 @@ class _BaseJobsClient:
         self._raise_for_status(call, resp, not_found=None)
         return self._json(call, resp, dict, "an object")
 
-    @_operation
+    @operation
     def submit(
         self,
         entrypoint: str,
@@ -558,7 +384,7 @@ class _BaseJobsClient:
         entrypoint_memory: int | None = None,
         entrypoint_resources: dict[str, float] | None = None,
         entrypoint_label_selector: dict[str, str] | None = None,
-    ) -> _Op[str]:
+    ) -> Op[str]:
         """Submit a job; idempotent by ``submission_id`` (an existing job's id is returned, not an error)."""
         if not isinstance(entrypoint, str) or not entrypoint.strip():
             raise InvalidRequestError(f"entrypoint must be a non-empty command string, got {entrypoint!r}")
@@ -581,7 +407,7 @@ class _BaseJobsClient:
             "entrypoint_label_selector": entrypoint_label_selector,
         }
         # Like Ray's own client: leave out unset fields, so older servers accept the request.
-        call = _Call("POST", "/api/jobs/", json={k: v for k, v in body.items() if v is not None})
+        call = Call("POST", "/api/jobs/", json={k: v for k, v in body.items() if v is not None})
         resp = yield from self._exchange(call)
         if resp.status_code >= 400 and self._already_exists(resp.text, submission_id):
             logger.info(
@@ -600,36 +426,36 @@ class _BaseJobsClient:
         # already exists. Please use a different submission_id." (older Rays: 400).
         return "already exists" in text and submission_id in text
 
-    def _job(self, method: str, submission_id: str, suffix: str = "") -> _Op[tuple[_Call, httpx.Response]]:
+    def _job(self, method: str, submission_id: str, suffix: str = "") -> Op[tuple[Call, httpx.Response]]:
         """One call about a job; its 404 is ``JobNotFoundError``, any other error status raises."""
-        call = _Call(method, f"/api/jobs/{_quote(submission_id, 'submission_id')}{suffix}")
+        call = Call(method, f"/api/jobs/{_quote(submission_id, 'submission_id')}{suffix}")
         resp = yield from self._exchange(call)
         self._raise_for_status(call, resp, not_found=submission_id)
         return call, resp
 
-    @_operation
-    def get(self, submission_id: str) -> _Op[JobDetails]:
+    @operation
+    def get(self, submission_id: str) -> Op[JobDetails]:
         """The job's details; ``JobNotFoundError`` when the dashboard does not know the id."""
         call, resp = yield from self._job("GET", submission_id)
         return self._details(call, resp, self._json(call, resp))
 
-    @_operation
-    def stop(self, submission_id: str) -> _Op[bool]:
+    @operation
+    def stop(self, submission_id: str) -> Op[bool]:
         """Ask the job to stop; True if it was running (the stop itself is asynchronous)."""
         return self._field(*(yield from self._job("POST", submission_id, "/stop")), "stopped", bool)
 
-    @_operation
-    def delete(self, submission_id: str) -> _Op[bool]:
+    @operation
+    def delete(self, submission_id: str) -> Op[bool]:
         """Delete a terminal job's record; a job still running gives ``RayJobsError`` (HTTP 500)."""
         return self._field(*(yield from self._job("DELETE", submission_id)), "deleted", bool)
 
-    @_operation
-    def logs(self, submission_id: str) -> _Op[str]:
+    @operation
+    def logs(self, submission_id: str) -> Op[str]:
         """The job's driver log so far (``""`` before the driver started)."""
         return self._field(*(yield from self._job("GET", submission_id, "/logs")), "logs", str)
 
-    @_operation
-    def log_lines(self, job: JobDetails, lines: int) -> _Op[str]:
+    @operation
+    def log_lines(self, job: JobDetails, lines: int) -> Op[str]:
         """The last ``lines`` lines of the job's driver log: a read bounded by lines, not the whole log.
 
         Ray's Jobs API has no range read; the state API reads the driver's log file on its node
@@ -641,23 +467,23 @@ class _BaseJobsClient:
         if not node:
             raise RayJobsError(f"the Ray dashboard at {self.address} gave no driver node for job {sid!r}: "
                                "its log cannot be read in part")
-        call = _Call("GET", "/api/v0/logs/file", params={
+        call = Call("GET", "/api/v0/logs/file", params={
             "node_id": str(node), "filename": f"job-driver-{sid}.log",
             "lines": str(max(1, int(lines)))})
         resp = yield from self._exchange(call)
         self._raise_for_status(call, resp, not_found=None)
         return resp.content.decode("utf-8", "replace")
 
-    @_operation
-    def list_jobs(self) -> _Op[list[JobDetails]]:
+    @operation
+    def list_jobs(self) -> Op[list[JobDetails]]:
         """Every job the cluster knows: submission jobs and plain driver jobs (``type``)."""
-        call = _Call("GET", "/api/jobs/")
+        call = Call("GET", "/api/jobs/")
         resp = yield from self._exchange(call)
         self._raise_for_status(call, resp, not_found=None)
         return [self._details(call, resp, item) for item in self._json(call, resp, list, "a list of jobs")]
 
-    @_operation
-    def get_json(self, path: str, params: dict[str, str] | None = None) -> _Op[Any]:
+    @operation
+    def get_json(self, path: str, params: dict[str, str] | None = None) -> Op[Any]:
         """``GET path`` on the dashboard (e.g. the state API's ``/api/v0/nodes``): its JSON body.
 
         The same retries, token, TLS settings and errors as every other call; the capacity reader
@@ -665,37 +491,37 @@ class _BaseJobsClient:
         """
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidRequestError(f"path must start with '/', got {path!r}")
-        call = _Call("GET", path, params=params)
+        call = Call("GET", path, params=params)
         resp = yield from self._exchange(call)
         self._raise_for_status(call, resp, not_found=None)
         return self._json(call, resp)
 
-    @_operation
-    def package_exists(self, uri: str) -> _Op[bool]:
+    @operation
+    def package_exists(self, uri: str) -> Op[bool]:
         """Whether the cluster holds ``uri`` (``gcs://...``); asking also pins it for ~10 min."""
-        protocol, name = _split_package_uri(uri)
-        call = _Call("GET", f"/api/packages/{quote(protocol, safe='')}/{quote(name, safe='')}")
+        protocol, name = split_package_uri(uri)
+        call = Call("GET", f"/api/packages/{quote(protocol, safe='')}/{quote(name, safe='')}")
         resp = yield from self._exchange(call)
         if resp.status_code == 404:
             return False
         self._raise_for_status(call, resp, not_found=None)
         return True
 
-    @_operation
-    def upload_package(self, name: str, data: bytes, *, timeout: float | None = None) -> _Op[str]:
+    @operation
+    def upload_package(self, name: str, data: bytes, *, timeout: float | None = None) -> Op[str]:
         """Store ``data`` in the cluster as ``gcs://<name>``; returns that URI."""
         if not isinstance(data, bytes | bytearray | memoryview):
             raise InvalidRequestError(f"package data must be bytes, got {type(data).__name__}")
         uri = name if "://" in name else f"gcs://{name}"
-        protocol, pkg = _split_package_uri(uri)
+        protocol, pkg = split_package_uri(uri)
         if protocol != "gcs":
             raise InvalidRequestError(f"only gcs:// packages can be uploaded, got {uri!r}")
-        call = _Call("PUT", f"/api/packages/gcs/{quote(pkg, safe='')}", content=bytes(data), timeout=timeout)
+        call = Call("PUT", f"/api/packages/gcs/{quote(pkg, safe='')}", content=bytes(data), timeout=timeout)
         self._raise_for_status(call, (yield from self._exchange(call)), not_found=None)
         return uri
 
-    @_operation
-    def ensure_package(self, zip_bytes: bytes, *, timeout: float | None = None) -> _Op[str]:
+    @operation
+    def ensure_package(self, zip_bytes: bytes, *, timeout: float | None = None) -> Op[str]:
         """Upload ``zip_bytes`` under its content hash unless the cluster has it; returns the URI."""
         uri = f"gcs://{package_name_for(bytes(zip_bytes))}"
         # Asking first also pins the URI, as Ray's own client does before uploading.
@@ -705,10 +531,10 @@ class _BaseJobsClient:
 
     # ---- the log tail (a websocket: async only)
 
-    def _tail_call(self, submission_id: str) -> _Call:
-        return _Call("GET", f"/api/jobs/{_quote(submission_id, 'submission_id')}/logs/tail")
+    def _tail_call(self, submission_id: str) -> Call:
+        return Call("GET", f"/api/jobs/{_quote(submission_id, 'submission_id')}/logs/tail")
 
-    def _ws_url(self, call: _Call) -> str:
+    def _ws_url(self, call: Call) -> str:
         scheme = "wss" if self._base_url.scheme == "https" else "ws"
         return str(self._base_url.copy_with(scheme=scheme, path=self._base_url.path.rstrip("/") + call.path))
 
@@ -718,7 +544,7 @@ class _BaseJobsClient:
             return None
         return self._verify
 
-    def _tail_refused(self, call: _Call, exc: websockets.InvalidStatus, submission_id: str) -> Exception:
+    def _tail_refused(self, call: Call, exc: websockets.InvalidStatus, submission_id: str) -> Exception:
         """The HTTP answer that refused the websocket, as the error a plain call would raise."""
         code = exc.response.status_code
         resp = httpx.Response(code, content=bytes(exc.response.body or b""))
@@ -735,50 +561,7 @@ class _BaseJobsClient:
             status_code=code,
         )
 
-# --------------------------------------------------------------------------- log tail
-
-
-class LogTail:
-    """One open log-tail websocket of a job (from ``AsyncRayJobsClient.tail_logs``)."""
-
-    def __init__(self, client: _BaseJobsClient, ws: Any, submission_id: str) -> None:
-        self._client = client
-        self._ws = ws
-        self.submission_id = submission_id
-
-    async def next(self) -> str | None:
-        """The next chunk of log text; None once the server closed the stream normally (code 1000).
-
-        Safe to cancel (e.g. by ``asyncio.wait_for``): a chunk that arrives meanwhile is kept for
-        the next call. Any other end (a cut connection, a dashboard going away) raises
-        ``RayUnreachableError``: the stream may have stopped short of the log's end.
-        """
-        try:
-            message = await self._ws.recv()
-        except websockets.ConnectionClosed as exc:
-            if exc.rcvd is not None and exc.rcvd.code == 1000:
-                return None
-            raise RayUnreachableError(
-                f"the log stream of Ray job {self.submission_id} from {self._client.address} broke off: "
-                f"{self._client._scrub(str(exc))}"
-            ) from None
-        if isinstance(message, bytes):
-            self._client.bytes_streamed += len(message)
-            return message.decode("utf-8", "replace")
-        self._client.bytes_streamed += len(message.encode("utf-8", "replace"))
-        return message
-
-
-
 # --------------------------------------------------------------------------- the two clients
-
-
-def _advance(op: _Op[T], reply: httpx.Response | BaseException | None) -> tuple[_Call | float | None, Any]:
-    """Give ``op`` its last step's outcome; (its next step, None), or (None, its result) once it returned."""
-    try:
-        return op.throw(reply) if isinstance(reply, BaseException) else op.send(reply), None
-    except StopIteration as done:
-        return None, done.value
 
 
 class AsyncRayJobsClient(_BaseJobsClient):
@@ -803,16 +586,16 @@ class AsyncRayJobsClient(_BaseJobsClient):
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _drive(self, op: _Op[T]) -> T:
+    async def _drive(self, op: Op[T]) -> T:
         """Run an operation: send its calls, sleep its back-offs, without blocking the event loop."""
-        step, result = _advance(op, None)
+        step, result = advance(op, None)
         while step is not None:
             try:
-                reply = await (self._client.request(**step.request) if isinstance(step, _Call)
+                reply = await (self._client.request(**step.request) if isinstance(step, Call)
                                else asyncio.sleep(step))
             except httpx.TransportError as exc:
                 reply = exc
-            step, result = _advance(op, reply)
+            step, result = advance(op, reply)
         return result
 
     @asynccontextmanager
@@ -872,15 +655,15 @@ class RayJobsClient(_BaseJobsClient):
     def close(self) -> None:
         self._client.close()
 
-    def _drive(self, op: _Op[T]) -> T:
+    def _drive(self, op: Op[T]) -> T:
         """Run an operation: send its calls, sleep its back-offs."""
-        step, result = _advance(op, None)
+        step, result = advance(op, None)
         while step is not None:
-            step, result = _advance(op, self._io(step))
+            step, result = advance(op, self._io(step))
         return result
 
-    def _io(self, step: _Call | float) -> httpx.Response | httpx.TransportError | None:
-        if not isinstance(step, _Call):
+    def _io(self, step: Call | float) -> httpx.Response | httpx.TransportError | None:
+        if not isinstance(step, Call):
             return time.sleep(step)
         try:
             return self._client.request(**step.request)

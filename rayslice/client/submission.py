@@ -232,8 +232,13 @@ class LogFollower:
     RECENT_LINES = 32
 
     def __init__(self, emit: Callable[[str], None], offset: int = 0, recent: Iterable[str] = (),
-                 tag: str = "", markers: Mapping[str, str] | None = None) -> None:
+                 tag: str = "", markers: Mapping[str, str] | None = None,
+                 show_gloo_connects: bool | None = None) -> None:
         self.emit = emit
+        # gloo's "Rank N is connected to M peer ranks" from every host of a simulated slice (`_GLOO_CONNECT_LINE`):
+        # hidden unless asked for, here or by $RAYSLICE_SHOW_GLOO_CONNECTS.
+        self.show_gloo_connects = (_env_flag(SHOW_GLOO_CONNECTS_ENV) if show_gloo_connects is None
+                                   else show_gloo_connects)
         self.offset = int(offset)
         self._recent: deque[str] = deque(recent, maxlen=self.RECENT_LINES)
         self.tag = tag  # the job's marker tag (`marker_tag`): set from its metadata before its log is read
@@ -343,12 +348,31 @@ class LogFollower:
                 self._markers[kind] = line
                 return
         for piece in line.splitlines():  # "\r" progress bars and the like: one line each, as before
-            if piece.strip() and not _HOST_DONE_LINE.match(_strip_ansi(piece)):
-                self.emit(_strip_ansi(piece))
+            text = _strip_ansi(piece)
+            if not piece.strip() or _HOST_DONE_LINE.match(text):
+                continue
+            if not self.show_gloo_connects and _GLOO_CONNECT_LINE.match(text):
+                continue
+            self.emit(text)
 
 
 #: A host's last line, `(label pid=...) ::rayslice-host-done::label`: kept out of the task log.
 _HOST_DONE_LINE = re.compile(r"^\(.*\) " + re.escape(HOST_DONE_MARKER) + r"\S")
+#: gloo's line as a host joins the simulated slice's CPU collectives (JAX on CPU, `cluster/environments.py`),
+#: `(v6e-16-a/host0 pid=123) [Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer
+#: ranks is : 3`: one per host and JAX group, some 80 lines for the demo's three slice steps, and none on a
+#: real TPU (JAX does not use gloo there), so it tells a user nothing about their program. Only this exact
+#: line, only from a host (Ray's `(label pid=N[, ip=...])` prefix): a host's other gloo lines (its errors)
+#: and the same text printed anywhere else are relayed.
+_GLOO_CONNECT_LINE = re.compile(r"^\([^()]* pid=\d+(?:, ip=[^()]*)?\) "
+                                r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\."
+                                r"(?: Expected number of connected peer ranks is : \d+)?\s*$")
+#: Set to 1 to relay gloo's connection lines too (`LogFollower(show_gloo_connects=...)` overrides it).
+SHOW_GLOO_CONNECTS_ENV = "RAYSLICE_SHOW_GLOO_CONNECTS"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _digest(line: str) -> str:

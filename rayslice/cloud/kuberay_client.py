@@ -409,8 +409,10 @@ class KubeRayClient:
         meta.setdefault("annotations", {})[OWNER_ANNOTATION] = owner
         self.check(body)
         try:
+            # Strict: an API server whose KubeRay lacks a field (authOptions.secretName before 1.6.0) refuses the
+            # cluster; its default (Warn) would drop the field, and KubeRay would run on a token nobody has.
             return self._call("create RayCluster", self._custom().create_namespaced_custom_object,
-                              GROUP, VERSION, self.ref.namespace, PLURAL, body)
+                              GROUP, VERSION, self.ref.namespace, PLURAL, body, field_validation="Strict")
         except KubeRayError as exc:
             if exc.status_code != 409:
                 raise

@@ -172,6 +172,19 @@ class KubeRayCrds:
             self._crds[kind] = self._fetch(kind)
         return self._crds[kind]
 
+    def auth_fields(self, kind: str, version: str = "v1") -> frozenset[str] | None:
+        """The fields ``authOptions`` takes in this CRD (``secretName`` from KubeRay 1.6.0 on); None: no authOptions.
+
+        KubeRay's CRDs carry no release number, so what a release can do is read from its schema.
+        """
+        versions = {v["name"]: v for v in self.crd(kind)["spec"]["versions"]}
+        schema = (versions.get(version) or {}).get("schema", {}).get("openAPIV3Schema", {})
+        spec = schema.get("properties", {}).get("spec", {})
+        if kind == "RayJob":
+            spec = spec.get("properties", {}).get("rayClusterSpec", {})
+        auth = spec.get("properties", {}).get("authOptions")
+        return None if auth is None else frozenset(auth.get("properties") or ())
+
     def _validator(self, kind: str, version: str) -> Any:
         if (kind, version) not in self._validators:
             versions = {v["name"]: v for v in self.crd(kind)["spec"]["versions"] if v.get("served")}

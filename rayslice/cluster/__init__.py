@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rayslice.cluster import checkpoints, gang, host_env, metrics, notices, phases, reaper, suspend
+from rayslice.cluster import autoscaler, checkpoints, gang, host_env, metrics, notices, phases, reaper, suspend
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, intact_slices, reserve_slices
@@ -479,9 +479,7 @@ def _hosts_runtime_env(spec: StepSpec, node_ids: list[str] | None = None, resour
     the resource has it installed (and the caller pins the actor to the label: a node may join meanwhile).
     """
     if node_ids is None:  # an autoscaler may add a node for it, which nobody can know to carry the label: ship it
-        from rayslice.cluster.reservation import _autoscaler_may_add
-
-        node_ids = [] if _autoscaler_may_add(resource) else \
+        node_ids = [] if autoscaler.may_add(resource) else \
             [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
     modules = host_env.launcher_modules(node_ids, spec)
     env = host_env.actor_runtime_env(spec, modules)

@@ -42,7 +42,7 @@ from typing import Any
 import pydantic
 import ray
 
-from rayslice.cluster import host_env
+from rayslice.cluster import autoscaler, host_env
 from rayslice.core import queue as rules
 from rayslice.core.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest
 from rayslice.core.exceptions import CapacityTimeoutError, UnsatisfiableRequestError
@@ -440,8 +440,6 @@ class Broker:
         read, found = self._totals
         if time.monotonic() - read < TOTALS_TTL_S and all(kind in found[0] for _, kind in kinds):
             return found
-        from rayslice.cluster.reservation import _autoscaler_may_add
-
         totals: dict[str, float] = {}
         devices: dict[str, list[float]] = {}
         known: dict[str, list[float]] = {}
@@ -465,7 +463,7 @@ class Broker:
         for family, kind in kinds | {(k, k) for k in devices}:
             resource = kind if family == kind else f"TPU-{kind}-head"
             try:
-                may_add = _autoscaler_may_add(resource)
+                may_add = autoscaler.may_add(resource)
             except Exception:  # cannot tell: count what is there
                 may_add = False
             if may_add:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
+from rayslice.cluster import autoscaler
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.accelerators import VISIBLE_DEVICES_ENV, AcceleratorRequest, TpuSliceRequest
@@ -239,7 +240,7 @@ def check_satisfiable(request: TpuSliceRequest, nodes: list[dict] | None = None,
     known = {node["Labels"][SLICE_NAME_LABEL] for node in nodes
              if node.get("Labels", {}).get(POD_TYPE_LABEL) == request.pod_type
              and node.get("Labels", {}).get(SLICE_NAME_LABEL)}  # alive or not: a slice this cluster has had
-    if len(known) >= request.num_slices or _autoscaler_may_add(request.head_resource):
+    if len(known) >= request.num_slices or autoscaler.may_add(request.head_resource):
         return broken
     alive = [node for node in nodes if node["Alive"] and node["NodeID"] not in lost]
     have = sorted({node["Labels"][POD_TYPE_LABEL] for node in alive if node.get("Labels", {}).get(POD_TYPE_LABEL)})
@@ -275,7 +276,7 @@ def check_accelerator_satisfiable(request: AcceleratorRequest) -> None:
     alive = [node for node in ray.nodes() if node["Alive"]]
     if any(all(node["Resources"].get(k, 0) >= v for k, v in needed.items()) for node in alive):
         return
-    if _autoscaler_may_add(request.resource):
+    if autoscaler.may_add(request.resource):
         return
     have = _accelerators_here(alive)
     raise UnsatisfiableRequestError(
@@ -295,27 +296,6 @@ def _accelerators_here(nodes: list[dict]) -> list[str]:
             if resources.get(resource):
                 found.add(f"{resource} x{resources[resource]:g}" + (f" ({types})" if types else ""))
     return sorted(found)
-
-
-def _autoscaler_may_add(resource: str) -> bool:
-    """Whether an autoscaler node group declares `resource`, or an autoscaler whose groups we cannot see runs."""
-    config = ray._private.state.state.get_cluster_config()
-    groups = list(config.node_group_configs) if config else []
-    if any(resource in group.resources and group.max_count != 0 for group in groups):
-        return True
-    return config is None and _autoscaler_running()  # Ray 2.60's autoscaler does not report its node groups
-
-
-def _autoscaler_running() -> bool:
-    """Whether an autoscaler v2 has reported its state to the GCS (KubeRay's, or `ray start` with v2 on).
-
-    Not v1: every head without an autoscaling config runs a read-only v1 monitor that reports
-    the same way, so v1's report cannot tell "may add a slice" from "never will".
-    """
-    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
-
-    reply = GetClusterStatusReply.FromString(ray._private.worker.global_worker.gcs_client.get_cluster_status())
-    return reply.autoscaling_state.autoscaler_state_version > 0
 
 
 def _capacity_timeout(request: TpuSliceRequest, timeout: float, why: str) -> CapacityTimeoutError:

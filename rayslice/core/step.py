@@ -24,6 +24,7 @@ from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import StepRequest
 from rayslice.core.exceptions import FAILURE_FIELDS, InvalidRequestError, StepFailedError
 from rayslice.core.queue import SETTINGS_ENV, TEAM_PATTERN
+from rayslice.core.version import __version__
 
 RESULT_MARKER = "::rayslice-result::"
 ERROR_MARKER = "::rayslice-error::"
@@ -87,12 +88,6 @@ class Owner(TaskRef):
 
 #: Where the cluster side comes from: uploaded with each job, or the copy in the cluster's image.
 Launcher = Literal["shipped", "installed"]
-
-
-def _rayslice_version() -> str:
-    from rayslice import __version__  # the package imports this module: read it at call time
-
-    return __version__
 
 
 def notice_signal_name(value: Any) -> str:
@@ -174,7 +169,7 @@ class StepSpec(BaseModel):
     launcher: Launcher = Field(
         "shipped", description="ship rayslice's cluster side with the job, or use the copy installed on the cluster"
     )
-    rayslice_version: str = Field(default_factory=_rayslice_version,
+    rayslice_version: str = Field(__version__,
                                   description="the submitter's rayslice; an installed launcher must match it")
     marker_tag: str = Field("", pattern=r"^[0-9a-f]*$",
                             description="a per-submission secret in the driver's result and error lines, so that "

@@ -116,8 +116,6 @@ def _port_free(port: int) -> bool:
 
 def _cluster(name: str, emit: Callable[[str], None]) -> tuple[local_cluster.ClusterRecord, bool]:
     """The local cluster `name`: reused when it runs, else started (two v6e-16, a v6e-4, 3 GPUs)."""
-    from rayslice.local.demo import DEMO_SPEC
-
     try:
         record = local_cluster.ClusterRecord.load(name)
     except (RaysliceError, FileNotFoundError):
@@ -132,7 +130,7 @@ def _cluster(name: str, emit: Callable[[str], None]) -> tuple[local_cluster.Clus
         emit(f"the local cluster {name!r} is recorded but does not answer: stopping what is left of it")
         local_cluster.down(name)
     emit(f"starting the local cluster {name!r}: a head, two v6e-16 and a v6e-4 slice, a 3-GPU node")
-    return local_cluster.up(DEMO_SPEC, name=name), True
+    return local_cluster.up(local_cluster.DEMO_SPEC, name=name), True
 
 
 def dags_to_serve(home: Path, dags_folder: Path | None, examples: bool) -> Path:

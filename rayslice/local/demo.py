@@ -31,7 +31,7 @@ from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.step import Owner, StepSpec
 from rayslice.local import local_cluster
 
-DEMO_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
+DEMO_SPEC = local_cluster.DEMO_SPEC
 console = Console()
 
 

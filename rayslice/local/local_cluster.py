@@ -187,6 +187,11 @@ class ClusterSpec:
         return out
 
 
+#: The cluster `rayslice demo` and `rayslice airflow up` start when none runs: two v6e-16, a v6e-4 and a
+#: 3-GPU node, room for every example DAG at once. Here, not in demo.py, because both commands use it.
+DEMO_SPEC = ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
+
+
 def common_args() -> list[str]:
     """What every node of a local cluster starts with: its address, no usage stats, any worker ports, an agent port."""
     return ["--node-ip-address", NODE_IP, "--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0",

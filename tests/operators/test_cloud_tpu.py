@@ -7,6 +7,7 @@ google-cloud-tpu client and checks every body against the client's protobuf mess
 from __future__ import annotations
 
 import asyncio
+import re
 import textwrap
 import time
 
@@ -51,6 +52,15 @@ DAGS = textwrap.dedent(
 
     with DAG("tpu_teardown_only", schedule=None, start_date=START):
         DeleteTpuSliceOperator(task_id="delete", **WHERE)
+
+    # Issue 50: no queued_resource_id: each run's own (per deployment, DAG and run), the same in setup and teardown.
+    PER_RUN = dict(project="my-project", zone="us-east5-b", tpu="v6e-16", api_endpoint="FAKE_URL", poll_interval=0.05)
+    for dag_id in ("tpu_per_run_a", "tpu_per_run_b"):
+        with DAG(dag_id, schedule=None, start_date=START):
+            create = CreateTpuSliceOperator(task_id="create", head_address="10.0.0.2:6379", active_timeout=30,
+                                            network="ml-vpc",
+                                            service_account="ray-tpu@my-project.iam.gserviceaccount.com", **PER_RUN)
+            create.as_setup() >> DeleteTpuSliceOperator(task_id="delete", **PER_RUN).as_teardown(setups=create)
 
     with DAG("tpu_twin", schedule=None, start_date=START):  # run by two deployments with one run id
         create = CreateTpuSliceOperator(task_id="create", head_address="10.0.0.2:6379", active_timeout=30, **WHERE)
@@ -343,3 +353,46 @@ def test_passing_cloud_tpu_failures_are_told_from_lasting_ones():
         assert _api_error("get qr", passing).transient is True, passing
     for lasting in (gexc.PermissionDenied("no"), gexc.BadRequest("bad")):
         assert _api_error("get qr", lasting).transient is False, lasting
+
+
+def test_without_an_id_each_run_of_each_dag_gets_its_own_queued_resource(fake, dags):
+    """Issue 50: `run-{{ ts_nodash }}` collided across DAGs (and is undefined for asset-triggered runs): the default
+    id is the run's own, from deployment, DAG and run id, and the teardown finds the same one."""
+    from datetime import UTC, datetime
+
+    from airflow.models import Variable
+
+    from rayslice.cloud.cluster_names import per_run_name
+
+    when = datetime(2026, 4, 1, tzinfo=UTC)
+    runs = {dag_id: dags[dag_id].test(logical_date=when, run_after=when, mark_success_pattern="delete")
+            for dag_id in ("tpu_per_run_a", "tpu_per_run_b")}
+    deployment = Variable.get("rayslice_deployment")
+    names = {dag_id: f"{PARENT}/queuedResources/{per_run_name(dag_id, dr.run_id, deployment)}"
+             for dag_id, dr in runs.items()}
+    assert runs["tpu_per_run_a"].run_id == runs["tpu_per_run_b"].run_id  # one logical time, two DAGs
+    assert len(set(names.values())) == 2 and set(names.values()) <= set(fake.queued)
+    for dag_id, dr in runs.items():
+        assert task_states(dr) == {"create": "success", "delete": "success"}
+        node = fake.queued[names[dag_id]]["tpu"]["nodeSpec"][0]["node"]
+        assert node["networkConfig"] == {"network": "ml-vpc", "enableExternalIps": True}
+        assert node["serviceAccount"]["email"] == "ray-tpu@my-project.iam.gserviceaccount.com"
+        assert node["labels"]["rayslice-deployment"] == cloud_tpu.owner_label(deployment)
+    dr = dags["tpu_per_run_a"].test(logical_date=when, run_after=when, mark_success_pattern="create")
+    assert xcom_values(dr, "delete") == ["deleted"]
+    assert names["tpu_per_run_a"] not in fake.queued and names["tpu_per_run_b"] in fake.queued
+
+
+def test_the_per_run_id_needs_no_logical_date():
+    """Asset-triggered runs have no logical date (no `ts`): the run's own id needs only the DAG and run ids."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from rayslice.operators.cloud_tpu import DeleteTpuSliceOperator
+
+    op = DeleteTpuSliceOperator(task_id="delete", project="my-project", zone="us-east5-b", tpu="v6e-16")
+    run = SimpleNamespace(dag_id="Train.Model", run_id="asset_triggered__2026-04-01T00:00:00.123+00:00",
+                          logical_date=None)
+    with mock.patch("rayslice.operators.cloud_tpu.RayHook.deployment", return_value="prod"):
+        queued = op._queued({"dag_run": run})
+    assert re.fullmatch(r"rs-train-model-[0-9a-f]{10}", queued.queued_resource_id)

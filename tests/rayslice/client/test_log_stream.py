@@ -49,6 +49,48 @@ async def submit(client: AsyncRayJobsClient, tag: str, **kwargs) -> str:
 
 # ---------------------------------------------------------------- LogFollower alone
 
+GLOO = "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+SIMULATED_HOSTS_LOG = (
+    "[rayslice] running on v6e-16-a: 4 hosts x 4 chips\n"
+    f"(v6e-16-a/host1 pid=2101) {GLOO}\n"
+    f"\x1b[36m(v6e-16-a/host2 pid=2102, ip=10.0.0.7)\x1b[0m {GLOO.replace('Rank 1', 'Rank 2')}\n"
+    "(v6e-16-a/host3 pid=2103) [Gloo] Rank 3 is connected to 3 peer ranks.\n"
+    "(v6e-16-a/host1 pid=2101) step 1 loss 0.5\n"
+    "(v6e-16-a/host1 pid=2101) [Gloo] Rank 1: Connection reset by peer\n"
+    f"{GLOO}\n"
+    f"(v6e-16-a/host0 pid=2100) my program says: {GLOO}\n"
+)
+
+
+@pytest.mark.parametrize("env", [None, "0"])
+def test_the_simulated_slices_gloo_connection_lines_stay_out_of_the_task_log(monkeypatch, env):
+    """One such line per host and JAX group: hidden; every other host line, gloo's errors too, is relayed."""
+    if env is None:
+        monkeypatch.delenv("RAYSLICE_SHOW_GLOO_CONNECTS", raising=False)
+    else:
+        monkeypatch.setenv("RAYSLICE_SHOW_GLOO_CONNECTS", env)
+    relayed: list[str] = []
+    LogFollower(relayed.append).feed(SIMULATED_HOSTS_LOG)
+    assert relayed == ["[rayslice] running on v6e-16-a: 4 hosts x 4 chips",
+                       "(v6e-16-a/host1 pid=2101) step 1 loss 0.5",
+                       "(v6e-16-a/host1 pid=2101) [Gloo] Rank 1: Connection reset by peer",
+                       GLOO,  # not from a host: some other program's print, relayed as it is
+                       f"(v6e-16-a/host0 pid=2100) my program says: {GLOO}"]
+
+
+def test_the_gloo_connection_lines_show_when_asked(monkeypatch):
+    every = [line.replace("\x1b[36m", "").replace("\x1b[0m", "") for line in SIMULATED_HOSTS_LOG.splitlines()]
+    monkeypatch.setenv("RAYSLICE_SHOW_GLOO_CONNECTS", "1")
+    relayed: list[str] = []
+    LogFollower(relayed.append).feed(SIMULATED_HOSTS_LOG)
+    assert relayed == every
+    monkeypatch.delenv("RAYSLICE_SHOW_GLOO_CONNECTS")
+    relayed.clear()
+    LogFollower(relayed.append, show_gloo_connects=True).feed(SIMULATED_HOSTS_LOG)
+    assert relayed == every
+
+
+
 
 def test_follower_relays_whole_lines_once_across_chunks_and_restarts():
     relayed: list[str] = []

@@ -115,7 +115,7 @@ def test_the_startup_script_installs_the_locked_versions_into_a_python_312_venv_
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash" and "set -euo pipefail" in lines
-    assert 'uv venv --python 3.12 "$venv"' in script and "venv=/opt/rayslice/venv" in lines
+    assert 'uv venv --clear --python 3.12.16 "$venv"' in script and "venv=/opt/rayslice/venv" in lines
     [install] = [line for line in lines if line.startswith("uv pip install")]
     assert shlex.split(install)[3:] == ["--python", "$venv/bin/python", "pydantic>=2.10", "fsspec>=2024.1",
                                         "gcsfs>=2024.1", f"jax[tpu]=={_lock('jax')}", f"ray[default]=={_lock('ray')}"]
@@ -132,6 +132,7 @@ def test_the_startup_script_installs_the_locked_versions_into_a_python_312_venv_
     ({"jax_version": "0.12 && reboot"}, "jax_version"),
     ({"python_version": "3.11"}, "rayslice needs Python 3.12 or newer"),
     ({"python_version": "3"}, "python_version '3' is invalid"),
+    ({"python_version": "3.12.x; reboot"}, "python_version '3.12.x; reboot' is invalid"),
     ({"venv": "relative/venv"}, "give an absolute path"),
     ({"wheel": "rayslice.whl"}, "wheel 'rayslice.whl' is invalid"),
     ({"wheel": "gs://b/rayslice-0.0.9-py3-none-any.whl"}, "is not rayslice " + rayslice.__version__),
@@ -152,10 +153,11 @@ def test_the_startup_script_runs_the_way_a_booting_vm_would(tmp_path):
         path.write_text(f"#!/bin/bash\n{record}\n{body}\n")
         path.chmod(0o755)
 
-    # `uv venv --python 3.12 DIR` makes DIR/bin/{python,ray}, which record their calls as venv-<name>.
-    stub(tmp_path / "uv", 'if [ "$1" = venv ]; then mkdir -p "$4/bin"; for b in python ray; do\n'
-         f'  printf \'#!/bin/bash\\necho "venv-$(basename "$0") $*" >> %s\\n\' {shlex.quote(str(log))} > "$4/bin/$b"\n'
-         '  chmod +x "$4/bin/$b"; done; fi')
+    # `uv venv --clear --python 3.12.16 DIR` makes DIR/bin/{python,ray}, which record their calls as venv-<name>;
+    # that python answers the version uv was asked for (what `platform.python_version()` prints).
+    stub(tmp_path / "uv", 'if [ "$1" = venv ]; then mkdir -p "$5/bin"; for b in python ray; do\n'
+         f'  printf \'#!/bin/bash\\necho "venv-$(basename "$0") $*" >> %s\\n\' {shlex.quote(str(log))} > "$5/bin/$b"\n'
+         '  chmod +x "$5/bin/$b"; done; echo "echo $4" >> "$5/bin/python"; fi')
     # The uv installer that `curl ... | sh` runs puts that uv where UV_INSTALL_DIR says.
     stub(stubs / "curl", f'echo \'cp {tmp_path / "uv"} "$UV_INSTALL_DIR/uv"\'')
     uv_dir = tmp_path / "uv-bin"
@@ -169,12 +171,14 @@ def test_the_startup_script_runs_the_way_a_booting_vm_would(tmp_path):
         assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
     packages = f"pydantic>=2.10 fsspec>=2024.1 gcsfs>=2024.1 jax[tpu]=={_lock('jax')} ray[default]=={_lock('ray')}"
+    probe = "venv-python -c import platform; print(platform.python_version())"
     assert calls == [
-        "curl -LsSf https://astral.sh/uv/install.sh",  # first boot: no uv yet
-        f"uv venv --python 3.12 {venv}",
+        "curl -LsSf https://astral.sh/uv/0.13.9/install.sh",  # first boot: no uv yet; a pinned uv release
+        f"uv venv --clear --python 3.12.16 {venv}",
         f"uv pip install --python {venv}/bin/python {packages}",
         "venv-ray start --address=10.0.0.2:6379",
-        # the reboot: uv is there, and so is the venv; the install is uv's no-op
+        # the reboot: uv is there, and so is the venv of that Python; the install is uv's no-op
+        probe,
         f"uv pip install --python {venv}/bin/python {packages}",
         "venv-ray start --address=10.0.0.2:6379",
     ]
@@ -198,7 +202,8 @@ def test_a_token_auth_head_and_a_wheel(tmp_path):
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     lines = script.splitlines()
     assert lines[3:6] == ["export RAY_AUTH_MODE=token",
-                          'RAY_AUTH_TOKEN="$(gcloud secrets versions access latest --secret=ray-token)"',
+                          'RAY_AUTH_TOKEN="$(gcloud secrets versions access latest --secret=ray-token '
+                          '| tr -d \'\\n\')"',
                           "export RAY_AUTH_TOKEN"]
     local = f"/opt/rayslice/venv-wheels/rayslice-{rayslice.__version__}-py3-none-any.whl"
     assert f"gcloud storage cp {wheel} {local}" in lines
@@ -311,3 +316,165 @@ def test_the_startup_script_command_names_the_flag_of_an_unclosed_quote():
     assert result.exit_code == 1 and result.exception is None or isinstance(result.exception, SystemExit), \
         result.exception
     assert "--ray-start-args" in result.output and "Traceback" not in result.output
+
+
+# --- issue 50: network, service account, one Python patch for head and hosts, the sweeper
+
+
+def test_the_hosts_get_the_network_external_ips_and_service_account_asked_for(fake):
+    """Through the raw v2 API a TPU VM gets no external IP, the `default` VPC and the default compute account
+    unless the request says otherwise: the body says all of it (parsed strictly into tpu_v2.QueuedResource)."""
+    client(fake, network="ml-vpc", subnetwork="projects/my-project/regions/us-east5/subnetworks/ml-us-east5",
+           enable_external_ips=False, service_account="ray-tpu@my-project.iam.gserviceaccount.com",
+           scopes=["https://www.googleapis.com/auth/cloud-platform"]).create(owner=OWNER, script=SCRIPT)
+    [(_, _, _, body)] = [r for r in fake.requests if r[0] == "POST"]
+    node = body["tpu"]["nodeSpec"][0]["node"]
+    assert node["networkConfig"] == {"network": "ml-vpc",
+                                     "subnetwork": "projects/my-project/regions/us-east5/subnetworks/ml-us-east5"}
+    assert node["serviceAccount"] == {"email": "ray-tpu@my-project.iam.gserviceaccount.com",
+                                      "scope": ["https://www.googleapis.com/auth/cloud-platform"]}
+
+
+def test_by_default_the_hosts_get_an_external_ip_as_gcloud_gives(fake):
+    client(fake).create(owner=OWNER, script=SCRIPT)
+    [(_, _, _, body)] = [r for r in fake.requests if r[0] == "POST"]
+    node = body["tpu"]["nodeSpec"][0]["node"]
+    assert node["networkConfig"] == {"enableExternalIps": True} and "serviceAccount" not in node
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"network": "My_VPC"}, "network 'My_VPC' is invalid"),
+    ({"subnetwork": "projects/p/regions/x/subnetworks/s; rm"}, "subnetwork"),
+    ({"enable_external_ips": "no"}, "enable_external_ips 'no' is invalid"),
+    ({"service_account": "ray-tpu"}, "service_account 'ray-tpu' is invalid: give the service account's e-mail"),
+    ({"scopes": ["cloud-platform"]}, "scopes ('cloud-platform',) is invalid"),
+    ({"scopes": []}, "scopes () is invalid"),
+])
+def test_bad_network_and_service_account_settings_are_refused(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        QueuedSlice(project=PROJECT, zone=ZONE, queued_resource_id="rs-1", tpu="v6e-16", **kwargs)
+
+
+def test_the_head_and_the_hosts_get_one_python_patch_and_one_uv_release():
+    """Ray refuses a node whose Python differs from the head's at patch level: both scripts make the same
+    exact Python with the same uv release, and an exact patch can be given (a minor alone cannot pin one)."""
+    def python_of(script: str) -> str:
+        [made] = re.findall(r"uv venv --clear --python (\S+)", script)
+        return made
+
+    host, head = cloud_tpu.startup_script("10.0.0.2:6379"), cloud_tpu.head_startup_script()
+    assert python_of(host) == python_of(head) == cloud_tpu.HOST_PYTHON
+    assert re.fullmatch(r"3\.12\.\d+", cloud_tpu.HOST_PYTHON)
+    assert re.findall(r"astral\.sh/uv/\S+", host) == re.findall(r"astral\.sh/uv/\S+", head) == \
+        [f"astral.sh/uv/{cloud_tpu.UV_VERSION}/install.sh"]
+    assert python_of(cloud_tpu.startup_script("10.0.0.2:6379", python_version="3.13.9")) == "3.13.9"
+
+
+def test_the_head_script_installs_rayslice_from_the_wheel_and_starts_a_head_with_metrics(tmp_path):
+    """A `launcher: installed` connection runs `python -m rayslice.cluster` on the head: the head gets the wheel."""
+    wheel = f"gs://my-bucket/wheels/rayslice-{rayslice.__version__}-py3-none-any.whl"
+    script = cloud_tpu.head_startup_script(wheel=wheel, token_secret="ray-token")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    lines = script.splitlines()
+    [install] = [line for line in lines if line.startswith("uv pip install")]
+    local = f"/opt/rayslice/venv-wheels/rayslice-{rayslice.__version__}-py3-none-any.whl"
+    assert f"rayslice[cluster,gcs] @ file://{local}" in shlex.split(install)
+    assert not [w for w in shlex.split(install) if w.startswith("jax")]  # nothing computes on the head
+    assert shlex.split(lines[-1]) == ["$venv/bin/ray", "start", "--head", "--port=6379", "--num-cpus=0",
+                                      "--dashboard-host=0.0.0.0", "--metrics-export-port=8080"]
+    with pytest.raises(InvalidRequestError, match="metrics_port 0 is invalid"):
+        cloud_tpu.head_startup_script(metrics_port=0)
+
+
+def _labelled(deployment: str | None, *, managed: bool = True) -> dict:
+    labels = {"managed-by": "rayslice"} if managed else {}
+    if deployment:
+        labels["rayslice-deployment"] = cloud_tpu.owner_label(deployment)
+    return {"tpu": {"nodeSpec": [{"parent": f"projects/{PROJECT}/locations/{ZONE}", "nodeId": "n",
+                                  "node": {"acceleratorType": "v6e-16", "runtimeVersion": "v2-alpha-tpuv6e",
+                                           "labels": labels}}]}}
+
+
+def test_sweep_deletes_only_this_deployments_old_queued_resources(fake):
+    """Orphans whose teardown never ran: this deployment's older than the limit go; its young ones, another
+    deployment's, a hand-made one and an unlabelled rayslice one stay. Listing crosses pages (3 a page)."""
+    import time as clock
+    from datetime import UTC, datetime, timedelta
+
+    parent = f"projects/{PROJECT}/locations/{ZONE}"
+    old = (datetime.now(UTC) - timedelta(days=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    fake.add_queued(parent, "ours-old-1", _labelled("prod"), create_time=old)
+    fake.add_queued(parent, "ours-old-2", _labelled("prod"), create_time=old)
+    fake.add_queued(parent, "ours-young", _labelled("prod"))
+    fake.add_queued(parent, "staging-old", _labelled("staging"), create_time=old)
+    fake.add_queued(parent, "by-hand-old", _labelled(None, managed=False), create_time=old)
+    fake.add_queued(parent, "unmarked-old", _labelled(None), create_time=old)
+    listed = cloud_tpu.sweep(PROJECT, ZONE, deployment="prod", older_than_s=12 * 3600, api_endpoint=fake.url)
+    assert {s.queued_resource_id: s.outcome for s in listed} == {
+        "ours-old-1": "would delete", "ours-old-2": "would delete", "ours-young": "kept: too young"}
+    assert not [r for r in fake.requests if r[0] == "DELETE"]  # listing deletes nothing
+    swept = cloud_tpu.sweep(PROJECT, ZONE, deployment="prod", older_than_s=12 * 3600, delete=True,
+                            api_endpoint=fake.url, now=clock.time())
+    assert sorted(s.queued_resource_id for s in swept if s.outcome == "deleted") == ["ours-old-1", "ours-old-2"]
+    assert sorted(n.rsplit("/", 1)[-1] for n in fake.queued) == ["by-hand-old", "ours-young", "staging-old",
+                                                                   "unmarked-old"]
+    deletes = [r for r in fake.requests if r[0] == "DELETE"]
+    assert len(deletes) == 2 and all(r[2]["force"] == ["true"] for r in deletes)
+
+
+def test_the_queued_resources_rayslice_creates_carry_the_deployment_label_sweep_looks_for(fake):
+    client(fake).create(owner="prod/dag/run", script=SCRIPT, deployment="prod")
+    [(_, _, _, body)] = [r for r in fake.requests if r[0] == "POST"]
+    assert body["tpu"]["nodeSpec"][0]["node"]["labels"]["rayslice-deployment"] == cloud_tpu.owner_label("prod")
+    [found] = cloud_tpu.sweep(PROJECT, ZONE, deployment="prod", older_than_s=0, api_endpoint=fake.url)
+    assert found.queued_resource_id == "rs-1" and found.outcome == "would delete"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"deployment": ""}, "deployment is required"),
+    ({"older_than_s": -1}, "older_than -1 is invalid"),
+    ({"zone": "east"}, "zone 'east' is invalid"),
+])
+def test_sweep_refuses_bad_arguments(kwargs, message):
+    args = {"project": PROJECT, "zone": ZONE, "deployment": "prod", "older_than_s": 3600, **kwargs}
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        cloud_tpu.sweep(args.pop("project"), args.pop("zone"), **args)
+
+
+def test_the_sweep_and_head_script_commands(fake):
+    from datetime import UTC, datetime, timedelta
+
+    from typer.testing import CliRunner
+
+    from rayslice.cli import app
+
+    old = (datetime.now(UTC) - timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    fake.add_queued(f"projects/{PROJECT}/locations/{ZONE}", "ours", _labelled("prod"), create_time=old)
+    base = ["cloud-tpu", "sweep", "--project", PROJECT, "--zone", ZONE, "--deployment", "prod", "--api-endpoint",
+            fake.url]
+    listed = CliRunner().invoke(app, [*base, "--older-than", "12h"])
+    assert listed.exit_code == 0, listed.output
+    assert "ours" in listed.output and "would delete (add --delete): 1 of 1" in listed.output
+    assert fake.queued
+    swept = CliRunner().invoke(app, [*base, "--older-than", "12h", "--delete"])
+    assert swept.exit_code == 0 and "deleted: 1 of 1" in swept.output and not fake.queued
+    bad = CliRunner().invoke(app, [*base, "--older-than", "soon"])
+    assert bad.exit_code == 1 and "--older-than 'soon' is invalid" in bad.output
+    head = CliRunner().invoke(app, ["cloud-tpu", "head-script", "--token-secret", "ray-token",
+                                    "--python-version", "3.12.16"])
+    assert head.exit_code == 0 and head.output == cloud_tpu.head_startup_script(token_secret="ray-token")
+    wrong = CliRunner().invoke(app, ["cloud-tpu", "startup-script", "--head-address", "h:6379", "--python-version",
+                                     "3.11.9"])
+    assert wrong.exit_code == 1 and "--python-version '3.11.9' is invalid" in wrong.output
+def test_hosts_join_a_head_whose_python_differs_at_patch_level():
+    """Ray 2.60 refuses a node whose Python differs from the head's at patch level unless
+    RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor (ray._private.utils.check_version_info); uv picks a 3.12.x."""
+    from rayslice.cloud.cloud_tpu import startup_script
+
+    for install in (True, False):
+        script = startup_script("10.0.0.2:6379", install=install)
+        assert script.index("export RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor") < script.index(" start --address")
+    pinned = startup_script("10.0.0.2:6379", python_version="3.12.12")  # or pin the head's exact patch
+    assert "uv venv --clear --python 3.12.12" in pinned
+    with pytest.raises(InvalidRequestError, match="python_version '3.11.9'"):
+        startup_script("10.0.0.2:6379", python_version="3.11.9")

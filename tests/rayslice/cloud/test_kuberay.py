@@ -13,7 +13,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from rayslice.cloud import kuberay, kuberay_crds
+from rayslice.cloud import kuberay, kuberay_cli, kuberay_crds
 from rayslice.cloud.kuberay_crds import CrdUnavailableError, KubeRayCrds
 from rayslice.core.exceptions import InvalidRequestError
 from tests.conftest import reference_file
@@ -319,7 +319,7 @@ runner = CliRunner()
 
 def test_cli_prints_yaml_that_round_trips_and_validates(crds):
     args = ["manifest", "--tpu", "v6e-16", "--max-slices", "4", "--gpu-nodes", "1"]
-    result = runner.invoke(kuberay.app, args)
+    result = runner.invoke(kuberay_cli.app, args)
     assert result.exit_code == 0, result.output
     manifest = yaml.safe_load(result.stdout)
     kuberay.validate(manifest, crds)
@@ -329,7 +329,7 @@ def test_cli_prints_yaml_that_round_trips_and_validates(crds):
 def test_cli_several_tpus_and_a_rayjob(crds):
     args = ["manifest", "--tpu", "v6e-16", "--tpu", "v4-32", "--name", "nightly", "--rayjob",
             "--entrypoint", "python -m train", "--namespace", "ml", "--idle-timeout", "120"]
-    result = runner.invoke(kuberay.app, args)
+    result = runner.invoke(kuberay_cli.app, args)
     assert result.exit_code == 0, result.output
     job = yaml.safe_load(result.stdout)
     kuberay.validate(job, crds)
@@ -348,33 +348,34 @@ def test_cli_several_tpus_and_a_rayjob(crds):
     ],
 )
 def test_cli_errors_go_to_stderr(args, message):
-    result = runner.invoke(kuberay.app, ["manifest", *args])
+    result = runner.invoke(kuberay_cli.app, ["manifest", *args])
     assert result.exit_code == 1
     assert message in result.stderr
     assert result.stdout == ""
 
 
 def test_cli_without_a_crd_or_a_cluster_prints_it_and_says_it_is_not_validated():
-    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2"])
+    result = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2"])
     assert result.exit_code == 0, result.output
     assert yaml.safe_load(result.stdout) == kuberay.render_raycluster("rayslice", tpus=["v6e-16"], max_slices=2)
     assert "NOT validated against a KubeRay CRD: no Kubernetes cluster to read the CRDs from" in result.stderr
     assert "pass --crd" in result.stderr and "--kubeconfig" in result.stderr  # how to validate
-    strict = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--validate"])
+    strict = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--validate"])
     assert strict.exit_code == 1 and strict.stdout == ""
     assert "error: no Kubernetes cluster" in strict.stderr
-    skipped = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--no-validate"])
+    skipped = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--no-validate"])
     assert skipped.exit_code == 0 and yaml.safe_load(skipped.stdout)["kind"] == "RayCluster"
     assert "not validated against a KubeRay CRD (--no-validate)" in skipped.stderr
 
 
 def test_cli_validates_against_a_crd_file(reference_crds):
-    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--crd", str(reference_crds[0])])
+    result = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--crd", str(reference_crds[0])])
     assert result.exit_code == 0, result.output
     assert yaml.safe_load(result.stdout)["kind"] == "RayCluster"
     assert f"validated against the RayCluster CRD (ray.io/v1) from {reference_crds[0]}" in result.stderr
     folder = str(reference_crds[1].parent)
-    job = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-4", "--rayjob", "--entrypoint", "x", "--crd", folder])
+    job = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-4", "--rayjob", "--entrypoint", "x",
+                                          "--crd", folder])
     assert job.exit_code == 0, job.output
     assert f"validated against the RayJob CRD (ray.io/v1) from {reference_crds[1]}" in job.stderr
 
@@ -387,10 +388,10 @@ def test_cli_rejects_what_the_named_crd_rejects(tmp_path, reference_crds):
     group["maximum"] = 1
     strict = tmp_path / "strict.yaml"
     strict.write_text(yaml.safe_dump(crd))
-    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2", "--crd", str(strict)])
+    result = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2", "--crd", str(strict)])
     assert result.exit_code == 1 and result.stdout == ""
     assert "workerGroupSpecs[0].maxReplicas" in result.stderr and str(strict) in result.stderr
-    missing = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-4", "--rayjob", "--entrypoint", "x",
+    missing = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-4", "--rayjob", "--entrypoint", "x",
                                           "--crd", str(reference_crds[0])])
     assert missing.exit_code == 1 and "error: no RayJob CRD in" in missing.stderr
 
@@ -399,7 +400,7 @@ def test_cli_validates_against_the_clusters_crd(tmp_path, reference_crds):
     """With a kubeconfig, the CRD is the one installed in that cluster, read through the Kubernetes API."""
     with FakeKubernetes(crds=reference_crds) as server:
         kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig"))
-        result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--kubeconfig", kubeconfig])
+        result = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--kubeconfig", kubeconfig])
         assert result.exit_code == 0, result.output
         assert ("validated against the RayCluster CRD (ray.io/v1) from rayclusters.ray.io in the cluster at "
                 f"{server.url}") in result.stderr
@@ -408,13 +409,13 @@ def test_cli_validates_against_the_clusters_crd(tmp_path, reference_crds):
         # The default kubeconfig ($KUBECONFIG) is used the same way.
         with pytest.MonkeyPatch.context() as env:
             env.setenv("KUBECONFIG", kubeconfig)
-            assert "in the cluster at" in runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-4"]).stderr
+            assert "in the cluster at" in runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-4"]).stderr
         # The cluster's schema decides: one that caps maxReplicas rejects two slices.
         crd = copy.deepcopy(server.installed_crds["rayclusters.ray.io"])
         crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
             "workerGroupSpecs"]["items"]["properties"]["maxReplicas"]["maximum"] = 1
         server.installed_crds["rayclusters.ray.io"] = crd
-        capped = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2",
+        capped = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2",
                                              "--kubeconfig", kubeconfig])
         assert capped.exit_code == 1 and "maxReplicas" in capped.stderr and server.url in capped.stderr
 
@@ -423,17 +424,17 @@ def test_cli_cluster_without_kuberay_or_unreachable(tmp_path, reference_crds):
     with FakeKubernetes(crds=reference_crds) as server:
         kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig"))
         server.installed_crds.clear()
-        named = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--kubeconfig", kubeconfig])
+        named = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--kubeconfig", kubeconfig])
         assert named.exit_code == 1  # a cluster the user named and that cannot validate is an error
         assert "rayclusters.ray.io" in named.stderr and "install the KubeRay operator" in named.stderr
         with pytest.MonkeyPatch.context() as env:  # the default kubeconfig: printed, and said why not validated
             env.setenv("KUBECONFIG", kubeconfig)
-            default = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16"])
+            default = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16"])
         assert default.exit_code == 0 and yaml.safe_load(default.stdout)["kind"] == "RayCluster"
         assert "NOT validated against a KubeRay CRD" in default.stderr
         assert "install the KubeRay operator" in default.stderr
         url = server.url
-    gone = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--kubeconfig", kubeconfig])
+    gone = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--kubeconfig", kubeconfig])
     assert gone.exit_code == 1 and f"could not read the CRD rayclusters.ray.io from the Kubernetes API at {url}" \
         in gone.stderr
 
@@ -484,7 +485,7 @@ def test_cli_never_prints_an_open_external_head(crds):
 
 
 def test_cli_help_lists_manifest():
-    result = runner.invoke(kuberay.app, ["--help"])
+    result = runner.invoke(kuberay_cli.app, ["--help"])
     assert result.exit_code == 0 and "manifest" in result.stdout
 
 
@@ -538,12 +539,12 @@ def test_pushed_images_are_used_and_their_ray_version_read_from_ray_tags_only(cr
 
 
 def test_cli_says_the_default_images_must_be_built_and_pushed():
-    default = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--gpu-nodes", "1", "--no-validate"])
+    default = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--gpu-nodes", "1", "--no-validate"])
     assert default.exit_code == 0, default.output
     assert ("the pods run rayslice-cluster:0.1.0-tpu and rayslice-cluster:0.1.0-gpu, the image(s) "
             "docker/Dockerfile.tpu and docker/Dockerfile.gpu build") in default.stderr
     assert "pass that name with --image / --gpu-image" in default.stderr
-    pushed = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--no-validate",
+    pushed = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--no-validate",
                                          "--image", "gcr.io/p/rayslice-cluster:0.1.0-tpu"])
     assert pushed.exit_code == 0, pushed.output
     assert "docker/Dockerfile" not in pushed.stderr  # no GPU group: its default image is not named

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from rayslice.cloud import kuberay
+from rayslice.cloud import kuberay, kuberay_cli
 from rayslice.cloud.kuberay_crds import KubeRayCrds
 from rayslice.core.exceptions import InvalidRequestError
 from tests.kubernetes_schemas import validate_manifest, validate_object
@@ -32,7 +32,7 @@ def crds(reference_crds) -> KubeRayCrds:
 
 
 def manifest_from_cli(*args: str) -> dict:
-    result = runner.invoke(kuberay.app, ["manifest", *args])
+    result = runner.invoke(kuberay_cli.app, ["manifest", *args])
     assert result.exit_code == 0, result.output
     return yaml.safe_load(result.stdout)
 
@@ -98,7 +98,7 @@ def test_a_reservation_selects_its_nodes():
 ])
 def test_bad_flags_fail_in_the_commands_words(args, message):
     tpu = [] if not args else ["--tpu", "v6e-16"]
-    result = runner.invoke(kuberay.app, ["manifest", *tpu, *args, "--no-validate"])
+    result = runner.invoke(kuberay_cli.app, ["manifest", *tpu, *args, "--no-validate"])
     assert result.exit_code == 1 and message in result.stderr, result.output
     assert "tpus=" not in result.stderr and "gpu_nodes=" not in result.stderr and result.stdout == ""
 
@@ -135,7 +135,7 @@ def test_the_schema_check_catches_a_broken_pod():
     (["--name", "Bad"], "--name 'Bad'"),
 ])
 def test_bad_values_name_their_flag(flags, message):
-    result = runner.invoke(kuberay.app, ["manifest", "--tpu", "v6e-16", "--no-validate", *flags])
+    result = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--no-validate", *flags])
     assert result.exit_code == 1, result.stdout
     assert message in result.stderr, result.stderr
 
@@ -143,7 +143,7 @@ def test_bad_values_name_their_flag(flags, message):
 @pytest.mark.parametrize("tpu", ["garbage", "v6e"])
 def test_a_bad_tpu_speaks_of_the_tpu_flag_not_of_operator_arguments(tpu):
     """The manifest command has --tpu and no topology: its errors must not suggest tpu='v6e', topology='4x4'."""
-    result = runner.invoke(kuberay.app, ["manifest", "--tpu", tpu, "--no-validate"])
+    result = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", tpu, "--no-validate"])
     assert result.exit_code == 1
     assert "--tpu" in result.stderr and "tpu=" not in result.stderr and "topology=" not in result.stderr, \
         result.stderr

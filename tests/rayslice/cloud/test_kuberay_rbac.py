@@ -16,7 +16,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from rayslice.cloud import kuberay
+from rayslice.cloud import kuberay, kuberay_cli
 from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient, resolve
 from rayslice.cloud.kuberay_rbac import render_rbac
 from rayslice.core.exceptions import InvalidRequestError
@@ -146,13 +146,13 @@ def test_the_module_imports_on_its_own():
 
 def test_cli_prints_the_objects_and_refuses_bad_names():
     runner = CliRunner()
-    result = runner.invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "airflow-worker",
+    result = runner.invoke(kuberay_cli.app, ["rbac", "--namespace", "ml", "--service-account", "airflow-worker",
                                          "--service-account-namespace", "airflow"])
     assert result.exit_code == 0, result.output
     printed = list(yaml.safe_load_all(result.stdout))
     assert printed == render_rbac(namespace="ml", service_accounts=["airflow-worker"],
                                   service_account_namespace="airflow")
-    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ML", "--service-account", "airflow-worker"])
+    bad = runner.invoke(kuberay_cli.app, ["rbac", "--namespace", "ML", "--service-account", "airflow-worker"])
     assert bad.exit_code == 1 and "namespace 'ML' is not a Kubernetes name" in bad.stderr
     with pytest.raises(InvalidRequestError, match="give the Airflow service account"):
         render_rbac(namespace="ml", service_accounts=[])
@@ -169,11 +169,11 @@ def test_a_namespace_is_a_dns_label(namespace):
 
 def test_cli_errors_name_the_flags():
     runner = CliRunner()
-    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ML", "--service-account", "airflow-worker"])
+    bad = runner.invoke(kuberay_cli.app, ["rbac", "--namespace", "ML", "--service-account", "airflow-worker"])
     assert bad.exit_code == 1 and "--namespace 'ML'" in bad.stderr, bad.stderr
-    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "Airflow"])
+    bad = runner.invoke(kuberay_cli.app, ["rbac", "--namespace", "ml", "--service-account", "Airflow"])
     assert bad.exit_code == 1 and "--service-account 'Airflow'" in bad.stderr, bad.stderr
-    bad = runner.invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "a",
+    bad = runner.invoke(kuberay_cli.app, ["rbac", "--namespace", "ml", "--service-account", "a",
                                       "--service-account-namespace", "X"])
     assert bad.exit_code == 1 and "--service-account-namespace 'X'" in bad.stderr, bad.stderr
 
@@ -206,7 +206,7 @@ def test_token_secrets_narrow_the_secret_rules_to_those_names(fake, tmp_path):
                                                                                "ml", None)
     for obj in objects:
         validate_object(obj)
-    result = CliRunner().invoke(kuberay.app, ["rbac", "--namespace", "ml", "--service-account", "a",
+    result = CliRunner().invoke(kuberay_cli.app, ["rbac", "--namespace", "ml", "--service-account", "a",
                                               "--token-secret", "rs-ray-token"])
     assert result.exit_code == 0, result.output
     assert list(yaml.safe_load_all(result.stdout)) == render_rbac(namespace="ml", service_accounts=["a"],

@@ -42,10 +42,11 @@ def test_the_startup_script_joins_a_token_auth_head_from_a_clean_venv(token_head
     record = f'echo "$(basename "$0") $*" >> {shlex.quote(str(log))}'
     stand_ins = {
         "gcloud": f"echo {shlex.quote(token_head.token)}",
-        # `uv venv` makes a venv whose python is the wheel's clean venv; `uv pip install` has nothing to add.
-        "uv": (f'if [ "$1" = venv ]; then mkdir -p "$4/bin"; ln -s {wheel_python} "$4/bin/python"; '
-               f'printf \'#!/bin/bash\\nexec {wheel_python} -m ray.scripts.scripts "$@"\\n\' > "$4/bin/ray"; '
-               'chmod +x "$4/bin/ray"; fi'),
+        # `uv venv --clear --python X DIR` makes a venv whose python is the wheel's clean venv; `uv pip install`
+        # has nothing to add.
+        "uv": (f'if [ "$1" = venv ]; then mkdir -p "$5/bin"; ln -s {wheel_python} "$5/bin/python"; '
+               f'printf \'#!/bin/bash\\nexec {wheel_python} -m ray.scripts.scripts "$@"\\n\' > "$5/bin/ray"; '
+               'chmod +x "$5/bin/ray"; fi'),
     }
     for name, body in stand_ins.items():
         (stubs / name).write_text(f"#!/bin/bash\n{record}\n{body}\n")

@@ -196,12 +196,12 @@ def test_a_step_not_declared_preemptible_is_never_suspended(broker):
 def test_an_autoscaling_cluster_admits_up_to_its_groups_maxima_and_refuses_what_none_provides(broker, monkeypatch):
     """Issue 38 (4): on an autoscaling cluster every kind counted as unbounded: all admitted at once, and a kind
     no node group provides waited out its whole capacity_timeout. Here the operator declares the maxima."""
-    from rayslice.cluster import reservation
+    from rayslice.cluster import autoscaler
 
     Broker = type(broker)
     monkeypatch.setattr(Broker, "_capacity", REAL_CAPACITY)  # the broker's own reading of the cluster
     monkeypatch.setattr(queue.ray, "nodes", lambda: [])  # no TPU host yet: the autoscaler adds them
-    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: True)
+    monkeypatch.setattr(autoscaler, "may_add", lambda resource: True)
     monkeypatch.setattr(queue, "group_maxima", lambda: {}, raising=False)  # Ray's autoscaler reports no groups
     broker.settings = rules.QueueSettings(max_capacity={"v6e-16": 2})
     for i in range(3):

@@ -196,7 +196,7 @@ def test_no_offer_to_grow_onto_a_slice_that_has_lost_hosts(broker, monkeypatch):
     """The broker counts a slice by its worker-0 host (`_capacity`): a v6e-16 whose workers 1-3 are gone still
     reads as a free slice. An elastic step on 1 of (1, 2) is offered it, stops, is admitted on 2, and then waits
     in `reserve_slices` for hosts that are not coming (its whole capacity_timeout), after giving up a working run."""
-    from rayslice.cluster import reservation
+    from rayslice.cluster import autoscaler, reservation
 
     Broker = queue.Broker.__ray_actor_class__
     monkeypatch.setattr(Broker, "_capacity", REAL_CAPACITY)
@@ -206,7 +206,7 @@ def test_no_offer_to_grow_onto_a_slice_that_has_lost_hosts(broker, monkeypatch):
              for s in "ab" for w in range(4)]
     monkeypatch.setattr(queue.ray, "nodes", lambda: nodes)
     monkeypatch.setattr(queue, "group_maxima", lambda: {})
-    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: False)
+    monkeypatch.setattr(autoscaler, "may_add", lambda resource: False)
     assert reservation.intact_slices(TpuSliceRequest(tpu="v6e-16"), nodes) == 1
     e = _elastic("e", 1, 2, broker.clock.now)
     busy = _fixed("busy", 1, broker.clock.now - 1)

@@ -157,7 +157,7 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     """Every GPU node alive at the check is labelled, so the launcher is left out; a GPU node that joins
     afterwards (an autoscaled group whose image has no rayslice) must not get the actor."""
     import rayslice.cluster as cluster
-    from rayslice.cluster import gang, reservation
+    from rayslice.cluster import autoscaler, gang
     from rayslice.core.accelerators import AcceleratorRequest
 
     fake = FakeRay([{**node("gpu-a", "abc123"), "Resources": {"GPU": 1.0, "CPU": 4.0}},
@@ -176,7 +176,7 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     request = AcceleratorRequest(resource="GPU", count=0.5)
     step = StepSpec(request=request, command=["python", "train.py"])
     place = types.SimpleNamespace(entry=types.SimpleNamespace(part=0, preemptible=False))
-    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: False)
+    monkeypatch.setattr(autoscaler, "may_add", lambda resource: False)
     with pytest.raises(Placed):
         cluster._place_and_run_fraction(step, request, gang.Attempt(), None, None, 0.0, place)
     assert captured["runtime_env"] is None
@@ -184,7 +184,7 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     # Where an autoscaler may add a node for it, nobody can know that node will carry the label (it is set as
     # the node starts): pinned, the step would wait out its capacity_timeout for a node never added. Shipped.
     captured.clear()
-    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: True)
+    monkeypatch.setattr(autoscaler, "may_add", lambda resource: True)
     with pytest.raises(Placed):
         cluster._place_and_run_fraction(step, request, gang.Attempt(), None, None, 0.0, place)
     assert captured["runtime_env"]["py_modules"] == LAUNCHER

@@ -209,6 +209,7 @@ SAVER = textwrap.dedent("""
         open(sys.argv[1], "w").write("saved")
         sys.exit(75)
     signal.signal(signal.SIGTERM, on_term)
+    open(sys.argv[1] + ".ready", "w").close()
     print("training", flush=True)
     time.sleep(60)
 """)
@@ -237,7 +238,7 @@ def test_a_programs_checkpoint_on_sigterm_is_saved_even_behind_a_shell_wrapper(t
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(1.0)
+    assert _until(lambda: os.path.exists(f"{saved}.ready"), timeout=30)  # its handler is in (a loaded machine)
     notice.deliver(PreemptionNotice(deadline=time.time() + 30, reason="test drain", node="n"))
     thread.join(20)
     assert saved.read_text() == "saved", ended
@@ -678,6 +679,9 @@ class _NoDrain:
     """No host output to wait for (no Ray driver prints it here)."""
 
     QUIET_S = 0.0
+
+    def explain_shutdown(self, labels, noticed):
+        pass
 
     def wait(self, labels, quiet=0.0):
         pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayslice.cluster import reservation
+from rayslice.cluster import autoscaler, reservation
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import UnsatisfiableRequestError
 
@@ -17,7 +17,7 @@ def node(id, slice_name, worker, alive=True, pod="v6e-16"):
 
 @pytest.fixture(autouse=True)
 def no_autoscaler(monkeypatch):
-    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: False)
+    monkeypatch.setattr(autoscaler, "may_add", lambda resource: False)
 
 
 def test_a_slice_that_lost_a_host_is_waited_for_not_impossible():
