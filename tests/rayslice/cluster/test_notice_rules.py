@@ -686,9 +686,6 @@ class _NoDrain:
     def wait(self, labels, quiet=0.0):
         pass
 
-    def explain_shutdown(self, labels, noticed):
-        pass
-
     def close(self):
         pass
 
