@@ -419,11 +419,11 @@ def test_a_kind_an_autoscaler_adds_is_never_preempted_even_with_max_capacity_set
     """Issue 49 (7): docs/sharing.md says kinds an autoscaler adds are never preempted, but a finite
     `max_capacity` made them preemptible (a running step there may still wait for its node: suspending
     it frees nothing)."""
-    from rayslice.cluster import reservation
+    from rayslice.cluster import autoscaler
 
     monkeypatch.setattr(type(broker), "_capacity", REAL_CAPACITY)
     monkeypatch.setattr(queue.ray, "nodes", lambda: [])
-    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: True)
+    monkeypatch.setattr(autoscaler, "may_add", lambda resource: True)
     monkeypatch.setattr(queue, "group_maxima", lambda: {}, raising=False)
     broker.set_settings({"max_capacity": {"v6e-16": 1}, "preemption": "lower-priority"})
     v, h = _slices("v", preemptible=True), _slices("h", priority=10, at=1)

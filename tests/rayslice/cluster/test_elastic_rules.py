@@ -318,7 +318,7 @@ def test_an_elastic_step_is_admitted_only_on_slices_with_every_host(broker, monk
     count. A (1, 3) step (fresh, or back after stopping to grow) was admitted on 3 slices when one had lost its
     worker 2: `reserve_slices` avoids that slice, so it waited its whole capacity_timeout and failed the try,
     while the queue counted 3 slices as held."""
-    from rayslice.cluster import reservation
+    from rayslice.cluster import autoscaler, reservation
 
     Broker = queue.Broker.__ray_actor_class__
     monkeypatch.setattr(Broker, "_capacity", REAL_CAPACITY)
@@ -328,7 +328,7 @@ def test_an_elastic_step_is_admitted_only_on_slices_with_every_host(broker, monk
              for s in "abc" for w in range(4)]
     monkeypatch.setattr(queue.ray, "nodes", lambda: nodes)
     monkeypatch.setattr(queue, "group_maxima", lambda: {})
-    monkeypatch.setattr(reservation, "_autoscaler_may_add", lambda resource: False)
+    monkeypatch.setattr(autoscaler, "may_add", lambda resource: False)
     assert reservation.intact_slices(TpuSliceRequest(tpu="v6e-16"), nodes) == 2
     assert _beat(broker, _elastic("e", 1, 3, broker.clock.now))["admitted"]
     assert broker.entries["e"].amount == 2
