@@ -295,8 +295,13 @@ def test_a_day_on_one_shared_cluster(airflow, airflow_api, cluster, ray_driver, 
                       and ray_driver.available_resources().get("GPU") == 3, timeout=120), \
         ray_driver.available_resources()
     assert_all_released(ray_driver)
+    from ray.util import placement_group_table
     from ray.util.state import list_actors
 
-    alive = [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10000)
-             if (a.name or "").startswith(f"rayslice:{train_sid}") or (a.name or "").startswith(f"rayslice:{eval_sid}")]
+    assert wait_until(lambda: not [g for g in placement_group_table().values()
+                                   if g["name"].startswith("rayslice:") and g["state"] != "REMOVED"], timeout=10), \
+        [g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
+    ours = ("rayslice:" + train_sid, "rayslice:" + eval_sid, *(f"rayslice:{p['submission_id']}" for p in sweep))
+    alive = [a.name for a in list_actors(address=cluster.dashboard_url, filters=[("state", "=", "ALIVE")], limit=10000)
+             if (a.name or "").startswith(ours)]
     assert alive == []
