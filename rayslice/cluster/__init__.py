@@ -281,6 +281,10 @@ def _reap_orphans(spec: StepSpec) -> None:
             log(f"reaped {orphan.kind} {orphan.name}: its Ray job {orphan.submission_id} is {orphan.job_status}")
     except Exception as exc:
         log(f"could not sweep orphaned reservations: {type(exc).__name__}: {exc}")
+    try:  # keys in Ray's KV outlive their job: a killed driver never forgot its hosts' phase times
+        reaper.forget_ended_phases(exclude=spec.owner.submission_id or None)
+    except Exception as exc:
+        log(f"could not sweep ended steps' phase keys: {type(exc).__name__}: {exc}")
 
 
 def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices: int | None = None) -> admission.Place:
@@ -376,9 +380,9 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     attempt = replace(attempt, notice_key=watch.key)
     suspended, ended = False, None
     watch.__enter__()
-    # Once the attempt heard its notice, its hosts' JAX ending their processes as peers stop is expected noise.
-    drain.explain_shutdown({h.label for h in reservation.hosts}, lambda: (watch.notice or watch.offer) is not None)
-    try:
+    try:  # from here on, whatever happens, the reservation is released (the finally below)
+        # Once the attempt heard its notice, its hosts' JAX ending their processes as peers stop is expected noise.
+        drain.explain_shutdown({h.label for h in reservation.hosts}, watch.hosts_stopping)
         slices = sorted({h.slice_name for h in reservation.hosts})
         log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy

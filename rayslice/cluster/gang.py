@@ -154,6 +154,7 @@ class HostProcess:
         publishing = phases.publish(attempt.phases_key, plan.label, dict(self._times)) if attempt.phases_key \
             else None
         watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice
+        reported = False
         try:
             with _step_folder(spec), \
                  (tempfile.TemporaryDirectory(prefix="rayslice-program-", ignore_cleanup_errors=True)
@@ -185,9 +186,10 @@ class HostProcess:
             self._times["step_done"] = time.time()
             if spans:
                 self._times[phases.SPANS_KEY] = spans  # type: ignore[assignment]
+            reported = True
         finally:  # also when the step raised: the driver waits for this host's last lines either way
-            if publishing is not None:
-                publishing.join(PUBLISH_WAIT_S)  # before the driver reads and forgets it
+            if publishing is not None:  # raised: the driver reads it, so it waits; reported: not needed
+                publishing.leave(PUBLISH_WAIT_S, reported=reported)
             sys.stderr.flush()
             print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
         return result, self._times
@@ -878,7 +880,11 @@ class LogDrain:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
         self._dispatcher = dispatcher
-        self.active = any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
+        try:  # made once capacity is reserved: a Ray whose dispatcher differs must not cost the step
+            self.active = any(pair[0] == "ray_print_logs" for pair in dispatcher.handlers
+                              if isinstance(pair, tuple) and len(pair) == 2)
+        except Exception:
+            self.active = False
         self._done: set[str] = set()
         self._seen = threading.Condition()
         self._last_line = 0.0

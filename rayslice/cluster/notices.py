@@ -214,6 +214,14 @@ class Watch:
             return None
         return self.notice or self.offer
 
+    def hosts_stopping(self) -> bool:
+        """Whether the step's hosts may be shutting down for a word of this watch (what the log drain explains).
+
+        Only what the hosts were told counts: under a notice held back (no resumption left) a host's
+        JAX termination is a real failure, and must reach the task log as one.
+        """
+        return self.heard() is not None
+
     def stop_at(self) -> float | None:
         """When the launcher stops the step (epoch seconds): a little before the deadline; None without a notice.
 

@@ -544,9 +544,9 @@ def test_a_launcher_never_leaves_the_queue_between_a_suspended_attempt_and_its_r
     monkeypatch.setattr(reservation, "_removed", lambda group: True)
     monkeypatch.setattr(launcher, "placement_group", lambda *a, **k: "marker")
     monkeypatch.setattr(launcher, "remove_placement_group", lambda group: None)
-    monkeypatch.setattr(launcher.notices, "Watch", lambda key, nodes, requested=None, resumable=True:
-                        types.SimpleNamespace(key=key, notice=None, offer=None, noticed_at=None,
-                                              __enter__=lambda: None, __exit__=lambda *a: None))
+    monkeypatch.setattr(launcher.notices, "Watch", lambda key, nodes, requested=None, **kw: types.SimpleNamespace(
+        key=key, notice=None, offer=None, noticed_at=None, __enter__=lambda: None, __exit__=lambda *a: None,
+        heard=lambda: None, hosts_stopping=lambda: False))
     monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *a, **k: launcher.HostsEnv(None, None))
     monkeypatch.setattr(launcher.gang.HostProcess, "options",
                         lambda **kw: types.SimpleNamespace(remote=lambda *a: "actor"), raising=False)
@@ -555,7 +555,7 @@ def test_a_launcher_never_leaves_the_queue_between_a_suspended_attempt_and_its_r
     monkeypatch.setattr(launcher.gang, "kill", lambda actors: None)
     monkeypatch.setattr(launcher.gang, "LogDrain", type("Drain", (), {
         "QUIET_S": 0.0, "wait": lambda self, *a, **k: None, "close": lambda self: None,
-        "explain_shutdown": lambda self, *a, **k: None}))
+        "explain_shutdown": lambda self, *a: None}))
     monkeypatch.setattr(launcher, "_wait_for_hosts_to_end", between_attempts)
     monkeypatch.setattr(launcher.metrics.sender, "attempt", lambda *a, **k: None)
     spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16", num_slices=2), callable="t:f", preemptible=True,

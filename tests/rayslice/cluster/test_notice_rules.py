@@ -700,7 +700,7 @@ def test_the_launcher_acts_on_a_notice_while_the_hosts_start_only_where_a_resump
     plans = _plans(2)
     released = []
     reservation = types.SimpleNamespace(hosts=plans, hosts_group=None, bundles={(0, 0): 0, (0, 1): 1},
-                                        release=lambda requeue=False: released.append(1) or [])
+                                        release=lambda requeue=None: released.append(1) or [])
     polls = []  # the watch's looks at the GCS: the hosts start only once it has seen the drain
 
     class Started:
@@ -735,3 +735,33 @@ def test_the_launcher_acts_on_a_notice_while_the_hosts_start_only_where_a_resump
     else:
         assert run() == ["done"]
     assert released == [1]
+
+
+def test_a_notice_held_back_from_the_hosts_leaves_their_jax_termination_a_real_failure_in_the_log(fake, kv):
+    """The log drain explains a host's JAX termination only once the hosts were told: under a held-back
+    notice (no resumption left, deadline far) such a line is the step's own failure and reaches the task log
+    as it came; once told (a resumable step), it is the suspension's expected noise."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    from rayslice.cluster import gang, shutdown_noise
+
+    line = "F1206 client.cc:101] Terminating process because the JAX distributed service detected fatal errors."
+    for resumable, explained in ((False, False), (True, True)):
+        watch = _watch(3600, resumable=resumable)
+        printed: list[str] = []
+        installed = any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
+        if not installed:
+            dispatcher.add_handler("ray_print_logs", lambda data: None)
+        dispatcher.add_handler("test-printed", lambda data, out=printed: out.extend(data["lines"]))
+        drain = gang.LogDrain()
+        drain.explain_shutdown({"v6e-16-a/host0"}, watch.hosts_stopping)
+        try:
+            dispatcher.emit({"actor_name": "v6e-16-a/host0", "pid": 1, "is_err": True, "lines": [line]})
+        finally:
+            drain.close()
+            dispatcher.remove_handler("test-printed")
+            if not installed:
+                dispatcher.remove_handler("ray_print_logs")
+        assert (line not in printed) is explained and (shutdown_noise.EXPLAINED in printed) is explained, (
+            resumable, printed)
+        kv.clear()
