@@ -46,7 +46,7 @@ from tests.rayslice.cluster.test_launcher import assert_all_released
 pytestmark = pytest.mark.timeout(1500)
 
 DAGS = Path(__file__).parent / "dags" / "shared_day.py"
-STEPS, EVERY, SECONDS_PER_STEP, SEED = 16, 4, 0.5, 11
+STEPS, EVERY, SECONDS_PER_STEP, SEED = 16, 4, 1.0, 11
 GRACE_S, DRAIN_S = 20, 30
 QUOTAS = {"research": {"v6e-16": 32, "GPU": 2}, "oncall": {"v6e-16": 16}}
 CONNECTIONS = {"day_research": "research", "day_oncall": "oncall"}
