@@ -266,7 +266,7 @@ def job_accepted_time(submission_id: str) -> float | None:
     if not submission_id:
         return None
     try:
-        from rayslice.cluster.reaper import job_info
+        from rayslice.cluster.ray_jobs import job_info
 
         info = job_info(submission_id)
         start = info.get("start_time") if info else None

@@ -19,7 +19,6 @@ phase keys (`forget_ended_phases`) of steps whose Ray job has ended.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -27,6 +26,8 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
+
+from rayslice.cluster.ray_jobs import job_info, job_status  # noqa: F401  (job_info: where callers found it)
 
 PREFIX = "rayslice:"
 
@@ -47,24 +48,6 @@ def submission_id_of(name: str) -> str | None:
         return None
     sid = name[len(PREFIX) :].split("/", 1)[0]
     return sid or None
-
-
-def job_status(sid: str) -> str | None:
-    """The Jobs API status of submission `sid`, read from the GCS; None when no such job was submitted."""
-    info = job_info(sid)
-    return None if info is None else str(info.get("status"))
-
-
-def job_info(sid: str) -> dict | None:
-    """The Jobs API record of submission `sid` (status, start_time, ...) from the GCS; None when there is none."""
-    from ray._private import ray_constants
-    from ray.dashboard.modules.job.common import JobInfoStorageClient
-
-    key = JobInfoStorageClient.JOB_DATA_KEY.format(job_id=sid).encode()
-    gcs = ray._private.worker.global_worker.gcs_client
-    namespace = ray_constants.KV_NAMESPACE_JOB
-    raw = gcs.internal_kv_get(key, namespace.encode() if isinstance(namespace, str) else namespace)
-    return None if raw is None else json.loads(raw)
 
 
 def find_orphans(exclude: str | None = None) -> list[Orphan]:
