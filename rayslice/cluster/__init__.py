@@ -175,13 +175,17 @@ def _growth_room(spec: StepSpec) -> int:
 
 
 def _note_lost_work(timeline: phases.Timeline, checkpoint_dir: str | None) -> None:
-    """A preempted attempt's lost work: from its newest checkpoint (written during it) to the preemption.
+    """A preempted attempt's lost work: from its newest checkpoint (written during it) to where its body stopped.
 
     The preempted hosts' own reports died with them, so the checkpoint folder tells where the resume
     starts; without a checkpoint of this attempt the goodput counts its whole body lost (its default).
     """
     started = timeline.times.get("step_started", timeline.detail.get("actors_started"))
     ended = timeline.detail.get("gang_returned")
+    if ended is not None and timeline.times.get("step_done", ended) < ended:
+        # The body stopped on every host before the gang returned (it raised after its save): what follows,
+        # the hosts' exit, is redone by no one.
+        ended = timeline.times["step_done"]
     written = checkpoints.newest_written(checkpoint_dir) if checkpoint_dir else None
     if started is not None and ended is not None and written is not None and started <= written <= ended:
         timeline.add_spans({"lost": [[written, ended]]})

@@ -190,6 +190,10 @@ class HostProcess:
         finally:  # also when the step raised: the driver waits for this host's last lines either way
             if publishing is not None:  # raised: the driver reads it, so it waits; reported: not needed
                 publishing.leave(PUBLISH_WAIT_S, reported=reported)
+                if not reported:  # where the body stopped (a suspension's lost work ends there, not at the exit)
+                    self._times["step_done"] = time.time()
+                    phases.publish(attempt.phases_key, plan.label, dict(self._times)).leave(
+                        PUBLISH_WAIT_S, reported=False)
             sys.stderr.flush()
             print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
         return result, self._times
