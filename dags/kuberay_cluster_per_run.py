@@ -6,8 +6,9 @@ same cluster with ``kuberay_cluster="per-run"`` (the name is computed from the r
 needed). The teardown runs when the step fails too, and deletes only a cluster this run made.
 
 The `ray` connection ``ray_kuberay`` names the Kubernetes API and namespace in its ``kuberay``
-extra, e.g. ``{"namespace": "ml", "name": "rayslice", "in_cluster": true}`` (the name is
-replaced per run here). docs/deploying-gke.md sets it up, with the RBAC the operators need.
+extra, e.g. ``{"namespace": "ml-runs", "name": "rayslice", "in_cluster": true}`` (the name is
+replaced per run here; a namespace holding per-run clusters only). docs/deploying-gke.md step 10 sets
+it up, with the RBAC and the admission policy the operators need.
 The step's XCom is one item per host: ``{"process": i, "processes": 4, "devices": 16}``.
 """
 

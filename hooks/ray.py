@@ -51,7 +51,7 @@ from rayslice.client.urls import dashboard_url
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 from rayslice.core.queue import SETTINGS_ENV, TEAM_PATTERN
-from rayslice.core.step import DEPLOYMENT_VARIABLE, Launcher
+from rayslice.core.step import CHECKPOINT_ROOT_FORMS, DEPLOYMENT_VARIABLE, Launcher, checkpoint_root_problem
 
 __all__ = ["DEPLOYMENT_VARIABLE", "EXTRAS", "RayConnectionSettings", "RayHook", "RaysliceHook", "dashboard_url"]
 
@@ -256,9 +256,9 @@ def _launcher(value: Any) -> Launcher:
 def _checkpoint_root(value: Any) -> str | None:
     if value in (None, ""):
         return None
-    if not isinstance(value, str) or "://" not in value:
-        raise InvalidRequestError(f"the `ray` connection's extra 'checkpoint_root' must be a URL like "
-                                  f"'gs://bucket/checkpoints' or 'file:///shared/checkpoints', got {value!r}")
+    problem = checkpoint_root_problem(value) if isinstance(value, str) else f"must be {CHECKPOINT_ROOT_FORMS}"
+    if problem:  # the steps' own check would refuse it too, naming their parameter, not this extra
+        raise InvalidRequestError(f"the `ray` connection's extra 'checkpoint_root' {problem}; got {value!r}")
     return value
 
 

@@ -445,7 +445,8 @@ def doctor(
         "--smoke-slice", help="The slice (name or pod type, e.g. v6e-16) for the smoke step; default: a whole one.")
     ] = None,
     smoke_timeout: Annotated[float, typer.Option(
-        "--smoke-timeout", min=5, help="Seconds the smoke step may wait for its slice and run.")] = 120.0,
+        "--smoke-timeout", min=5, max=3600, help="Seconds the smoke step may wait for its slice and run (5-3600).")
+    ] = 120.0,
     kuberay_namespace: Annotated[str | None, typer.Option(
         "--kuberay-namespace", help="Also check KubeRay in this namespace: CRD version, TPU webhook, RBAC.")] = None,
     kuberay_cluster: Annotated[str | None, typer.Option(
@@ -481,6 +482,13 @@ def doctor(
 
     if (project is None) != (zone is None):
         raise fail("give --project and --zone together (the Cloud TPU checks need both)")
+    if project is not None and zone is not None:
+        from rayslice.cloud.cloud_tpu import check_project_zone
+
+        try:  # a typo is the user's, in their flag's words: not a failed API call with a credentials fix
+            check_project_zone(project, zone)
+        except RaysliceError as exc:
+            raise fail(str(exc).replace("GCP project ", "--project ").replace("zone ", "--zone ", 1)) from None
     if (tpu_type or service_account) and project is None:
         raise fail("--tpu-type and --service-account are Cloud TPU checks: give --project and --zone too")
     if (kubeconfig or context or in_cluster or kuberay_manage or kuberay_cluster) and not kuberay_namespace:
@@ -488,8 +496,17 @@ def doctor(
                    "--kuberay-namespace")
     for endpoint in egress:
         host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise fail(f"--egress {endpoint!r}: give host:port, e.g. pypi.org:443")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise fail(f"--egress {endpoint!r}: give host:port (port 1-65535), e.g. pypi.org:443")
+    # Flags only the Ray cluster's checks read: silently dropping them would report on something not checked.
+    unused = [flag for flag, given in (("--address", address), ("--conn-id", conn_id),
+                                       ("--installed/--shipped", installed is not None),
+                                       ("--checkpoint-root", checkpoint_root), ("--egress", egress),
+                                       ("--smoke-slice", smoke_slice)) if given]
+    if not cluster_checks and unused:
+        raise fail(f"{', '.join(unused)} check the Ray cluster: drop --no-cluster, or drop them")
+    if smoke_slice and not smoke:
+        raise fail("--smoke-slice names the smoke step's slice: drop --no-smoke, or drop --smoke-slice")
     checks: list[Check] = []
     if cluster_checks:
         where = target(address, token, conn_id, name)

@@ -32,6 +32,15 @@ _SERVICE = re.compile(r"^/api/v1/namespaces/([^/]+)/services/([^/]+)$")
 _SECRETS = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets(?:/([^/]+))?$")
 _CRD = re.compile(r"^/apis/apiextensions\.k8s\.io/v1/customresourcedefinitions/([^/]+)$")
 _WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+
+
+def _rule_allows(rule: dict[str, Any], attrs: dict[str, Any]) -> bool:
+    """Kubernetes' RBAC match of one PolicyRule (plus the ``namespace`` of its Role, None for a ClusterRole)."""
+    if rule.get("namespace") is not None and rule["namespace"] != attrs.get("namespace"):
+        return False
+    names = rule.get("resourceNames")
+    return (attrs.get("group", "") in rule["apiGroups"] and attrs.get("resource") in rule["resources"]
+            and attrs.get("verb") in rule["verbs"] and (not names or attrs.get("name") in names))
 _SSAR = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 
 
@@ -65,6 +74,10 @@ class FakeKubernetes(JsonHttpFake):
         self.mutating_webhooks: list[str] = ["kuberay-tpu-webhook-mutating-webhook-configuration"]
         # (verb, resource) pairs a SelfSubjectAccessReview answers "not allowed" for; everything else is allowed.
         self.denied: set[tuple[str, str]] = set()
+        # Or, when set, RBAC as the API server evaluates it: the rules of Roles (``namespace``: theirs) and
+        # ClusterRoles (``namespace`` None) bound to the caller; a rule with resourceNames allows only a request
+        # naming one of them (a review without a name is not allowed by it).
+        self.rbac_rules: list[dict[str, Any]] | None = None
         self.clusters: dict[tuple[str, str], dict[str, Any]] = {}
         self.services: dict[tuple[str, str], dict[str, Any]] = {}
         self.secrets: dict[tuple[str, str], dict[str, Any]] = {}  # as stored: ``data`` base64, like the API
@@ -205,7 +218,10 @@ class FakeKubernetes(JsonHttpFake):
                               "metadata": {"name": name}, "webhooks": []} for name in self.mutating_webhooks]}
         if path == _SSAR and method == "POST":
             attrs = ((body or {}).get("spec") or {}).get("resourceAttributes") or {}
-            allowed = (attrs.get("verb"), attrs.get("resource")) not in self.denied
+            if self.rbac_rules is not None:
+                allowed = any(_rule_allows(rule, attrs) for rule in self.rbac_rules)
+            else:
+                allowed = (attrs.get("verb"), attrs.get("resource")) not in self.denied
             return 201, {**body, "status": {"allowed": allowed} | ({} if allowed else {
                 "reason": f"RBAC: no rule allows {attrs.get('verb')} {attrs.get('resource')}"})}
         if m := _CRD.match(path):

@@ -205,6 +205,14 @@ CASES = [
          lambda: _operator(tpu="v6e-4", callable="pkg.mod:fn", checkpoint_root="file://ckpt"),
          InvalidRequestError, "checkpoint_root of 'train' must be a URL like 'gs://bucket/checkpoints', "
          "'s3://bucket/checkpoints' or 'file:///shared/checkpoints'; a file:// root needs an absolute path"),
+    Case("dag", "`checkpoint_root='FILE:///shared/ckpt'` (an upper-case protocol)",
+         lambda: _operator(tpu="v6e-4", callable="pkg.mod:fn", checkpoint_root="FILE:///shared/ckpt"),
+         InvalidRequestError, "checkpoint_root of 'train' must be a URL like 'gs://bucket/checkpoints', "
+         "'s3://bucket/checkpoints' or 'file:///shared/checkpoints'; its protocol 'FILE' is no lowercase name"),
+    Case("dag", "`checkpoint_root='memory://ckpt'`",
+         lambda: _operator(tpu="v6e-4", callable="pkg.mod:fn", checkpoint_root="memory://ckpt"),
+         InvalidRequestError, "checkpoint_root of 'train' must be a URL like 'gs://bucket/checkpoints', "
+         "'s3://bucket/checkpoints' or 'file:///shared/checkpoints'; memory:// is each host process's own memory"),
     Case("dag", "`kuberay_cluster='Train_Run_1'` (not a Kubernetes name)",
          lambda: _operator(tpu="v6e-4", callable="pkg.mod:fn", kuberay_cluster="Train_Run_1"), InvalidRequestError,
          "kuberay_cluster of 'train' 'Train_Run_1' is invalid: a RayCluster name is a DNS-1035 label of at most 53 "

@@ -502,3 +502,31 @@ def test_the_gke_pages_queue_maxima_are_its_clusters():
             kind, amount = "GPU", group["maxReplicas"] * int(limits["nvidia.com/gpu"])
         most[kind] = most.get(kind, 0) + amount
     assert settings.max_capacity == most
+
+
+def test_the_per_run_clusters_admission_bounds_every_requester_in_a_namespace_of_their_own():
+    """Step 10 of the GKE page: DAG authors get create/delete RayClusters and read every Secret of the per-run
+    namespace. Bounded only if (a) that namespace is not the shared cluster's (its token would be readable, its
+    Secret deletable), (b) the RayCluster policy holds for every requester: KubeRay binds the head's service
+    account (ray-ksa) to `patch rayclusters` for the autoscaler, and every step's code runs as it, so a policy
+    matched to Airflow's accounts only is bypassed from any step; (c) the pods KubeRay creates are held to
+    Pod Security `baseline` (no privileged containers, hostPath or host namespaces, which the policy leaves out)."""
+    page = "deploying-gke.md"
+    shared = next(w for _, w in commands([page], "rayslice") if w[:2] == ["kuberay", "manifest"])
+    per_run = next(w for _, w in commands([page], "rayslice") if w[:2] == ["kuberay", "rbac"] and "--manage" in w)
+    shared_ns, runs_ns = shared[shared.index("--namespace") + 1], per_run[per_run.index("--namespace") + 1]
+    assert runs_ns != shared_ns
+    conns = [json.loads(body) for lang, body in blocks(page) if lang == "json"]
+    per_run_conn = [c for c in conns if "token_secret" not in c["extra"]["kuberay"]]
+    assert [c["extra"]["kuberay"]["namespace"] for c in per_run_conn] == [runs_ns]
+    shown = [obj for lang, body in blocks(page) if lang == "yaml" for obj in yaml.safe_load_all(body)]
+    for binding in (o for o in shown if o["kind"] == "ValidatingAdmissionPolicyBinding"):
+        selector = binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]
+        assert selector == {"kubernetes.io/metadata.name": runs_ns}
+    [clusters] = [o for o in shown if o["kind"] == "ValidatingAdmissionPolicy"
+                  and o["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["rayclusters"]]
+    assert "matchConditions" not in clusters["spec"]
+    kubectl = [w for _, w in commands([page], "kubectl")]
+    assert ["label", "namespace", runs_ns, "pod-security.kubernetes.io/enforce=baseline"] in \
+        [w[:4] for w in kubectl]
+    assert ["create", "serviceaccount", "ray-ksa", "-n", runs_ns] in [w[:5] for w in kubectl]

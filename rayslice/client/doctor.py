@@ -14,6 +14,7 @@ same ``Check``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import sys
@@ -69,12 +70,22 @@ def render(checks: Iterable[Check]) -> str:
 # ---- the rules (facts in, Check out)
 
 
-def judge_dashboard(url: str, error: Exception | None, ray_version: str | None) -> Check:
-    if error is None:
-        return Check("dashboard", "PASS", f"{url} answers (Ray {ray_version})")
-    return Check("dashboard", "FAIL", f"{url}: {error}",
-                 "check the address (the Ray dashboard, port 8265), that the head runs, and that this machine may "
+DASHBOARD_FIX = ("check the address (the Ray dashboard, port 8265), that the head runs, and that this machine may "
                  "reach it (firewall, Service type, VPN)")
+
+
+def judge_dashboard(url: str, error: Exception | None, ray_version: str | None, *, refused: bool = False) -> Check:
+    """PASS only on a Ray dashboard's own answer: some other server answering JSON on that port is no dashboard.
+
+    ``refused``: /api/version asked for the token (the token check says the rest)."""
+    if error is not None:
+        return Check("dashboard", "FAIL", f"{url}: {error}", DASHBOARD_FIX)
+    if refused:
+        return Check("dashboard", "PASS", f"{url} answers (it wants a token: see the token check)")
+    if not ray_version:
+        return Check("dashboard", "FAIL", f"{url} answers /api/version, but with no ray_version: not a Ray "
+                     "dashboard", DASHBOARD_FIX)
+    return Check("dashboard", "PASS", f"{url} answers (Ray {ray_version})")
 
 
 def judge_token(error: Exception | None, token_given: bool) -> Check:
@@ -128,7 +139,13 @@ def judge_versions(probe: dict[str, Any], *, client_python: str, client_rayslice
                  f"this side Python {client_python}, rayslice {client_rayslice}{off_pin}{note}")
 
 
+NO_NODES = Check("nodes", "FAIL", "the probe reported no alive node at all (not even the head it ran on)",
+                 "read the probe job's log in the dashboard (Jobs tab, id rayslice-doctor-...)")
+
+
 def judge_nodes_answered(probe: dict[str, Any]) -> Check:
+    if not probe["nodes"]:
+        return NO_NODES
     silent = [n for n in probe["nodes"] if "python" not in n]
     if not silent:
         return Check("nodes", "PASS", f"all {len(probe['nodes'])} alive node(s) ran the probe")
@@ -214,7 +231,11 @@ def judge_checkpoint(probe: dict[str, Any], root: str | None) -> Check:
     if writer is None or "python" not in writer:
         return Check("checkpoint root", "FAIL", f"no host answered to write {root}", "see the nodes check")
     where = writer.get("hostname") or writer["node_id"][:12]
-    if writer.get("checkpoint") is None:
+    if "checkpoint" not in writer:  # no answer is no evidence: the probe that ran did not try the write
+        return Check("checkpoint root", "FAIL", f"host {where} did not try to write {root} (its probe answered "
+                     "without it)", "run the doctor with this release's launcher (--shipped, or install this "
+                     "release on the cluster)")
+    if writer["checkpoint"] is None:
         return Check("checkpoint root", "PASS", f"{root} is writable from host {where}")
     return Check("checkpoint root", "FAIL", f"host {where} cannot write {root}: {writer['checkpoint']}",
                  "give the hosts' identity write access (gs://: roles/storage.objectUser on the bucket for the "
@@ -223,6 +244,8 @@ def judge_checkpoint(probe: dict[str, Any], root: str | None) -> Check:
 
 
 def judge_metrics(probe: dict[str, Any]) -> Check:
+    if not probe["nodes"]:
+        return Check("metrics", "FAIL", "no node to ask (see the nodes check)", "see the nodes check")
     closed = [n for n in probe["nodes"] if n.get("metrics_error")]
     if not closed:
         ports = sorted({str(n.get("metrics_port")) for n in probe["nodes"]})
@@ -238,7 +261,9 @@ def judge_egress(probe: dict[str, Any], endpoints: list[str]) -> Check:
     writer = next((n for n in probe["nodes"] if n.get("writer") and "python" in n), None)
     if writer is None:
         return Check("egress", "FAIL", "no host answered to try egress", "see the nodes check")
-    blocked = {e: why for e, why in (writer.get("egress") or {}).items() if why}
+    tried = writer.get("egress") or {}
+    # An endpoint missing from the host's answer was never tried: not evidence that it is reachable.
+    blocked = {e: tried.get(e, "not tried") for e in endpoints if e not in tried or tried[e]}
     where = writer.get("hostname") or writer["node_id"][:12]
     if not blocked:
         return Check("egress", "PASS", f"host {where} reaches {', '.join(endpoints)}")
@@ -255,9 +280,16 @@ def judge_smoke(results: Any, slice_name: str, hosts: int, error: Exception | No
     rows = list(results or [])
     counts = ", ".join(f"worker {r['worker']} ({r['host']}): {r['device_count']} devices, "
                        f"{r['local_device_count']} local" for r in rows)
-    if len(rows) != hosts or len({r["device_count"] for r in rows}) != 1:
+    if sorted(r["worker"] for r in rows) != list(range(hosts)) or len({r["device_count"] for r in rows}) != 1:
         return Check("smoke", "FAIL", f"{slice_name}: {len(rows)} of {hosts} host(s) answered, {counts}",
                      "every host must see the same JAX group; look at the hosts that differ")
+    # Hosts that agree on their own chips only (4 each on a 16-chip slice) never formed one JAX group.
+    local = sum(r["local_device_count"] for r in rows)
+    if rows[0]["device_count"] != local:
+        return Check("smoke", "FAIL", f"{slice_name}: each host sees {rows[0]['device_count']} devices, but the slice "
+                     f"has {local} devices across its hosts: JAX is not wired across the hosts ({counts})",
+                     "the hosts' JAX must join one group (jax.distributed through the launcher, TPU_WORKER_HOSTNAMES "
+                     "and the slice's ports open between its hosts); read the step's log above")
     return Check("smoke", "PASS", f"jax.device_count() on every host of {slice_name}: {counts}")
 
 
@@ -289,19 +321,30 @@ def run_probe(client: RayJobsClient, *, launcher: Launcher, checkpoint_root: str
     sid = f"rayslice-doctor-{secrets.token_hex(6)}"
     import shlex
 
-    client.submit(f"{PROBE_ENTRYPOINT} {shlex.quote(args)}", submission_id=sid, runtime_env=runtime_env or None,
-                  metadata={"rayslice-doctor": "1"})
     deadline = time.monotonic() + timeout
-    while not (job := client.get(sid)).status.is_terminal:
-        if time.monotonic() > deadline:
-            client.stop(sid)
-            raise RayJobsError(f"the doctor's probe job {sid} did not finish within {timeout:g} s")
-        time.sleep(0.2)
-    log = client.logs(sid)
+    try:
+        client.submit(f"{PROBE_ENTRYPOINT} {shlex.quote(args)}", submission_id=sid,
+                      runtime_env=runtime_env or None, metadata={"rayslice-doctor": "1"})
+        while not (job := client.get(sid)).status.is_terminal:
+            if time.monotonic() > deadline:
+                raise RayJobsError(f"the doctor's probe job {sid} did not finish within {timeout:g} s")
+            time.sleep(0.2)
+    except BaseException:
+        # Ctrl-C, a lost poll or the deadline: the probe must not go on running on the cluster without us.
+        _stop_quietly(client, sid)
+        raise
+    # The client's own scrubbing (token, secret headers): the doctor's output is made to be pasted into tickets.
+    log = client._scrub(client.logs(sid))
     for line in reversed(log.splitlines()):
         if line.startswith(PROBE_MARKER):
             return json.loads(line[len(PROBE_MARKER):])
     raise RayJobsError(f"the doctor's probe job {sid} ended {job.status.value} without its facts: {log[-800:]}")
+
+
+def _stop_quietly(client: RayJobsClient, sid: str) -> None:
+    """Best effort: a dashboard that is gone cannot be asked, and the original error is what to report."""
+    with contextlib.suppress(Exception):
+        client.stop(sid)
 
 
 @dataclass
@@ -318,11 +361,16 @@ class Doctor:
     smoke: bool = True
     smoke_slice: str | None = None  # a slice name or pod type; default the first whole slice
     smoke_timeout: float = 120.0
+    #: Past the step's own timeouts (capacity, then run): time for its job to start (runtime env) and end. A job
+    #: that outlives them all (a driver stuck starting or hung) is given up on and stopped: the doctor never hangs.
+    smoke_grace: float = 120.0
     pinned_ray: str = ""  # the Ray rayslice is tested with (rayslice.cloud.pins, which this side may not import)
     emit: Callable[[str], None] = lambda line: None
 
-    def _client(self) -> RayJobsClient:
-        return RayJobsClient(self.url, token=self.token, headers=self.headers, verify=self.verify, retries=1)
+    def _client(self, retries: int = 1) -> RayJobsClient:
+        """One attempt per call for the first looks (a dashboard that is not there fails fast); the probe's calls
+        get the usual retries: on a loaded head one slow answer must not FAIL the probe and SKIP every check."""
+        return RayJobsClient(self.url, token=self.token, headers=self.headers, verify=self.verify, retries=retries)
 
     def run(self) -> list[Check]:
         """Every cluster check in order; a check that needs an earlier one that failed is a SKIP naming it."""
@@ -331,14 +379,16 @@ class Doctor:
         checks: list[Check] = []
         with self._client() as client:
             version_error: Exception | None = None
-            ray_version = None
+            ray_version, refused = None, False
             try:
                 ray_version = client.version().get("ray_version")
             except RayAuthError:  # the dashboard answered: the token check says the rest
-                pass
+                refused = True
             except RaysliceError as exc:
                 version_error = exc
-            checks.append(judge_dashboard(self.url, version_error, ray_version))
+            checks.append(judge_dashboard(self.url, version_error, ray_version, refused=refused))
+            if checks[-1].status == "FAIL":
+                version_error = version_error or RaysliceError("not a Ray dashboard")
             if version_error is not None:
                 return [*checks, *self._skipped("dashboard")]
             try:
@@ -350,11 +400,17 @@ class Doctor:
             if token_error is not None:
                 return [*checks, *self._skipped("token")]
             try:
-                probe = run_probe(client, launcher=self.launcher, checkpoint_root=self.checkpoint_root,
-                                  egress=list(self.egress))
+                with self._client(retries=3) as patient:
+                    probe = run_probe(patient, launcher=self.launcher, checkpoint_root=self.checkpoint_root,
+                                      egress=list(self.egress))
             except RaysliceError as exc:
-                checks.append(Check("probe", "FAIL", f"the probe job did not report: {exc}",
-                                    "read the job's log in the dashboard (Jobs tab, id rayslice-doctor-...)"))
+                fix = "read the job's log in the dashboard (Jobs tab, id rayslice-doctor-...)"
+                if self.launcher == "installed" and "No module named 'rayslice" in str(exc):
+                    # Issue 50's first-day failure: the connection says installed, the head's Python has none.
+                    fix = (f"launcher is `installed` but the head's Python has no rayslice: install rayslice "
+                           f"{__version__}'s wheel (`rayslice[cluster]`) on the head and every host, or drop "
+                           "`launcher` from the `ray` connection (default: shipped with each job); " + fix)
+                checks.append(Check("probe", "FAIL", f"the probe job did not report: {exc}", fix))
                 return [*checks, *self._skipped("probe")]
         checks.append(judge_nodes_answered(probe))
         checks.append(judge_versions(probe, client_python=_python(), client_rayslice=__version__,
@@ -405,11 +461,20 @@ class Doctor:
         async def go() -> Any:
             async with AsyncRayJobsClient(self.url, token=self.token, headers=self.headers,
                                           verify=self.verify) as client:
-                sid = await submit_step(client, spec, emit=self.emit)
+                sid = spec.owner.submission_id  # known before the POST: a Ctrl-C during it still finds the job
+                limit = 2 * self.smoke_timeout + self.smoke_grace
                 try:
-                    return await wait_for_step(client, sid, emit=self.emit)
-                except asyncio.CancelledError:
-                    await client.stop(sid)
+                    follow = wait_for_step(client, await submit_step(client, spec, emit=self.emit), emit=self.emit)
+                    try:
+                        return await asyncio.wait_for(follow, timeout=limit)
+                    except TimeoutError:
+                        raise RaysliceError(f"the smoke step's job {sid} did not end within {limit:g} s (its "
+                                            f"timeouts and {self.smoke_grace:g} s to start); it was stopped") from None
+                except BaseException:
+                    # Ctrl-C (the task cancelled), a follow that gave up, the step's own failure: the smoke
+                    # step is the doctor's alone, so it must not hold a slice once the doctor stops watching.
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(client.stop(sid))
                     raise
 
         try:

@@ -174,7 +174,7 @@ def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: fl
         oldest = start if oldest is None else min(oldest, start)
         sid, _, rest = name[len(PREFIX):].partition("/")
         end = _ms(actor.get("endTime")) if actor.get("state") == "DEAD" else None
-        start, end = _held(start, end, holds.get(sid))
+        start, end = _held(start, end, holds.get(sid), _lived(by_sid.get(sid), now))
         if end is not None and end < since:
             continue
         held = [(r, a) for r in ACCELERATORS if (a := _amount(actor.get("requiredResources") or {}, r))]
@@ -217,16 +217,40 @@ def parse(nodes_body: Any, actors_body: Any, jobs: Any, *, now: float, hours: fl
 CLOCK_SLACK_S = 5.0
 
 
-def _held(start: float, end: float | None, holds: list[list[float]] | None) -> tuple[float, float | None]:
+def _lived(job: dict[str, Any] | None, now: float) -> tuple[float, float] | None:
+    """When the step's Ray job started and ended (still running: now), from Ray's own job record; None if unknown."""
+    start = _ms((job or {}).get("start_time"))
+    if start is None:
+        return None
+    end = _ms(job.get("end_time"))
+    return start, end if end is not None else now
+
+
+def _held(start: float, end: float | None, holds: list[list[float]] | None,
+          lived: tuple[float, float] | None) -> tuple[float, float | None]:
     """A host process's billed span: its attempt's whole hold (reserved to released) where the record names it.
 
-    The attempt is the one whose hold contains the process's start (the latest such, after a suspension).
+    The attempt is the one whose hold contains the process's start, within the clock slack; where two
+    do (a suspension as the hosts came up, the next attempt reserved a second later), the one nearest
+    to it, and never one that began after the process ended (`_distance`).
+    The record is read from the job's log, where the step's own program prints too, so a hold only
+    widens the process's span within its job's life as Ray recorded it (`lived`): no job known, no widening.
     """
-    found = [(a, b) for a, b, _ in holds or () if a - CLOCK_SLACK_S <= start <= b + CLOCK_SLACK_S]
-    if not found or end is None:
+    if end is None or lived is None:
         return start, end
-    reserved, released = max(found)
-    return min(start, reserved), max(end, released)
+    found = [(a, b) for a, b, _ in holds or ()
+             if a - CLOCK_SLACK_S <= start <= b + CLOCK_SLACK_S and a - CLOCK_SLACK_S <= end]
+    if not found:
+        return start, end
+    reserved, released = min(found, key=lambda hold: _distance(start, end, hold))
+    first, last = lived[0] - CLOCK_SLACK_S, lived[1] + CLOCK_SLACK_S
+    return min(start, max(reserved, first)), max(end, min(released, last))
+
+
+def _distance(start: float, end: float, hold: tuple[float, float]) -> tuple[float, float]:
+    """How far a host process's life is from a hold: outside it first (0 when the hold holds it), then its start's."""
+    reserved, released = hold
+    return max(0.0, reserved - start) + max(0.0, end - released), abs(start - reserved)
 
 
 def step_ids(actors_body: Any, *, now: float, hours: float) -> set[str]:

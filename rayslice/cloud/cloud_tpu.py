@@ -41,6 +41,7 @@ __all__ = [
     "CloudTpuError",
     "QueuedSlice",
     "check_accelerator_type",
+    "check_project_zone",
     "head_startup_script",
     "owner_label",
     "startup_script",
@@ -84,7 +85,8 @@ class CloudTpuError(RaysliceError):
     transient: bool = False
 
 
-def _check(project: str, zone: str) -> None:
+def check_project_zone(project: str, zone: str) -> None:
+    """A project ID and a zone as the Cloud TPU API takes them: a typo is refused before any call."""
     if not isinstance(project, str) or not _PROJECT.match(project):
         raise InvalidRequestError(f"GCP project {project!r} is invalid: use the project ID, e.g. 'my-project-123'")
     if not isinstance(zone, str) or not _ZONE.match(zone):
@@ -123,7 +125,7 @@ def _api_error(what: str, exc: Exception) -> CloudTpuError:
 def zone_accelerator_types(project: str, zone: str, *, client: Any = None, api_endpoint: str | None = None,
                            max_age: float = ZONE_CACHE_SECONDS) -> tuple[str, ...]:
     """The accelerator types (``v6e-16``, ...) the zone offers, cached per project and zone for ``max_age`` s."""
-    _check(project, zone)
+    check_project_zone(project, zone)
     key = (api_endpoint or "", project, zone)
     with _zone_lock:
         hit = _zone_cache.get(key)
@@ -272,6 +274,9 @@ def _script(title: str, start: str, *, install: bool, packages: tuple[str, ...],
         'have="$("$venv/bin/python" -c "import platform; print(platform.python_version())" 2>/dev/null || true)"',
         f'case "$have" in {wanted}|{wanted}.*) ;; *) uv venv --clear --python {wanted} "$venv" ;; esac',
         f'uv pip install --python "$venv/bin/python" {quoted}',
+        # Ray runs a job's entrypoint (`python -m rayslice.cluster ...`) through the shell with this PATH: a
+        # startup script's is the system's (Debian 12 has no `python`), so the venv's bin goes first.
+        'export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"',
         f'"$venv/bin/ray" {start}',
     ]
     return "\n".join(lines) + "\n"
@@ -373,7 +378,7 @@ class QueuedSlice:
     scopes: tuple[str, ...] = DEFAULT_SCOPES
 
     def __post_init__(self) -> None:
-        _check(self.project, self.zone)
+        check_project_zone(self.project, self.zone)
         object.__setattr__(self, "scopes", tuple(self.scopes) if isinstance(self.scopes, (list, tuple)) else
                            self.scopes)
         if self.network is not None and (not isinstance(self.network, str) or not _NETWORK.match(self.network)):
@@ -398,6 +403,14 @@ class QueuedSlice:
         if not isinstance(self.queued_resource_id, str) or not _RESOURCE_ID.match(self.queued_resource_id):
             raise InvalidRequestError(f"queued_resource_id {self.queued_resource_id!r} is invalid: lowercase "
                                       "letters, digits and '-', starting with a letter, at most 63 characters")
+        if isinstance(self.num_slices, int) and self.num_slices > 1:
+            # The API names a multislice's nodes `<id>-0` .. `<id>-<n-1>`: each a resource id of <= 63 characters.
+            last = f"{self.queued_resource_id}-{self.num_slices - 1}"
+            if len(last) > 63:
+                raise InvalidRequestError(
+                    f"queued_resource_id {self.queued_resource_id!r} is too long for num_slices={self.num_slices}: "
+                    f"its last node id {last!r} is {len(last)} characters, the API allows 63; shorten the id to "
+                    f"{63 - len(last) + len(self.queued_resource_id)} characters")
         version = served_version(self.tpu, self.num_slices)  # raises when bad
         if self.runtime_version is None and version not in RUNTIME_VERSIONS:
             raise InvalidRequestError(f"no default TPU VM runtime for {version}: pass runtime_version "
@@ -575,7 +588,7 @@ def sweep(project: str, zone: str, *, deployment: str, older_than_s: float, dele
     another Airflow's, and any made by hand or by another tool, are never listed. A run still using
     its slices is as old as its run: pick ``older_than_s`` longer than any run lasts.
     """
-    _check(project, zone)
+    check_project_zone(project, zone)
     if not isinstance(deployment, str) or not deployment:
         raise InvalidRequestError("deployment is required: the Airflow deployment whose slices to sweep (its "
                                   "`ray` connection's 'deployment' extra, or its `rayslice_deployment` Variable)")

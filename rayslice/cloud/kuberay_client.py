@@ -139,6 +139,7 @@ def default_kubeconfig() -> str:
 def load_api_client(*, kubeconfig: str | None = None, context: str | None = None, in_cluster: bool = False,
                     retries: int = 2, hint: str = "pass --kubeconfig/--context") -> Any:
     """A ``kubernetes.client.ApiClient`` from a kubeconfig (default ``~/.kube/config``) or the pod's service account."""
+    import yaml
     from kubernetes import client, config
 
     cfg = client.Configuration()
@@ -150,7 +151,9 @@ def load_api_client(*, kubeconfig: str | None = None, context: str | None = None
             config.load_kube_config(config_file=kubeconfig or default_kubeconfig(), context=context,
                                     client_configuration=cfg,
                                     persist_config=False)
-    except (config.ConfigException, OSError) as exc:
+    except (config.ConfigException, OSError, yaml.YAMLError, TypeError, AttributeError) as exc:
+        # YAMLError, TypeError, AttributeError: a file that is not a kubeconfig (bad YAML, a list, a string); the
+        # kubernetes client does not check its shape and fails inside.
         where = ("the pod's service account (in_cluster)" if in_cluster
                  else f"kubeconfig {kubeconfig or '~/.kube/config'}")
         raise KubeRayError(f"cannot load Kubernetes credentials from {where}: {exc}; {hint}") from None

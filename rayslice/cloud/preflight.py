@@ -28,10 +28,25 @@ WEBHOOK_FIX = ("install it after cert-manager: `helm install kuberay-tpu-webhook
                "multi-host TPU worker groups never form a slice")
 
 
-def _crd_check(api: Any) -> Check:
+#: Why a 403 on a cluster-scoped read is a warning without --kuberay-manage: the lookup-only rules of an Airflow
+#: component grant none (it needs none), so the doctor run as that component cannot see them.
+_ADMIN_CHECK = ("this identity may not read it, and lookup-only RBAC needs no such right; check it once with an "
+                "admin's kubeconfig: `rayslice doctor --no-cluster --kuberay-namespace {namespace} --context <admin>`")
+
+
+def _crd_check(api: Any, namespace: str, manage: bool) -> Check:
     try:
         fields = KubeRayCrds.from_cluster(api).auth_fields("RayCluster")
     except CrdUnavailableError as exc:
+        if exc.status_code == 403 and not manage:  # lookup-only RBAC never grants this read
+            return Check("kuberay crd", "WARN", str(exc), _ADMIN_CHECK.format(namespace=namespace))
+        if exc.status_code in (401, 403):  # KubeRay may well be there: this identity may not look
+            return Check("kuberay crd", "FAIL", str(exc),
+                         "grant get on customresourcedefinitions.apiextensions.k8s.io (the `rayslice kuberay rbac` "
+                         "manage role has it) to whoever runs the doctor, or check by hand: `kubectl get crd "
+                         "rayclusters.ray.io -o jsonpath='{.spec.versions[*].schema.openAPIV3Schema.properties.spec"
+                         ".properties.authOptions.properties}'` (secretName there: KubeRay >= "
+                         f"{KUBERAY_FLOOR})")
         return Check("kuberay crd", "FAIL", str(exc),
                      f"install KubeRay >= {KUBERAY_FLOOR}: `helm install kuberay-operator kuberay/kuberay-operator "
                      f"--version {KUBERAY_HELM_VERSION}`, or enable GKE's Ray operator add-on")
@@ -47,7 +62,7 @@ def _crd_check(api: Any) -> Check:
                  f"version whose Ray add-on has KubeRay >= {KUBERAY_FLOOR}")
 
 
-def _webhook_check(api: Any) -> Check:
+def _webhook_check(api: Any, namespace: str, manage: bool) -> Check:
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
@@ -56,6 +71,9 @@ def _webhook_check(api: Any) -> Check:
             _preload_content=False, _request_timeout=10)
         items = json.loads(resp.data).get("items") or []
     except ApiException as exc:
+        if exc.status == 403 and not manage:
+            return Check("tpu webhook", "WARN", "could not list mutatingwebhookconfigurations: HTTP 403",
+                         _ADMIN_CHECK.format(namespace=namespace))
         return Check("tpu webhook", "FAIL", f"could not list mutatingwebhookconfigurations: HTTP {exc.status} "
                      f"({exc.reason})", "grant list on mutatingwebhookconfigurations.admissionregistration.k8s.io "
                      "to whoever runs the doctor, or check by hand: `kubectl get mutatingwebhookconfigurations "
@@ -73,7 +91,12 @@ def _webhook_check(api: Any) -> Check:
                  WEBHOOK_FIX)
 
 
-def _rbac_check(api: Any, namespace: str, manage: bool) -> Check:
+def _rbac_check(api: Any, namespace: str, manage: bool, names: dict[tuple[str, str], str]) -> Check:
+    """Ask, for each call rayslice makes, whether this identity may; a lookup by name asks with that name.
+
+    Why the names: rendered rules narrow reads to names (the token Secret with ``--token-secret``, the CRD
+    ``rayclusters.ray.io``), and a review without a name is not allowed by a rule with resourceNames.
+    """
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
@@ -86,6 +109,8 @@ def _rbac_check(api: Any, namespace: str, manage: bool) -> Check:
         attrs = {"group": group, "resource": resource, "verb": verb}
         if ns:
             attrs["namespace"] = ns
+        if verb == "get" and (group, resource) in names:
+            attrs["name"] = names[(group, resource)]
         body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
                 "spec": {"resourceAttributes": attrs}}
         try:
@@ -95,7 +120,9 @@ def _rbac_check(api: Any, namespace: str, manage: bool) -> Check:
             return Check("kuberay rbac", "FAIL", f"SelfSubjectAccessReview failed: HTTP {exc.status} ({exc.reason})",
                          "the credentials may not ask the API server; check the kubeconfig")
         if not status.get("allowed"):
-            what = f"{verb} {resource}{'.' + group if group else ''}" + (f" in {ns}" if ns else " (cluster-wide)")
+            named = f" {attrs['name']}" if "name" in attrs else ""
+            where = f" in {ns}" if ns else " (cluster-wide)"
+            what = f"{verb} {resource}{'.' + group if group else ''}{named}{where}"
             denied.append(what + (f" ({status['reason']})" if status.get("reason") else ""))
     scope = "lookup and manage" if manage else "lookup"
     if not denied:
@@ -107,7 +134,7 @@ def _rbac_check(api: Any, namespace: str, manage: bool) -> Check:
                  "service account>` (run the doctor as that identity: in its pod, or with its kubeconfig)")
 
 
-def _raycluster_check(api: Any, namespace: str, name: str) -> Check:
+def _raycluster_check(api: Any, namespace: str, name: str, seen: dict[str, str]) -> Check:
     """The live RayCluster: ready, and its token auth as rendered (a pruned ``secretName`` means a token nobody has)."""
     from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient, KubeRayError, is_ready
 
@@ -120,6 +147,8 @@ def _raycluster_check(api: Any, namespace: str, name: str) -> Check:
                              "apply -f -`, or CreateRayClusterOperator), or fix the name")
             auth = obj.get("spec", {}).get("authOptions") or {}
             secret = auth.get("secretName")
+            if secret:
+                seen["secret"] = secret  # the RBAC check asks for it by name
             if auth.get("mode") == "token" and not secret:
                 return Check(what, "FAIL", "token auth without authOptions.secretName: KubeRay made its own random "
                              "token (the field was dropped or never set), so the token rayslice holds is refused",
@@ -150,11 +179,16 @@ def kuberay_checks(*, namespace: str, kubeconfig: str | None = None, context: st
                               hint="pass --kubeconfig/--context")
     except KubeRayError as exc:
         return [Check("kubernetes", "FAIL", str(exc), "pass --kubeconfig/--context, or run in a pod")]
+    names = {("apiextensions.k8s.io", "customresourcedefinitions"): "rayclusters.ray.io"}
     try:
-        checks = [_crd_check(api), _webhook_check(api), _rbac_check(api, namespace, manage)]
-        if cluster:
-            checks.append(_raycluster_check(api, namespace, cluster))
-        return checks
+        checks = [_crd_check(api, namespace, manage), _webhook_check(api, namespace, manage)]
+        if not cluster:
+            return [*checks, _rbac_check(api, namespace, manage, names)]
+        seen: dict[str, str] = {}
+        live = _raycluster_check(api, namespace, cluster, seen)  # first: it reads the token Secret's name
+        names[("ray.io", "rayclusters")] = cluster
+        names[("", "secrets")] = seen.get("secret", f"{cluster}-ray-token")
+        return [*checks, _rbac_check(api, namespace, manage, names), live]
     finally:
         api.close()
 
@@ -174,7 +208,7 @@ def cloud_tpu_checks(*, project: str, zone: str, tpu_type: str | None = None, se
 
     checks: list[Check] = []
     try:
-        cloud_tpu._check(project, zone)
+        cloud_tpu.check_project_zone(project, zone)
         client = cloud_tpu.tpu_client(api_endpoint, credentials=credentials)
         types = {t.type_ for t in client.list_accelerator_types(parent=f"projects/{project}/locations/{zone}")}
     except gexc.GoogleAPICallError as exc:

@@ -175,13 +175,17 @@ def _growth_room(spec: StepSpec) -> int:
 
 
 def _note_lost_work(timeline: phases.Timeline, checkpoint_dir: str | None) -> None:
-    """A preempted attempt's lost work: from its newest checkpoint (written during it) to the preemption.
+    """A preempted attempt's lost work: from its newest checkpoint (written during it) to where its body stopped.
 
     The preempted hosts' own reports died with them, so the checkpoint folder tells where the resume
     starts; without a checkpoint of this attempt the goodput counts its whole body lost (its default).
     """
     started = timeline.times.get("step_started", timeline.detail.get("actors_started"))
     ended = timeline.detail.get("gang_returned")
+    if ended is not None and timeline.times.get("step_done", ended) < ended:
+        # The body stopped on every host before the gang returned (it raised after its save): what follows,
+        # the hosts' exit, is redone by no one.
+        ended = timeline.times["step_done"]
     written = checkpoints.newest_written(checkpoint_dir) if checkpoint_dir else None
     if started is not None and ended is not None and written is not None and started <= written <= ended:
         timeline.add_spans({"lost": [[written, ended]]})
@@ -281,6 +285,10 @@ def _reap_orphans(spec: StepSpec) -> None:
             log(f"reaped {orphan.kind} {orphan.name}: its Ray job {orphan.submission_id} is {orphan.job_status}")
     except Exception as exc:
         log(f"could not sweep orphaned reservations: {type(exc).__name__}: {exc}")
+    try:  # keys in Ray's KV outlive their job: a killed driver never forgot its hosts' phase times
+        reaper.forget_ended_phases(exclude=spec.owner.submission_id or None)
+    except Exception as exc:
+        log(f"could not sweep ended steps' phase keys: {type(exc).__name__}: {exc}")
 
 
 def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices: int | None = None) -> admission.Place:
@@ -379,9 +387,9 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     attempt = replace(attempt, notice_key=watch.key)
     suspended, ended = False, None
     watch.__enter__()
-    # Once the attempt heard its notice, its hosts' JAX ending their processes as peers stop is expected noise.
-    drain.explain_shutdown({h.label for h in reservation.hosts}, watch.hosts_stopping)
-    try:
+    try:  # from here on, whatever happens, the reservation is released (the finally below)
+        # Once the attempt heard its notice, its hosts' JAX ending their processes as peers stop is expected noise.
+        drain.explain_shutdown({h.label for h in reservation.hosts}, watch.hosts_stopping)
         slices = sorted({h.slice_name for h in reservation.hosts})
         log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
@@ -420,8 +428,8 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         except BaseException as exc:
             drain_from = gang.raised_on(exc, plans)
             suspended = isinstance(exc, SuspendedError)
-            if suspended and (watch.notice or watch.offer) is not None and (watch.notice or watch.offer).grow:
-                # it stopped to take more slices (for an offer, even one the queue took back meanwhile)
+            if suspended and gang.stopped_to_grow(watch):
+                # it stopped to take more slices (for an offer, even one the queue took back or a notice held back)
                 exc.grow = True  # type: ignore[attr-defined]
             if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
                 quiet = 0.0

@@ -112,7 +112,8 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
         _tell(guard, program_group.DONE)
         raise CommandExitError(f"command {argv[0]!r} could not start in {os.getcwd()}: {exc.strerror or exc}",
                                127, time.time()) from None
-    _tell(guard, program_group.GROUP + str(child.pid).encode(), close=False)
+    started = program_group.start_time(child.pid)  # not reaped yet: the number is still the program's
+    _tell(guard, program_group.group_word(child.pid, started), close=False)
     if on_start is not None:
         on_start(child.pid)
     relays = [_Relay(stream, out, tail) for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
@@ -123,7 +124,7 @@ def run(argv: list[str], env: Mapping[str, str], report_dir: str, hang_interval:
         until = on_end(code) if on_end is not None and code is not None else None
         if until is not None:
             _linger(os.fsencode(marker), until, child.pid)
-        program_group.end(child.pid, os.fsencode(marker))
+        program_group.end(child.pid, os.fsencode(marker), started=started)  # reaped already: its number may be reused
         child.wait()
         _tell(guard, program_group.DONE)  # the program is ended: the guard stands down
         for relay in relays:

@@ -91,6 +91,20 @@ def _metrics(address: str, port: int | None) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+def metrics_errors(targets: list[tuple[str | None, int | None]]) -> list[str | None]:
+    """``_metrics`` of every (address, port), asked at once.
+
+    Why at once: a firewall that drops (not refuses) the port costs each ask its 5 s timeout; one after
+    another, a large cluster's asks outlast the doctor's wait for the probe, and every other fact is lost.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not targets:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(targets)), thread_name_prefix="rayslice-doctor-metrics") as pool:
+        return list(pool.map(lambda target: _metrics(*target), targets))
+
+
 def probe(checkpoint_root: str | None, egress: list[str]) -> dict[str, Any]:
     """Every alive node: its labels, resources, metrics port and the facts its own Python reports.
 
@@ -114,12 +128,12 @@ def probe(checkpoint_root: str | None, egress: list[str]) -> dict[str, Any]:
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=NODE_TIMEOUT_S)
     done = set(ready)
     out = []
-    for n in nodes:
+    metrics = metrics_errors([(n.get("NodeManagerAddress"), n.get("MetricsExportPort")) for n in nodes])
+    for n, metrics_error in zip(nodes, metrics, strict=True):
         entry: dict[str, Any] = {"node_id": n["NodeID"], "head": n["NodeID"] == head,
                                  "address": n.get("NodeManagerAddress"), "labels": n.get("Labels") or {},
                                  "resources": n.get("Resources") or {}, "writer": n["NodeID"] == writer,
-                                 "metrics_port": n.get("MetricsExportPort")}
-        entry["metrics_error"] = _metrics(entry["address"], entry["metrics_port"])
+                                 "metrics_port": n.get("MetricsExportPort"), "metrics_error": metrics_error}
         ref = refs[n["NodeID"]]
         if ref in done:
             try:

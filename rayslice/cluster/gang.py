@@ -154,6 +154,7 @@ class HostProcess:
         publishing = phases.publish(attempt.phases_key, plan.label, dict(self._times)) if attempt.phases_key \
             else None
         watched = attempt.hang_watch and environment is environments.SimulatedTpuSlice
+        reported = False
         try:
             with _step_folder(spec), \
                  (tempfile.TemporaryDirectory(prefix="rayslice-program-", ignore_cleanup_errors=True)
@@ -185,9 +186,14 @@ class HostProcess:
             self._times["step_done"] = time.time()
             if spans:
                 self._times[phases.SPANS_KEY] = spans  # type: ignore[assignment]
+            reported = True
         finally:  # also when the step raised: the driver waits for this host's last lines either way
-            if publishing is not None:
-                publishing.join(PUBLISH_WAIT_S)  # before the driver reads and forgets it
+            if publishing is not None:  # raised: the driver reads it, so it waits; reported: not needed
+                publishing.leave(PUBLISH_WAIT_S, reported=reported)
+                if not reported:  # where the body stopped (a suspension's lost work ends there, not at the exit)
+                    self._times["step_done"] = time.time()
+                    phases.publish(attempt.phases_key, plan.label, dict(self._times)).leave(
+                        PUBLISH_WAIT_S, reported=False)
             sys.stderr.flush()
             print(f"{HOST_DONE_MARKER}{self._label}", flush=True)  # after everything the step printed
         return result, self._times
@@ -394,6 +400,8 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
                 timeout = notices.POLL_S if timeout is None else min(timeout, notices.POLL_S)
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:  # a host that already returned counts, even when the stop is due: its body is done
+                if _stop_due(watch, deadline) and _all_returned(pending):
+                    continue  # every host returned as the wait ended: collected above, never stopped or timed out
                 if watch is not None and (stop_at := watch.stop_at()) is not None and time.time() >= stop_at:
                     raise _suspension(watch, plans, stopped=True)
                 stopping = watch is not None and (told := watch.heard()) is not None and not told.grow
@@ -470,6 +478,22 @@ def run_gang(actors: list[Any], plans: list[HostPlan], spec: StepSpec, attempt: 
         print("[rayslice] the step returned after a preemption notice: its value is taken as the step's result "
               "(raise rayslice.StepSuspended instead to be resumed from the checkpoint)", flush=True)
     return results
+
+
+def _stop_due(watch: notices.Watch | None, deadline: float | None) -> bool:
+    """Whether the notice's stop or the step_timeout (`deadline`, monotonic) is due now."""
+    stop_at = None if watch is None else watch.stop_at()
+    return (stop_at is not None and time.time() >= stop_at) or (deadline is not None and time.monotonic() >= deadline)
+
+
+def _all_returned(pending: list[Any]) -> bool:
+    """A last look, without waiting, before a stop ends the gang: have all of these hosts returned meanwhile?
+
+    A body that ended between the wait's timeout and the stop is done; stopping it would discard its
+    value, and a resumption would run a finished step again (its writes twice).
+    """
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+    return len(done) == len(pending)
 
 
 def _lost_in_grace(index: int, first: StepFailedError, pending: list[Any], refs: dict[Any, int],
@@ -650,6 +674,13 @@ def await_started(actors: list[Any], plans: list[HostPlan], timeout: float = HOS
         raise HostLostError(f"the host processes on {where} did not start within {timeout:.0f} s",
                             slice_index=plan.slice_index, worker_id=plan.worker_id, host=plan.ip)
     return ports
+
+
+def stopped_to_grow(watch: notices.Watch) -> bool:
+    """Whether a suspension of this watch's attempt is a stop to grow: what its hosts were told last is an offer
+    (one the queue took back meanwhile, or one told before a notice that is still held back from them)."""
+    told = watch.heard()
+    return told is not None and told.grow
 
 
 def suspension_while_starting(watch: notices.Watch, plans: list[HostPlan]) -> SuspendedError:
@@ -878,7 +909,11 @@ class LogDrain:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
         self._dispatcher = dispatcher
-        self.active = any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
+        try:  # made once capacity is reserved: a Ray whose dispatcher differs must not cost the step
+            self.active = any(pair[0] == "ray_print_logs" for pair in dispatcher.handlers
+                              if isinstance(pair, tuple) and len(pair) == 2)
+        except Exception:
+            self.active = False
         self._done: set[str] = set()
         self._seen = threading.Condition()
         self._last_line = 0.0

@@ -208,10 +208,11 @@ class Watch:
         """What the hosts are told: the notice (or the last offer to grow, kept when taken back), unless held back.
 
         Only a told notice changes what the step's end means: a host's failure under a notice held
-        back is its own.
+        back is its own. An offer to grow told before the notice came is still what the hosts heard:
+        a step that stops for it stops to grow.
         """
         if self.held_back():
-            return None
+            return self.offer
         return self.notice or self.offer
 
     def hosts_stopping(self) -> bool:
@@ -318,7 +319,9 @@ class CommandNotice:
         if started:
             self._signal_program()
         print(f"[rayslice] preemption notice delivered to the program: {notice.reason}; "
-              f"{notice.seconds_left:.0f} s to the deadline" + (f" ({self._signal.name} sent)" if self._signal else ""),
+              f"{notice.seconds_left:.0f} s to the deadline" + (f" ({self._signal.name} sent)" if self.signalled_at
+                                                               else " (no signal sent: an offer to grow, notice_signal "
+                                                               "none, or the program ended or ignores it)"),
               flush=True)
 
     def program_ended(self, code: int) -> float | None:
@@ -342,8 +345,48 @@ class CommandNotice:
         if self._signal is None or self._pid is None or (self._pending is not None and self._pending.grow):
             return  # an offer to grow is only written to the notice file: no program is stopped for it
         with self._lock:
-            if self._ended:
-                return  # a program that already ended was asked nothing
+            if self._ended or not would_act_on(self._pid, self._signal):
+                return  # a program that already ended, or that ignores the signal everywhere, was asked nothing
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._pid, self._signal)
                 self.signalled_at = time.time()
+
+
+def would_act_on(pgid: int, signum: int) -> bool:
+    """Whether the program whose first process is `pgid` (its own process group) would act on `signum` now.
+
+    A clean exit after the signal reads as a stop for the notice (docs/preemption.md), so the signal
+    counts only where it can have stopped something: the first process still runs (`killpg` succeeds
+    on a group whose leader exited 0 and is not reaped yet, or that holds only a helper it left), and
+    some process of the group does not ignore it (a wrapper's `trap '' TERM` is inherited by the
+    program it starts, which then runs to its end). Read from Linux's /proc; elsewhere, always True.
+    """
+    if not os.path.exists("/proc/self/stat"):
+        return True  # no /proc (not Linux): sent, and read as heard
+    try:
+        if _proc_state(pgid)[0] in ("Z", "X"):
+            return False
+    except (OSError, ValueError, IndexError):
+        return False  # its first process is gone
+    bit = 1 << (signum - 1)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            state, group = _proc_state(int(entry))
+            if group != pgid or state in ("Z", "X"):
+                continue
+            with open(f"/proc/{entry}/status") as f:
+                ignored = next((int(line.split()[1], 16) for line in f if line.startswith("SigIgn:")), 0)
+        except (OSError, ValueError, IndexError):
+            continue  # it ended meanwhile
+        if not ignored & bit:
+            return True
+    return False
+
+
+def _proc_state(pid: int) -> tuple[str, int]:
+    """A process's state letter and process group, from /proc/<pid>/stat (its name may hold spaces and ')')."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[2])

@@ -19,6 +19,7 @@ KV once its body starts (`publish`); the driver reads those of the hosts that di
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -54,19 +55,49 @@ def attempt_key(submission_id: str, preemption_attempt: int, unique: str) -> str
     return f"{KEY_PREFIX}{submission_id or 'adhoc'}:{preemption_attempt}:{unique}:"
 
 
-def publish(prefix: str, label: str, times: dict[str, Any]) -> threading.Thread:
+def publish(prefix: str, label: str, times: dict[str, Any]) -> Publication:
     """In a thread (the body is not held up): this host's phase times so far, for the driver if it never returns."""
-    def put() -> None:
+    return Publication(prefix + label, times)
+
+
+class Publication:
+    """One host's phase times on their way to Ray's KV, and their removal once the driver has the host's report.
+
+    The driver forgets every host's key once the gang ended. A put still on its way then (a loaded GCS)
+    would land after that and stay forever: a host that returns its report (`leave(reported=True)`)
+    has the put's own thread delete the key once it landed.
+    """
+
+    def __init__(self, key: str, times: dict[str, Any]) -> None:
+        self._key, self._lock = key, threading.Lock()
+        self._landed = self._forget = False
+        self._thread = threading.Thread(target=self._put, args=(json.dumps(times),), name="rayslice-phases",
+                                        daemon=True)
+        self._thread.start()
+
+    def _put(self, value: str) -> None:
         try:
             from ray.experimental import internal_kv
 
-            internal_kv._internal_kv_put(prefix + label, json.dumps(times), namespace=NAMESPACE)
+            internal_kv._internal_kv_put(self._key, value, namespace=NAMESPACE)
         except Exception:  # a phase record must never fail the step
             pass
+        with self._lock:
+            self._landed, forget = True, self._forget
+        if forget:
+            _delete(self._key)
 
-    thread = threading.Thread(target=put, name="rayslice-phases", daemon=True)
-    thread.start()
-    return thread
+    def leave(self, within: float, *, reported: bool) -> None:
+        """The host ends: with its report (the key is not needed: gone once it landed), or without it (wait for
+        the put, up to `within`, before the driver reads it)."""
+        if reported:
+            with self._lock:
+                self._forget = not self._landed  # landed already: the driver's forget, after this return, has it
+            return
+        self._thread.join(within)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
 
 
 def published(prefix: str, labels: dict[int, str]) -> dict[int, dict[str, float]]:
@@ -78,20 +109,26 @@ def published(prefix: str, labels: dict[int, str]) -> dict[int, dict[str, float]
         try:
             raw = internal_kv._internal_kv_get(prefix + label, namespace=NAMESPACE)
             if raw:
-                found[index] = {k: float(v) for k, v in json.loads(raw).items() if isinstance(v, int | float)}
+                # any writer may have put it (Ray's KV has no owner per key): finite numbers only, never NaN
+                found[index] = {k: float(v) for k, v in json.loads(raw).items()
+                                if isinstance(v, int | float) and math.isfinite(v)}
         except Exception:  # unreadable: that host's phases stay unknown
             continue
     return found
 
 
 def forget(prefix: str, labels: list[str]) -> None:
-    from ray.experimental import internal_kv
-
     for label in labels:
-        try:
-            internal_kv._internal_kv_del(prefix + label, namespace=NAMESPACE)
-        except Exception:
-            pass
+        _delete(prefix + label)
+
+
+def _delete(key: str) -> None:
+    try:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+    except Exception:
+        pass
 
 
 def ended_short(reports: list[dict[str, Any]], found: dict[int, dict[str, float]], ended: float) -> list[dict]:
@@ -229,7 +266,7 @@ def job_accepted_time(submission_id: str) -> float | None:
     if not submission_id:
         return None
     try:
-        from rayslice.cluster.reaper import job_info
+        from rayslice.cluster.ray_jobs import job_info
 
         info = job_info(submission_id)
         start = info.get("start_time") if info else None

@@ -29,9 +29,14 @@ import time
 SETTLE_S = 2.0
 
 
-def end(pgid: int | None, marker: bytes, within: float = SETTLE_S) -> None:
-    """Kill the program's group (if known), then every process that still carries the marker, until none is left."""
-    if pgid is not None:
+def end(pgid: int | None, marker: bytes, within: float = SETTLE_S, started: int | None = None) -> None:
+    """Kill the program's group (if known), then every process that still carries the marker, until none is left.
+
+    `started` is the group leader's start time (`start_time`, read while it ran): once the program's
+    group emptied, its number may lead another session (pid_max is 32768 on many hosts), and that
+    group is not the program's to kill. A number still used by a group of the program cannot be reused.
+    """
+    if pgid is not None and not _reused(pgid, started):
         _kill_group(pgid)
     deadline = time.monotonic() + within
     while True:
@@ -69,6 +74,23 @@ def marked(marker: bytes) -> list[int]:
     return found
 
 
+def start_time(pid: int) -> int | None:
+    """When the process `pid` started (clock ticks since boot, /proc/PID/stat's 22nd field); None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _reused(pgid: int, started: int | None) -> bool:
+    """Whether the number `pgid` now names another process than the program's leader that started at `started`."""
+    if started is None:
+        return False
+    now = start_time(pgid)
+    return now is not None and now != started
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -76,22 +98,28 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-#: What the host writes to its guard: the program's group once it runs, and that it ended the program itself.
+#: What the host writes to its guard: the program's group once it runs (`group PGID START`, START its
+#: leader's `start_time`), and that it ended the program itself (`done`).
 GROUP, DONE = b"group ", b"done"
+
+
+def group_word(pgid: int, started: int | None) -> bytes:
+    """The host's word for its guard once the program runs (`started`: read while the leader was not reaped)."""
+    return GROUP + f"{pgid} {started or 0}".encode()
 
 
 def guard(marker: bytes) -> None:
     """The guard's body: detach from the host actor's process tree, then wait for the host's word or its death."""
     if os.fork() > 0:
         os._exit(0)  # the host reaps this first process at once; the guard lives on, reparented
-    pgid, done = None, False
+    pgid, started = None, None
     for line in sys.stdin.buffer:  # until the pipe's end: the host closed it, or died
         if line.startswith(GROUP):
-            pgid = int(line[len(GROUP):])
+            number, _, when = line[len(GROUP):].strip().partition(b" ")
+            pgid, started = int(number), (int(when) or None) if when else None
         elif line.strip() == DONE:
-            done = True
-    if not done:
-        end(pgid, marker)
+            return  # the host ended the program itself: stand down at once
+    end(pgid, marker, started=started)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,23 @@ The rule is narrow on purpose: only names starting `rayslice:`, and only when th
 to say whose it is: a submission id may hold a `/`, and a hand re-run of an old `spec.json` names its
 reservation after a job that ended long ago while it is itself alive.
 
+Keys in Ray's KV belong to no job, so Ray never ends them: each step's start also forgets the hosts'
+phase keys (`forget_ended_phases`) of steps whose Ray job has ended.
+
 `python -m rayslice.cluster.reaper [--dry-run]` runs the sweep as a Ray job (see `rayslice reap`).
 """
 
 from __future__ import annotations
 
-import json
+import re
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
+
+from rayslice.cluster.ray_jobs import job_info, job_status  # noqa: F401  (job_info: where callers found it)
 
 PREFIX = "rayslice:"
 
@@ -43,24 +48,6 @@ def submission_id_of(name: str) -> str | None:
         return None
     sid = name[len(PREFIX) :].split("/", 1)[0]
     return sid or None
-
-
-def job_status(sid: str) -> str | None:
-    """The Jobs API status of submission `sid`, read from the GCS; None when no such job was submitted."""
-    info = job_info(sid)
-    return None if info is None else str(info.get("status"))
-
-
-def job_info(sid: str) -> dict | None:
-    """The Jobs API record of submission `sid` (status, start_time, ...) from the GCS; None when there is none."""
-    from ray._private import ray_constants
-    from ray.dashboard.modules.job.common import JobInfoStorageClient
-
-    key = JobInfoStorageClient.JOB_DATA_KEY.format(job_id=sid).encode()
-    gcs = ray._private.worker.global_worker.gcs_client
-    namespace = ray_constants.KV_NAMESPACE_JOB
-    raw = gcs.internal_kv_get(key, namespace.encode() if isinstance(namespace, str) else namespace)
-    return None if raw is None else json.loads(raw)
 
 
 def find_orphans(exclude: str | None = None) -> list[Orphan]:
@@ -120,6 +107,37 @@ def reap(*, dry_run: bool = False, exclude: str | None = None) -> list[Orphan]:
         except ValueError:  # gone between listing and reaping
             pass
     return orphans
+
+
+#: A phase key: `phases:<sid>:<attempt>:<8 hex>:<label>` (cluster/phases.py `attempt_key`); the sid may hold `:`.
+_PHASE_KEY = re.compile(r"^(?P<sid>.+?):\d+:[0-9a-f]{8}:")
+ENDED = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+
+
+def forget_ended_phases(exclude: str | None = None) -> int:
+    """Forget the hosts' phase keys (cluster/phases.py) of jobs that ended; how many were forgotten.
+
+    Ray's KV belongs to no job: a driver killed before it forgot its keys leaves them forever, where
+    Ray itself ends its groups and actors. Keys of a live job, of no known job, and of `exclude` stay.
+    """
+    from ray.experimental import internal_kv
+
+    from rayslice.cluster import phases
+
+    statuses: dict[str, str | None] = {}
+    forgotten = 0
+    for raw in internal_kv._internal_kv_list(phases.KEY_PREFIX, namespace=phases.NAMESPACE):
+        key = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        found = _PHASE_KEY.match(key[len(phases.KEY_PREFIX):])
+        sid = found["sid"] if found else None
+        if not sid or sid == exclude:
+            continue
+        if sid not in statuses:
+            statuses[sid] = job_status(sid)
+        if statuses[sid] in ENDED:
+            internal_kv._internal_kv_del(raw, namespace=phases.NAMESPACE)
+            forgotten += 1
+    return forgotten
 
 
 def main(argv: list[str]) -> int:

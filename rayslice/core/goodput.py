@@ -222,13 +222,17 @@ def record_line(account: Account) -> str:
 
 
 def parse_record(log: str) -> Account | None:
-    """The last goodput record in a job log (or its last lines), or None."""
+    """The last goodput record in a job log (or its last lines), or None.
+
+    Only the driver's own line counts: one that starts with the marker. The job log holds the hosts'
+    output too, each line behind Ray's `(label pid=…)` prefix, and a host's late line may follow the
+    driver's record; lines are split at newlines only, so a carriage return cannot start a line either.
+    """
     found = None
-    for line in log.splitlines():
-        at = line.find(RECORD_MARKER)
-        if at >= 0:
+    for line in log.split("\n"):
+        if line.startswith(RECORD_MARKER):
             try:
-                found = Account.from_json(json.loads(line[at + len(RECORD_MARKER):]))
+                found = Account.from_json(json.loads(line[len(RECORD_MARKER):]))
             except (ValueError, TypeError, AttributeError):
                 continue
     return found

@@ -119,8 +119,15 @@ def checkpoint_root_problem(root: str) -> str | None:
     """
     if "://" not in root:
         return f"must be {CHECKPOINT_ROOT_FORMS}"
-    protocol, _, path = root.partition("://")
-    if protocol.lower() in ("file", "local") and not path.startswith("/"):
+    target = root.rsplit("::", 1)[-1]  # a chained URL (`simplecache::gs://...`) stores where its last part says
+    protocol, _, path = target.partition("://")
+    if not re.fullmatch(r"[a-z][a-z0-9+.\-]*", protocol):
+        return (f"must be {CHECKPOINT_ROOT_FORMS}; its protocol {protocol!r} is no lowercase name that fsspec knows "
+                f"(no spaces; 'file', not 'FILE'): the hosts would read the whole root as a relative path")
+    if protocol == "memory":
+        return (f"must be {CHECKPOINT_ROOT_FORMS}; memory:// is each host process's own memory, gone when the "
+                "process ends, so every resume would start fresh")
+    if protocol in ("file", "local") and not path.startswith("/"):
         return (f"must be {CHECKPOINT_ROOT_FORMS}; a {protocol}:// root needs an absolute path (three slashes, "
                 f"'{protocol}:///shared/checkpoints', on storage every host reaches): a relative one resolves inside "
                 "each host's per-step folder, which is deleted after the step, so every resume would start fresh")

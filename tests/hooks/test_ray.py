@@ -240,3 +240,13 @@ def test_another_providers_connection_with_an_empty_address_says_the_address_is_
     with pytest.raises(InvalidRequestError) as caught:
         settings_from_connection(conn)
     assert "address" in str(caught.value) and "unknown extra" not in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("root", ["file://ckpt", "FILE:///shared/ckpt", "memory://ckpt"])
+def test_a_checkpoint_root_extra_that_would_lose_its_checkpoints_is_refused_as_the_connections(root):
+    """Review of issue 49 finding 11: the connection's extra took any root with '://', so a relative file:// root
+    failed only as each step was shipped ("cannot ship the step: checkpoint_root ..."), naming the task's
+    parameter, which the author never set."""
+    conn = Connection(conn_id="r", conn_type="ray", host="http://h:1", extra=json.dumps({"checkpoint_root": root}))
+    with pytest.raises(InvalidRequestError, match="the `ray` connection's extra 'checkpoint_root' must be a URL like"):
+        settings_from_connection(conn)

@@ -160,3 +160,46 @@ def test_a_window_that_cuts_an_attempt_bills_only_its_held_time_inside():
                         [_job("s1", "train", NOW - 3 * H)], now=NOW, hours=2,
                         goodput={"s1": goodput.step_account([record]).to_json()})
     assert found.bars[0].hours == pytest.approx(16 * 1.0)  # the hour of its hold inside the 2 h window
+
+
+@pytest.mark.parametrize("forged", [[[0.0, 1e15, 16]], [[NOW - 5 * H, NOW, 16]], [[NOW - 2 * H, float("inf"), 16]]])
+def test_a_goodput_record_the_program_printed_bills_no_more_than_its_job_lived(forged):
+    """The record is read back from the job's log, where the step's own program prints too: a program that prints
+    a `goodput-record` line last names whatever holds it likes. A hold bills at most the job's life, and an absurd
+    one never breaks `rayslice usage` for everyone (a year past 9999 raised out of the table)."""
+    import json
+
+    from rayslice.core import goodput
+    from rayslice.core.step import GOODPUT_RECORD_MARKER
+
+    start, end = NOW - 2 * H, NOW - H
+    job = {**_job("s1", "train", start), "end_time": int(end * 1000)}
+    actors = [_actor(f"rayslice:s1/v6e-16-a/host{w}", start + 60, end - 5, {"TPU": 4}) for w in range(4)]
+    log = "\n".join([goodput.record_line(goodput.step_account([{"reserved": start + 20, "released": end - 2,
+                                                                 "chips": 16}])),
+                     GOODPUT_RECORD_MARKER + json.dumps({"attempts": 1, "held": forged}), "result line"])
+    account = goodput.parse_record(log)
+    found = usage.parse(_nodes(), {"data": {"actors": {str(i): a for i, a in enumerate(actors)}}}, [job],
+                        now=NOW, hours=6, goodput={"s1": account.to_json()})
+    [bar] = found.bars
+    assert bar.hours * H <= 16 * (end - start + 2 * usage.CLOCK_SLACK_S)
+    assert bar.hours * H >= 16 * (end - 5 - start - 60)  # never less than the host processes lived
+
+
+def test_hosts_that_started_as_their_attempt_was_stopped_are_not_billed_the_next_attempts_hold():
+    """A suspension (or a stop to grow) just as the hosts came up, and the next attempt reserved a second later: those
+    hosts started within the clock slack of the next hold, but they are the first attempt's, and billed as such."""
+    from rayslice.core import goodput
+
+    at = NOW - 2 * H
+    records = [{"reserved": at, "hosts_started": at + 29, "released": at + 30, "chips": 16, "outcome": "preempted",
+                "detail": {"actors_started": at + 29, "gang_returned": at + 29.5}},
+               {"reserved": at + 31, "hosts_started": at + 38, "step_started": at + 44, "released": at + 600,
+                "chips": 16, "outcome": "succeeded", "detail": {"actors_started": at + 38}}]
+    actors = [_actor(f"rayslice:s1/v6e-16-a/host{w}", at + 29, at + 29.5, {"TPU": 4}) for w in range(4)]
+    actors += [_actor(f"rayslice:s1/v6e-16-a/host{w}", at + 38, at + 599, {"TPU": 4}) for w in range(4)]
+    account = goodput.step_account(records)
+    found = usage.parse(_nodes(), {"data": {"actors": {str(i): a for i, a in enumerate(actors)}}},
+                        [_job("s1", "train", at - 10)], now=NOW, hours=6, goodput={"s1": account.to_json()})
+    [bar] = found.bars
+    assert bar.hours * H == pytest.approx(account.held_chip_s, rel=0.02)

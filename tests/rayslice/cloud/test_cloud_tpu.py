@@ -478,3 +478,41 @@ def test_hosts_join_a_head_whose_python_differs_at_patch_level():
     assert "uv venv --clear --python 3.12.12" in pinned
     with pytest.raises(InvalidRequestError, match="python_version '3.11.9'"):
         startup_script("10.0.0.2:6379", python_version="3.11.9")
+
+
+@pytest.mark.parametrize("make", [
+    lambda venv: cloud_tpu.head_startup_script(venv=venv),
+    lambda venv: cloud_tpu.startup_script("10.0.0.2:6379", venv=venv),
+], ids=["head", "host"])
+def test_rays_jobs_find_the_venvs_python_on_path(tmp_path, make):
+    """Ray runs a job's entrypoint (`python -m rayslice.cluster ...`) through the shell with the PATH `ray start`
+    had; a VM's startup script has the system PATH, where Debian 12 has no `python` at all. The venv's bin must
+    come first, or every step on a TPU-VM head fails with `python: not found`."""
+    stubs, log, venv = tmp_path / "bin", tmp_path / "calls", tmp_path / "venv"
+    stubs.mkdir()
+    (stubs / "uv").write_text(
+        '#!/bin/bash\nif [ "$1" = venv ]; then mkdir -p "$5/bin"; touch "$5/bin/python"; chmod +x "$5/bin/python"\n'
+        f'  printf \'#!/bin/bash\\necho "python=$(command -v python)" >> %s\\n\' {shlex.quote(str(log))} '
+        '> "$5/bin/ray"; chmod +x "$5/bin/ray"; fi\n')
+    (stubs / "uv").chmod(0o755)
+    for tool in ("chmod", "mkdir", "touch", "printf"):
+        if found := shutil.which(tool):
+            (stubs / tool).symlink_to(found)
+    system = tmp_path / "usr-bin"  # the image's own python (Debian 12: python3 only; here a decoy `python`)
+    system.mkdir()
+    (system / "python").write_text("#!/bin/bash\n")
+    (system / "python").chmod(0o755)
+    done = subprocess.run([shutil.which("bash"), "-c", make(str(venv))], text=True, capture_output=True,
+                          env={"PATH": f"{stubs}:{system}", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().splitlines() == [f"python={venv}/bin/python"]
+
+
+def test_a_multislice_ids_node_names_fit_the_api():
+    """With num_slices > 1 the API names the nodes `<id>-0` .. `<id>-<n-1>` (MultisliceParams.node_id_prefix
+    defaults to the queued resource's id); each is a resource id of at most 63 characters, so an id that fits
+    alone but not with its suffix is refused up front, naming the longest node id."""
+    QueuedSlice(project="my-project", zone="us-east5-b", queued_resource_id="a" * 63, tpu="v6e-16")
+    QueuedSlice(project="my-project", zone="us-east5-b", queued_resource_id="a" * 61, tpu="v6e-16", num_slices=10)
+    with pytest.raises(InvalidRequestError, match=re.escape(f"'{'a' * 62}-1' is 64 characters")):
+        QueuedSlice(project="my-project", zone="us-east5-b", queued_resource_id="a" * 62, tpu="v6e-16", num_slices=2)

@@ -320,3 +320,16 @@ def test_an_unreachable_api_server(tmp_path, reference_crds):
 def test_a_missing_kubeconfig(tmp_path):
     with pytest.raises(KubeRayError, match="cannot load Kubernetes credentials from kubeconfig .*nowhere"):
         client(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("text", ["garbage: [\n", "- a\n- b\n", "just a string\n"])
+def test_a_kubeconfig_that_is_not_one_is_named_not_a_traceback(tmp_path, text):
+    """Seen failing first: malformed YAML gave yaml's ParserError, a YAML list or string a bare TypeError
+    (`rayslice doctor --kuberay-namespace` printed a traceback; the operators a TypeError)."""
+    from rayslice.cloud.kuberay_client import load_api_client
+
+    path = tmp_path / "kubeconfig"
+    path.write_text(text)
+    with pytest.raises(KubeRayError, match=rf"(?s)cannot load Kubernetes credentials from kubeconfig {path}: .*"
+                                           r"pass --kubeconfig"):
+        load_api_client(kubeconfig=str(path))

@@ -168,3 +168,53 @@ def test_a_raycluster_whose_secret_name_was_dropped_is_named(kube):
     check = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig, cluster="rs"))["raycluster ml/rs"]
     assert check.status == "FAIL" and "KubeRay made its own random token" in check.detail
     assert "upgrade KubeRay to >= 1.6.0" in check.fix
+
+
+def _rendered_rules(*args: str) -> list[dict]:
+    """The rules `rayslice kuberay rbac ARGS` renders, each with its Role's namespace (None: a ClusterRole's)."""
+    import yaml
+
+    from rayslice.cloud.kuberay_cli import app as kuberay_app
+
+    result = runner.invoke(kuberay_app, ["rbac", "--service-account", "airflow-worker", *args])
+    assert result.exit_code == 0, result.output
+    return [{**rule, "namespace": obj["metadata"].get("namespace") if obj["kind"] == "Role" else None}
+            for obj in yaml.safe_load_all(result.stdout) if obj["kind"] in ("Role", "ClusterRole")
+            for rule in obj["rules"]]
+
+
+def test_the_doctor_passes_as_the_identity_the_rendered_rbac_binds(kube):
+    """deploying-gke.md step 8 runs the doctor in an Airflow worker pod under step 5's lookup-only RBAC (the token
+    Secret by name), and step 10's manage RBAC reads the CRD by name: the doctor's reviews must ask what those
+    rules grant (with the names), and the cluster-scoped reads lookup-only never grants (the CRD, the webhooks)
+    are a warning to check them as an admin, not a failure."""
+    import re
+
+    from rayslice.cloud import kuberay
+    from rayslice.cloud.kuberay_client import ClusterRef, KubeRayClient
+
+    kube.add_cluster(kuberay.render_raycluster("rayslice", tpus=["v6e-16"], namespace="ml"))
+    with KubeRayClient(ClusterRef(name="rayslice", namespace="ml", kubeconfig=kube.kubeconfig)) as client:
+        client.ensure_token_secret("rayslice-ray-token", owner="me")
+    kube.rbac_rules = _rendered_rules("--namespace", "ml", "--lookup-only", "--token-secret", "rayslice-ray-token")
+    for path in ("customresourcedefinitions/", "mutatingwebhookconfigurations"):  # not the worker's to read
+        kube.failures += [("GET", re.compile(path), 403)] * 3
+    code, out = doctor("--kuberay-namespace", "ml", "--kubeconfig", kube.kubeconfig, "--kuberay-cluster", "rayslice")
+    assert code == 0, out
+    assert "PASS kuberay rbac" in out and "PASS raycluster ml/rayslice" in out
+    assert "WARN kuberay crd" in out and "WARN tpu webhook" in out
+    kube.failures.clear()
+    kube.rbac_rules = _rendered_rules("--namespace", "ml", "--manage")
+    checks = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig, manage=True))
+    assert checks["kuberay rbac"].status == "PASS", checks["kuberay rbac"]
+
+
+def test_a_crd_this_identity_may_not_read_is_named_as_rbac_not_as_a_missing_kuberay(kube):
+    """Seen failing first: a 403 on the CRD read gave "install KubeRay" (already installed) as the fix."""
+    kube.fail_next("GET", r"/customresourcedefinitions/", 403)
+    check = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig, manage=True))["kuberay crd"]
+    assert check.status == "FAIL" and "not allowed" in check.detail, check
+    assert "get on customresourcedefinitions" in check.fix and "helm install" not in check.fix, check
+    kube.fail_next("GET", r"/customresourcedefinitions/", 403)  # lookup-only: never granted, so checked as an admin
+    check = by_name(kuberay_checks(namespace="ml", kubeconfig=kube.kubeconfig))["kuberay crd"]
+    assert check.status == "WARN" and "helm install" not in check.fix, check

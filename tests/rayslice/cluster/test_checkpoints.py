@@ -102,3 +102,24 @@ def test_the_clusters_relative_file_checkpoint_root_is_refused_as_the_step_start
         _checkpoint_dir(spec)
     monkeypatch.setenv(CHECKPOINT_ROOT_ENV, "file:///shared/ckpt")
     assert _checkpoint_dir(spec).startswith("file:///shared/ckpt/")
+
+
+def test_a_suspended_attempt_that_saved_as_its_body_stopped_lost_nothing_after_the_save(tmp_path):
+    """Issue 49's day: the hosts' exit after the notice's save (JAX shutdown, the gang's return) is redone by no
+    one, so the lost span ends where the body stopped on every host (their `step_done`), not at the gang's return;
+    the seconds after it are teardown."""
+    from rayslice.cluster import _note_lost_work
+    from rayslice.cluster.phases import Timeline
+    from rayslice.core.goodput import attempt_account
+
+    timeline = Timeline()
+    timeline.mark("reserved", at=90.0)
+    timeline.mark("step_started", at=100.0)
+    timeline.mark("step_done", at=170.5)  # the body raised StepSuspended right after its save
+    timeline.note("gang_returned", at=171.0)
+    timeline.mark("released", at=172.0)
+    timeline.chips, timeline.outcome = 16, "preempted"
+    _step_folder(tmp_path, 8, 170.0)  # saved at the notice
+    _note_lost_work(timeline, tmp_path.as_uri())
+    assert timeline.spans == {"lost": [[170.0, 170.5]]}
+    assert attempt_account(timeline.record()).seconds["lost"] == 0.5

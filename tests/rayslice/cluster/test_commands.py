@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -292,3 +293,65 @@ def test_a_caught_system_exit_is_not_reported_by_a_python_without_sys_monitoring
     done, value = run_in_thread([_python_3_11(), str(script), "try:\n    sys.exit(3)\nexcept SystemExit:\n    pass"],
                                 dict(os.environ), tmp_path, 30)
     assert done and value is None, value
+
+
+#: In a PID namespace of its own (pid 1: this script): a host runs a program that ends by itself; once it ended
+#: (`on_end`), its number goes to an unrelated process that leads a session of its own (pid reuse, forced with
+#: ns_last_pid), and the host dies before it told its guard that the program is over.
+REUSED = textwrap.dedent('''
+    import os, subprocess, sys, time
+    report = sys.argv[1]
+    host = subprocess.Popen([sys.executable, "-c", """
+    import os, subprocess, sys
+    from rayslice.cluster import commands
+    started = []
+
+    def ended(code):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(started[0] - 1))
+        other = subprocess.Popen(["sleep", "60"], start_new_session=True, env={"PATH": os.environ["PATH"]})
+        print(other.pid if other.pid == started[0] else "no-reuse", flush=True)
+        os._exit(0)  # the host dies here, as ray.kill would end it
+
+    commands.run(["sh", "-c", "exit 0"], dict(os.environ), sys.argv[1], on_start=started.append, on_end=ended)
+    """, report], stdout=subprocess.PIPE, text=True)
+    other = host.stdout.readline().strip()
+    host.wait()
+    if other == "no-reuse":
+        print("no-reuse")
+        sys.exit()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # until the guard (reparented to pid 1 here) ended
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+        left = [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, int(other))]
+        if not left:
+            break
+        time.sleep(0.05)
+    try:
+        state = open(f"/proc/{other}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    print("alive" if state not in ("Z", "gone") else "killed")
+''')
+
+
+def _pid_namespaces() -> bool:
+    """Whether this machine lets a test start a PID namespace of its own (Linux, unshare, root)."""
+    if sys.platform != "linux" or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _pid_namespaces(), reason="needs a PID namespace (unshare, root)")
+def test_a_guard_whose_program_ended_never_kills_the_group_that_reused_its_number(tmp_path):
+    """pid_max is 32768 on many hosts: a program's number comes back within minutes on a busy one. A host
+    that dies after its program ended (in the notice's linger, before it told its guard) must not have its
+    guard kill whatever session leader now has that number: another step's program, a daemon."""
+    (tmp_path / "report").mkdir()
+    out = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", REUSED,
+                          str(tmp_path / "report")], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split()[-1:] == ["alive"], out.stdout + out.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import textwrap
 import threading
@@ -790,3 +791,141 @@ def test_a_victim_suspended_while_ray_places_its_slices_resumes_in_its_place(mon
     with pytest.raises(SuspendedError):
         launcher._run_on_slices(COMMAND, COMMAND.request, launcher.gang.Attempt(), launcher.phases.Timeline(), waits)
     assert calls == ["requeue"] and waits.requeued is place
+
+
+# ---- Review of issue 49's rule (review-notice): a signal that reached no one running is no stop for it
+
+
+def _zombie(argv: list[str]) -> int:
+    """A program whose first process exited 0 and is not reaped yet (the host's wait thread not yet run)."""
+    import subprocess
+
+    child = subprocess.Popen(argv, start_new_session=True)
+    assert _until(lambda: _state(child.pid) == "Z", timeout=30), "the program never exited"
+    return child
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads Linux's /proc")
+def test_a_notice_that_lands_after_the_program_exited_0_but_before_the_host_reaped_it_is_no_signal(tmp_path):
+    """Before: `killpg` succeeds on a group whose leader is a zombie, so a program that had finished (exit 0, no
+    result file) was reported as sent the signal: suspended and run again (retry left), or failed (none)."""
+    child = _zombie(["true"])
+    notice = notices.CommandNotice(str(tmp_path / "notice.json"), "SIGTERM")
+    notice.started(child.pid)
+    notice.deliver(PreemptionNotice(deadline=time.time() + 30, reason="in the reap window", node="n"))
+    child.wait()
+    assert notice.signalled_at is None and gang.notice_report(notice) == {}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads Linux's /proc")
+def test_a_program_that_exited_0_leaving_a_child_in_its_group_was_not_signalled_by_a_later_notice(tmp_path):
+    """The leader finished (exit 0) and was reaped; a helper it started (same process group) still runs as the
+    notice lands. Before: the signal reached the helper, and the finished program read as stopped for it."""
+    import signal
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                              "'import time; time.sleep(30)'])"], start_new_session=True)
+    notice = notices.CommandNotice(str(tmp_path / "notice.json"), "SIGTERM")
+    notice.started(child.pid)
+    child.wait()
+    try:
+        notice.deliver(PreemptionNotice(deadline=time.time() + 30, reason="after its end", node="n"))
+        assert notice.signalled_at is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+
+
+IGNORING_WRAPPER = "trap '' TERM\n{program}\necho exported\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads Linux's /proc")
+def test_an_exporter_behind_a_wrapper_that_ignores_the_signal_finishes_and_is_not_run_again(fake, tmp_path):
+    """`trap '' TERM` in the wrapper: every process of the program ignores SIGTERM (an ignored signal is inherited),
+    so the exporter runs to its end and exits 0. Before: read as stopped for the notice, and resumed: every row
+    written twice."""
+    script, rows = tmp_path / "export.py", tmp_path / "rows"
+    script.write_text(EXPORTER)
+    wrapper = tmp_path / "export.sh"
+    wrapper.write_text(IGNORING_WRAPPER.format(program=f"{sys.executable} {script} {rows}"))
+    host = _host_run(tmp_path, ["bash", str(wrapper)], "SIGTERM", deliver_after=0, ready=lambda report: rows.exists())
+    assert not isinstance(host, BaseException), host
+    assert host[1] == {}, "an ignored signal was reported as heard"
+    assert _run(COMMAND, [host], _watch(30, resumable=True)) == [None]
+    assert rows.read_text().count("row 0") == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads Linux's /proc")
+def test_a_maxtext_like_program_behind_a_wrapper_that_ignores_the_signal_still_hears_it(fake, tmp_path):
+    """The wrapper ignores SIGTERM, but the Python it starts installs its own handler (JAX's preemption notifier
+    does): that process acts on it, so its clean exit is a stop, not a finish."""
+    script, saved = tmp_path / "maxtext.py", tmp_path / "saved"
+    script.write_text(MAXTEXT)
+    wrapper = tmp_path / "train.sh"
+    wrapper.write_text(IGNORING_WRAPPER.format(program=f"{sys.executable} {script} {saved}"))
+    host = _host_run(tmp_path, ["bash", str(wrapper)], "SIGTERM", deliver_after=0,
+                     ready=lambda report: os.path.exists(f"{saved}.ready"))
+    assert saved.read_text().startswith("checkpoint"), host
+    with pytest.raises(SuspendedError, match="the step stopped for it"):
+        _run(COMMAND, [host], _watch(30, resumable=True))
+
+
+def _offered_then_drained(kv) -> notices.Watch:
+    """An elastic step with no preemption retry left: told an offer to grow, then a drain an hour ahead (held back)."""
+    watch = notices.Watch("k", {"node0": "v6e-16-a/host0"}, resumable=False)
+    watch.publish(PreemptionNotice(deadline=time.time() + notices.GROW_DEADLINE_S, reason="1 more slice free",
+                                   grow=True))
+    assert json.loads(kv["k"])["grow"], "the hosts were told the offer"
+    watch.publish(PreemptionNotice(deadline=time.time() + 3600, reason="node0 is being drained", node="node0"))
+    assert watch.held_back() and json.loads(kv["k"])["grow"], "the drain is held back: the hosts still see the offer"
+    return watch
+
+
+def test_a_step_that_stops_for_the_offer_it_was_told_while_a_drain_is_held_back_is_suspended_to_grow(fake, kv):
+    """Before: the held-back drain hid the offer the hosts had acted on (`heard()` was None), so the step's
+    StepSuspended for the offer read as a plain failure: the try failed."""
+    watch = _offered_then_drained(kv)
+    with pytest.raises(SuspendedError) as info:
+        _run(FUNCTION, [StepSuspended("saved, to grow")], watch)
+    assert info.value.node_id == "node0", "the drained node is avoided on resumption"
+    assert gang.stopped_to_grow(watch), "it resumes as a growth (no preemption retry), not a failed try"
+
+
+class _ReturnsAsTheWaitEnds(Ref):
+    """A host whose value arrives just after the launcher's wait timed out (its body ended right at the stop)."""
+
+    def __init__(self, value, fake: FakeRay) -> None:
+        super().__init__(value)
+        self._value, self._fake = value, fake
+
+    @property
+    def outcome(self):
+        return self._value if len(self._fake.waits) > 1 else HANG
+
+    @outcome.setter
+    def outcome(self, value):
+        pass
+
+
+@pytest.mark.parametrize("due", ["notice-stop", "step_timeout"])
+def test_a_function_step_that_returns_right_as_its_stop_comes_keeps_its_value(fake, due):
+    """Before: the wait timed out, the value arrived, and the stop (or step_timeout) due then discarded it: a step
+    that had finished was suspended and run again (or failed its try)."""
+    spec = FUNCTION
+    if due == "notice-stop":
+        watch = _watch(-10, resumable=True)
+        watch.noticed_at -= notices.MIN_GRACE_S  # the stop is due at once
+    else:
+        spec, watch = FUNCTION.model_copy(update={"step_timeout": 0.0}), None
+    ref = _ReturnsAsTheWaitEnds({"exported": 1200}, fake)
+    actor = types.SimpleNamespace(run=types.SimpleNamespace(remote=lambda *a: ref))
+    assert gang.run_gang([actor], _plans(1), spec, gang.Attempt(), None, watch) == [{"exported": 1200}]

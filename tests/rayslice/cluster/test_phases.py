@@ -136,3 +136,53 @@ def test_an_attempt_whose_body_never_started_on_every_host_is_start_up_to_its_en
     account = attempt_account(record)
     assert account.seconds["startup"] == 9.0 and account.seconds["productive"] == 0.0
     assert account.seconds["teardown"] == 1.0
+
+
+def test_phase_times_read_back_from_the_kv_are_finite_numbers_only(monkeypatch, kv):
+    """Ray's KV has no owner per key: whatever wrote a host's key (its own program, another tenant's) must not
+    make the attempt's figures NaN, which JSON carries through the record into the usage table and the metrics."""
+    import math
+
+    from rayslice.cluster import notices
+    from rayslice.core.goodput import attempt_account
+
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_get", lambda k, namespace=None, **kw: kv.get(k))
+    key = phases.attempt_key("s1", 0, "abcd1234")
+    kv[key + "a/host0"] = b'{"hosts_started": 1.0, "jax_ready": Infinity, "step_started": NaN}'
+    kv[key + "a/host1"] = b'{"hosts_started": 1.5, "jax_ready": 2.0, "step_started": 3.0}'
+    found = phases.published(key, {0: "a/host0", 1: "a/host1"})
+    assert all(math.isfinite(v) for report in found.values() for v in report.values())
+    timeline = Timeline()
+    timeline.mark("reserved", at=0.0)
+    timeline.hosts(phases.ended_short([{}, {}], found, 9.0))
+    timeline.mark("released", at=10.0)
+    timeline.chips = 4
+    account = attempt_account(timeline.record())
+    assert all(math.isfinite(v) for v in account.seconds.values())
+    assert account.seconds["startup"] == 10.0  # host0's body start is unknown: start-up to the end
+
+
+def test_a_hosts_key_whose_put_lands_after_the_driver_forgot_it_is_not_left_behind(monkeypatch, kv):
+    """A loaded GCS: the host's put outlasts its bounded wait, the host returns its report, the driver forgets the
+    keys, then the put lands. Nothing deletes it later: one key per such host, forever, in the GCS."""
+    import threading
+
+    from rayslice.cluster import notices
+
+    landed, release = threading.Event(), threading.Event()
+    put = notices.internal_kv._internal_kv_put
+
+    def slow_put(k, v, namespace=None, **kw):
+        release.wait(10)
+        put(k, v, namespace=namespace)
+        landed.set()
+
+    monkeypatch.setattr(notices.internal_kv, "_internal_kv_put", slow_put)
+    key = phases.attempt_key("s1", 0, "abcd1234")
+    publishing = phases.publish(key, "a/host0", {"step_started": 1.0})
+    publishing.leave(0.01, reported=True)  # the host returns its report
+    phases.forget(key, ["a/host0"])  # the driver, once every host returned
+    release.set()
+    assert landed.wait(10)
+    publishing.join(10)
+    assert not [k for k in kv if k.startswith(phases.KEY_PREFIX)]

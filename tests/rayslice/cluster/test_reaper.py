@@ -267,3 +267,26 @@ def test_the_sweep_keys_on_the_creating_driver_never_on_a_name_a_caller_chose(cl
         remove_placement_group(twin)
         ray_driver.kill(actor)
         reaper.reap()  # the dead driver's group, if the assertion above failed before the sweep
+
+
+def test_phase_keys_of_ended_jobs_are_swept_as_a_step_starts(monkeypatch):
+    """Ray's KV belongs to no job: a driver killed before it forgot its hosts' phase keys (a dead Airflow worker's
+    job stopped, a SIGKILL) leaves them forever, unlike its groups and actors. The next step's sweep forgets them;
+    a live job's (and the calling step's own) stay."""
+    import rayslice.cluster as launcher
+    from rayslice.cluster import phases, reaper
+    from rayslice.cluster.notices import internal_kv
+
+    store = {f"{phases.attempt_key(sid, 0, 'abcd1234')}v6e-16-a/host0".encode(): b"{}"
+             for sid in ("ended:with:colons", "live", "mine")}
+    monkeypatch.setattr(internal_kv, "_internal_kv_list",
+                        lambda prefix, namespace=None: [k for k in store if k.startswith(
+                            prefix.encode() if isinstance(prefix, str) else prefix)])
+    monkeypatch.setattr(internal_kv, "_internal_kv_del",
+                        lambda k, namespace=None, **kw: store.pop(k.encode() if isinstance(k, str) else k, None))
+    monkeypatch.setattr(reaper, "reap", lambda **kw: [])
+    monkeypatch.setattr(reaper, "job_status", {"ended:with:colons": "STOPPED", "live": "RUNNING",
+                                               "mine": "RUNNING"}.get)
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-8"), command=["true"], owner=Owner(submission_id="mine"))
+    launcher._reap_orphans(spec)
+    assert sorted(k.decode().split(":")[1] for k in store) == ["live", "mine"]

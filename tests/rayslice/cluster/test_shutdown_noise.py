@@ -50,6 +50,88 @@ def test_after_a_notice_a_hosts_jax_termination_is_explained_and_real_errors_sta
     _host("v6e-16-a/host2", FATAL)  # after the attempt: as it came
     fatal = [(label, line) for label, line in printed if shutdown_noise.FATAL_SIGN in line]
     assert fatal == [("v6e-16-a/host1", FATAL), ("v6e-16-b/host0", FATAL), ("v6e-16-a/host2", FATAL)]
-    assert ("v6e-16-a/host1", shutdown_noise.EXPLAINED) in printed
+    assert ("v6e-16-a/host1", shutdown_noise.explained(FATAL)) in printed
     assert ("v6e-16-a/host1", "saving step 120") in printed
     assert ("v6e-16-a/host2", "ZeroDivisionError: division by zero") in printed
+
+
+def test_a_filter_that_fails_never_stops_rays_printer(printed):
+    """The filter runs inside Ray's dispatcher, before its printer, on Ray's one log thread: a failure of its own
+    (here the notice check) must pass the line as it came, not end that thread (every later line of the driver lost)."""
+    def noticed() -> bool:
+        raise RuntimeError("notice state unreadable")
+
+    drain = gang.LogDrain()
+    drain.explain_shutdown({"v6e-16-a/host1"}, noticed)
+    try:
+        _host("v6e-16-a/host1", FATAL)  # raised out of emit before: Ray's print thread would have ended
+        _host("v6e-16-a/host1", "after it")
+    finally:
+        drain.close()
+    assert ("v6e-16-a/host1", FATAL) in printed
+    assert ("v6e-16-a/host1", "after it") in printed
+
+
+class _OtherRay:
+    """A dispatcher of a Ray whose internals differ (no `_lock`, handlers kept elsewhere): only its public methods."""
+
+    def __init__(self) -> None:
+        self._pairs: list = [("ray_print_logs", lambda data: None)]
+
+    @property
+    def handlers(self) -> list:
+        return list(self._pairs)
+
+    def add_handler(self, name, handler) -> None:
+        self._pairs.append((name, handler))
+
+    def remove_handler(self, name) -> None:
+        self._pairs = [p for p in self._pairs if p[0] != name]
+
+
+def test_on_a_ray_whose_dispatcher_differs_the_filter_stands_aside_and_says_so(capsys):
+    """explain_shutdown runs once capacity is reserved: raising there failed the step over a cosmetic filter."""
+    other = _OtherRay()
+    explainer = shutdown_noise.Explainer(other, {"v6e-16-a/host1"}, lambda: True)
+    explainer.close()
+    assert [name for name, _ in other.handlers] == ["ray_print_logs"]
+    assert "shown as they come" in capsys.readouterr().out
+
+
+def test_the_explained_line_keeps_what_jax_said_went_wrong(printed):
+    """The filter decides when a line reaches the driver: a real failure's line (a host out of memory) that arrives
+    after the notice is explained too. Its cause must stay in the log, only the fatal wording goes."""
+    drain = gang.LogDrain()
+    drain.explain_shutdown({"v6e-16-a/host1"}, lambda: True)
+    real = FATAL.replace("UNAVAILABLE: Failed to send RPC to coordination service",
+                         "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB")
+    try:
+        _host("v6e-16-a/host1", real)
+    finally:
+        drain.close()
+    [line] = [line for label, line in printed if label == "v6e-16-a/host1"]
+    assert line.startswith(shutdown_noise.EXPLAINED) and shutdown_noise.FATAL_SIGN not in line
+    assert "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB" in line
+
+
+def test_on_a_ray_that_keeps_its_handlers_by_name_the_drain_stands_aside(monkeypatch):
+    """The drain is made once capacity is reserved, before the attempt's try: raising there left the slices held."""
+    from ray._private import ray_logging
+
+    class ByName:
+        def __init__(self) -> None:
+            self.handlers = {"ray_print_logs": lambda data: None}
+
+        def add_handler(self, name, handler) -> None:
+            self.handlers[name] = handler
+
+        def remove_handler(self, name) -> None:
+            self.handlers.pop(name, None)
+
+    other = ByName()
+    monkeypatch.setattr(ray_logging, "global_worker_stdstream_dispatcher", other)
+    drain = gang.LogDrain()
+    drain.explain_shutdown({"v6e-16-a/host1"}, lambda: True)
+    drain.wait(["v6e-16-a/host1"])
+    drain.close()
+    assert list(other.handlers) == ["ray_print_logs"]

@@ -160,3 +160,16 @@ def test_a_step_reports_checkpoint_spans_through_its_context(tmp_path, monkeypat
 def test_a_bad_span_is_refused_in_words(kind, start, end, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")):
         goodput.report_span(kind, start, end)
+
+
+@pytest.mark.parametrize("printed", ["{line}", "\r{line}", "progress 99%\r{line}"])
+def test_a_record_a_host_printed_after_the_drivers_is_not_the_steps(printed):
+    """The job log holds the hosts' output too, each line behind Ray's `(label pid=…)` prefix, and a host's late
+    line may follow the driver's record: the step's program cannot name its own figures or billed holds."""
+    records, _ = simulated_run(total_steps=40, preempt_at_step=25)
+    account = step_account(records)
+    forged = record_line(Account(attempts=1, held=[[0.0, 1e12, 64.0]]))
+    log = "\n".join([record_line(account), "::rayslice-result::x::1",
+                     "(v6e-16-a/host1 pid=4242, ip=10.0.0.2) " + printed.format(line=forged)])
+    back = parse_record(log)
+    assert back is not None and back.to_json() == account.to_json()

@@ -114,8 +114,34 @@ def test_a_checkpoint_root_that_is_no_url_or_a_relative_file_url_is_refused(root
         StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["true"], checkpoint_root=root)
 
 
-@pytest.mark.parametrize("root", ["file:///shared/ckpt", "gs://bucket/ckpt", "s3://b/c", "memory://ckpt"])
+@pytest.mark.parametrize("root", ["file:///shared/ckpt", "gs://bucket/ckpt", "s3://b/c", "local:///shared/ckpt"])
 def test_an_absolute_file_url_and_object_storage_roots_are_taken(root):
     spec = StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["true"], checkpoint_root=root)
     assert spec.checkpoint_root == root
 
+
+
+@pytest.mark.parametrize("root", ["file://~/ckpt", "file:/shared/ckpt", "file://localhost/shared/ckpt",
+                                  "file://../ckpt"])
+def test_file_urls_that_do_not_name_an_absolute_path_are_refused(root):
+    """Held in review: a home folder, a one-slash URL and a host part all resolve relative to each host's step folder
+    (fsspec reads `file://~/x` as the path `~/x`), or are no URL."""
+    with pytest.raises(ValidationError, match="checkpoint_root must be a URL like"):
+        StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["true"], checkpoint_root=root)
+
+
+@pytest.mark.parametrize(("root", "why"), [
+    ("FILE:///shared/ckpt", "lowercase"),  # fsspec knows no FILE://; as_path passed it on to orbax as a relative path
+    (" file://ckpt", "lowercase"),  # a stray space before a templated value: no protocol fsspec knows
+    ("simplecache::file://ckpt", "absolute path"),  # a chained URL's target is its last part: relative here
+    ("memory://ckpt", "memory"),  # each host process's own memory: gone with it, so every resume starts fresh
+])
+def test_a_checkpoint_root_that_would_lose_its_checkpoints_at_run_time_is_refused_at_parse_time(root, why):
+    """Review of issue 49 finding 11's fix: these passed the parse-time check and lost every checkpoint."""
+    with pytest.raises(ValidationError, match=f"checkpoint_root must be a URL like.*{why}"):
+        StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["true"], checkpoint_root=root)
+
+
+def test_a_chained_url_to_object_storage_or_an_absolute_file_path_is_taken():
+    for root in ("simplecache::gs://bucket/ckpt", "simplecache::file:///shared/ckpt"):
+        assert StepSpec(request=TpuSliceRequest(tpu="v6e-4"), command=["true"], checkpoint_root=root).checkpoint_root
