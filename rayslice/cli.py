@@ -254,13 +254,28 @@ def airflow_up(
         help="Your own DAG folder to serve (default: rayslice's example DAGs).")] = None,
     examples: Annotated[bool | None, typer.Option(
         "--examples/--no-examples", help="Serve the example DAGs too (default: only without --dags).")] = None,
+    team_connection: Annotated[list[str] | None, typer.Option(
+        "--team-connection", metavar="CONN_ID=TEAM",
+        help="One more `ray` connection to the cluster whose steps count against TEAM's quota "
+             "(e.g. ray_research=research); repeat it for several teams.")] = None,
 ) -> None:
     """Start Airflow (api-server, scheduler, dag-processor, triggerer) on your DAGs or the examples; print the login."""
     from rayslice.local import airflow_ui
 
-    record, already = airflow_ui.up(name, cluster=cluster, port=port, adopt_cluster=adopt_cluster,
-                                    dags_folder=dags, examples=examples if examples is not None else dags is None,
-                                    emit=lambda line: console.print(f"[dim]{line}[/dim]"))
+    teams = {}
+    for item in team_connection or []:
+        conn_id, sep, team = item.partition("=")
+        if not sep or not conn_id or not team:
+            raise fail(f"--team-connection {item!r}: give CONN_ID=TEAM, e.g. ray_research=research")
+        teams[conn_id] = team
+    try:
+        record, already = airflow_ui.up(name, cluster=cluster, port=port, adopt_cluster=adopt_cluster,
+                                        dags_folder=dags, examples=examples if examples is not None else dags is None,
+                                        team_connections=teams, emit=lambda line: console.print(f"[dim]{line}[/dim]"))
+    except RaysliceError as exc:
+        if "--team-connection" in str(exc):
+            raise fail(str(exc)) from None
+        raise
     if already:
         console.print(f"Airflow {name!r} is already up.")
     console.print(airflow_ui.describe(record), highlight=False)

@@ -12,6 +12,7 @@ stays, so runs and the generated password survive a `down`/`up`.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import signal
 import socket
@@ -24,6 +25,7 @@ import psutil
 from pydantic import BaseModel
 
 from rayslice.core.exceptions import RaysliceError
+from rayslice.core.queue import TEAM_PATTERN
 from rayslice.local import local_cluster
 from rayslice.local.airflow_stack import AirflowStack
 from rayslice.local.processes import alive, send_signal, session_members
@@ -147,15 +149,45 @@ def dags_to_serve(home: Path, dags_folder: Path | None, examples: bool) -> Path:
     return both
 
 
+#: An Airflow connection id that `AIRFLOW_CONN_<ID>` can carry (Airflow upper-cases the id's variable name).
+_CONN_ID = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def team_connection_env(teams: dict[str, str], dashboard_url: str | None, token: str | None) -> dict[str, str]:
+    """`AIRFLOW_CONN_<ID>` for each (connection id -> team): a `ray` connection to the local cluster in that team.
+
+    Raises a clear error for an id or team the queue would refuse (checked before anything starts: called
+    with no URL first).
+    """
+    env = {}
+    for conn_id, team in teams.items():
+        if not _CONN_ID.fullmatch(conn_id) or conn_id == "ray_default":
+            raise RaysliceError(f"--team-connection {conn_id}={team}: the connection id must be lowercase letters, "
+                                "digits and '_', starting with a letter (not ray_default, which `up` sets), "
+                                "e.g. ray_research=research")
+        if len(team) > 64 or not re.fullmatch(TEAM_PATTERN, team):
+            raise RaysliceError(f"--team-connection {conn_id}={team}: the team must be up to 64 letters, digits, "
+                                "'.', '_', '-' (parts joined by '/'), e.g. research or research/vision")
+        if dashboard_url is not None:
+            conn = local_cluster.ray_connection(dashboard_url, token)
+            conn["extra"]["team"] = team
+            env[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps(conn)
+    return env
+
+
 def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_PORT, dags_folder: Path | None = None,
        examples: bool | None = None, adopt_cluster: bool = False, startup_timeout: float = 300,
+       team_connections: dict[str, str] | None = None,
        emit: Callable[[str], None] = print) -> tuple[UiRecord, bool]:
     """Start the UI (and the cluster if needed); returns (its record, whether it was already up).
 
     `dags_folder`: the user's DAGs (default: the examples); `examples` serves the examples beside them
     (default: only without `dags_folder`). `adopt_cluster`: `down` also stops the (reused) cluster, as if
     `up` had started it (the demo hands its cluster over this way). `port` 0 picks a free port.
+    `team_connections`: connection id -> team: more `ray` connections to the same cluster, one per team
+    (`extra.team`), beside `ray_default`; an Airflow already up keeps the connections it was started with.
     """
+    team_connection_env(team_connections or {}, dashboard_url=None, token=None)  # bad ids or teams: before any start
     existing = UiRecord.load(name)
     if existing is not None:
         if processes(existing) and healthy(existing):
@@ -176,7 +208,8 @@ def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_P
     examples = dags_folder is None if examples is None else examples
     stack = AirflowStack(ray.dashboard_url, ray.token, dags_folder=dags_to_serve(home, dags_folder, examples),
                          username=USERNAME, password=password, home=home, port=port,
-                         startup_timeout=startup_timeout)
+                         startup_timeout=startup_timeout,
+                         extra_env=team_connection_env(team_connections or {}, ray.dashboard_url, ray.token))
     emit(f"starting Airflow (api-server, scheduler, dag-processor, triggerer); logs in {home / 'logs'}")
     try:
         stack.start()
