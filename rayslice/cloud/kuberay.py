@@ -422,6 +422,7 @@ def validate(manifest: dict[str, Any], crds: KubeRayCrds) -> str:
     CrdUnavailableError when ``crds`` has no CRD of the manifest's kind.
     """
     check_rules(manifest)
+    crds.check_served(str(manifest["kind"]), str(manifest.get("apiVersion", "")).partition("/")[2])
     check_auth_floor(manifest, crds)
     return crds.validate(manifest)
 

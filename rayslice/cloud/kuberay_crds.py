@@ -185,6 +185,10 @@ class KubeRayCrds:
         auth = spec.get("properties", {}).get("authOptions")
         return None if auth is None else frozenset(auth.get("properties") or ())
 
+    def check_served(self, kind: str, version: str) -> None:
+        """Raise InvalidRequestError when this CRD does not serve ``ray.io/<version>`` (before any other check)."""
+        self._validator(kind, version)
+
     def _validator(self, kind: str, version: str) -> Any:
         if (kind, version) not in self._validators:
             versions = {v["name"]: v for v in self.crd(kind)["spec"]["versions"] if v.get("served")}

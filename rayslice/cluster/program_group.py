@@ -35,6 +35,8 @@ def end(pgid: int | None, marker: bytes, within: float = SETTLE_S, started: int 
     `started` is the group leader's start time (`start_time`, read while it ran): once the program's
     group emptied, its number may lead another session (pid_max is 32768 on many hosts), and that
     group is not the program's to kill. A number still used by a group of the program cannot be reused.
+    Start times count clock ticks (10 ms): a number back inside its first owner's tick would pass for it,
+    but that takes pid_max forks within the tick.
     """
     if pgid is not None and not _reused(pgid, started):
         _kill_group(pgid)

@@ -302,11 +302,14 @@ REUSED = textwrap.dedent('''
     import os, subprocess, sys, time
     report = sys.argv[1]
     host = subprocess.Popen([sys.executable, "-c", """
-    import os, subprocess, sys
+    import os, subprocess, sys, time
     from rayslice.cluster import commands
     started = []
 
     def ended(code):
+        # A process's start time is in clock ticks (10 ms): a number that came back inside its first
+        # owner's tick would look like the same process. Coming back needs pid_max forks, so wait out the tick.
+        time.sleep(3 / os.sysconf("SC_CLK_TCK"))
         with open("/proc/sys/kernel/ns_last_pid", "w") as f:
             f.write(str(started[0] - 1))
         other = subprocess.Popen(["sleep", "60"], start_new_session=True, env={"PATH": os.environ["PATH"]})
