@@ -88,7 +88,8 @@ def _bodies(now: float) -> dict[str, bytes]:
                 "reprName": "", "className": "HostProcess", "actorClass": "HostProcess", "isDetached": False,
                 "rayNamespace": "5d0b1b9c-1111-2222-3333-444455556666",
                 "functionDescriptor": {"pythonFunctionDescriptor": {
-                    "moduleName": "rayslice.cluster.gang", "className": "HostProcess", "functionName": "__init__",
+                    "moduleName": "rayslice.cluster.host_process", "className": "HostProcess",
+                    "functionName": "__init__",
                     "functionHash": "b2c3d4e5f6"}},
                 "callSite": "", "labelSelector": {"ray.io/tpu-slice-name": slice_name}, "gpus": [],
                 "processStats": None, "mem": []}

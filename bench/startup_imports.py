@@ -1,7 +1,7 @@
 """What a step's processes import before JAX: CPU-seconds, this checkout against another (`--before`).
 
 A host process is a Ray worker (it has imported `ray`) that imports the launcher's host module
-(`rayslice.cluster.gang`, which Ray loads to build the host actor) and then JAX; the job's
+(`rayslice.cluster.host_process`, which Ray loads to build the host actor) and then JAX; the job's
 driver (`python -m rayslice.cluster`) imports the launcher package. Each is timed in a fresh
 `python` process (CPU time of the import, `time.process_time`, which a loaded machine inflates
 less than wall time), the two checkouts interleaved rep by rep. No Ray cluster is needed.
@@ -21,8 +21,9 @@ NAME = "startup_imports"
 
 #: (label, what the process has imported before the clock starts, what is timed)
 CASES = (
-    ("host process: the host actor's module", "import ray, ray._private.worker", "import rayslice.cluster.gang"),
-    ("host process: JAX, after it", "import ray, ray._private.worker, rayslice.cluster.gang", "import jax"),
+    ("host process: the host actor's module", "import ray, ray._private.worker",
+     "import rayslice.cluster.host_process"),
+    ("host process: JAX, after it", "import ray, ray._private.worker, rayslice.cluster.host_process", "import jax"),
     ("job driver: the launcher package", "", "import rayslice.cluster"),
 )
 
