@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from _common import ROOT, Report, Series, Table, fmt_ratio, log, parse_args
 
@@ -38,7 +39,15 @@ print(json.dumps({"cpu": cpu, "modules": len(sys.modules), "from": __import__("r
 """
 
 
+def host_module(tree: str, code: str) -> str:
+    """`code` for this checkout: one from before the gang split (issue 51) has its host actor in cluster/gang.py."""
+    if (Path(tree) / "rayslice" / "cluster" / "host_process.py").exists():
+        return code
+    return code.replace("rayslice.cluster.host_process", "rayslice.cluster.gang")
+
+
 def probe(tree: str, before: str, timed: str) -> dict:
+    before, timed = host_module(tree, before), host_module(tree, timed)
     out = subprocess.run([sys.executable, "-c", PROBE, tree, before, timed], capture_output=True, text=True,
                          check=True, cwd="/")
     return json.loads(out.stdout.strip().splitlines()[-1])
