@@ -1,10 +1,10 @@
 """The step's process on one host (a Ray actor), as the gang's driver starts and calls it.
 
 Kept apart from the driver's loop (gang.py) because it runs in another process: Ray loads this
-module to build every host actor, so what it imports is what each host pays for at start-up
-(bench/startup_imports.py measures it). It prepares while the gang is planned, runs the step (a
-function, or a command step's program under its preemption notice), reports its phase times,
-and leaves its JAX group once every host has returned.
+module (and with it the rayslice.cluster package) to build every host actor, so what they import
+is what each host pays for at start-up (bench/startup_imports.py measures it). It prepares while
+the gang is planned, runs the step (a function, or a command step's program under its preemption
+notice), reports its phase times, and leaves its JAX group once every host has returned.
 """
 
 from __future__ import annotations
