@@ -6,6 +6,12 @@ Every benchmark starts its own simulated cluster (`rayslice.local.local_cluster`
 current `RAYSLICE_HOME` and leaves it running (a warm cluster, and no second one competing for the
 cores).
 Results are printed as a rich table and written as markdown to `bench/results/<name>.md`.
+
+Every benchmark takes its command line (`parse_args`), its cluster (`cluster`, `driver`), its
+statistics (`median`, `percentile`, `Series`, `stopwatch`) and its tables (`Table`, `Report`) from
+here, so that two benchmarks' numbers mean the same thing and read the same way. The cluster side is
+imported only when a cluster is started: a benchmark without one (`seed_steps_bare.py`, run with
+another venv's Python that has only JAX) still uses the statistics and the tables.
 """
 
 from __future__ import annotations
@@ -27,24 +33,30 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/ first, not the repo root
     sys.path.insert(0, str(ROOT))
 
-from rayslice.local import local_cluster, processes  # noqa: E402
+if TYPE_CHECKING:
+    from rayslice.local import local_cluster
 
 # ---------------------------------------------------------------------------------------------
 # command line
 
 
 def parse_args(
-    description: str, default_reps: int = 10, extra: Callable[[argparse.ArgumentParser], None] | None = None
+    description: str, default_reps: int = 10, extra: Callable[[argparse.ArgumentParser], None] | None = None,
+    *, reps: bool = True, attach: bool = True,
 ):
+    """The options every benchmark shares, then its own (`extra`). Without `reps`, it runs each scenario
+    once (no `--reps`); without `attach`, it always starts its own cluster (no `--cluster`)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--reps", type=int, default=default_reps, help=f"repetitions per row (default {default_reps})")
+    if reps:
+        parser.add_argument("--reps", type=int, default=default_reps,
+                            help=f"repetitions per row (default {default_reps})")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write bench/results/*.md")
     parser.add_argument(
         "--boost-startup",
@@ -52,18 +64,19 @@ def parse_args(
         help="start the cluster's nodes at nice -10 (then back to 0): for a machine too loaded for Ray's "
         "start-up deadlines; nothing is measured at the raised priority",
     )
-    parser.add_argument(
-        "--cluster",
-        default=os.environ.get("RAYSLICE_BENCH_CLUSTER"),
-        help="run on this running local cluster (a name recorded under RAYSLICE_HOME) instead of starting a "
-        "private one; it is left running (default: $RAYSLICE_BENCH_CLUSTER, else a private cluster)",
-    )
+    if attach:
+        parser.add_argument(
+            "--cluster",
+            default=os.environ.get("RAYSLICE_BENCH_CLUSTER"),
+            help="run on this running local cluster (a name recorded under RAYSLICE_HOME) instead of starting a "
+            "private one; it is left running (default: $RAYSLICE_BENCH_CLUSTER, else a private cluster)",
+        )
     if extra:
         extra(parser)
     args = parser.parse_args()
     global BOOST_STARTUP, ATTACH
     BOOST_STARTUP = args.boost_startup
-    ATTACH = args.cluster
+    ATTACH = getattr(args, "cluster", None)
     return args
 
 
@@ -105,6 +118,8 @@ def _one_node_at_a_time() -> None:
     15 s deadline for the agent's port file (then the raylet aborts). Waiting for the agent's
     `dashboard_agent_listen_port_*` file keeps them from competing with each other.
     """
+    from rayslice.local import local_cluster, processes
+
     if getattr(local_cluster._launch, "_serial", False):
         return
     launch = local_cluster._launch
@@ -151,6 +166,8 @@ def _startup_priority() -> Iterator[None]:
 def _renice_cluster(record: local_cluster.ClusterRecord) -> None:
     if not BOOST_STARTUP:
         return
+    from rayslice.local import local_cluster
+
     for pid in local_cluster.owned_pids(record):
         with contextlib.suppress(OSError):
             for task in Path(f"/proc/{pid}/task").iterdir():  # nice is per thread on Linux
@@ -161,17 +178,27 @@ def _renice_cluster(record: local_cluster.ClusterRecord) -> None:
 
 @contextlib.contextmanager
 def cluster(
-    spec: local_cluster.ClusterSpec, name: str, attempts: int = 3, private: bool = False
+    spec: local_cluster.ClusterSpec | None, name: str, attempts: int = 3, private: bool = False,
+    up: Callable[[str], local_cluster.ClusterRecord] | None = None,
 ) -> Iterator[local_cluster.ClusterRecord]:
     """Start a private simulated cluster; always stop it by name (also on error or SIGTERM).
 
     With `--cluster NAME` (and not `private`), yield that running cluster instead and leave it
     running: it must hold the slices of `spec` (checked by the caller) and is not stopped here.
+    `up(name)` starts another kind of local cluster under the same private home and clean-up (the
+    autoscaling one, `local_autoscaler.up`); by default `local_cluster.up(spec)`.
     """
+    from rayslice.local import local_cluster
+
     if ATTACH and not private:
         with _attached(ATTACH) as record:
             yield record
         return
+    if up is None:
+        assert spec is not None, "a cluster needs its spec, or how to start it (up)"
+
+        def up(name: str) -> local_cluster.ClusterRecord:
+            return local_cluster.up(spec, name=name, timeout=600)
     home = tempfile.mkdtemp(prefix="rayslice-bench-")
     ray_keys = local_cluster.ClusterRecord("", "", "", "").ray_env()
     saved_env = {k: os.environ.get(k) for k in ("RAYSLICE_HOME", *ray_keys)}
@@ -179,14 +206,14 @@ def cluster(
     name = f"{name}-{os.getpid()}"
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     started = time.monotonic()
-    log(f"starting cluster {name}: tpus={spec.tpus} gpus={spec.gpus}")
+    log(f"starting cluster {name}: " + (f"tpus={spec.tpus} gpus={spec.gpus}" if spec else "(its own start)"))
     _one_node_at_a_time()
     base = name
     for attempt in range(1, attempts + 1):
         name = base if attempt == 1 else f"{base}-retry{attempt}"
         try:
             with _startup_priority():
-                record = local_cluster.up(spec, name=name, timeout=600)
+                record = up(name)
             _renice_cluster(record)
             break
         except Exception as exc:
@@ -229,6 +256,8 @@ def cluster(
 
 @contextlib.contextmanager
 def _attached(name: str) -> Iterator[local_cluster.ClusterRecord]:
+    from rayslice.local import local_cluster
+
     record = local_cluster.ClusterRecord.load(name)
     alive = len(local_cluster.alive_nodes(record.dashboard_url, record.token))
     log(f"using the running cluster {name!r} ({record.dashboard_url}, {alive} nodes alive); it is left running")
@@ -452,8 +481,14 @@ def fmt_s(value: float | None, cap: str = "n/a") -> str:
     return f"{value:.2f} s"
 
 
-def fmt_ratio(value: float | None, base: float | None) -> str:
-    if value is None or base is None or base <= 0:
+def fmt_ratio(value: float | None, base: float | None, cap: float | None = None) -> str:
+    """`value` ÷ `base`. With `cap` (what every measurement was capped at), a base that never got there
+    (None) reads as an upper bound: "< value / cap ×"."""
+    if value is None:
+        return "n/a"
+    if base is None and cap:
+        return f"< {value / cap:.2f}×"
+    if base is None or base <= 0:
         return "n/a"
     return f"{value / base:.2f}×"
 
@@ -472,8 +507,12 @@ class Table:
         self.rows.append([f"**{label}**", *[""] * (len(self.columns) - 1)])
 
     def render(self) -> None:
-        from rich.console import Console
-        from rich.table import Table as RichTable
+        try:
+            from rich.console import Console
+            from rich.table import Table as RichTable
+        except ImportError:  # another venv's Python (seed_steps_bare.py): the markdown itself
+            print(self.markdown(), flush=True)
+            return
 
         table = RichTable(title=self.title, show_lines=False)
         for i, column in enumerate(self.columns):
@@ -504,7 +543,11 @@ def loadavg() -> str:
 
 def machine() -> str:
     import jax  # noqa: TID253
-    import ray  # noqa: TID253
+
+    try:
+        import ray  # noqa: TID253
+    except ImportError:  # another venv's Python, with JAX only (seed_steps_bare.py)
+        ray = None
 
     model = "unknown"
     with contextlib.suppress(OSError):
@@ -515,10 +558,10 @@ def machine() -> str:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     # Without cached bytecode every Ray worker and JAX process compiles ray and jax from source:
     # about twice the CPU per process start (scripts/bootstrap compiles it).
-    compiled = all(Path(importlib.util.cache_from_source(m.__file__)).exists() for m in (jax, ray))
+    compiled = all(Path(importlib.util.cache_from_source(m.__file__)).exists() for m in (jax, ray) if m)
     return (
         f"{os.cpu_count()} CPUs ({model}), {mem_gib:.1f} GiB RAM, Python {platform.python_version()}, "
-        f"Ray {ray.__version__}, JAX {jax.__version__}, "
+        f"Ray {ray.__version__ if ray else 'not installed'}, JAX {jax.__version__}, "
         f"{'venv bytecode compiled' if compiled else 'venv bytecode NOT compiled'}"
     )
 
@@ -587,3 +630,25 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.time()
     result = fn()
     return time.time() - start, result
+
+
+@dataclass
+class Lap:
+    """A block's wall time, once it ended (`s`)."""
+
+    s: float = math.nan
+
+
+@contextlib.contextmanager
+def stopwatch() -> Iterator[Lap]:
+    """Wall time of a block, on the monotonic high-resolution clock: `with stopwatch() as took: ...`, then `took.s`.
+
+    One clock for every benchmark's durations (`time.perf_counter`); `timed` is for epoch
+    times compared with other processes' `time.time()`.
+    """
+    lap = Lap()
+    start = time.perf_counter()
+    try:
+        yield lap
+    finally:
+        lap.s = time.perf_counter() - start

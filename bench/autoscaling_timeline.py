@@ -12,22 +12,22 @@ multi-node provider (`rayslice.local.local_autoscaler`), then prints one timelin
    idle-timeout + 30 s after the step; then the driver removes the group and the host goes.
 
     .venv/bin/python bench/autoscaling_timeline.py [--idle-minutes 0.2] [--pod-types v6e-4,v4-16] [--no-baseline]
+
+The timelines are written to bench/results/autoscaling_timeline.md (`--no-write`: printed only).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
-import traceback
 from typing import Any
 
-from _common import ROOT, log  # noqa: F401  (puts the repo root on sys.path)
+from _common import Report, Table, cluster, driver, log, parse_args
 
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.step import StepSpec
-from rayslice.local import local_autoscaler, local_cluster
+from rayslice.local import local_autoscaler
+
+NAME = "autoscaling_timeline"
 
 GRACE = 30.0  # removal must follow within idle timeout + GRACE seconds
 
@@ -42,17 +42,18 @@ def device_count_and_start() -> dict:
     return {"devices": jax.device_count(), "started": started}
 
 
-def print_timeline(title: str, rows: list[tuple[float, str]]) -> None:
-    print(f"\n{title}")
+def timeline(title: str, rows: list[tuple[float, str]]) -> Table:
+    table = Table(title, ["t (s)", "event"])
     for t, what in sorted(rows):
-        print(f"  t={t:7.1f} s  {what}")
+        table.add(f"{t:.1f}", what)
+    return table
 
 
 def node_rows(watcher: local_autoscaler.NodeWatcher, since: float) -> list[tuple[float, str]]:
     return [(e.t - since, f"node {e.kind}: {e.host}") for e in watcher.events if e.t >= since]
 
 
-def rayslice_scenario(ray: Any, watcher: local_autoscaler.NodeWatcher, pod_type: str, idle_s: float) -> dict:
+def rayslice_scenario(report: Report, watcher: local_autoscaler.NodeWatcher, pod_type: str, idle_s: float) -> dict:
     from rayslice.cluster import run_step
 
     request = TpuSliceRequest(tpu=pod_type)
@@ -68,20 +69,20 @@ def rayslice_scenario(ray: Any, watcher: local_autoscaler.NodeWatcher, pod_type:
         (min(r["started"] for r in results) - wall0, "step function running (after the host process imported JAX)")
     ]
     rows += node_rows(watcher, t0)
-    print_timeline(f"rayslice run_step on {pod_type} ({request.hosts_per_slice} host(s))", rows)
+    report.add(timeline(f"rayslice run_step on {pod_type} ({request.hosts_per_slice} host(s))", rows))
     removed = [e.t - t0 for e in watcher.events if e.t >= t0 and e.kind == "removed"]
     added = [e.t - t0 for e in watcher.events if e.t >= t0 and e.kind == "added"]
     after = max(removed) - done if gone and removed else None
     verdict = "ok" if after is not None and after <= idle_s + GRACE else "FAILED"
-    print(
-        f"  hosts added: {len(added)}, removed {after if after is None else round(after, 1)} s after the step "
-        f"(bound: idle timeout {idle_s:.0f} s + {GRACE:.0f} s) -> {verdict}"
+    report.note(
+        f"{pod_type}: hosts added: {len(added)}, removed {after if after is None else round(after, 1)} s after the "
+        f"step (bound: idle timeout {idle_s:.0f} s + {GRACE:.0f} s) -> {verdict}"
     )
     assert all(r["devices"] == request.chips_per_host * request.hosts_per_slice for r in results), results
     return {"added": len(added), "removed_after_s": after}
 
 
-def leaky_baseline(ray: Any, watcher: local_autoscaler.NodeWatcher, idle_s: float) -> dict:
+def leaky_baseline(report: Report, ray: Any, watcher: local_autoscaler.NodeWatcher, idle_s: float) -> dict:
     from ray.util.tpu import SlicePlacementGroup, run_on_slice
 
     @ray.remote
@@ -109,44 +110,38 @@ def leaky_baseline(ray: Any, watcher: local_autoscaler.NodeWatcher, idle_s: floa
         (freed, "driver removes its placement group"),
     ]
     rows += node_rows(watcher, t0)
-    print_timeline("baseline: leaked slice reservation", rows)
+    report.add(timeline("baseline: leaked slice reservation", rows))
     verdict = "ok" if not held and still and gone else "FAILED"
-    print(f"  kept while leaked: {bool(not held and still)}; removed once released: {gone} -> {verdict}")
+    report.note(f"baseline: kept while leaked: {bool(not held and still)}; removed once released: {gone} -> {verdict}")
     return {"kept": bool(not held and still), "removed_after_release": gone}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--idle-minutes", type=float, default=0.2, help="autoscaler idle_timeout_minutes")
-    parser.add_argument("--pod-types", default="v6e-4,v4-16", help="rayslice scenarios, in order (default v6e-4,v4-16)")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the leaked-reservation baseline")
-    args = parser.parse_args()
+    def options(parser: Any) -> None:
+        parser.add_argument("--idle-minutes", type=float, default=0.2, help="autoscaler idle_timeout_minutes")
+        parser.add_argument("--pod-types", default="v6e-4,v4-16",
+                            help="rayslice scenarios, in order (default v6e-4,v4-16)")
+        parser.add_argument("--no-baseline", action="store_true", help="skip the leaked-reservation baseline")
+
+    args = parse_args(__doc__.splitlines()[0], extra=options, reps=False, attach=False)
+    report = Report(NAME, args)
     pod_types = tuple(args.pod_types.split(","))
     if "v6e-4" not in pod_types:
         pod_types += ("v6e-4",)  # the baseline's node type
-    name = f"bench-autoscaling-{os.getpid()}"
     idle_s = args.idle_minutes * 60
-    log(f"starting head + autoscaler (node types: {', '.join(local_autoscaler.host_node_types(pod_types))})")
-    record = local_autoscaler.up(pod_types, name=name, idle_timeout_minutes=args.idle_minutes)
-    try:
-        for key, value in record.ray_env().items():
-            os.environ.setdefault(key, value)
-        import ray
+    log(f"head + autoscaler (node types: {', '.join(local_autoscaler.host_node_types(pod_types))})")
 
-        ray.init(address=record.gcs_address, logging_level="ERROR", log_to_driver=False)
+    def up(name: str) -> Any:
+        return local_autoscaler.up(pod_types, name=name, idle_timeout_minutes=args.idle_minutes)
+
+    with cluster(None, "bench-autoscaling", attempts=1, private=True, up=up) as record, driver(record) as ray:
         with local_autoscaler.NodeWatcher(record) as watcher:
             log(f"cluster up: {len(watcher.alive)} TPU hosts; idle timeout {idle_s:.0f} s")
             for pod_type in args.pod_types.split(","):
-                rayslice_scenario(ray, watcher, pod_type, idle_s)
+                rayslice_scenario(report, watcher, pod_type, idle_s)
             if not args.no_baseline:
-                leaky_baseline(ray, watcher, idle_s)
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        if "ray" in sys.modules:
-            sys.modules["ray"].shutdown()
-        log(f"stopped {local_cluster.down(name)} processes")
+                leaky_baseline(report, ray, watcher, idle_s)
+    report.write()
 
 
 if __name__ == "__main__":

@@ -19,10 +19,9 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from unittest import mock
 
-from _common import Report, Series, Table, cluster, fmt_ratio, fmt_s, log, parse_args
+from _common import Report, Series, Table, cluster, fmt_ratio, fmt_s, log, parse_args, stopwatch
 
 from rayslice.client.submission import run_step_job
 from rayslice.core.accelerators import AcceleratorRequest
@@ -53,11 +52,10 @@ def machine_cpu_seconds() -> float:
 
 def import_row(module: str, env: dict[str, str]) -> tuple[float, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", f"import {module}"], env={**os.environ, **env}, check=True)
-    wall = time.perf_counter() - started
+    with stopwatch() as wall:
+        subprocess.run([sys.executable, "-c", f"import {module}"], env={**os.environ, **env}, check=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall.s, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -94,12 +92,13 @@ def main() -> None:
             request = AcceleratorRequest(resource="GPU", count=0.25)
             for rep in range(args.reps + 1):  # the first is not recorded
                 step = StepSpec.for_function(device_count, request=request, launcher="installed")
-                cpu_before, started = machine_cpu_seconds(), time.perf_counter()
-                result = asyncio.run(run_step_job(record.dashboard_url, step, emit=lambda _line: None))
-                took, used = time.perf_counter() - started, machine_cpu_seconds() - cpu_before
+                cpu_before = machine_cpu_seconds()
+                with stopwatch() as took:
+                    result = asyncio.run(run_step_job(record.dashboard_url, step, emit=lambda _line: None))
+                used = machine_cpu_seconds() - cpu_before
                 assert result == 1, result
                 if rep:
-                    wall.add(took)
+                    wall.add(took.s)
                     cpu.add(used)
             log(f"{mode}: job {fmt_s(wall.median())}, machine CPU {cpu.median():.1f} s")
             walls[mode] = wall

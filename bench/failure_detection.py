@@ -53,6 +53,7 @@ from _common import (
     Table,
     cluster,
     driver,
+    fmt_ratio,
     fmt_s,
     log,
     parse_args,
@@ -453,14 +454,6 @@ def _measure(ray: Any, record: Any, victim_index: int, row: Row, kind: str, fn: 
         shutil.rmtree(mark_dir, ignore_errors=True)
 
 
-def _ratio(value: float | None, base: float | None, cap: float) -> str:
-    if value is None:
-        return "n/a"
-    if base is None:  # the baseline never got there within the cap
-        return f"< {value / cap:.2f}×"
-    return f"{value / base:.2f}×" if base > 0 else "n/a"
-
-
 def _table(kind: str, rows: list[Row], args: Any) -> Table:
     base = next((r for r in rows if "(a)" in r.label), None)
     cap = f"> {args.cap:.0f} s (cap)"
@@ -478,8 +471,8 @@ def _table(kind: str, rows: list[Row], args: Any) -> Table:
             fmt_s(row.failed.p90(), cap),
             fmt_s(row.free.median(), cap),
             fmt_s(row.free.p90(), cap),
-            "1.00×" if is_base else (_ratio(row.failed.median(), base.failed.median(), args.cap) if base else "—"),
-            "1.00×" if is_base else (_ratio(row.free.median(), base.free.median(), args.cap) if base else "—"),
+            "1.00×" if is_base else (fmt_ratio(row.failed.median(), base.failed.median(), args.cap) if base else "—"),
+            "1.00×" if is_base else (fmt_ratio(row.free.median(), base.free.median(), args.cap) if base else "—"),
             ", ".join(sorted(set(row.how))),
         )
     table.notes = [

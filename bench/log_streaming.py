@@ -39,7 +39,7 @@ import time
 import tracemalloc
 from typing import Any
 
-from _common import Report, Table, cluster, log, parse_args, percentile
+from _common import Report, Table, cluster, log, parse_args, percentile, stopwatch
 
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import LogFollower, submit_step
@@ -160,13 +160,12 @@ async def one_mode(mode: str, record, proxy: CountingProxy, args) -> dict[str, A
         stop, lags = asyncio.Event(), []
         probe = asyncio.create_task(lag_probe(stop, lags))
         before = proxy.downstream_bytes
-        started = time.monotonic()
-        async with AsyncRayJobsClient(f"http://127.0.0.1:{proxy.port}", token=record.token) as via_proxy:
-            if mode == "polling":
-                result = await follow_by_polling(via_proxy, sid, logger.info, args.poll_interval)
-            else:
-                result = await follow_by_stream(sid, logger, args.poll_interval)
-        took = time.monotonic() - started
+        with stopwatch() as took:
+            async with AsyncRayJobsClient(f"http://127.0.0.1:{proxy.port}", token=record.token) as via_proxy:
+                if mode == "polling":
+                    result = await follow_by_polling(via_proxy, sid, logger.info, args.poll_interval)
+                else:
+                    result = await follow_by_stream(sid, logger, args.poll_interval)
         stop.set()
         await probe
         pulled = proxy.downstream_bytes - before
@@ -174,7 +173,7 @@ async def one_mode(mode: str, record, proxy: CountingProxy, args) -> dict[str, A
     numbers = counter.numbers
     expected = int(args.seconds * args.lines_per_second)
     return {
-        "mode": mode, "pulled": pulled, "log_bytes": log_bytes, "took": took, "result": result,
+        "mode": mode, "pulled": pulled, "log_bytes": log_bytes, "took": took.s, "result": result,
         "lines": len(numbers), "expected": expected, "missing": expected - len(set(numbers)),
         "duplicated": len(numbers) - len(set(numbers)), "in_order": numbers == sorted(numbers),
         "lag_p50": percentile(lags, 50), "lag_p99": percentile(lags, 99), "lag_max": max(lags, default=0.0),

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import Report, Table, cluster, driver, fmt_ratio, fmt_s, log, parse_args, wait_all_free
+from _common import Report, Table, cluster, driver, fmt_ratio, fmt_s, log, median, parse_args, wait_all_free
 
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.step import Owner, StepSpec
@@ -149,15 +149,14 @@ def main() -> None:
                   f"{NOTICE_S} s notice on host 2 (medians of {args.reps})",
                   ["path", "notice → slice free", "notice → resumed", "steps run twice", "vs kill-and-retry"])
 
-    def median(mode: str, key: str) -> float:
-        values = sorted(r[key] for r in results[mode])
-        return values[len(values) // 2]
+    def of(mode: str, key: str) -> float:
+        return median([r[key] for r in results[mode]])
 
     for mode in results:
-        table.add(mode, fmt_s(median(mode, "free")), fmt_s(median(mode, "resumed")), f"{median(mode, 'lost'):g}",
+        table.add(mode, fmt_s(of(mode, "free")), fmt_s(of(mode, "resumed")), f"{of(mode, 'lost'):g}",
                   "" if mode == "kill-and-retry" else
-                  f"free {fmt_ratio(median(mode, 'free'), median('kill-and-retry', 'free'))}, resumed "
-                  f"{fmt_ratio(median(mode, 'resumed'), median('kill-and-retry', 'resumed'))}")
+                  f"free {fmt_ratio(of(mode, 'free'), of('kill-and-retry', 'free'))}, resumed "
+                  f"{fmt_ratio(of(mode, 'resumed'), of('kill-and-retry', 'resumed'))}")
     table.notes.append("kill-and-retry: the node dies at the deadline unannounced; its slice frees once Ray declares "
                        "the node dead, and the retry resumes from the last periodic checkpoint")
     report.add(table)

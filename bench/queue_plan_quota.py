@@ -18,13 +18,11 @@ from __future__ import annotations
 import gc
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import Report, Table, fmt_ratio, log, median, parse_args, percentile, stopwatch
 
-from bench._common import Report, Table, fmt_ratio, log, median, parse_args, percentile  # noqa: E402
-from rayslice.core import queue as this  # noqa: E402
+from rayslice.core import queue as this
 
 NAME = "queue_plan_quota"
 
@@ -47,9 +45,9 @@ def entries(rules, n: int, over: int):
 
 
 def plan_ms(rules, lines, settings, running) -> float:
-    started = time.perf_counter()
-    rules.plan_lines(lines, running, {"v6e-16": 2.0}, settings, now=5000.0)
-    return (time.perf_counter() - started) * 1000
+    with stopwatch() as took:
+        rules.plan_lines(lines, running, {"v6e-16": 2.0}, settings, now=5000.0)
+    return took.s * 1000
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from _common import Report, Series, Table, cluster, driver, fmt_ratio, fmt_s, log, parse_args, wait_all_free
+from _common import Report, Series, Table, cluster, driver, fmt_ratio, fmt_s, log, parse_args, stopwatch, wait_all_free
 
 from rayslice.cluster import queue
 from rayslice.cluster.reservation import (
@@ -53,21 +53,19 @@ def main() -> None:
             names = sorted(slices[request.pod_type])[: request.num_slices]
             for rep in range(args.reps + 1):  # the first of each is not recorded
                 wait_all_free(ray)
-                started = time.perf_counter()
-                reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-{rep}", queued=False)
-                took = time.perf_counter() - started
+                with stopwatch() as took:
+                    reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-{rep}", queued=False)
                 reservation.release()
                 wait_all_free(ray)
                 direct = _groups_alone(ray, request, names)
                 wait_all_free(ray)
-                started = time.perf_counter()
-                reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-q{rep}")  # queued
-                with_queue = time.perf_counter() - started
+                with stopwatch() as with_queue:
+                    reservation = reserve_slices(request, timeout=60, name=f"bench-reservation-q{rep}")  # queued
                 reservation.release()  # leaves the queue
                 if rep:
-                    ours.add(took)
+                    ours.add(took.s)
                     alone.add(direct)
-                    queued.add(with_queue)
+                    queued.add(with_queue.s)
             log(f"{label}: rayslice {fmt_s(ours.median())}, with the queue {fmt_s(queued.median())}, "
                 f"groups alone {fmt_s(alone.median())}")
             table.add(label, ours.n, fmt_s(ours.median()), fmt_s(ours.p90()), fmt_s(queued.median()),
@@ -91,25 +89,24 @@ def main() -> None:
 def _groups_alone(ray: Any, request: TpuSliceRequest, names: list[str]) -> float:
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    started = time.perf_counter()
-    deadline = time.monotonic() + 60
-    heads = placement_group([{request.head_resource: 1}] * request.num_slices, strategy="STRICT_SPREAD",
-                            bundle_label_selector=[{POD_TYPE_LABEL: request.pod_type, WORKER_ID_LABEL: "0"}]
-                            * request.num_slices)
-    wait_ready(heads, deadline)
-    plan = [(name, w) for name in names for w in range(request.hosts_per_slice)]
-    hosts = placement_group([{"TPU": request.chips_per_host, "CPU": 1} for _ in plan], strategy="STRICT_SPREAD",
-                            bundle_label_selector=[{SLICE_NAME_LABEL: n, WORKER_ID_LABEL: str(w),
-                                                    POD_TYPE_LABEL: request.pod_type} for n, w in plan])
-    wait_ready(hosts, deadline)
-    took = time.perf_counter() - started
+    with stopwatch() as took:
+        deadline = time.monotonic() + 60
+        heads = placement_group([{request.head_resource: 1}] * request.num_slices, strategy="STRICT_SPREAD",
+                                bundle_label_selector=[{POD_TYPE_LABEL: request.pod_type, WORKER_ID_LABEL: "0"}]
+                                * request.num_slices)
+        wait_ready(heads, deadline)
+        plan = [(name, w) for name in names for w in range(request.hosts_per_slice)]
+        hosts = placement_group([{"TPU": request.chips_per_host, "CPU": 1} for _ in plan], strategy="STRICT_SPREAD",
+                                bundle_label_selector=[{SLICE_NAME_LABEL: n, WORKER_ID_LABEL: str(w),
+                                                        POD_TYPE_LABEL: request.pod_type} for n, w in plan])
+        wait_ready(hosts, deadline)
     remove_placement_group(hosts)
     remove_placement_group(heads)
     from ray.util.placement_group import placement_group_table
 
     while any(placement_group_table(g).get("state") not in ("REMOVED", None) for g in (hosts, heads)):
         time.sleep(0.01)  # gone before the next repetition reserves
-    return took
+    return took.s
 
 
 if __name__ == "__main__":

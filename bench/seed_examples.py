@@ -11,27 +11,27 @@ cluster from each venv (`rayslice local up`; its nodes run that venv) and run th
 venv's Python against it; only rayslice's public launcher API is used, so the same file runs on both.
 
     RAYSLICE_HOME=... .venv/bin/python bench/seed_examples.py --cluster NAME [--reps 3]
+
+Without `--cluster` it starts its own (a v6e-4, two v6e-16 and a GPU) from this venv. Each venv's
+table goes to bench/results/seed_examples_py<version>_jax<version>.md (`--no-write`: printed only).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import statistics
-import subprocess
 import sys
-import time
 import uuid
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import Report, Table, cluster, commit, log, median, parse_args, stopwatch
 
-from rayslice.client.submission import run_step_job  # noqa: E402
-from rayslice.core.accelerators import TpuSliceRequest  # noqa: E402
-from rayslice.core.step import Owner, StepSpec  # noqa: E402
-from rayslice.local import local_cluster  # noqa: E402
-from rayslice.local.demo import EXAMPLES  # noqa: E402
+from rayslice.client.submission import run_step_job
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
+from rayslice.local.demo import EXAMPLES
+
+NAME = "seed_examples"
+SPEC = local_cluster.ClusterSpec(tpus=("v6e-4", "v6e-16", "v6e-16"), gpus=1)
 
 
 def examples():
@@ -43,30 +43,28 @@ def examples():
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", required=True, help="a running local cluster under this RAYSLICE_HOME")
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
-    record = local_cluster.ClusterRecord.load(args.cluster)
+    args = parse_args(__doc__.splitlines()[0], default_reps=3)
     from importlib.metadata import version
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "?"
-    print(f"python {sys.version.split()[0]}, jax {version('jax')}, commit {commit}, {args.reps} reps", flush=True)
+    report = Report(f"{NAME}_py{sys.version_info.major}{sys.version_info.minor}_jax{version('jax')}", args)
+    report.note(f"python {sys.version.split()[0]}, jax {version('jax')}, commit {commit()}, {args.reps} reps")
     times: dict[str, list[float]] = {}
-    for rep in range(args.reps):
-        for title, request, fn, kwargs in examples():
-            spec = StepSpec.for_function(fn, request=request, kwargs=kwargs, launcher="installed",
-                                         owner=Owner(dag_id="bench", run_id=uuid.uuid4().hex))
-            started = time.monotonic()
-            asyncio.run(run_step_job(record.dashboard_url, spec, token=record.token, emit=lambda line: None))
-            times.setdefault(title, []).append(time.monotonic() - started)
-            print(f"rep {rep + 1}: {title}: {times[title][-1]:.1f} s", flush=True)
-    print("\n| step | median s | min s | max s |\n|---|---:|---:|---:|")
+    with cluster(SPEC, NAME) as record:
+        for rep in range(args.reps):
+            for title, request, fn, kwargs in examples():
+                spec = StepSpec.for_function(fn, request=request, kwargs=kwargs, launcher="installed",
+                                             owner=Owner(dag_id="bench", run_id=uuid.uuid4().hex))
+                with stopwatch() as took:
+                    asyncio.run(run_step_job(record.dashboard_url, spec, token=record.token, emit=lambda line: None))
+                times.setdefault(title, []).append(took.s)
+                log(f"rep {rep + 1}: {title}: {took.s:.1f} s")
+    table = Table(f"The seed examples as Ray jobs, submission to result (python {sys.version.split()[0]}, "
+                  f"jax {version('jax')}, {args.reps} reps)", ["step", "median s", "min s", "max s"])
     for title, values in times.items():
-        print(f"| {title} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |")
-    total = sum(statistics.median(v) for v in times.values())
-    print(f"| all six, sum of medians | {total:.1f} | | |")
+        table.add(title, f"{median(values):.1f}", f"{min(values):.1f}", f"{max(values):.1f}")
+    table.add("all six, sum of medians", f"{sum(median(v) for v in times.values()):.1f}", "", "")
+    report.add(table)
+    report.write()
     return 0
 
 

@@ -10,21 +10,22 @@ the last one exiting. Only jax, numpy and optax are needed, so any venv runs it:
 
     .venv/bin/python bench/seed_steps_bare.py [--reps 3]
     /path/to/py311-venv/bin/python bench/seed_steps_bare.py [--reps 3]
+
+Each venv's table goes to bench/results/seed_steps_bare_py<version>_jax<version>.md (`--no-write`:
+printed only). The harness (`_common.py`) imports nothing at start that such a venv may lack.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
-import statistics
 import subprocess
 import sys
-import time
 
 SHAPES = [("v6e-4 device count", 1, "count"), ("v6e-16 device count", 4, "count"),
           ("2 x v6e-16 multislice device count", 8, "count"), ("v6e-16 5 optax training steps", 4, "train")]
 CHIPS_PER_HOST = 4
+NAME = "seed_steps_bare"
 
 
 def count() -> None:
@@ -87,36 +88,41 @@ def run_once(processes: int, what: str) -> float:
         port = s.getsockname()[1]
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={CHIPS_PER_HOST}"}
-    started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, __file__, "--host", str(i), str(processes), str(port), what], env=env)
-             for i in range(processes)]
-    codes = [p.wait(timeout=600) for p in procs]
+    from _common import stopwatch
+
+    with stopwatch() as took:
+        procs = [subprocess.Popen([sys.executable, __file__, "--host", str(i), str(processes), str(port), what],
+                                  env=env) for i in range(processes)]
+        codes = [p.wait(timeout=600) for p in procs]
     if any(codes):
         raise SystemExit(f"{what} on {processes} processes failed: exit codes {codes}")
-    return time.monotonic() - started
+    return took.s
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--host", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.host:
-        host(int(args.host[0]), int(args.host[1]), int(args.host[2]), args.host[3])
+    if len(sys.argv) == 6 and sys.argv[1] == "--host":  # a host process: nothing before JAX but what it needs
+        host(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return 0
+    from _common import Report, Table, median, parse_args
+
+    args = parse_args(__doc__.splitlines()[0], default_reps=3, attach=False)
     from importlib.metadata import version
 
-    print(f"python {sys.version.split()[0]}, jax {version('jax')}, {args.reps} reps, "
-          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    report = Report(f"{NAME}_py{sys.version_info.major}{sys.version_info.minor}_jax{version('jax')}", args)
+    report.note(f"python {sys.version.split()[0]}, jax {version('jax')}, {args.reps} reps, "
+                f"load {os.getloadavg()[0]:.1f}")
     times: dict[str, list[float]] = {title: [] for title, _, _ in SHAPES}
     for _ in range(args.reps):
         for title, processes, what in SHAPES:
             times[title].append(run_once(processes, what))
-    print("| step | median s | min s | max s |\n|---|---:|---:|---:|")
+    table = Table(f"The seed steps' JAX work, no Ray (python {sys.version.split()[0]}, jax {version('jax')})",
+                  ["step", "median s", "min s", "max s"])
     for title, values in times.items():
-        print(f"| {title} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} |")
-    print(f"| sum of medians | {sum(statistics.median(v) for v in times.values()):.2f} | | |")
-    print(f"load at end {os.getloadavg()[0]:.1f}")
+        table.add(title, f"{median(values):.2f}", f"{min(values):.2f}", f"{max(values):.2f}")
+    table.add("sum of medians", f"{sum(median(v) for v in times.values()):.2f}", "", "")
+    table.notes.append(f"load at end {os.getloadavg()[0]:.1f}")
+    report.add(table)
+    report.write()
     return 0
 
 

@@ -33,14 +33,15 @@ import json
 import os
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import time
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import ROOT, Report, Table, median, parse_args, percentile, stopwatch
+
+NAME = "slices_page"
 JOBS = int(os.environ.get("SLICES_BENCH_JOBS", "10000"))  # --jobs, passed to the server process
 ACTORS_PER_JOB, RUNNING = 10, 4
 HOURS = 6.0
@@ -88,7 +89,8 @@ def _bodies(now: float) -> dict[str, bytes]:
                 "reprName": "", "className": "HostProcess", "actorClass": "HostProcess", "isDetached": False,
                 "rayNamespace": "5d0b1b9c-1111-2222-3333-444455556666",
                 "functionDescriptor": {"pythonFunctionDescriptor": {
-                    "moduleName": "rayslice.cluster.gang", "className": "HostProcess", "functionName": "__init__",
+                    "moduleName": "rayslice.cluster.host_process", "className": "HostProcess",
+                    "functionName": "__init__",
                     "functionHash": "b2c3d4e5f6"}},
                 "callSite": "", "labelSelector": {"ray.io/tpu-slice-name": slice_name}, "gpus": [],
                 "processStats": None, "mem": []}
@@ -200,16 +202,16 @@ def measure(variant: str, url: str, reps: int, commit: str) -> dict:
         tick = asyncio.create_task(ticker())
         times = []
         for _ in range(reps):
-            started = time.perf_counter()
-            await refresh()
-            times.append(time.perf_counter() - started)
+            with stopwatch() as took:
+                await refresh()
+            times.append(took.s)
         stop.set()
         await tick
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
         child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # after: the actor-table reader
-        return {"first_s": times[0], "median_s": statistics.median(times[1:] or times), "peak_mb": peak / 2**20,
+        return {"first_s": times[0], "median_s": median(times[1:] or times), "peak_mb": peak / 2**20,
                 "child_peak_mb": child / 2**20,
-                "max_lag_ms": max(lags) * 1000, "p99_lag_ms": sorted(lags)[int(len(lags) * 0.99)] * 1000}
+                "max_lag_ms": max(lags) * 1000, "p99_lag_ms": percentile(lags, 99) * 1000}
 
     return asyncio.run(main())
 
@@ -249,13 +251,13 @@ def _child(*args: str) -> str:
 
 def main() -> None:
     global JOBS
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--before", default="1f4e919")
-    parser.add_argument("--pages", type=int, default=8, help="pages refreshing at once (0: skip that part)")
-    parser.add_argument("--jobs", type=int, default=10_000, help="jobs on the recorded dashboard (10 actors each)")
-    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    def options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--before", default="1f4e919")
+        parser.add_argument("--pages", type=int, default=8, help="pages refreshing at once (0: skip that part)")
+        parser.add_argument("--jobs", type=int, default=10_000, help="jobs on the recorded dashboard (10 actors each)")
+        parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+
+    args = parse_args(__doc__.splitlines()[0], default_reps=5, extra=options, attach=False)
     if args.child:
         kind, variant, url = args.child[:3]
         if kind == "serve":
@@ -297,30 +299,33 @@ def main() -> None:
         conc = {}
         for variant in ("before", "after") if args.pages else ():
             seen = counts()
-            started = time.perf_counter()
-            _child("--pages", str(args.pages), "--before", args.before, "--child", "concurrent", variant, url)
-            took = time.perf_counter() - started
+            with stopwatch() as took:
+                _child("--pages", str(args.pages), "--before", args.before, "--child", "concurrent", variant, url)
             after = counts()
             conc[variant] = (sum(after[p][0] - seen.get(p, [0, 0])[0] for p in after),
-                             sum(after[p][1] - seen.get(p, [0, 0])[1] for p in after) / 2**20, took)
+                             sum(after[p][1] - seen.get(p, [0, 0])[1] for p in after) / 2**20, took.s)
     finally:
         server.terminate()
         server.wait(timeout=30)
         port_file.unlink(missing_ok=True)
 
-    print(f"\n| one refresh ({args.reps} reps) | first | median | peak memory (child process) "
-          f"| event-loop lag max (p99) | dashboard requests per run |")
-    print("|---|---|---|---|---|---|")
+    report = Report(NAME, args)
+    refresh = Table(f"One refresh ({args.reps} reps, {JOBS} jobs)",
+                    ["variant", "first", "median", "peak memory (child process)", "event-loop lag max (p99)",
+                     "dashboard requests per run"])
     for variant, r in rows.items():
         reqs = ", ".join(f"{p} x{n}" for p, n in sorted(r["requests"].items()))
-        print(f"| {variant} | {r['first_s']:.2f} s | {r['median_s']:.2f} s | {r['peak_mb']:.0f} MiB "
-              f"({r['child_peak_mb']:.0f} MiB) | {r['max_lag_ms']:.0f} ms ({r['p99_lag_ms']:.0f} ms) | {reqs} |")
-    if not conc:
-        return
-    print(f"\n| {args.pages} pages refreshing at once | dashboard requests | bytes read | wall (incl. start) |")
-    print("|---|---|---|---|")
-    for variant, (n, mb, took) in conc.items():
-        print(f"| {variant} | {n} | {mb:.0f} MiB | {took:.1f} s |")
+        refresh.add(variant, f"{r['first_s']:.2f} s", f"{r['median_s']:.2f} s",
+                    f"{r['peak_mb']:.0f} MiB ({r['child_peak_mb']:.0f} MiB)",
+                    f"{r['max_lag_ms']:.0f} ms ({r['p99_lag_ms']:.0f} ms)", reqs)
+    report.add(refresh)
+    if conc:
+        pages = Table(f"{args.pages} pages refreshing at once",
+                      ["variant", "dashboard requests", "bytes read", "wall (incl. start)"])
+        for variant, (n, mb, took) in conc.items():
+            pages.add(variant, n, f"{mb:.0f} MiB", f"{took:.1f} s")
+        report.add(pages)
+    report.write()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What a step's processes import before JAX: CPU-seconds, this checkout against another (`--before`).
 
 A host process is a Ray worker (it has imported `ray`) that imports the launcher's host module
-(`rayslice.cluster.gang`, which Ray loads to build the host actor) and then JAX; the job's
+(`rayslice.cluster.host_process`, which Ray loads to build the host actor) and then JAX; the job's
 driver (`python -m rayslice.cluster`) imports the launcher package. Each is timed in a fresh
 `python` process (CPU time of the import, `time.process_time`, which a loaded machine inflates
 less than wall time), the two checkouts interleaved rep by rep. No Ray cluster is needed.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from _common import ROOT, Report, Series, Table, fmt_ratio, log, parse_args
 
@@ -21,8 +22,9 @@ NAME = "startup_imports"
 
 #: (label, what the process has imported before the clock starts, what is timed)
 CASES = (
-    ("host process: the host actor's module", "import ray, ray._private.worker", "import rayslice.cluster.gang"),
-    ("host process: JAX, after it", "import ray, ray._private.worker, rayslice.cluster.gang", "import jax"),
+    ("host process: the host actor's module", "import ray, ray._private.worker",
+     "import rayslice.cluster.host_process"),
+    ("host process: JAX, after it", "import ray, ray._private.worker, rayslice.cluster.host_process", "import jax"),
     ("job driver: the launcher package", "", "import rayslice.cluster"),
 )
 
@@ -37,7 +39,15 @@ print(json.dumps({"cpu": cpu, "modules": len(sys.modules), "from": __import__("r
 """
 
 
+def host_module(tree: str, code: str) -> str:
+    """`code` for this checkout: one from before the gang split (issue 51) has its host actor in cluster/gang.py."""
+    if (Path(tree) / "rayslice" / "cluster" / "host_process.py").exists():
+        return code
+    return code.replace("rayslice.cluster.host_process", "rayslice.cluster.gang")
+
+
 def probe(tree: str, before: str, timed: str) -> dict:
+    before, timed = host_module(tree, before), host_module(tree, timed)
     out = subprocess.run([sys.executable, "-c", PROBE, tree, before, timed], capture_output=True, text=True,
                          check=True, cwd="/")
     return json.loads(out.stdout.strip().splitlines()[-1])

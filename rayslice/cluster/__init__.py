@@ -18,7 +18,20 @@ from typing import Any, NamedTuple
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rayslice.cluster import autoscaler, checkpoints, gang, host_env, metrics, notices, phases, reaper, suspend
+from rayslice.cluster import (
+    autoscaler,
+    checkpoints,
+    gang,
+    host_env,
+    host_process,
+    jax_groups,
+    log_drain,
+    metrics,
+    notices,
+    phases,
+    reaper,
+    suspend,
+)
 from rayslice.cluster import queue as admission
 from rayslice.cluster.environments import HostPlan
 from rayslice.cluster.reservation import check_accelerator_satisfiable, check_satisfiable, intact_slices, reserve_slices
@@ -109,7 +122,7 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             log(checkpoints.describe_and_record(checkpoint_dir, try_number=spec.owner.try_number,
                                                 preemption_attempt=attempt, submission_id=spec.owner.submission_id))
         timeline.note("checkpoint_described")
-        step = gang.Attempt(preemption_attempt=attempt, checkpoint_dir=checkpoint_dir)
+        step = host_process.Attempt(preemption_attempt=attempt, checkpoint_dir=checkpoint_dir)
         waits.resumptions_left = spec.preemption_retries - retries_used
         timeline.chips = (spec.request.total_chips if isinstance(spec.request, TpuSliceRequest)
                           else spec.request.count)
@@ -323,7 +336,7 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
     return place
 
 
-def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt,
+def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: host_process.Attempt,
                    timeline: phases.Timeline, waits: Waits) -> list[Any]:
     name = reservation_name(spec)
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s, "
@@ -357,7 +370,7 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attem
             place.leave()
 
 
-def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: gang.Attempt,
+def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: host_process.Attempt,
                                timeline: phases.Timeline, waits: Waits, name: str, started: float,
                                place: admission.Place) -> list[Any]:
     reserving = time.monotonic()
@@ -374,7 +387,7 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     actors: list[Any] = []
     spec_json = spec.model_dump_json()
     # After a failure: the last line of a host that raised, and a quiet second for hosts that died.
-    drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
+    drain, drain_from, quiet = log_drain.LogDrain(), [], log_drain.LogDrain.QUIET_S
     # From here on a drained node of the reservation is the step's preemption notice (cluster/notices.py).
     # An elastic function step also hears the queue's offer to grow (a command step's program is never offered it:
     # its exit after the notice would read as a stop for it).
@@ -394,11 +407,11 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         log(f"reserved {', '.join(slices)} in {(time.monotonic() - started) * 1000:.0f} ms")
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         # What a host needs before its coordinator is known (its slice, the megascale coordinator).
-        early = gang.plan_processes(reservation.hosts, multislice=request.multislice, ports={})
+        early = jax_groups.plan_processes(reservation.hosts, multislice=request.multislice, ports={})
         hosts_env = _hosts_runtime_env(spec, [h.node_id for h in reservation.hosts])
         for host, plan in zip(reservation.hosts, early, strict=True):
             actors.append(
-                gang.HostProcess.options(
+                host_process.HostProcess.options(
                     name=f"{name}/{host.label}",
                     num_cpus=1,
                     resources={"TPU": request.chips_per_host},
@@ -419,14 +432,14 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         finally:
             waits.spend("start", starting)
         timeline.note("actors_started")
-        leaders = gang.group_leaders(reservation.hosts, multislice=request.multislice)
-        plans = gang.plan_processes(reservation.hosts, multislice=request.multislice,
+        leaders = jax_groups.group_leaders(reservation.hosts, multislice=request.multislice)
+        plans = jax_groups.plan_processes(reservation.hosts, multislice=request.multislice,
                                     ports={i: ports[i] for i in leaders})
         log(f"running on {', '.join(slices)}: {len(plans)} hosts x {request.chips_per_host} chips")
         try:
             results = gang.run_gang(actors, plans, spec, attempt, timeline, watch)
         except BaseException as exc:
-            drain_from = gang.raised_on(exc, plans)
+            drain_from = log_drain.raised_on(exc, plans)
             suspended = isinstance(exc, SuspendedError)
             if suspended and gang.stopped_to_grow(watch):
                 # it stopped to take more slices (for an offer, even one the queue took back or a notice held back)
@@ -508,7 +521,7 @@ def _log_release(what: str, started: float, still_held: list[str]) -> None:
         log(f"released {what} after {time.monotonic() - started:.1f} s")
 
 
-def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
+def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: host_process.Attempt,
                      timeline: phases.Timeline, waits: Waits) -> Any:
     check_accelerator_satisfiable(request)  # an impossible request never enters the queue
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
@@ -540,7 +553,7 @@ def _fraction_started(actor: Any, plan: HostPlan, within: float, watch: notices.
             return None
 
 
-def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: gang.Attempt,
+def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: host_process.Attempt,
                             timeline: phases.Timeline, waits: Waits, started: float, place: admission.Place) -> Any:
     placing = time.monotonic()
     plan = HostPlan(
@@ -562,10 +575,10 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
     hosts_env = _hosts_runtime_env(spec, resource=request.resource)
     if hosts_env.launcher_digest:  # only where the launcher is installed (not on a node that joined since)
         options["label_selector"] = {**options.get("label_selector", {}), launcher.LABEL: hosts_env.launcher_digest}
-    actor = gang.HostProcess.options(
+    actor = host_process.HostProcess.options(
         name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, runtime_env=hosts_env.runtime_env, **options
     ).remote(str(request), spec.model_dump_json(), plan, hosts_env.launcher_digest)
-    drain, drain_from, quiet = gang.LogDrain(), [], gang.LogDrain.QUIET_S
+    drain, drain_from, quiet = log_drain.LogDrain(), [], log_drain.LogDrain.QUIET_S
     # A preemptible fraction hears the queue's word (a higher-priority step needs its accelerator) as a notice;
     # the others listen for nothing (no host polls the GCS for a notice that cannot come).
     watch = None
@@ -595,7 +608,7 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
         try:
             result = gang.run_gang([actor], [plan], spec, attempt, timeline, watch)[0]
         except BaseException as exc:
-            drain_from = [str(request)] if gang.raised_on(exc, [plan]) else []  # the actor's label
+            drain_from = [str(request)] if log_drain.raised_on(exc, [plan]) else []  # the actor's label
             suspended = isinstance(exc, SuspendedError)
             if isinstance(exc, KeyboardInterrupt):  # stopped on request: nobody waits for last lines
                 quiet = 0.0

@@ -113,7 +113,7 @@ def checkpoint_root_problem(root: str) -> str | None:
     """Why `root` cannot be a checkpoint root (None: it can), in words for the refusal.
 
     It must be a URL, and a `file://` one must name an absolute path: a relative one would resolve
-    inside each host's per-step folder (cluster/gang.py `_step_folder`), which is deleted after the
+    inside each host's per-step folder (cluster/step_folders.py), which is deleted after the
     step, so every checkpoint would vanish and every resume start fresh. Parsed without fsspec: it
     runs at DAG parse time.
     """

@@ -548,12 +548,12 @@ def test_a_launcher_never_leaves_the_queue_between_a_suspended_attempt_and_its_r
         key=key, notice=None, offer=None, noticed_at=None, __enter__=lambda: None, __exit__=lambda *a: None,
         heard=lambda: None, hosts_stopping=lambda: False))
     monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *a, **k: launcher.HostsEnv(None, None))
-    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+    monkeypatch.setattr(launcher.host_process.HostProcess, "options",
                         lambda **kw: types.SimpleNamespace(remote=lambda *a: "actor"), raising=False)
     monkeypatch.setattr(launcher.gang, "await_started", lambda actors, hosts, timeout, watch=None: [1234])
     monkeypatch.setattr(launcher.gang, "run_gang", run_gang)
     monkeypatch.setattr(launcher.gang, "kill", lambda actors: None)
-    monkeypatch.setattr(launcher.gang, "LogDrain", type("Drain", (), {
+    monkeypatch.setattr(launcher.log_drain, "LogDrain", type("Drain", (), {
         "QUIET_S": 0.0, "wait": lambda self, *a, **k: None, "close": lambda self: None,
         "explain_shutdown": lambda self, *a: None}))
     monkeypatch.setattr(launcher, "_wait_for_hosts_to_end", between_attempts)

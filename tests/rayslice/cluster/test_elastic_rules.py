@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from rayslice.cluster import gang, notices, queue
+from rayslice.cluster import gang, host_loss, host_process, notices, queue
 from rayslice.cluster.environments import HostPlan
 from rayslice.core import queue as rules
 from rayslice.core.accelerators import TpuSliceRequest
@@ -129,13 +129,15 @@ def test_a_real_error_after_an_offer_to_grow_is_a_failure_not_a_free_resumption(
     """The step ignores the offer (allowed) and then fails with a bug. run_gang turns any end after a notice into
     a SuspendedError, and `_reserve_and_run_on_slices` marks every SuspendedError under a grow notice `grow`:
     the bug is retried with no preemption retry used (a step that keeps failing after offers never stops)."""
-    monkeypatch.setattr(gang, "ray", FakeRay())
+    monkeypatch.setattr(gang, "ray", fake := FakeRay())
+    monkeypatch.setattr(host_loss, "ray", fake)
     spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), callable="train:fit", hang_timeout=None,
                     preemption_retries=0)
     plans = [HostPlan(slice_index=0, slice_name="v6e-16-a", worker_id=0, ip="10.0.0.0", process_id=0,
                       num_processes=1, coordinator="", megascale_coordinator="", node_id="node0")]
     with pytest.raises(StepFailedError) as info:
-        gang.run_gang([_actor(ZeroDivisionError("the real bug"))], plans, spec, gang.Attempt(), None, _grow_watch())
+        gang.run_gang([_actor(ZeroDivisionError("the real bug"))], plans, spec, host_process.Attempt(), None,
+                      _grow_watch())
     assert not isinstance(info.value, SuspendedError), info.value
 
 
@@ -268,7 +270,8 @@ def test_a_step_that_stopped_for_an_offer_taken_back_meanwhile_is_not_failed(mon
     checkpoints, a request of that type starts waiting: the broker takes the heard offer back, the Watch drops its
     notice (`_withdraw_offer`). run_gang then finds no notice and the StepSuspended is a plain step failure: the
     task fails after a clean checkpoint-and-stop the launcher itself asked for."""
-    monkeypatch.setattr(gang, "ray", FakeRay())
+    monkeypatch.setattr(gang, "ray", fake := FakeRay())
+    monkeypatch.setattr(host_loss, "ray", fake)
     spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), callable="train:fit", hang_timeout=None,
                     preemption_retries=0)
     plans = [HostPlan(slice_index=0, slice_name="v6e-16-a", worker_id=0, ip="10.0.0.0", process_id=0,
@@ -278,7 +281,7 @@ def test_a_step_that_stopped_for_an_offer_taken_back_meanwhile_is_not_failed(mon
                                    reason="1 more v6e-16 free and nobody waits for it", grow=True))
     watch._withdraw_offer()  # the broker took it back while the hosts were checkpointing
     try:
-        gang.run_gang([_actor(StepSuspended("checkpointed at step 1200"))], plans, spec, gang.Attempt(), None,
+        gang.run_gang([_actor(StepSuspended("checkpointed at step 1200"))], plans, spec, host_process.Attempt(), None,
                       watch)
     except SuspendedError:
         pass  # resumed from its checkpoint: fine

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rayslice.cluster import gang
+from rayslice.cluster import step_folders
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.step import StepSpec
 
@@ -48,11 +48,11 @@ class Writer:
 
 def test_a_step_runs_in_a_folder_of_its_own_removed_after_it_unless_it_has_a_working_dir():
     before = os.getcwd()
-    with gang._step_folder(spec()):
+    with step_folders.step_folder(spec()):
         folder = os.getcwd()
-        assert os.path.basename(folder).startswith(f"{gang.STEP_FOLDER_PREFIX}{os.getpid()}-")
+        assert os.path.basename(folder).startswith(f"{step_folders.STEP_FOLDER_PREFIX}{os.getpid()}-")
     assert os.getcwd() == before and not os.path.exists(folder)
-    with gang._step_folder(spec(working_dir="gcs://_ray_pkg_x.zip")):
+    with step_folders.step_folder(spec(working_dir="gcs://_ray_pkg_x.zip")):
         assert os.getcwd() == before  # Ray started the process in the working_dir
 
 
@@ -63,7 +63,7 @@ def test_what_a_step_leaves_writing_in_its_folder_neither_fails_it_nor_hides_its
     for _ in range(20):
         writer = None
         try:
-            with gang._step_folder(spec()):
+            with step_folders.step_folder(spec()):
                 writer = Writer(os.getcwd())
                 if raises:
                     raise ValueError("the step's own error")
@@ -78,10 +78,10 @@ def test_the_folders_of_hosts_that_ended_without_cleaning_up_are_removed_by_the_
     """A host killed mid-step (`ray.kill`: no `finally` runs) leaves its folder; a fresh one per step would fill
     the host's /tmp."""
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tempfile.mkdtemp(prefix=f"{gang.STEP_FOLDER_PREFIX}{int(ended.stdout)}-")
-    alive = tempfile.mkdtemp(prefix=f"{gang.STEP_FOLDER_PREFIX}{os.getppid()}-")
+    dead = tempfile.mkdtemp(prefix=f"{step_folders.STEP_FOLDER_PREFIX}{int(ended.stdout)}-")
+    alive = tempfile.mkdtemp(prefix=f"{step_folders.STEP_FOLDER_PREFIX}{os.getppid()}-")
     try:
-        with gang._step_folder(spec()):
+        with step_folders.step_folder(spec()):
             pass
         assert not os.path.exists(dead)
         assert os.path.exists(alive)  # a live host's step is running in it

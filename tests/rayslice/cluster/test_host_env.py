@@ -141,10 +141,10 @@ def test_a_host_whose_installed_launcher_is_not_the_labelled_one_fails_saying_wh
 
 
 def test_the_host_process_checks_its_launcher_before_it_loads_the_step(monkeypatch):
-    from rayslice.cluster import gang
+    from rayslice.cluster import host_process
 
     monkeypatch.setattr(host_env, "running_digest", lambda: "edited")
-    host = gang.HostProcess.__ray_actor_class__("host0", launcher_digest="abc123")
+    host = host_process.HostProcess.__ray_actor_class__("host0", launcher_digest="abc123")
     host._prepare(spec().model_dump_json(), None)
     assert isinstance(host._failed, host_env.LauncherMismatchError)
 
@@ -157,7 +157,7 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     """Every GPU node alive at the check is labelled, so the launcher is left out; a GPU node that joins
     afterwards (an autoscaled group whose image has no rayslice) must not get the actor."""
     import rayslice.cluster as cluster
-    from rayslice.cluster import autoscaler, gang
+    from rayslice.cluster import autoscaler, host_process
     from rayslice.core.accelerators import AcceleratorRequest
 
     fake = FakeRay([{**node("gpu-a", "abc123"), "Resources": {"GPU": 1.0, "CPU": 4.0}},
@@ -172,13 +172,13 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
             captured.update(kwargs)
             raise Placed
 
-    monkeypatch.setattr(gang, "HostProcess", FakeHostProcess)
+    monkeypatch.setattr(host_process, "HostProcess", FakeHostProcess)
     request = AcceleratorRequest(resource="GPU", count=0.5)
     step = StepSpec(request=request, command=["python", "train.py"])
     place = types.SimpleNamespace(entry=types.SimpleNamespace(part=0, preemptible=False))
     monkeypatch.setattr(autoscaler, "may_add", lambda resource: False)
     with pytest.raises(Placed):
-        cluster._place_and_run_fraction(step, request, gang.Attempt(), None, None, 0.0, place)
+        cluster._place_and_run_fraction(step, request, host_process.Attempt(), None, None, 0.0, place)
     assert captured["runtime_env"] is None
     assert captured["label_selector"][launcher.LABEL] == "abc123"
     # Where an autoscaler may add a node for it, nobody can know that node will carry the label (it is set as
@@ -186,7 +186,7 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     captured.clear()
     monkeypatch.setattr(autoscaler, "may_add", lambda resource: True)
     with pytest.raises(Placed):
-        cluster._place_and_run_fraction(step, request, gang.Attempt(), None, None, 0.0, place)
+        cluster._place_and_run_fraction(step, request, host_process.Attempt(), None, None, 0.0, place)
     assert captured["runtime_env"]["py_modules"] == LAUNCHER
     assert launcher.LABEL not in captured.get("label_selector", {})
 

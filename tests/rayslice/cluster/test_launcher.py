@@ -251,9 +251,9 @@ def test_a_request_no_node_could_hold_fails_at_once(ray_driver, request_):
 )
 def test_only_runtime_failures_wait_to_blame_a_dead_peer(cause, may_be_a_death):
     """A step's own exception fails the gang at once; a broken collective first asks Ray who died."""
-    from rayslice.cluster.gang import _may_be_a_peers_death
+    from rayslice.cluster.host_loss import may_be_a_peers_death
 
-    assert _may_be_a_peers_death(StepFailedError("step failed", cause=cause)) is may_be_a_death
+    assert may_be_a_peers_death(StepFailedError("step failed", cause=cause)) is may_be_a_death
 
 
 SLOW_COORDINATOR_DRIVER = """
@@ -299,19 +299,19 @@ def test_a_coordinator_that_works_on_past_the_shutdown_timeout_still_succeeds(cl
 
 def test_hosts_that_do_not_start_in_time_on_live_nodes_fail_without_the_node_death_window(ray_driver):
     """A live but slow host is one probe of its raylet, not NODE_DEATH_WINDOW_S of watching."""
-    from rayslice.cluster import gang
+    from rayslice.cluster import gang, host_loss, host_process
     from rayslice.cluster.environments import HostPlan
     from rayslice.core.exceptions import HostLostError, PreemptedError
 
     node = next(n for n in ray_driver.nodes() if n["Alive"] and n["Resources"].get("GPU"))
-    never = gang.HostProcess.options(resources={"no-such-resource": 1}).remote("never/host0")
+    never = host_process.HostProcess.options(resources={"no-such-resource": 1}).remote("never/host0")
     plan = HostPlan(slice_index=0, slice_name="never", worker_id=0, ip=node["NodeManagerAddress"], process_id=0,
                     num_processes=1, coordinator="", megascale_coordinator="", node_id=node["NodeID"])
     started = time.monotonic()
     with pytest.raises(HostLostError, match="did not start within 2 s") as info:
         gang.await_started([never], [plan], timeout=2)
     assert not isinstance(info.value, PreemptedError)
-    assert time.monotonic() - started < gang.NODE_DEATH_WINDOW_S  # old code watched the live node that long
+    assert time.monotonic() - started < host_loss.NODE_DEATH_WINDOW_S  # old code watched the live node that long
 
 
 def saves_once_then_works():

@@ -21,7 +21,7 @@ import pytest
 from ray.exceptions import RayActorError, RayTaskError
 
 from rayslice import StepSuspended
-from rayslice.cluster import commands, gang, notices
+from rayslice.cluster import commands, gang, host_loss, host_process, notices
 from rayslice.cluster.environments import HostPlan
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import NOTICE_FILE_ENV, PreemptionNotice
@@ -85,6 +85,7 @@ FUNCTION = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), callable="train:fit",
 def fake(monkeypatch, kv):
     ray = FakeRay()
     monkeypatch.setattr(gang, "ray", ray)
+    monkeypatch.setattr(host_loss, "ray", ray)  # the host a failure is blamed on
     return ray
 
 
@@ -95,10 +96,11 @@ def _noticed(seconds_left: float) -> notices.Watch:
 
 
 def _run(spec, outcomes, watch):
-    return gang.run_gang([_actor(o) for o in outcomes], _plans(len(outcomes)), spec, gang.Attempt(), None, watch)
+    return gang.run_gang([_actor(o) for o in outcomes], _plans(len(outcomes)), spec, host_process.Attempt(), None,
+                         watch)
 
 
-HEARD = {gang.NOTICE_HEARD_KEY: 1.0}  # the host's report: the notice reached its program while it ran
+HEARD = {host_process.NOTICE_HEARD_KEY: 1.0}  # the host's report: the notice reached its program while it ran
 
 
 def test_a_program_that_saves_and_exits_0_on_the_notice_is_suspended_not_done(fake):
@@ -319,7 +321,7 @@ def test_a_preemptible_gpu_fraction_hears_the_queues_word_as_a_notice(monkeypatc
     place.suspend = ("suspended for d.urgent (priority 10)", 30.0)
     port = types.SimpleNamespace(remote=lambda: "port")
     actor = types.SimpleNamespace(free_port=port)
-    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+    monkeypatch.setattr(launcher.host_process.HostProcess, "options",
                         lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
     monkeypatch.setattr(launcher.ray, "wait", lambda refs, timeout=None: (refs, []))
     monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: launcher.HostsEnv(None, None))
@@ -334,8 +336,9 @@ def test_a_preemptible_gpu_fraction_hears_the_queues_word_as_a_notice(monkeypatc
         return ["done"]
 
     monkeypatch.setattr(launcher.gang, "run_gang", run_gang)
-    result = launcher._place_and_run_fraction(spec, spec.request, launcher.gang.Attempt(), launcher.phases.Timeline(),
-                                              launcher.Waits(capacity=10, start=10), time.monotonic(), place)
+    result = launcher._place_and_run_fraction(spec, spec.request, launcher.host_process.Attempt(),
+                                              launcher.phases.Timeline(), launcher.Waits(capacity=10, start=10),
+                                              time.monotonic(), place)
     assert result == "done"
     assert heard == {"notice": "suspended for d.urgent (priority 10)", "key": True}
 
@@ -419,7 +422,7 @@ def test_a_fraction_that_is_not_preemptible_listens_for_no_notice(monkeypatch):
     spec = StepSpec(request=AcceleratorRequest(resource="GPU", count=0.5), command=["true"])
     place = _Place([], [], False)
     actor = types.SimpleNamespace(free_port=types.SimpleNamespace(remote=lambda: "port"))
-    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+    monkeypatch.setattr(launcher.host_process.HostProcess, "options",
                         lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
     monkeypatch.setattr(launcher.ray, "wait", lambda refs, timeout=None: (refs, []))
     monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: launcher.HostsEnv(None, None))
@@ -427,7 +430,7 @@ def test_a_fraction_that_is_not_preemptible_listens_for_no_notice(monkeypatch):
     seen = {}
     monkeypatch.setattr(launcher.gang, "run_gang", lambda actors, plans, spec, attempt, timeline, watch=None:
                         seen.update(watch=watch, key=attempt.notice_key) or ["done"])
-    launcher._place_and_run_fraction(spec, spec.request, launcher.gang.Attempt(), launcher.phases.Timeline(),
+    launcher._place_and_run_fraction(spec, spec.request, launcher.host_process.Attempt(), launcher.phases.Timeline(),
                                      launcher.Waits(capacity=10, start=10), time.monotonic(), place)
     assert seen == {"watch": None, "key": ""}
 
@@ -517,7 +520,8 @@ def _host_run(tmp_path, argv: list[str], signal_name: str, deliver_after: float,
 
     def run() -> None:
         try:
-            out["result"] = gang.run_program(argv, {**os.environ, NOTICE_FILE_ENV: notice.path}, report, 0.0, notice)
+            out["result"] = host_process.run_program(argv, {**os.environ, NOTICE_FILE_ENV: notice.path}, report, 0.0,
+                                                     notice)
         except commands.CommandExitError as exc:
             out["result"] = exc
 
@@ -607,7 +611,7 @@ def test_a_drained_node_that_dies_while_the_hosts_start_is_a_suspension_that_avo
 
 def test_a_host_lost_during_a_priority_notices_grace_is_recorded_so_the_resumption_avoids_it(fake, monkeypatch):
     """Before: the suspension named the notice's node (none, for a priority notice): the lost host was forgotten."""
-    monkeypatch.setattr(gang, "_node_died", lambda node_id, actor, within=0: True)
+    monkeypatch.setattr(host_loss, "node_died", lambda node_id, actor, within=0: True)
     with _priority_noticed() as watch:
         with pytest.raises(SuspendedError) as info:
             _run(FUNCTION, [StepSuspended("saved"), RayActorError()], watch)
@@ -644,7 +648,7 @@ def _fraction(monkeypatch, starts_on_wait: int | None, suspend=None):
         waited.append(timeout)
         return (refs, []) if starts_on_wait is not None and len(waited) >= starts_on_wait else ([], refs)
 
-    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+    monkeypatch.setattr(launcher.host_process.HostProcess, "options",
                         lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
     monkeypatch.setattr(launcher.ray, "wait", wait)
     monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: launcher.HostsEnv(None, None))
@@ -654,8 +658,8 @@ def _fraction(monkeypatch, starts_on_wait: int | None, suspend=None):
     monkeypatch.setattr(notices.internal_kv, "_internal_kv_put", lambda *a, **k: None)
     monkeypatch.setattr(notices.internal_kv, "_internal_kv_del", lambda *a, **k: None)
     waits = launcher.Waits(capacity=0.0, start=3.0)  # the queue wait used all of capacity_timeout
-    result = launcher._place_and_run_fraction(spec, spec.request, launcher.gang.Attempt(), launcher.phases.Timeline(),
-                                              waits, time.monotonic(), place)
+    result = launcher._place_and_run_fraction(spec, spec.request, launcher.host_process.Attempt(),
+                                              launcher.phases.Timeline(), waits, time.monotonic(), place)
     return result, waits
 
 
@@ -712,11 +716,11 @@ def test_the_launcher_acts_on_a_notice_while_the_hosts_start_only_where_a_resump
     started = Started()
     actor = types.SimpleNamespace(free_port=types.SimpleNamespace(remote=lambda: started))
     monkeypatch.setattr(launcher, "reserve_slices", lambda *a, **k: reservation)
-    monkeypatch.setattr(launcher.gang.HostProcess, "options",
+    monkeypatch.setattr(launcher.host_process.HostProcess, "options",
                         lambda **kw: types.SimpleNamespace(remote=lambda *a: actor), raising=False)
     monkeypatch.setattr(launcher, "_hosts_runtime_env", lambda spec, *nodes, **resource: launcher.HostsEnv(None, None))
     monkeypatch.setattr(launcher.gang, "wait_dead", lambda actors, timeout=0: [])
-    monkeypatch.setattr(launcher.gang, "LogDrain", _NoDrain)
+    monkeypatch.setattr(launcher.log_drain, "LogDrain", _NoDrain)
     monkeypatch.setattr(launcher.gang, "run_gang", lambda actors, plans, spec, attempt, timeline, watch=None: ["done"])
     monkeypatch.setattr(gang.node_probe, "raylet_unreachable", lambda node: False)
     monkeypatch.setattr(notices, "draining", lambda nodes: polls.append(1) or {"node0": time.time() + 3600})
@@ -726,7 +730,7 @@ def test_the_launcher_acts_on_a_notice_while_the_hosts_start_only_where_a_resump
     waits = launcher.Waits(capacity=10.0, start=5.0, resumptions_left=resumptions_left)
 
     def run():
-        return launcher._reserve_and_run_on_slices(spec, spec.request, launcher.gang.Attempt(),
+        return launcher._reserve_and_run_on_slices(spec, spec.request, launcher.host_process.Attempt(),
                                                    launcher.phases.Timeline(), waits, "rayslice:t", time.monotonic(),
                                                    place)
     if resumptions_left:
@@ -744,7 +748,7 @@ def test_a_notice_held_back_from_the_hosts_leaves_their_jax_termination_a_real_f
     as it came; once told (a resumable step), it is the suspension's expected noise."""
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-    from rayslice.cluster import gang, shutdown_noise
+    from rayslice.cluster import log_drain, shutdown_noise
 
     line = "F1206 client.cc:101] Terminating process because the JAX distributed service detected fatal errors."
     for resumable, explained in ((False, False), (True, True)):
@@ -754,7 +758,7 @@ def test_a_notice_held_back_from_the_hosts_leaves_their_jax_termination_a_real_f
         if not installed:
             dispatcher.add_handler("ray_print_logs", lambda data: None)
         dispatcher.add_handler("test-printed", lambda data, out=printed: out.extend(data["lines"]))
-        drain = gang.LogDrain()
+        drain = log_drain.LogDrain()
         drain.explain_shutdown({"v6e-16-a/host0"}, watch.hosts_stopping)
         try:
             dispatcher.emit({"actor_name": "v6e-16-a/host0", "pid": 1, "is_err": True, "lines": [line]})
@@ -789,7 +793,8 @@ def test_a_victim_suspended_while_ray_places_its_slices_resumes_in_its_place(mon
     monkeypatch.setattr(launcher, "reserve_slices", reserve)
     waits = launcher.Waits(capacity=10.0, start=5.0, resumptions_left=1)
     with pytest.raises(SuspendedError):
-        launcher._run_on_slices(COMMAND, COMMAND.request, launcher.gang.Attempt(), launcher.phases.Timeline(), waits)
+        launcher._run_on_slices(COMMAND, COMMAND.request, launcher.host_process.Attempt(), launcher.phases.Timeline(),
+                                waits)
     assert calls == ["requeue"] and waits.requeued is place
 
 
@@ -822,7 +827,7 @@ def test_a_notice_that_lands_after_the_program_exited_0_but_before_the_host_reap
     notice.started(child.pid)
     notice.deliver(PreemptionNotice(deadline=time.time() + 30, reason="in the reap window", node="n"))
     child.wait()
-    assert notice.signalled_at is None and gang.notice_report(notice) == {}
+    assert notice.signalled_at is None and host_process.notice_report(notice) == {}
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads Linux's /proc")
@@ -928,4 +933,4 @@ def test_a_function_step_that_returns_right_as_its_stop_comes_keeps_its_value(fa
         spec, watch = FUNCTION.model_copy(update={"step_timeout": 0.0}), None
     ref = _ReturnsAsTheWaitEnds({"exported": 1200}, fake)
     actor = types.SimpleNamespace(run=types.SimpleNamespace(remote=lambda *a: ref))
-    assert gang.run_gang([actor], _plans(1), spec, gang.Attempt(), None, watch) == [{"exported": 1200}]
+    assert gang.run_gang([actor], _plans(1), spec, host_process.Attempt(), None, watch) == [{"exported": 1200}]

@@ -88,11 +88,12 @@ def test_a_suspension_is_counted_apart_from_running_time_in_both_attempts_lines(
 # the body started on every host, as on a successful one (not until the host processes started).
 @pytest.mark.parametrize("ending", ["suspended", "failed", "step_timeout", "lost peer", "stopped"])
 def test_an_attempt_that_ends_short_of_success_has_every_hosts_phases_and_true_start_up(monkeypatch, kv, ending):
-    from rayslice.cluster import gang, notices
+    from rayslice.cluster import gang, host_loss, host_process, notices
     from rayslice.core.goodput import attempt_account
     from tests.rayslice.cluster import test_notice_rules as rules
 
-    monkeypatch.setattr(gang, "ray", rules.FakeRay())
+    monkeypatch.setattr(gang, "ray", fake := rules.FakeRay())
+    monkeypatch.setattr(host_loss, "ray", fake)
     monkeypatch.setattr(notices.internal_kv, "_internal_kv_get", lambda k, namespace=None, **kw: kv.get(k))
     reserved = 1000.0
     body = {"hosts_started": reserved + 1.0, "jax_ready": reserved + 6.0, "step_started": reserved + 6.5}
@@ -113,7 +114,7 @@ def test_an_attempt_that_ends_short_of_success_has_every_hosts_phases_and_true_s
     timeline.note("actors_started", reserved + 1.2)
     timeline.chips, timeline.outcome = 8, "preempted" if ending == "suspended" else "failed"
     with pytest.raises(BaseException):  # noqa: B017, PT011 (each ending raises its own error)
-        gang.run_gang([host(stop), host(rules.HANG)], rules._plans(2), spec, gang.Attempt(), timeline,
+        gang.run_gang([host(stop), host(rules.HANG)], rules._plans(2), spec, host_process.Attempt(), timeline,
                       rules._noticed(3600) if ending == "suspended" else None)
     timeline.note("gang_returned")
     timeline.mark("released")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-from rayslice.cluster import gang, shutdown_noise
+from rayslice.cluster import log_drain, shutdown_noise
 
 FATAL = ("F1206 04:01:02.345678 1234 client.cc:101] Terminating process because the JAX distributed service "
          "detected fatal errors. This most likely indicates that another task died; see the other task logs for "
@@ -37,7 +37,7 @@ def _host(label: str, *lines: str) -> None:
 
 def test_after_a_notice_a_hosts_jax_termination_is_explained_and_real_errors_stay(printed):
     noticed = False
-    drain = gang.LogDrain()
+    drain = log_drain.LogDrain()
     drain.explain_shutdown({"v6e-16-a/host1", "v6e-16-a/host2"}, lambda: noticed)
     try:
         _host("v6e-16-a/host1", FATAL)  # before any notice: a real failure, as it came
@@ -61,7 +61,7 @@ def test_a_filter_that_fails_never_stops_rays_printer(printed):
     def noticed() -> bool:
         raise RuntimeError("notice state unreadable")
 
-    drain = gang.LogDrain()
+    drain = log_drain.LogDrain()
     drain.explain_shutdown({"v6e-16-a/host1"}, noticed)
     try:
         _host("v6e-16-a/host1", FATAL)  # raised out of emit before: Ray's print thread would have ended
@@ -101,7 +101,7 @@ def test_on_a_ray_whose_dispatcher_differs_the_filter_stands_aside_and_says_so(c
 def test_the_explained_line_keeps_what_jax_said_went_wrong(printed):
     """The filter decides when a line reaches the driver: a real failure's line (a host out of memory) that arrives
     after the notice is explained too. Its cause must stay in the log, only the fatal wording goes."""
-    drain = gang.LogDrain()
+    drain = log_drain.LogDrain()
     drain.explain_shutdown({"v6e-16-a/host1"}, lambda: True)
     real = FATAL.replace("UNAVAILABLE: Failed to send RPC to coordination service",
                          "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB")
@@ -130,7 +130,7 @@ def test_on_a_ray_that_keeps_its_handlers_by_name_the_drain_stands_aside(monkeyp
 
     other = ByName()
     monkeypatch.setattr(ray_logging, "global_worker_stdstream_dispatcher", other)
-    drain = gang.LogDrain()
+    drain = log_drain.LogDrain()
     drain.explain_shutdown({"v6e-16-a/host1"}, lambda: True)
     drain.wait(["v6e-16-a/host1"])
     drain.close()

@@ -85,7 +85,7 @@ def test_a_host_process_imports_no_fsspec_until_a_checkpoint_url_is_split():
     import subprocess
     import sys
 
-    probe = ("import sys, rayslice.cluster.gang, rayslice.cluster; assert 'fsspec' not in sys.modules\n"
+    probe = ("import sys, rayslice.cluster.host_process, rayslice.cluster; assert 'fsspec' not in sys.modules\n"
              "from rayslice.core.context import as_path; assert as_path('file:///ckpt') == '/ckpt'\n"
              "assert 'fsspec' in sys.modules")
     subprocess.run([sys.executable, "-c", probe], check=True)
