@@ -392,15 +392,17 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     # An elastic function step also hears the queue's offer to grow (a command step's program is never offered it:
     # its exit after the notice would read as a stop for it).
     # With no resumption left, stopping early cannot help: the hosts hear a notice only at its last call.
-    watch = notices.Watch(f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}",
-                          {h.node_id: h.label for h in reservation.hosts if h.node_id},
-                          requested=lambda: place.suspend or ((place.grow, 0.0, True)
-                                                              if place.grow and spec.command is None else None),
-                          resumable=waits.resumptions_left > 0)
-    attempt = replace(attempt, notice_key=watch.key)
-    suspended, ended = False, None
-    watch.__enter__()
-    try:  # from here on, whatever happens, the reservation is released (the finally below)
+    suspended, ended, watch, watching = False, None, None, False
+    try:  # from here on, whatever happens (an interrupt included), the reservation is released (the finally below)
+        watch = notices.Watch(
+            f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}",
+            {h.node_id: h.label for h in reservation.hosts if h.node_id},
+            requested=lambda: place.suspend or ((place.grow, 0.0, True)
+                                                if place.grow and spec.command is None else None),
+            resumable=waits.resumptions_left > 0)
+        attempt = replace(attempt, notice_key=watch.key)
+        watch.__enter__()
+        watching = True
         # Once the attempt heard its notice, its hosts' JAX ending their processes as peers stop is expected noise.
         drain.explain_shutdown({h.label for h in reservation.hosts}, watch.hosts_stopping)
         slices = sorted({h.slice_name for h in reservation.hosts})
@@ -454,9 +456,10 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         raise
     finally:
         timeline.note("gang_returned")
-        watch.__exit__(None, None, None)
-        if watch.noticed_at is not None:
-            timeline.note("notice", watch.noticed_at)
+        if watching:
+            watch.__exit__(None, None, None)
+            if watch.noticed_at is not None:
+                timeline.note("notice", watch.noticed_at)
         gang.kill(actors)
         # and leaves the queue (the next in line may reserve now), or, if the step resumes, keeps its place in line
         resumes = waits.resumes_after(ended)
@@ -575,21 +578,22 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
     hosts_env = _hosts_runtime_env(spec, resource=request.resource)
     if hosts_env.launcher_digest:  # only where the launcher is installed (not on a node that joined since)
         options["label_selector"] = {**options.get("label_selector", {}), launcher.LABEL: hosts_env.launcher_digest}
-    actor = host_process.HostProcess.options(
-        name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, runtime_env=hosts_env.runtime_env, **options
-    ).remote(str(request), spec.model_dump_json(), plan, hosts_env.launcher_digest)
     drain, drain_from, quiet = log_drain.LogDrain(), [], log_drain.LogDrain.QUIET_S
-    # A preemptible fraction hears the queue's word (a higher-priority step needs its accelerator) as a notice;
-    # the others listen for nothing (no host polls the GCS for a notice that cannot come).
-    watch = None
-    if place.entry.preemptible:
-        watch = notices.Watch(
-            f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}", {},
-            requested=lambda: place.suspend, resumable=waits.resumptions_left > 0)
-        attempt = replace(attempt, notice_key=watch.key)
-        watch.__enter__()
-    suspended, ended = False, None
-    try:
+    suspended, ended, watch, actors = False, None, None, []
+    try:  # from the actor's creation on, whatever happens (an interrupt included), it is killed (the finally below)
+        actors.append(host_process.HostProcess.options(
+            name=f"{reservation_name(spec)}/{request.resource}", num_cpus=0, runtime_env=hosts_env.runtime_env,
+            **options).remote(str(request), spec.model_dump_json(), plan, hosts_env.launcher_digest))
+        actor = actors[0]
+        # A preemptible fraction hears the queue's word (a higher-priority step needs its accelerator) as a notice;
+        # the others listen for nothing (no host polls the GCS for a notice that cannot come).
+        if place.entry.preemptible:
+            entering = notices.Watch(
+                f"{spec.owner.submission_id or 'adhoc'}:{attempt.preemption_attempt}:{uuid.uuid4().hex[:8]}", {},
+                requested=lambda: place.suspend, resumable=waits.resumptions_left > 0)
+            attempt = replace(attempt, notice_key=entering.key)
+            entering.__enter__()
+            watch = entering
         budget = waits.start
         try:  # admitted: its worker's start has the host start budget, not what the queue left of capacity_timeout
             started_in = _fraction_started(actor, plan, budget, watch)
@@ -623,9 +627,9 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
             watch.__exit__(None, None, None)
             if watch.noticed_at is not None:
                 timeline.note("notice", watch.noticed_at)
-        gang.kill([actor])
+        gang.kill(actors)
         if suspended:  # its process has ended before the step resumes: no body runs twice at once
-            _wait_for_hosts_to_end([actor])
+            _wait_for_hosts_to_end(actors)
         if not waits.keep_place(place, ended):  # a step that resumes keeps its place in line
             place.leave()
         timeline.mark("released")
