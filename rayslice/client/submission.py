@@ -173,12 +173,15 @@ def spec_package(spec: StepSpec) -> bytes:
 
 
 async def submit_step(
-    client: AsyncRayJobsClient, spec: StepSpec, *, emit: Callable[[str], None] = print
+    client: AsyncRayJobsClient, spec: StepSpec, *, emit: Callable[[str], None] = print,
+    on_reattach: Callable[[JobDetails], None] | None = None,
 ) -> str:
     """Submit the step as a Ray job, or reattach to the job this same try (or caller) submitted before.
 
     The job's metadata names its owner, task-instance id included; that is what decides whether an
     existing job of the same id may be reattached (see `submission_id`). Returns the submission id.
+    `on_reattach` is told the existing job when there was one (a follower then resumes where an earlier
+    one left off, rather than at the log's start).
     """
     if not spec.owner.submission_id:
         owner = spec.owner.model_copy(update={"submission_id": submission_id(spec.owner)})
@@ -194,6 +197,8 @@ async def submit_step(
         _check_reattachable(existing, spec.owner)
         submitter = "this try" if spec.owner.ti_id else "this caller"
         emit(f"[rayslice] reattaching to Ray job {sid} that {submitter} submitted ({existing.status.value})")
+        if on_reattach is not None:
+            on_reattach(existing)
         return sid
     if spec.runtime_env:  # the step's own code: uploaded once per content, the spec carries its URIs
         spec = spec.model_copy(update={"runtime_env": await upload_runtime_env(client, spec.runtime_env)})
