@@ -80,6 +80,7 @@ JOB_PARTS = {
 def _flags(parser) -> None:
     parser.add_argument("--examples", action="store_true",
                         help="serve rayslice's example DAGs beside the chain (`rayslice airflow up --examples`)")
+    parser.add_argument("--idle-s", type=float, default=20, help="idle window for Airflow's own CPU (s)")
     parser.add_argument("--run-timeout", type=float, default=600, help="longest wait for one DAG run (s)")
 
 
@@ -120,6 +121,7 @@ def main() -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the DAG processor did not register {DAG_ID}")
             time.sleep(1)
+        idle_cpu = _idle_cpu(ui, args.idle_s)
         log("warm-up (unrecorded): one chain through Airflow, one as Ray jobs")
         _airflow_chain(api, ray, Path(ui.home), args)
         _jobs_chain(record, ray)
@@ -140,10 +142,43 @@ def main() -> None:
     served = "the chain DAG's folder" + (" and the examples" if args.examples else "")
     report.note(f"- cluster: `local_cluster.DEMO_SPEC` (what `rayslice airflow up` starts); Airflow: "
                 f"`rayslice.local.airflow_ui.up` serving {served}"
-                f"\n- load average at the end: {loadavg()}")
+                f"\n- load average at the end: {loadavg()}"
+                f"\n- Airflow's CPU while idle (no run), {args.idle_s:.0f} s window, CPU seconds per second: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in idle_cpu.items())
+                + f" (scheduler_idle_sleep_time: {_idle_sleep_setting()} s)")
     report.add(_summary(airflow_s, jobs_s))
     report.add(_parts_table(first, later, job_first, job_later, run_parts))
     report.write()
+
+
+def _idle_sleep_setting() -> str:
+    """The scheduler's idle sleep `rayslice airflow up` applies (an older rayslice: Airflow's default, 1 s)."""
+    if "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME" in os.environ:
+        return os.environ["AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME"]
+    return getattr(airflow_ui, "LATENCY_SETTINGS", {}).get("AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME", "1")
+
+
+def _idle_cpu(ui: airflow_ui.UiRecord, seconds: float) -> dict[str, float]:
+    """CPU seconds per second of each Airflow component (its whole session) over `seconds` with no run."""
+    import psutil
+
+    from rayslice.local.processes import session_members
+
+    def cpu() -> dict[str, dict[int, float]]:
+        out: dict[str, dict[int, float]] = {}
+        for component, leader in ui.sessions.items():
+            out[component] = {}
+            for pid in session_members({leader}):
+                with contextlib.suppress(psutil.Error):
+                    times = psutil.Process(pid).cpu_times()
+                    out[component][pid] = times.user + times.system
+        return out
+
+    before = cpu()
+    time.sleep(seconds)
+    after = cpu()
+    return {component: sum(after[component][pid] - before[component].get(pid, 0.0) for pid in after[component])
+            / seconds for component in after}
 
 
 def _summary(airflow_s: list[float], jobs_s: list[float]) -> Table:
