@@ -18,7 +18,8 @@ end (its result), and the trigger's log lines (the task's trigger log file in th
 - scheduled → the trigger running in the triggerer ("trigger ... starting");
 - trigger running → Ray job submitted (the job's `start_time`) → the step body starts;
 - the body; body end → the Ray job ended (`end_time`) → the trigger saw the end ("... succeeded")
-  → the task `success` (XComs pushed, the event handled by the triggerer);
+  → the event fired ("Trigger fired event": the result's XCom pushed) → the task `success` (the event
+  handed to the triggerer's supervisor, the DB write);
 - the last task's success → the run seen `success` by the 0.5 s REST poll.
 
 The Ray jobs' own parts are split the same way where they exist (submit call → job created →
@@ -65,7 +66,8 @@ PARTS = [
     "step body",
     "body end → Ray job ended",
     "Ray job ended → trigger saw it",
-    "trigger saw the end → task success (XComs, event)",
+    "trigger saw the end → event fired (result XCom pushed)",
+    "event fired → task success (triggerer loop, DB)",
 ]
 #: The Ray jobs' parts that have a counterpart above.
 JOB_PARTS = {
@@ -203,7 +205,8 @@ def _parts_table(first: dict, later: dict, job_first: dict, job_later: dict, run
         PARTS[4]: "the step",
         PARTS[5]: "Ray: the driver's exit seen by the job supervisor",
         PARTS[6]: "rayslice: the follow's status poll",
-        PARTS[7]: "rayslice's XCom pushes, then the triggerer's event loop and DB write",
+        PARTS[7]: "rayslice: the result's XCom push (a round trip through the triggerer's supervisor)",
+        PARTS[8]: "Airflow: the runner hands events over once a second, then the DB write",
     }
     for part in PARTS:
         job_part = JOB_PARTS.get(part)
@@ -267,7 +270,8 @@ def _airflow_chain(api: httpx.Client, ray: httpx.Client, home: Path, args: Any
             PARTS[4]: result["end"] - result["start"],
             PARTS[5]: job["end_time"] / 1000 - result["end"],
             PARTS[6]: marks["succeeded"] - job["end_time"] / 1000,
-            PARTS[7]: end - marks["succeeded"],
+            PARTS[7]: marks["fired"] - marks["succeeded"],
+            PARTS[8]: end - marks["fired"],
         }
         parts.append(step)
         previous_end = end
@@ -305,7 +309,9 @@ def _trigger_marks(home: Path, run_id: str, task: str, sid: str) -> dict[str, fl
                 marks.setdefault("starting", at)
             elif f"Ray job {sid} succeeded" in event:
                 marks.setdefault("succeeded", at)
-    missing = {"starting", "succeeded"} - set(marks)
+            elif event == "Trigger fired event":
+                marks.setdefault("fired", at)
+    missing = {"starting", "succeeded", "fired"} - set(marks)
     if missing:
         raise RuntimeError(f"the trigger log of {task} in {run_id} has no {', '.join(sorted(missing))} line")
     return marks
