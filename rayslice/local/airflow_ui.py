@@ -12,7 +12,6 @@ stays, so runs and the generated password survive a `down`/`up`.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import signal
@@ -33,12 +32,6 @@ from rayslice.local.processes import alive, send_signal, session_members
 
 USERNAME = "admin"
 DEFAULT_PORT = 8080
-#: Airflow settings `up` applies unless the caller's environment sets them (docs/deploying.md, "Airflow settings
-#: for steps"). A scheduler with nothing to do sleeps `scheduler_idle_sleep_time` (default 1 s) between loops,
-#: and while a chain's step runs in the triggerer it has nothing to do: the next step (and a triggered run's
-#: first) waits up to that long to be scheduled. 0.2 s costs the idle scheduler more DB queries (BENCHMARKS.md
-#: §4, issue 52: its CPU share).
-LATENCY_SETTINGS = {"AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2"}
 
 
 class UiRecord(BaseModel):
@@ -182,12 +175,6 @@ def team_connection_env(teams: dict[str, str], dashboard_url: str | None, token:
     return env
 
 
-def latency_settings(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """`LATENCY_SETTINGS` less those the caller's environment sets itself (theirs win)."""
-    environ = os.environ if environ is None else environ
-    return {key: value for key, value in LATENCY_SETTINGS.items() if key not in environ}
-
-
 def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_PORT, dags_folder: Path | None = None,
        examples: bool | None = None, adopt_cluster: bool = False, startup_timeout: float = 300,
        team_connections: dict[str, str] | None = None,
@@ -222,8 +209,7 @@ def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_P
     stack = AirflowStack(ray.dashboard_url, ray.token, dags_folder=dags_to_serve(home, dags_folder, examples),
                          username=USERNAME, password=password, home=home, port=port,
                          startup_timeout=startup_timeout,
-                         extra_env=latency_settings() | team_connection_env(team_connections or {}, ray.dashboard_url,
-                                                                             ray.token))
+                         extra_env=team_connection_env(team_connections or {}, ray.dashboard_url, ray.token))
     emit(f"starting Airflow (api-server, scheduler, dag-processor, triggerer); logs in {home / 'logs'}")
     try:
         stack.start()

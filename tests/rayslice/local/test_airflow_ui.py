@@ -45,37 +45,3 @@ def test_the_cli_refuses_a_malformed_team_connection_before_starting_anything(mo
     assert result.exit_code != 0 and "the team must be" in result.output, result.output
     assert not started
 
-
-def _started_env(monkeypatch, tmp_path) -> dict:
-    """The settings `up` starts its Airflow with (the cluster and the stack stand-ins: nothing starts)."""
-    from types import SimpleNamespace
-
-    monkeypatch.setenv("RAYSLICE_HOME", str(tmp_path))
-    monkeypatch.setattr(airflow_ui, "_cluster",
-                        lambda name, emit: (SimpleNamespace(dashboard_url="http://127.0.0.1:8265", token=None), False))
-    seen = []
-
-    class Stack:
-        def __init__(self, *args, extra_env=None, **kwargs):
-            seen.append(dict(extra_env or {}))
-
-        def start(self):
-            raise RuntimeError("not started in this test")
-
-    monkeypatch.setattr(airflow_ui, "AirflowStack", Stack)
-    with pytest.raises(RuntimeError, match="not started"):
-        airflow_ui.up("settings", port=0, emit=lambda _: None)
-    return seen[-1]
-
-
-def test_up_shortens_the_idle_scheduler_sleep_so_a_chain_step_is_scheduled_sooner(monkeypatch, tmp_path):
-    """Issue 52: the scheduler sleeps up to `scheduler_idle_sleep_time` before a chain's next step is scheduled."""
-    monkeypatch.delenv("AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME", raising=False)
-    env = _started_env(monkeypatch, tmp_path)
-    assert float(env["AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME"]) < 1  # Airflow's default is 1 s
-
-
-def test_a_setting_from_the_callers_environment_wins_over_ups_own(monkeypatch, tmp_path):
-    monkeypatch.setenv("AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME", "2")
-    env = _started_env(monkeypatch, tmp_path)
-    assert "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME" not in env  # the stack inherits the caller's 2 s
