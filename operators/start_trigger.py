@@ -29,6 +29,7 @@ What the trigger starts from:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -184,6 +185,7 @@ class RayStepStartTrigger(RayStepTrigger):
         # never renders an XCom value as a template: `Templater.render_template` returns `resolve()` as it is).
         self._xcom_values: list[Any] = []
         self._literals: set[int] = set()
+        self._restarted = True  # until `_build` finds otherwise: an earlier trigger of this try may have relayed
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{type(self).__module__}.{type(self).__qualname__}", {"step": self.step}
@@ -214,8 +216,16 @@ class RayStepStartTrigger(RayStepTrigger):
         ti, context = self.task_instance, self._context
         if ti is None or context is None or self.task is None:
             raise CannotStart("the triggerer gave the trigger no task context")
-        restarted = await self._clear_earlier_try()
-        operator = await self._operator()
+        # The earlier try's XComs (this task's) are deleted while the step's arguments (upstream tasks' XComs) are
+        # read: independent round trips to Airflow, each otherwise a triggerer loop of its own (issue 52).
+        clearing = asyncio.ensure_future(self._clear_earlier_try())
+        try:
+            operator = await self._operator()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await clearing  # its deletes end before the event that sends the step elsewhere
+            raise
+        restarted = self._restarted = await clearing
         if not operator.deferrable:
             raise CannotStart("deferrable=False: the step runs (and waits) on a worker")
         # The templated fields as a worker renders them: the values read from XCom stay as they are.
@@ -380,6 +390,21 @@ class RayStepStartTrigger(RayStepTrigger):
             await asyncio.to_thread(backend.delete, key=key, **where)
         return False
 
+    def _reattached(self, job: Any) -> None:
+        """The job existed already (an earlier trigger of this try submitted it): its log may be relayed in part."""
+        self._restarted = True
+
+    async def _checkpoint(self) -> dict[str, Any]:
+        """Where relaying starts: a trigger that submitted its job itself starts at the log's start, unread.
+
+        Only a trigger following this submission id records a checkpoint, so a trigger that found no
+        earlier push of its id (`_clear_earlier_try`) and created the job itself (no reattach) has no
+        record to read, and saves that round trip to Airflow (issue 52). A restarted or moved one reads it.
+        """
+        if not self._restarted:
+            return {"offset": self.log_offset}
+        return await super()._checkpoint()
+
     async def _first_deadline(self, deadline: float, restarted: bool) -> float:
         """The deadline this try's first trigger set (a moved or restarted one keeps it), else `deadline`, recorded.
 
@@ -404,13 +429,14 @@ class RayStepStartTrigger(RayStepTrigger):
         link = job_link(sid, operator.ray_conn_id)  # never the dashboard's URL: see `rayslice.operators.links`
         # The "Ray job" link works while the step runs: Airflow 3 reads a link from its XCom, which a
         # worker pushes (to the metadata DB, not the XCom backend) when its task ends; no worker runs here.
-        await self._push(SUBMISSION_ID_KEY, sid, backend=xcom_backend())
-        await self._push(RayJobLink().xcom_key, link)
+        # Both before the submission, together: one wait on Airflow instead of two (issue 52).
+        await asyncio.gather(self._push(SUBMISSION_ID_KEY, sid, backend=xcom_backend()),
+                             self._push(RayJobLink().xcom_key, link))
         try:
             async with operator._settings.async_client() as client:
                 if spec.owner.try_number > 1:
                     await operator._stop_earlier_tries(client, spec.owner)
-                await submit_step(client, spec, emit=self.log.info)
+                await submit_step(client, spec, emit=self.log.info, on_reattach=self._reattached)
         except RaysliceError as exc:
             yield self._event("error", 0, log_complete=True, error_type=type(exc).__name__, message=str(exc))
             return

@@ -173,12 +173,15 @@ def spec_package(spec: StepSpec) -> bytes:
 
 
 async def submit_step(
-    client: AsyncRayJobsClient, spec: StepSpec, *, emit: Callable[[str], None] = print
+    client: AsyncRayJobsClient, spec: StepSpec, *, emit: Callable[[str], None] = print,
+    on_reattach: Callable[[JobDetails], None] | None = None,
 ) -> str:
     """Submit the step as a Ray job, or reattach to the job this same try (or caller) submitted before.
 
     The job's metadata names its owner, task-instance id included; that is what decides whether an
     existing job of the same id may be reattached (see `submission_id`). Returns the submission id.
+    `on_reattach` is told the existing job when there was one (a follower then resumes where an earlier
+    one left off, rather than at the log's start).
     """
     if not spec.owner.submission_id:
         owner = spec.owner.model_copy(update={"submission_id": submission_id(spec.owner)})
@@ -194,6 +197,8 @@ async def submit_step(
         _check_reattachable(existing, spec.owner)
         submitter = "this try" if spec.owner.ti_id else "this caller"
         emit(f"[rayslice] reattaching to Ray job {sid} that {submitter} submitted ({existing.status.value})")
+        if on_reattach is not None:
+            on_reattach(existing)
         return sid
     if spec.runtime_env:  # the step's own code: uploaded once per content, the spec carries its URIs
         spec = spec.model_copy(update={"runtime_env": await upload_runtime_env(client, spec.runtime_env)})
@@ -440,7 +445,10 @@ class JobFollow:
     The step's marker line is the launcher's last line, and its driver exits right after it: once
     it arrived, the status is polled every `MARKER_POLL_S`, and once the job ended the open stream
     is read until it has been quiet for `QUIET_S`, then closed (the dashboard keeps a stream open
-    for seconds after the end): the caller gets the result without waiting out either.
+    for seconds after the end): the caller gets the result without waiting out either. A poll that
+    sees the end before the stream brought the marker (the dashboard streams new lines a second or
+    more late) reads the log's end at once, once; that read completes the log only if it reaches back
+    to the last line relayed.
     """
 
     #: How long a stream may stay open after the job ended before the rest is read with a bounded read.
@@ -542,6 +550,15 @@ class JobFollow:
                     if tail is None:
                         await asyncio.sleep(max(0.0, next_poll - time.monotonic()))
                         continue
+                    if ended and not tried_at and not self.lines.markers:
+                        # The end is seen before the open stream brought the marker line: the dashboard sends a
+                        # log's new lines a second or more late, while the log is whole once the job ended. One
+                        # bounded read of its end now, kept only if it reaches back to the last line relayed
+                        # (else the stream goes on), spares that wait (issue 52).
+                        tried_at, held_at_try = time.monotonic(), self.lines.held
+                        if await self._read_window(ended=True, only_if_placed=True):
+                            await stack.aclose()
+                            return
                     if ended and time.monotonic() - max(ended_at, opened_at, tried_at) > self.END_GRACE_S:
                         # The stream is still open this long after the end: the rest from a bounded read,
                         # when one reaches back to what was relayed; else the stream goes on, reopened

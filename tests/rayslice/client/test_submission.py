@@ -131,6 +131,35 @@ def test_the_reaper_counts_a_try_of_a_deleted_run_as_ended():
     assert task_has_ended(owner, {"id": owner.ti_id, "try_number": 2, "state": "running"})
 
 
+def test_submit_step_tells_the_caller_when_it_reattached_rather_than_submitted():
+    """A follower resumes an earlier one's log only for a job that existed (issue 52: a fresh one reads nothing)."""
+    from rayslice.core.exceptions import JobNotFoundError
+
+    owner = a_try(1)
+
+    class Client:
+        def __init__(self, existing):
+            self.existing, self.submitted = existing, []
+
+        async def get(self, sid):
+            if self.existing is None:
+                raise JobNotFoundError(sid)
+            return self.existing
+
+        async def ensure_package(self, package):
+            return "gcs://pkg.zip"
+
+        async def submit(self, entrypoint, **kwargs):
+            self.submitted.append(kwargs["submission_id"])
+
+    spec = StepSpec.for_function(first_step, request=QUARTER_GPU, owner=owner)
+    for existing, told in ((None, []), (job_of(owner), [submission_id(owner)])):
+        client, reattached = Client(existing), []
+        asyncio.run(submit_step(client, spec, emit=lambda _: None,
+                                on_reattach=lambda job, into=reattached: into.append(job.submission_id)))
+        assert reattached == told and len(client.submitted) == (0 if existing else 1)
+
+
 # ---------------------------------------------------------------- real jobs
 
 

@@ -44,3 +44,4 @@ def test_the_cli_refuses_a_malformed_team_connection_before_starting_anything(mo
     result = CliRunner().invoke(app, ["airflow", "up", "--team-connection", "ray_research=bad team"])
     assert result.exit_code != 0 and "the team must be" in result.output, result.output
     assert not started
+
