@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import sqlite3
 import sys
 import tempfile
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,13 @@ def init_db() -> None:
 
         db.initdb()
         _initialized = True
-        shutil.copyfile(HOME / "airflow.db", MIGRATED)
+        _copy_db(HOME / "airflow.db", MIGRATED)
+
+
+def _copy_db(source: Path, target: Path) -> None:
+    """SQLite's online backup: a consistent copy, with what its write-ahead log holds (a file copy can miss it)."""
+    with closing(sqlite3.connect(source)) as src, closing(sqlite3.connect(target)) as dst:
+        src.backup(dst)
 
 
 def migrated_db(path: Path) -> Path:
@@ -60,7 +67,7 @@ def migrated_db(path: Path) -> Path:
     Its tables are as `airflow db migrate` leaves them: no run, connection, Variable or DAG of any test."""
     init_db()
     path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(MIGRATED, path)
+    _copy_db(MIGRATED, path)
     return path
 
 
