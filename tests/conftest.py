@@ -192,8 +192,8 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
     """One real Airflow for every test that needs one, started as a user starts it (`rayslice airflow up`).
 
     Each start costs ~90 s of a two-core machine, so the end-to-end, browser and reaper tests share
-    it. Its DAG folder holds the repo's example DAGs and the end-to-end tests' DAGs, parsed while it
-    starts (a file added later waits for the dag-processor's next look, every 5 s, and its parse); a
+    it. Its DAG folder holds the repo's example DAGs and the end-to-end tests' DAGs, parsed from its
+    start on (a file added later waits for the dag-processor's next look, every 5 s, and its parse); a
     test may still add a DAG file of its own there (`tests/e2e/conftest.py:add_dags`). A DAG file is
     parsed when it is new or changed, not again every 30 s (`min_file_process_interval`): re-parsing a
     dozen unchanged files would take a steady share of a two-core machine from every test meanwhile.
