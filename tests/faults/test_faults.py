@@ -13,16 +13,13 @@ capacity timeouts (tests/rayslice/launcher), task kills and execution_timeout (t
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import json
 import logging
 import os
 import re
 import signal
-import sqlite3
 import time
 import uuid
-from contextlib import closing
 from pathlib import Path
 
 import httpx
@@ -43,7 +40,7 @@ from rayslice.core.exceptions import (
 from rayslice.core.step import Owner, StepSpec
 from rayslice.local import local_cluster
 from rayslice.local.airflow_stack import AirflowStack
-from tests.airflow_env import migrated_db, ray_connection_json
+from tests.airflow_env import ray_connection_json
 from tests.conftest import TOTAL_TPU_CHIPS, rayslice_home, wait_until
 from tests.faults.http_proxy import NoWebsocketProxy
 from tests.faults.proxy import FaultProxy
@@ -376,22 +373,16 @@ def token_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def airflow(token_cluster, tmp_path_factory):
+def airflow(token_cluster):
     """One Airflow stack whose `ray_default` is the token cluster, with the token as the password.
 
     The triggerer's health threshold is 15 s (default 30 s): a restarted triggerer adopts a crashed
-    one's triggers once the old one's heartbeat is that old. Its home holds a copy of a freshly migrated
-    metadata DB, which the stack keeps as it keeps the home of a `rayslice airflow up` started again: no
-    `db migrate` of its own (the session's Airflow, tests/conftest.py, starts from an empty home).
+    one's triggers once the old one's heartbeat is that old.
     """
-    home = tmp_path_factory.mktemp("faults-airflow-home")
-    with closing(sqlite3.connect(migrated_db(home / "airflow.db"))) as db:
-        db.execute("PRAGMA journal_mode=WAL")  # as the stack's own migration leaves it
-    (home / f".migrated-{importlib.metadata.version('apache-airflow')}").touch()
     old = os.environ.get("AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD")
     os.environ["AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD"] = "15"
     try:
-        stack = AirflowStack(token_cluster.dashboard_url, token_cluster.token, dags_folder=DAGS, home=home)
+        stack = AirflowStack(token_cluster.dashboard_url, token_cluster.token, dags_folder=DAGS)
         with stack:
             yield stack
     finally:
