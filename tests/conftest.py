@@ -192,21 +192,26 @@ def airflow(cluster, tmp_path_factory: pytest.TempPathFactory):
     """One real Airflow for every test that needs one, started as a user starts it (`rayslice airflow up`).
 
     Each start costs ~90 s of a two-core machine, so the end-to-end, browser and reaper tests share
-    it. Its DAG folder holds the repo's example DAGs and the end-to-end lifecycle DAG; a test may add
-    a DAG file of its own there (the dag-processor looks every 5 s). The last test that uses it stops
-    it (`pytest_runtest_teardown`) with `rayslice airflow down`, which must leave no process of it and
-    the session's cluster running.
+    it. Its DAG folder holds the repo's example DAGs and the end-to-end tests' DAGs, parsed from its
+    start on (a file added later waits for the dag-processor's next look, every 5 s, and its parse); a
+    test may still add a DAG file of its own there (`tests/e2e/conftest.py:add_dags`). A DAG file is
+    parsed when it is new or changed, not again every 30 s (`min_file_process_interval`): re-parsing a
+    dozen unchanged files would take a steady share of a two-core machine from every test meanwhile.
+    The last test that uses it stops it (`pytest_runtest_teardown`) with `rayslice airflow down`, which
+    must leave no process of it and the session's cluster running.
     """
     from rayslice.local import airflow_ui, local_cluster
     from tests.airflow_cli import CliAirflow
     from tests.airflow_env import REPO
 
     dags = tmp_path_factory.mktemp("airflow-dags")
-    for source in [*(REPO / "dags").glob("[!_]*.py"), REPO / "tests/e2e/dags/lifecycle.py",
-                   REPO / "tests/e2e/dags/shared_cluster.py"]:
+    for source in [*(REPO / "dags").glob("[!_]*.py"),
+                   *(REPO / "tests/e2e/dags" / name for name in ("lifecycle.py", "shared_cluster.py", "shared_day.py",
+                                                                 "trigger_parity.py", "trigger_start.py"))]:
         shutil.copy(source, dags / source.name)
     settings = {"AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
                 "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3",
+                "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
                 # The parity DAGs' XComs are kept elsewhere, as a custom XCom backend keeps them (every other
                 # DAG's as without one): tests/e2e/xcom_backend/parity_xcom.py.
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests/e2e/xcom_backend"),

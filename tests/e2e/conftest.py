@@ -52,8 +52,13 @@ def airflow_api(airflow) -> Iterator[httpx.Client]:
 
 
 def add_dags(airflow, api: httpx.Client, source: Path, dag_ids: Iterable[str]) -> httpx.Client:
-    """Put a DAG file in the session Airflow's DAG folder, wait until its DAGs are registered, unpause them."""
-    shutil.copy(source, airflow.dags_folder / source.name)
+    """Put a DAG file in the session Airflow's DAG folder, wait until its DAGs are registered, unpause them.
+
+    A file the session's Airflow started with (tests/conftest.py) is left as it is: copied again, it
+    would only be parsed again."""
+    target = airflow.dags_folder / source.name
+    if not (target.exists() and target.read_bytes() == source.read_bytes()):
+        shutil.copy(source, target)
     dag_ids = list(dag_ids)
     assert wait_until(lambda: all(api.get(f"/dags/{d}").status_code == 200 for d in dag_ids), timeout=240,
                       interval=1), f"the DAG processor did not register {', '.join(dag_ids)}"

@@ -3,8 +3,9 @@ item 7; issue 38, ownership).
 
 Staging and prod with the same DAGs and run ids: the same (dag, run, task) runs in both. Airflow B
 is `dag.test()` in its own AIRFLOW_HOME and metadata DB (a subprocess); Airflow A is the session's
-real stack. B's step holds a quarter GPU; A's try 1 of the same task fails and its try 2, which
-stops the earlier tries of its task, must not stop B's job; nor may `rayslice reap` against A.
+real stack (B's DB is a copy of a freshly migrated one, so B does not pay for a migration). B's step
+holds a quarter GPU; A's try 1 of the same task fails and its try 2, which stops the earlier tries of
+its task, must not stop B's job; nor may `rayslice reap` against A.
 Each gets its own checkpoint folder. Both also create the same-named RayCluster through one fake
 Kubernetes API server (HTTP): B's comes first, and A neither adopts it on the name clash nor deletes
 it or its token Secret in its teardown; B's own teardown deletes both.
@@ -32,6 +33,7 @@ from rayslice.client.submission import jobs_of_task
 from rayslice.cloud.kuberay_client import OWNER_ANNOTATION
 from rayslice.core.step import Owner
 from tests.airflow_cli import get_json as _get
+from tests.airflow_env import migrated_db
 from tests.conftest import wait_until
 from tests.fake_kubernetes import FakeKubernetes
 
@@ -47,7 +49,8 @@ AIRFLOW_B = textwrap.dedent("""
     from datetime import datetime
     from tests import airflow_env as env
 
-    env.init_db()
+    if not (env.HOME / "airflow.db").exists():  # the test gives B a migrated DB of its own (`migrated_db`)
+        env.init_db()
     env.use_cluster(sys.argv[1], sys.argv[2] or None)
     dags, errors = env.load_dag_file(env.TEST_DAGS / "shared_cluster.py")
     assert not errors, errors
@@ -72,6 +75,7 @@ def _two_airflows(airflow, cluster, tmp_path, kube: FakeKubernetes):
     home_b = tmp_path / "airflow-b"
     (home_b / "dags").mkdir(parents=True)
     shutil.copy(DAG_FILE, home_b / "dags" / DAG_FILE.name)
+    migrated_db(home_b / "airflow.db")
     release = tmp_path / "release"
     # A logical date of its own, so the run id is new on the cluster (both Airflows derive it from the date).
     # After the DAG's start_date (no task instances before it), before now (a manual run waits for its run_after).
