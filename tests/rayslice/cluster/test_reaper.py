@@ -159,8 +159,7 @@ def _kill_worker_of(ti_id: str) -> list[int]:
 def test_reap_frees_the_slice_of_a_killed_airflow_worker(cluster, airflow, tmp_path):
     folder = tmp_path / "flags"
     folder.mkdir()
-    # The session's Airflow picks the DAG up within seconds; its scheduler notices a worker that
-    # stopped heartbeating after HEARTBEAT_TIMEOUT_S (see tests/conftest.py).
+    # The session's Airflow picks the DAG up within seconds.
     (airflow.dags_folder / "reaper_orphan.py").write_text(textwrap.dedent(ORPHAN_DAG.format(folder=str(folder))))
     stranger = None
     token = airflow.api_token()
