@@ -43,7 +43,9 @@ def _slice_under(hosts_group: str, ray) -> str | None:
 class Preemption:
     """Once `ready()` holds, drain host 2 of the slice under the step with `seconds` of notice; kill it at the deadline.
 
-    Afterwards (`restore`) the killed node is started again.
+    A step that returned before the deadline has nothing left on the node: it is killed then (`__exit__`), as the
+    platform would later, so the test does not wait out the rest of the notice. Afterwards the killed node is
+    started again.
     """
 
     def __init__(self, cluster, ray, spec: StepSpec, ready, seconds: float) -> None:
@@ -52,6 +54,7 @@ class Preemption:
         self.index: int | None = None
         self.deadline = 0.0
         self.free_before_deadline: bool | None = None
+        self._returned = threading.Event()  # the step under test returned
         self._thread = threading.Thread(target=self._run)
 
     def __enter__(self) -> Preemption:
@@ -59,23 +62,27 @@ class Preemption:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._returned.set()
         self._thread.join()
         if self.index is not None:
             local_cluster.restart_node(self.cluster, self.index)
 
     def _run(self) -> None:
         group = f"rayslice:{self.spec.owner.submission_id}/hosts"
-        name = wait_until(lambda: self.ready() and _slice_under(group, self.ray), timeout=300, interval=0.2)
-        if not name:
+        name = wait_until(lambda: self._returned.is_set() or (self.ready() and _slice_under(group, self.ray)),
+                          timeout=300, interval=0.2)
+        if not isinstance(name, str):  # the step returned (or never got that far) before it could be drained
             return
         self.victim = name
         nodes = local_cluster.slice_nodes(self.cluster, name, [2])
         self.index = next(iter(nodes))
         self.deadline = local_cluster.drain(self.cluster, list(nodes.values()), self.seconds)
-        # The platform's side: at the deadline the node is gone, whatever still runs there.
-        while time.time() < self.deadline:
-            time.sleep(0.1)
-        self.free_before_deadline = _slice_free(self.ray, name)
+        # The platform's side: at the deadline the node is gone, whatever still runs there. Once the step
+        # returned, nothing of it can still run there: the node goes at once.
+        while time.time() < self.deadline and not self._returned.wait(0.1):
+            pass
+        self.free_before_deadline = bool(wait_until(lambda: _slice_free(self.ray, name),
+                                                    timeout=max(0.0, self.deadline - time.time()), interval=0.1))
         local_cluster.kill_node(self.cluster, self.index)
 
 

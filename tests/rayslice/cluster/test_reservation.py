@@ -118,14 +118,19 @@ def test_one_deadline_bounds_the_whole_reservation(ray_driver):
     assert_all_released(ray_driver)
 
 
+#: The stream test's clock: each request holds its slices this long, the streams ask for `STREAM_S`, the 2-slice
+#: request asks `BIG_ASKS_S` in (the four streams' first requests then hold both slices and wait for them).
+HOLD_S, STREAM_S, BIG_ASKS_S = 3.0, 20.0, 5.0
+
+
 def test_a_stream_of_one_slice_steps_no_longer_starves_a_two_slice_step(ray_driver):
-    """Four streams of one-slice 6 s holds, back to back for 40 s, keep both v6e-16 busy with more
-    waiting; 10 s in, a 2-slice multislice request asks for both. Without a queue it waited until the
+    """Four streams of one-slice 3 s holds, back to back for 20 s, keep both v6e-16 busy with more
+    waiting; 5 s in, a 2-slice multislice request asks for both. Without a queue it waited until the
     streams stopped; with it, it starts in its turn: after the one-slice requests that asked before
     it, before every one that asked after it, within 30 s of asking.
 
     Each request takes its place in the queue as the launcher does (`place_for` its step, then
-    `reserve_slices`) and holds its slices for 6 s: the order is what is tested, so no step program
+    `reserve_slices`) and holds its slices for 3 s: the order is what is tested, so no step program
     runs in between (tests/rayslice/cluster/test_queue.py runs the queue under real steps)."""
     from rayslice.cluster import queue as admission
 
@@ -135,20 +140,20 @@ def test_a_stream_of_one_slice_steps_no_longer_starves_a_two_slice_step(ray_driv
     errors: list[BaseException] = []
 
     def hold(request) -> float:
-        spec = StepSpec(callable="tests.hold:six_seconds", request=request, capacity_timeout=300,
+        spec = StepSpec(callable="tests.hold:three_seconds", request=request, capacity_timeout=300,
                         owner=Owner(submission_id=f"test-queue-{time.time_ns()}"))
         held = reserve_slices(request, timeout=300, name=f"rayslice:{spec.owner.submission_id}",
                               place=admission.place_for(spec))
         at = time.time()
-        time.sleep(6)
+        time.sleep(HOLD_S)
         held.release()
         return at
 
     def stream(k):
         try:
-            time.sleep(k * 1.5)  # staggered
+            time.sleep(k * HOLD_S / 4)  # staggered
             n = 0
-            while time.time() - started < 40:
+            while time.time() - started < STREAM_S:
                 asked = time.time()
                 at = hold(TpuSliceRequest(tpu="v6e-16"))
                 done.append((k, n, asked, at, time.time()))
@@ -158,7 +163,7 @@ def test_a_stream_of_one_slice_steps_no_longer_starves_a_two_slice_step(ray_driv
 
     def two_slices():
         try:
-            time.sleep(10)
+            time.sleep(BIG_ASKS_S)
             asked = time.time()
             big.append((asked, hold(TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True))))
         except BaseException as exc:
