@@ -148,3 +148,13 @@ def test_a_read_that_does_not_reach_back_is_not_placed_by_a_line_that_only_looks
     follow, relayed = asyncio.run(_follow(client))
     assert follow.outcome() == 42
     assert relayed == [line for line in body if line]
+
+
+def test_a_marker_line_the_stream_cut_in_two_is_read_whole_from_the_logs_end():
+    """The stream brought half the marker line when the poll saw the end: the read relays it whole, once."""
+    cut = LOG.index("::rayslice-result::") + 8
+    client = Client(first=LOG[:cut], window=LOG)
+    follow, relayed = asyncio.run(_follow(client))
+    assert follow.outcome() == 42
+    assert relayed == [f"line-{i}" for i in range(6)]
+    assert follow.lines.offset == len(LOG)
