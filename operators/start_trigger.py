@@ -368,7 +368,8 @@ class RayStepStartTrigger(RayStepTrigger):
         ``multiple_outputs`` keys, submission id, link, log checkpoint and deadline. Keys that other
         code pushed to the task (a callback's ``xcom_push``) stay: docs/concepts.md says so. A first
         try has nothing to clear; a trigger of this same try (moved, restarted) finds its own
-        submission id, deletes nothing, and returns True.
+        submission id, or, where that push was lost, its own log checkpoint or deadline
+        (`_own_records`), deletes nothing, and returns True.
         """
         ti = self.task_instance
         map_index = ti.map_index if ti.map_index is not None else -1
@@ -381,6 +382,8 @@ class RayStepStartTrigger(RayStepTrigger):
             return True
         if recorded is None and int(ti.try_number or 1) <= 1:
             return False  # the task's first try: no earlier one pushed anything
+        if recorded is None and await self._own_records(own, where):
+            return True  # this try's earlier trigger ran (it cleared the try before), and its id's push was lost
         keys = ["return_value", SUBMISSION_ID_KEY, RayJobLink().xcom_key, LOG_CHECKPOINT_KEY, DEADLINE_KEY]
         earlier = await asyncio.to_thread(backend.get_one, key="return_value", **where)
         if isinstance(earlier, Mapping):  # multiple_outputs keys (the DAG may have changed since: any dict's)
@@ -389,6 +392,19 @@ class RayStepStartTrigger(RayStepTrigger):
         for key in keys:
             await asyncio.to_thread(backend.delete, key=key, **where)
         return False
+
+    async def _own_records(self, own: str, where: Mapping[str, Any]) -> bool:
+        """Whether the log checkpoint or the deadline recorded for the task names this try's submission id.
+
+        A try's first trigger clears the earlier try's XComs, then pushes its id: when that push failed
+        and the trigger moved, the next one finds no id, as a new try's first trigger does. Its own
+        records tell them apart; deleting them would re-relay the whole log and move the deadline on.
+        """
+        from airflow.sdk import BaseXCom
+
+        records = await asyncio.gather(*(asyncio.to_thread(BaseXCom.get_one, key=key, **where)
+                                         for key in (LOG_CHECKPOINT_KEY, DEADLINE_KEY)))
+        return any(isinstance(record, Mapping) and record.get("submission_id") == own for record in records)
 
     def _reattached(self, job: Any) -> None:
         """The job existed already (an earlier trigger of this try submitted it): its log may be relayed in part."""

@@ -296,18 +296,26 @@ class LogFollower:
         self.restart()
         self.chunk(log)
 
-    def window(self, text: str, asked: int, *, ended: bool = False, only_if_placed: bool = False) -> bool:
+    def window(self, text: str, asked: int, *, ended: bool = False, only_if_placed: bool = False,
+               whole_only: bool = False) -> bool:
         """The log's last lines, read with a bounded read of at most `asked` lines: relay those not handled yet.
 
-        The window is placed by the last lines handled; False when it could not be, and the
-        window did not reach back to the log's start either: lines before it may be missing (with
-        `only_if_placed`, nothing is relayed then). With `ended`, the log is complete and a last
-        line without a newline is relayed too.
+        A window that holds the whole log (fewer lines than asked) is placed at `offset`, once the
+        lines before it are the last ones handled: the digests alone would place a log of repeated
+        lines after their last run, and lose the rest. A window cut short is placed by the last
+        lines handled (with `whole_only`, it is not placed). False when it could not be placed:
+        lines before it may be missing (with `only_if_placed`, nothing is relayed then). With
+        `ended`, the log is complete and a last line without a newline is relayed too.
         """
         *lines, last = text.split("\n")
-        start = self._place([_digest(line) for line in lines])
-        placed = start is not None or (not self._recent and self.offset == 0 and len(lines) < asked)
-        if not placed and only_if_placed:
+        digests = [_digest(line) for line in lines]
+        # Ray's state API counts an unfinished last line as one of the lines asked for.
+        whole = len(lines) + bool(last) < asked
+        start = self._place_at_offset(lines, digests) if whole else None
+        if start is None and not whole_only:
+            start = self._place(digests)
+        placed = start is not None
+        if not placed and (only_if_placed or whole_only):
             return False
         self.restart()  # a stream's unfinished line is read whole here
         for line in lines[start or 0:]:
@@ -325,6 +333,26 @@ class LogFollower:
         if line:
             self._recent.append(_digest(line))
         self._handle(line)
+
+    def _place_at_offset(self, lines: list[str], digests: list[str]) -> int | None:
+        """Index of the line at `offset` in a window holding the whole log; None unless the lines before it
+        are the last ones handled (a follower that holds no digests is placed only at the log's start)."""
+        at, start = 0, None
+        for index, line in enumerate(lines):
+            if at == self.offset:
+                start = index
+                break
+            at += len(line) + 1
+        else:
+            start = len(lines) if at == self.offset else None
+        if start is None:
+            return None
+        recent = list(self._recent)
+        if len(recent) > start or digests[start - len(recent):start] != recent:
+            return None
+        if not recent and start:
+            return None
+        return start
 
     def _place(self, digests: list[str]) -> int | None:
         """Index of the first line after the last lines handled, in a window's lines; None if they are not in it."""
@@ -447,8 +475,8 @@ class JobFollow:
     is read until it has been quiet for `QUIET_S`, then closed (the dashboard keeps a stream open
     for seconds after the end): the caller gets the result without waiting out either. A poll that
     sees the end before the stream brought the marker (the dashboard streams new lines a second or
-    more late) reads the log's end at once, once; that read completes the log only if it reaches back
-    to the last line relayed.
+    more late) reads the log's end at once, once; that read completes the log only if it holds the
+    whole log (`FIRST_WINDOW` lines at most), placed at the offset relayed up to.
     """
 
     #: How long a stream may stay open after the job ended before the rest is read with a bounded read.
@@ -553,10 +581,11 @@ class JobFollow:
                     if ended and not tried_at and not self.lines.markers:
                         # The end is seen before the open stream brought the marker line: the dashboard sends a
                         # log's new lines a second or more late, while the log is whole once the job ended. One
-                        # bounded read of its end now, kept only if it reaches back to the last line relayed
-                        # (else the stream goes on), spares that wait (issue 52).
+                        # bounded read of its end now, kept only if it holds the whole log, placed where relaying
+                        # stands (else the stream goes on: a cut read is placed by lines that may only look like
+                        # the last ones relayed), spares that wait (issue 52).
                         tried_at, held_at_try = time.monotonic(), self.lines.held
-                        if await self._read_window(ended=True, only_if_placed=True):
+                        if await self._read_window(ended=True, only_if_placed=True, whole_only=True):
                             await stack.aclose()
                             return
                     if ended and time.monotonic() - max(ended_at, opened_at, tried_at) > self.END_GRACE_S:
@@ -671,12 +700,14 @@ class JobFollow:
                       "reopening it at the next poll")
         self._stream_trouble = True
 
-    async def _read_window(self, *, ended: bool, only_if_placed: bool = False) -> bool:
+    async def _read_window(self, *, ended: bool, only_if_placed: bool = False, whole_only: bool = False) -> bool:
         """Relay the log's end from bounded reads of its last lines; False if the dashboard did not answer.
 
         A read that does not reach back to the last line relayed is read again with twice the lines, up
         to `MAX_WINDOW`; past that, the lines between are missing from the task log, and a warning says
         so, unless `only_if_placed` (a stream still delivers them): then nothing is relayed, and False.
+        `whole_only`: one read, used only if it holds the whole log (placed by offset, never by lines
+        that merely look like the last ones relayed); else nothing is relayed, and False.
         """
         assert self.job is not None
         while True:
@@ -694,8 +725,11 @@ class JobFollow:
             self.window_reads += 1
             last_try = asked >= self.MAX_WINDOW
             before = self.lines.handled
-            if self.lines.window(text, asked, ended=ended, only_if_placed=only_if_placed or not last_try):
+            if self.lines.window(text, asked, ended=ended, only_if_placed=only_if_placed or not last_try,
+                                 whole_only=whole_only):
                 placed = True
+            elif whole_only:
+                return False
             elif last_try and not only_if_placed:
                 placed = False
                 self.warn(f"more than {asked} lines of Ray job {self.sid}'s log were written between two "

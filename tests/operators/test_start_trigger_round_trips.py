@@ -115,3 +115,19 @@ def test_the_submission_id_and_the_link_are_pushed_together_before_the_job_is_su
 
     asyncio.run(run())
     assert sorted(order[:2]) == sorted([SUBMISSION_ID_KEY, RayJobLink().xcom_key]) and order[2] == "submitted"
+
+
+def test_a_retrys_moved_trigger_whose_id_push_was_lost_keeps_the_try_s_log_checkpoint(dags, comms):
+    """Try 2's first trigger cleared try 1's XComs, its id's push failed, it relayed and recorded; it moved.
+
+    The next trigger finds no id pushed, as a try's first trigger would: it must not take the try's own
+    log checkpoint for an earlier try's (deleting it re-relays the whole log: every line twice).
+    """
+    first = _trigger(dags, "lonely", try_number=2)
+    asyncio.run(first._build())  # nothing of try 1 left; its own id's push (in `_submit_and_follow`) is lost
+    _record_checkpoint(comms, first.submission_id, 120)
+    again = _trigger(dags, "lonely", try_number=2)
+    again._task_instance.id = first.task_instance.id
+    asyncio.run(again._build())
+    again._reattached(object())  # the job was there: the first trigger submitted it
+    assert asyncio.run(again._checkpoint())["offset"] == 120

@@ -92,3 +92,69 @@ def test_a_read_that_does_not_reach_back_to_the_last_line_relayed_leaves_the_str
 
     assert asyncio.run(asyncio.wait_for(run(), 30)) is False  # still following the stream
     assert client.reads >= 1 and relayed == ["line-0", "line-1"] and not follow.complete
+
+
+def test_a_read_of_a_log_of_repeated_lines_relays_each_line_the_stream_had_not_brought():
+    """A step that prints the same line over and over: the read is placed where the stream stopped, not after
+    the last run of lines that look like the last ones relayed (no line lost)."""
+    log = "working\n" * 10 + "::rayslice-result::42\n"
+    client = Client(first="working\n" * 3, window=log)
+    follow, relayed = asyncio.run(_follow(client))
+    assert follow.outcome() == 42
+    assert relayed == ["working"] * 10
+
+
+class BehindStream:
+    """Streams the log's first lines, then, once the log's end was read, the rest, and closes."""
+
+    def __init__(self, client: HugeLogClient) -> None:
+        self.client, self.step = client, 0
+
+    async def next(self) -> str | None:  # a wait cut short (the follow polls meanwhile) loses nothing, as a socket's
+        if self.step == 1:
+            while not self.client.reads:
+                await asyncio.sleep(0.01)
+        self.step += 1
+        if self.step == 1:
+            return self.client.log[:self.client.streamed]
+        return self.client.log[self.client.streamed:] if self.step == 2 else None
+
+
+class HugeLogClient(Client):
+    """A log far longer than a bounded read; `log_lines` returns its last `lines` lines, as Ray's state API."""
+
+    def __init__(self, log: str, streamed: int) -> None:
+        super().__init__(first="", window="")
+        self.log, self.streamed = log, streamed
+
+    @contextlib.asynccontextmanager
+    async def tail_logs(self, sid: str):
+        yield BehindStream(self)
+
+    async def log_lines(self, job: JobDetails, lines: int) -> str:
+        self.reads += 1
+        return "".join(self.log.splitlines(keepends=True)[-lines:])
+
+
+def test_a_read_that_does_not_reach_back_is_not_placed_by_a_line_that_only_looks_like_the_last_relayed():
+    """A huge log with a blank line every ten: the stream stopped after one, and the read's first line is one too.
+
+    The read reaches back nowhere near the last line relayed; taking its first blank line for that one
+    would drop the thousands of lines between without a word. The stream brings them instead.
+    """
+    body = ["" if i % 10 == 0 else f"line-{i}" for i in range(19999)]
+    log = "".join(f"{line}\n" for line in body) + "::rayslice-result::42\n"
+    client = HugeLogClient(log, streamed=len("".join(f"{line}\n" for line in body[:11])))
+    follow, relayed = asyncio.run(_follow(client))
+    assert follow.outcome() == 42
+    assert relayed == [line for line in body if line]
+
+
+def test_a_marker_line_the_stream_cut_in_two_is_read_whole_from_the_logs_end():
+    """The stream brought half the marker line when the poll saw the end: the read relays it whole, once."""
+    cut = LOG.index("::rayslice-result::") + 8
+    client = Client(first=LOG[:cut], window=LOG)
+    follow, relayed = asyncio.run(_follow(client))
+    assert follow.outcome() == 42
+    assert relayed == [f"line-{i}" for i in range(6)]
+    assert follow.lines.offset == len(LOG)

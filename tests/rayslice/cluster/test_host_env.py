@@ -157,7 +157,7 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     """Every GPU node alive at the check is labelled, so the launcher is left out; a GPU node that joins
     afterwards (an autoscaled group whose image has no rayslice) must not get the actor."""
     import rayslice.cluster as cluster
-    from rayslice.cluster import autoscaler, host_process
+    from rayslice.cluster import autoscaler, host_process, phases
     from rayslice.core.accelerators import AcceleratorRequest
 
     fake = FakeRay([{**node("gpu-a", "abc123"), "Resources": {"GPU": 1.0, "CPU": 4.0}},
@@ -175,10 +175,12 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     monkeypatch.setattr(host_process, "HostProcess", FakeHostProcess)
     request = AcceleratorRequest(resource="GPU", count=0.5)
     step = StepSpec(request=request, command=["python", "train.py"])
-    place = types.SimpleNamespace(entry=types.SimpleNamespace(part=0, preemptible=False))
+    # The actor's creation is inside the release's try: its `finally` gives the place back (a real one's calls).
+    place = types.SimpleNamespace(entry=types.SimpleNamespace(part=0, preemptible=False), leave=lambda: None)
     monkeypatch.setattr(autoscaler, "may_add", lambda resource: False)
     with pytest.raises(Placed):
-        cluster._place_and_run_fraction(step, request, host_process.Attempt(), None, None, 0.0, place)
+        cluster._place_and_run_fraction(step, request, host_process.Attempt(), phases.Timeline(),
+                                         cluster.Waits(capacity=10, start=10), 0.0, place)
     assert captured["runtime_env"] is None
     assert captured["label_selector"][launcher.LABEL] == "abc123"
     # Where an autoscaler may add a node for it, nobody can know that node will carry the label (it is set as
@@ -186,7 +188,8 @@ def test_a_fraction_without_the_launcher_can_only_land_on_a_labelled_node(shippe
     captured.clear()
     monkeypatch.setattr(autoscaler, "may_add", lambda resource: True)
     with pytest.raises(Placed):
-        cluster._place_and_run_fraction(step, request, host_process.Attempt(), None, None, 0.0, place)
+        cluster._place_and_run_fraction(step, request, host_process.Attempt(), phases.Timeline(),
+                                         cluster.Waits(capacity=10, start=10), 0.0, place)
     assert captured["runtime_env"]["py_modules"] == LAUNCHER
     assert launcher.LABEL not in captured.get("label_selector", {})
 
