@@ -23,7 +23,8 @@ from tests.airflow_env import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 #: Flags of other tools that the docs show (kubectl, gcloud, pip/uv, docker, bench scripts, programs).
-OTHER_TOOLS_FLAGS = {"--xla", "--no-write", "--no-index", "--find-links", "--compile-bytecode", "--steps", "--seed", "--pod-types",
+OTHER_TOOLS_FLAGS = {"--xla", "--no-write", "--no-index", "--find-links", "--compile-bytecode", "--steps", "--seed",
+                     "--pod-types",
                      "--no-baseline", "--idle-minutes", "--from-literal", "--config", "--conf", "--help",
                      "--out-dir", "--reservation-affinity", "--metrics-export-port",
                      # gcloud's, named in deploying-gke.md's prose (its commands' flags: CHECKED_GCLOUD in
