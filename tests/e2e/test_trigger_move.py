@@ -98,43 +98,32 @@ def _step_on_two_triggerers(airflow, api: httpx.Client, jobs: RayJobsClient, tmp
                             prefix: str) -> Iterator[Moving]:
     """A run of the holding step, deferred with its Ray job running, and a second triggerer started.
 
-    The second triggerer starts while the run is scheduled (its start-up, seconds of a loaded machine,
-    overlaps the step's) and is held (SIGSTOP) from the moment it registered until the trigger is on the
-    session's triggerer: it cannot take a trigger before the test moves it. At the end, whatever the test
-    did: every held process let go, the step released, the second triggerer ended.
+    At the end, whatever the test did: every held process let go, the step released, the second
+    triggerer ended.
     """
     db = Path(airflow.home) / "airflow.db"
     release = tmp_path / "release"
     run = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    resp = api.post(f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run, "logical_date": None,
+                                                      "conf": {"release": str(release)}})
+    assert resp.status_code == 200, resp.text
     first = airflow.record.sessions["triggerer"]
     second: subprocess.Popen | None = None
     moving: Moving | None = None
-    parked = Moving(run=run, release=release, sid="", holder=0, sessions={})  # lets the second go, whatever happens
     try:
-        before = _triggerers(db)
-        second = _start_second_triggerer(first, tmp_path / "triggerer-2.log")
-        resp = api.post(f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run, "logical_date": None,
-                                                          "conf": {"release": str(release)}})
-        assert resp.status_code == 200, resp.text
-        others = wait_until(lambda: _triggerers(db) - before, timeout=120, interval=0.1)
-        assert others, f"the second triggerer did not start:\n{_tail(tmp_path / 'triggerer-2.log')}"
-        parked.hold(processes.session_members({second.pid}))
-        (other,) = others
         holder = wait_until(lambda: _state(api, run) == "deferred" and _holder(db, run), timeout=STEP_START_S,
                             interval=0.5)
         assert holder, f"{run}: not deferred on a triggerer (task {_state(api, run)}, log {_log(airflow, run)})"
         sid = wait_until(lambda: _running_sid(jobs, run), timeout=STEP_START_S, interval=0.5)
         assert sid, f"{run}: no running Ray job"
-        parked.let_go()
-        # Held within a poll of registering, it can have taken the trigger only if the step deferred in that
-        # instant; then the session's triggerer takes it over when the test freezes the second (after its own,
-        # longer, threshold): the same move the other way.
-        (first_job,) = {holder} - {other} or before
+        before = _triggerers(db)
+        second = _start_second_triggerer(first, tmp_path / "triggerer-2.log")
+        others = wait_until(lambda: _triggerers(db) - before, timeout=120, interval=0.5)
+        assert others, f"the second triggerer did not start:\n{_tail(tmp_path / 'triggerer-2.log')}"
         moving = Moving(run=run, release=release, sid=sid, holder=holder,
-                        sessions={first_job: first, other: second.pid})
+                        sessions={holder: first, next(iter(others)): second.pid})
         yield moving
     finally:
-        parked.let_go()
         if moving is not None:
             moving.let_go()
         release.touch()
