@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 
 from rayslice.local import local_cluster, processes
+from tests import xdist_groups
 
 #: The slowest tests and each directory's total at the end of every run, and the suite's time budget.
-pytest_plugins = ["tests.timing_report"]
+#: Two workers for the whole suite (scripts/test), with what must share a process kept together.
+pytest_plugins = ["tests.timing_report", "tests.xdist_groups"]
 
 TEST_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
 TOTAL_TPU_CHIPS = 36
@@ -36,6 +38,10 @@ CLUSTER_FIXTURES = {"cluster", "small_cluster", "autoscaling_cluster", "token_cl
                     "wheel_cluster"}
 AIRFLOW_FIXTURES = {"airflow", "airflow_stack"}
 BROWSER_FIXTURES = {"browser"}
+
+
+#: The group of the tests that share the session's Airflow under `--dist loadgroup` (scripts/test's default).
+SESSION_AIRFLOW_GROUP = "session-airflow"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -58,6 +64,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first = items.index(users[0])
         rest = [item for item in items if item not in users]
         items[:] = rest[:first] + users + rest[first:]
+    if xdist_groups.active(config):
+        xdist_groups.record(groups(items))
+
+
+def groups(items: list[pytest.Item]) -> dict[str, str]:
+    """Which tests must run in one process when two xdist workers share the suite (tests/xdist_groups.py).
+
+    Each worker runs its own session cluster, so a cluster test may run in either; but a module's tests
+    share its module fixtures (a private cluster, a private Airflow), so each such module goes to one
+    worker whole, and every test of the session's Airflow to the same one (it starts once, and stops
+    after its last user). Cluster-free tests are spread one by one.
+    """
+    found = {}
+    for item in items:
+        if _uses_session_airflow(item):
+            found[item.nodeid] = SESSION_AIRFLOW_GROUP
+        elif any(item.get_closest_marker(mark) for mark in ("cluster", "airflow", "browser")):
+            found[item.nodeid] = item.nodeid.split("::")[0]
+    return found
 
 
 def _uses_session_airflow(item: pytest.Item) -> bool:
