@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from rayslice.local import local_cluster, processes
-from tests import xdist_groups
 
 #: The slowest tests and each directory's total at the end of every run, and the suite's time budget.
 #: Two workers for the whole suite (scripts/test), with what must share a process kept together.
@@ -64,6 +63,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first = items.index(users[0])
         rest = [item for item in items if item not in users]
         items[:] = rest[:first] + users + rest[first:]
+    from tests import xdist_groups  # loaded (and assert-rewritten) by `pytest_plugins` by now
+
     if xdist_groups.active(config):
         xdist_groups.record(groups(items))
 
@@ -110,7 +111,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     thread: it reads `RAYSLICE_HOME` throughout, which tests may change meanwhile.
     """
     if (os.environ.get("RAYSLICE_TEST_CLUSTER") or session.config.option.collectonly
-            or not any(item.get_closest_marker("cluster") for item in session.items)):
+            or not any("cluster" in getattr(item, "fixturenames", ()) for item in session.items)):
         return
     _start_session_cluster(session.config._tmp_path_factory.mktemp("rayslice-home"))
 

@@ -87,6 +87,8 @@ class AirflowStack:
             **os.environ,
             "AIRFLOW_HOME": str(self.home),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home}/airflow.db",
+            # A busy machine's lock waits outlast SQLite's 5 s default; a scheduler that hit it exited.
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "rayslice.local.airflow_db.CONNECT_ARGS",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
