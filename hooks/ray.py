@@ -27,7 +27,12 @@ triggerers and the API server need `httpx`, not `ray`. The connection holds:
   the dashboard URL is then looked up through the Kubernetes API (``rayslice.cloud.kuberay_client``)
   each time the connection is resolved, so it follows the cluster when it is recreated; with
   ``"token_secret": "rayslice-ray-token"`` the token is read from that Secret too (when the
-  connection has no password), as clusters rendered by rayslice keep it there.
+  connection has no password), as clusters rendered by rayslice keep it there;
+  ``clusters`` (a list of other `ray` connection ids, in order of preference) makes the connection a
+  *cluster set*: a step on it runs on whichever of those clusters admits it first, and resumes on any
+  of them after a suspension (``rayslice.client.cluster_set``). A set has no host of its own; its
+  ``checkpoint_root`` must be one every member reads (``gs://...``); ``shared_root: true`` allows a
+  local folder that every member mounts (the local clusters of one machine, NFS).
 
 The token is kept out of reprs, logs and messages: Airflow masks connection passwords,
 and the jobs clients scrub it from every error they raise.
@@ -53,7 +58,8 @@ from rayslice.core.exceptions import InvalidRequestError, RaysliceError
 from rayslice.core.queue import SETTINGS_ENV, TEAM_PATTERN
 from rayslice.core.step import CHECKPOINT_ROOT_FORMS, DEPLOYMENT_VARIABLE, Launcher, checkpoint_root_problem
 
-__all__ = ["DEPLOYMENT_VARIABLE", "EXTRAS", "RayConnectionSettings", "RayHook", "RaysliceHook", "dashboard_url"]
+__all__ = ["DEPLOYMENT_VARIABLE", "EXTRAS", "ClusterSetSettings", "RayConnectionSettings", "RayHook", "RaysliceHook",
+           "cluster_set_of", "dashboard_url"]
 
 #: How long the step that creates the `rayslice_deployment` Variable waits before reading back the winner.
 DEPLOYMENT_SETTLE_S = 2.0
@@ -61,7 +67,9 @@ _DEPLOYMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: Every extra the `ray` connection reads. Any other key is refused (a misspelled ``checkpoint-root`` would
 #: otherwise be ignored without a word); docs/connection.md and the provider's form list exactly these.
 EXTRAS = ("verify", "headers", "checkpoint_root", "launcher", "runtime_env", "deployment", "team", "kuberay",
-          "cloud_tpu")
+          "cloud_tpu", "clusters", "shared_root")
+#: The extras a cluster set reads: its members and where their shared checkpoints live (the rest are the members').
+SET_EXTRAS = ("clusters", "checkpoint_root", "shared_root", "__extra__")
 #: Extras the connection once read and now refuses with a message of their own (`queue`: the operator's now).
 _RETIRED_EXTRAS = ("queue",)
 #: Keys Airflow itself may leave in a connection's extra (a URI-style connection's raw extra).
@@ -196,6 +204,10 @@ def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int =
                              cluster: str | None = None, cluster_owner: str | None = None) -> RayConnectionSettings:
     extra = conn.extra_dejson if conn.extra else {}
     check_extras(extra)
+    if (clusters := cluster_set_of(conn)) is not None:
+        raise InvalidRequestError(
+            f"the `ray` connection {conn.conn_id!r} is a cluster set ({', '.join(clusters.members)}): steps on it run "
+            "on its member clusters, but this needs one cluster: name one of the member connections")
     url, token = _resolve(conn, timeout, cluster, cluster_owner)
     return RayConnectionSettings(
         dashboard_url=url,
@@ -212,6 +224,51 @@ def settings_from_connection(conn: Any, *, timeout: float = 10.0, retries: int =
         team=_team(extra.get("team")),
         **_no_queue(extra.get("queue")),
     )
+
+
+@dataclass(frozen=True)
+class ClusterSetSettings:
+    """A `ray` connection with the extra ``clusters``: its member connections, in order of preference."""
+
+    name: str
+    members: tuple[str, ...]
+    checkpoint_root: str | None = None
+    shared_root: bool = False
+
+
+def cluster_set_of(conn: Any) -> ClusterSetSettings | None:
+    """The connection's cluster set, or None for a connection to one cluster; bad values are refused in words."""
+    extra = conn.extra_dejson if conn.extra else {}
+    if not isinstance(extra, dict) or extra.get("clusters") in (None, "", []):
+        if isinstance(extra, dict) and "shared_root" in extra:
+            raise InvalidRequestError(f"the `ray` connection {conn.conn_id!r} has the extra 'shared_root' but no "
+                                      "'clusters': only a cluster set reads it")
+        return None
+    members = extra["clusters"]
+    if isinstance(members, str):
+        members = [part.strip() for part in members.split(",") if part.strip()]
+    if not isinstance(members, list) or len(members) < 2 or not all(isinstance(m, str) and m for m in members):
+        raise InvalidRequestError(
+            f"the `ray` connection {conn.conn_id!r} extra 'clusters' must list two or more `ray` connection ids in "
+            f'order of preference, e.g. ["ray_us_east5", "ray_europe_west4"], got {members!r}')
+    if len(set(members)) != len(members) or conn.conn_id in members:
+        raise InvalidRequestError(f"the cluster set {conn.conn_id!r} must name each member connection once, and not "
+                                  f"itself: got {members}")
+    others = sorted(set(extra) - set(SET_EXTRAS))
+    if others or (conn.host or "").strip():
+        raise InvalidRequestError(
+            f"the cluster set {conn.conn_id!r} has {'a host' if (conn.host or '').strip() else ''}"
+            f"{' and ' if others and (conn.host or '').strip() else ''}"
+            f"{'the extras ' + ', '.join(others) if others else ''}, which belong on its member connections "
+            f"({', '.join(members)}): a set reads only {', '.join(SET_EXTRAS[:-1])}")
+    shared = extra.get("shared_root", False)
+    if not isinstance(shared, bool):
+        raise InvalidRequestError(f"the cluster set {conn.conn_id!r} extra 'shared_root' must be true or false, "
+                                  f"got {shared!r}")
+    root = extra.get("checkpoint_root") or None
+    if root is not None:
+        _checkpoint_root(root)
+    return ClusterSetSettings(name=conn.conn_id, members=tuple(members), checkpoint_root=root, shared_root=shared)
 
 
 def _no_queue(value: Any) -> dict[str, Any]:
@@ -308,6 +365,17 @@ class RayHook(BaseHook):
                                                          retries=self.retries, cluster=self.cluster,
                                                          cluster_owner=self.cluster_owner)
         return self._settings
+
+    def cluster_set(self) -> ClusterSetSettings | None:
+        """The connection's cluster set (the extra ``clusters``), or None when it names one cluster."""
+        conn = self.get_connection(self.ray_conn_id)
+        clusters = cluster_set_of(conn)
+        if clusters is not None:
+            for member in clusters.members:
+                if cluster_set_of(self.get_connection(member)) is not None:
+                    raise InvalidRequestError(f"the cluster set {self.ray_conn_id!r} names {member!r}, which is a "
+                                              "cluster set itself: list its clusters instead (sets do not nest)")
+        return clusters
 
     def deployment(self) -> str:
         """This Airflow's name on the cluster: the connection's ``deployment`` extra, else the Airflow Variable.

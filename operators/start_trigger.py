@@ -228,6 +228,10 @@ class RayStepStartTrigger(RayStepTrigger):
         restarted = self._restarted = await clearing
         if not operator.deferrable:
             raise CannotStart("deferrable=False: the step runs (and waits) on a worker")
+        if (clusters := await asyncio.to_thread(RayHook(operator.ray_conn_id).cluster_set)) is not None:
+            members = ", ".join(clusters.members)
+            raise CannotStart(f"its connection {operator.ray_conn_id!r} is a cluster set ({members}): the step is "
+                              "followed on every member cluster at once, from a worker")
         # The templated fields as a worker renders them: the values read from XCom stay as they are.
         try:
             operator._do_render_template_fields(operator, operator.template_fields, context,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
+import dataclasses
 import pickle
 import re
 import time
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
-from rayslice.hooks.ray import RayConnectionSettings, RayHook
+from rayslice.hooks.ray import ClusterSetSettings, RayConnectionSettings, RayHook
 from rayslice.operators import metrics
 from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink, job_link
 from rayslice.operators.start_trigger import (
@@ -44,6 +46,7 @@ from rayslice.operators.start_trigger import (
 from rayslice.operators.templating import is_templated  # also importable from here, as it always was
 from rayslice.operators.triggers import EXECUTION_TIMEOUT, RayStepTrigger
 
+from rayslice.client.cluster_set import Member, run_on_set, spec_for_set
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import LogFollower, running_earlier_tries, submission_id, submit_step, wait_for_step
 from rayslice.cloud import cluster_names
@@ -305,6 +308,8 @@ class RayStepOperator(BaseOperator):
         self._settings: RayConnectionSettings | None = None
         self._cluster: str | None = None  # `kuberay_cluster` resolved for this run (never "per-run")
         self._cluster_owner: str | None = None  # for "per-run": the owner mark the run's cluster must carry
+        self._set: ClusterSetSettings | None = None  # the connection is a cluster set: its members
+        self._members: dict[str, RayConnectionSettings] = {}  # the set's members that resolved, in its order
 
     @property
     def entrypoint(self) -> str | None:
@@ -361,10 +366,14 @@ class RayStepOperator(BaseOperator):
             if note := getattr(request, "programs_note", None):
                 self.log.info("[rayslice] %s", note)
             self._check_zone_offers(hook, request)
+            self._set = hook.cluster_set()
             deployment = hook.deployment()
             if note := self.setup_mismatch():  # once, as the step starts (not again as it resumes or is killed)
                 self.log.warning("[rayslice] %s", note)
-            self._settings = self.cluster_hook(context, deployment).settings()
+            if self._set is not None:
+                self._settings = self._set_members()
+            else:
+                self._settings = self.cluster_hook(context, deployment).settings()
             self._check_checkpoint_root(self.checkpoint_root)
         except InvalidRequestError as exc:
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
@@ -378,7 +387,7 @@ class RayStepOperator(BaseOperator):
             result = _run_coroutine(self._submit_and_follow(spec))
         except RaysliceError as exc:  # logged once, by Airflow, as the task's exception
             raise self._failure(type(exc).__name__, str(exc), error_fields(exc)) from None
-        if self.deferrable:
+        if self.deferrable and self._set is None:  # a set's step was followed here, to its end
             # Airflow 3 does not time deferred tasks out: the trigger stops the job at the deadline.
             limit, reason = self.deferral_limit()
             deadline = None if limit is None else started + limit
@@ -393,6 +402,52 @@ class RayStepOperator(BaseOperator):
                     seconds=max(deadline - time.time(), self.min_deferral) + DEFERRAL_BACKSTOP_S),
             )
         return result
+
+    def _set_members(self) -> RayConnectionSettings:
+        """Resolve the set's member connections (one that does not resolve is skipped, in the log); the first's
+        settings, with the set's checkpoint root, give the step its defaults (team, runtime_env)."""
+        clusters = self._set
+        assert clusters is not None
+        if self.kuberay_cluster not in (None, ""):
+            raise InvalidRequestError(f"kuberay_cluster={self.kuberay_cluster!r} names one RayCluster, but "
+                                      f"{self.ray_conn_id!r} is a cluster set: drop one of them")
+        for name in clusters.members:
+            try:
+                self._members[name] = RayHook(name).settings()
+            except RaysliceError as exc:
+                self.log.warning("[rayslice] cluster %s skipped: its connection does not resolve (%s)", name, exc)
+            except Exception as exc:  # no such connection: Airflow's own error
+                self.log.warning("[rayslice] cluster %s skipped: %s: %s", name, type(exc).__name__, exc)
+        if not self._members:
+            raise InvalidRequestError(f"no member connection of the cluster set {self.ray_conn_id!r} resolves "
+                                      f"({', '.join(clusters.members)}): the lines above say why")
+        first = next(iter(self._members.values()))
+        return dataclasses.replace(first, checkpoint_root=clusters.checkpoint_root)
+
+    async def _run_on_set(self, spec: StepSpec) -> Any:
+        """Submit to every member at once, follow them all, return the result of the one that ran the step."""
+        clusters = self._set
+        assert clusters is not None
+        try:
+            spec = spec_for_set(spec, clusters.name, clusters.members, shared_root=clusters.shared_root)
+        except InvalidRequestError as exc:
+            raise AirflowFailException(f"{self.task_id}: {exc}") from None
+        async with contextlib.AsyncExitStack() as stack:
+            members = []
+            for name, settings in self._members.items():
+                client = await stack.enter_async_context(settings.async_client())
+                if spec.owner.try_number > 1:
+                    await self._stop_earlier_tries(client, spec.owner)
+                members.append(Member(name, client, launcher=settings.launcher))
+            self.log.info("[rayslice] on cluster set %s: %s, in that order of preference (Ray job %s on each)",
+                          clusters.name, ", ".join(self._members), spec.owner.submission_id)
+            waiting, outcome = time.monotonic(), "error"
+            try:
+                result = await run_on_set(spec, members, emit=self.log.info)
+                outcome = "success"
+                return result
+            finally:
+                metrics.waited(time.monotonic() - waiting, where="worker", outcome=outcome)
 
     def cluster_hook(self, context: Context, deployment: str | None = None) -> RayHook:
         """The connection's hook, aimed at ``kuberay_cluster`` as rendered (the run's own for "per-run")."""
@@ -517,13 +572,16 @@ class RayStepOperator(BaseOperator):
         sid, settings = self._submission_id, self._settings
         if not sid or settings is None:
             return
-        try:
-            with settings.client() as client:
-                stopped = client.stop(sid)
-        except RaysliceError as exc:
-            self.log.warning("[rayslice] could not stop Ray job %s: %s", sid, exc)
-            return
-        self.log.info("[rayslice] %s Ray job %s", "stopped" if stopped else "not running:", sid)
+        where = dict(self._members) if self._set is not None else {"": settings}  # a set's job runs on each member
+        for name, each in where.items():
+            on = f" on cluster {name}" if name else ""
+            try:
+                with each.client() as client:
+                    stopped = client.stop(sid)
+            except RaysliceError as exc:
+                self.log.warning("[rayslice] could not stop Ray job %s%s: %s", sid, on, exc)
+                continue
+            self.log.info("[rayslice] %s Ray job %s%s", "stopped" if stopped else "not running:", sid, on)
 
     # ---- helpers
 
@@ -575,6 +633,8 @@ class RayStepOperator(BaseOperator):
 
     async def _submit_and_follow(self, spec: StepSpec) -> Any:
         assert self._settings is not None
+        if self._set is not None:
+            return await self._run_on_set(spec)
         async with self._settings.async_client() as client:
             if spec.owner.try_number > 1:
                 await self._stop_earlier_tries(client, spec.owner)

@@ -99,6 +99,19 @@ def _connection_type(connection_type: str, hook_class: str, hook_name: str) -> d
                                "against the types the zone offers",
                 "schema": {"type": ["object", "null"]},
             },
+            "clusters": {
+                "label": "Cluster set: member connections (optional)",
+                "description": 'Makes this connection a cluster set: other ray connection ids in order of '
+                               'preference, e.g. ["ray_us_east5", "ray_europe_west4"] (leave the URL empty); a '
+                               "step runs on whichever admits it first (docs/cluster-sets.md)",
+                "schema": {"type": ["array", "string", "null"]},
+            },
+            "shared_root": {
+                "label": "Cluster set: checkpoint root on a shared mount (optional)",
+                "description": "true: the set's checkpoint_root is a local path every member cluster mounts "
+                               "(NFS, the local clusters of one machine)",
+                "schema": {"type": ["boolean", "null"]},
+            },
         },
         "ui-field-behaviour": {
             "hidden-fields": ["schema", "login", "port"],

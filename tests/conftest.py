@@ -34,7 +34,7 @@ TOTAL_TPU_CHIPS = 36
 #: A test that needs any of them (directly or through another fixture) gets the matching mark, so
 #: `-m "not cluster"` is the fast loop: everything that runs without a cluster.
 CLUSTER_FIXTURES = {"cluster", "small_cluster", "autoscaling_cluster", "token_cluster", "ray_driver", "_head_factory",
-                    "wheel_cluster"}
+                    "wheel_cluster", "cluster_pair"}
 AIRFLOW_FIXTURES = {"airflow", "airflow_stack"}
 BROWSER_FIXTURES = {"browser"}
 
@@ -81,6 +81,8 @@ def groups(items: list[pytest.Item]) -> dict[str, str]:
     for item in items:
         if _uses_session_airflow(item):
             found[item.nodeid] = SESSION_AIRFLOW_GROUP
+        elif "cluster_pair" in getattr(item, "fixturenames", ()):
+            found[item.nodeid] = "cluster-pair"  # one pair of clusters for every module that steps over two
         elif any(item.get_closest_marker(mark) for mark in ("cluster", "airflow", "browser")):
             found[item.nodeid] = item.nodeid.split("::")[0]
     return found
@@ -194,6 +196,32 @@ def private_cluster(home: Path, name: str, start: Callable[[], local_cluster.Clu
             yield record
         finally:
             local_cluster.down(name)
+
+
+@pytest.fixture(scope="session")
+def cluster_pair(tmp_path_factory):
+    """Two small private clusters for steps over several clusters (tests/cluster_pair.py), stopped at the end.
+
+    Under a home of their own only while they start and stop: meanwhile `RAYSLICE_HOME` stays the session's.
+    """
+    from tests.cluster_pair import NAMES, SHAPE, Pair
+
+    home = tmp_path_factory.mktemp("set-home")
+    records = []
+    try:
+        for name in NAMES:
+            with rayslice_home(home):
+                try:
+                    records.append(local_cluster.up(SHAPE, name=name))
+                except Exception:  # a loaded 2-core machine can miss a node's start-up deadline once
+                    with contextlib.suppress(Exception):
+                        local_cluster.down(name)
+                    records.append(local_cluster.up(SHAPE, name=name))
+        yield Pair(*records, shared=home / "shared", home=home)
+    finally:
+        with rayslice_home(home):
+            for record in records:
+                local_cluster.down(record.name)
 
 
 @pytest.fixture(scope="session")

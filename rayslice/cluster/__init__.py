@@ -30,6 +30,7 @@ from rayslice.cluster import (
     notices,
     phases,
     reaper,
+    set_member,
     suspend,
 )
 from rayslice.cluster import queue as admission
@@ -38,7 +39,13 @@ from rayslice.cluster.reservation import check_accelerator_satisfiable, check_sa
 from rayslice.core import goodput, launcher
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.context import CHECKPOINT_ROOT_ENV, checkpoint_dir_for
-from rayslice.core.exceptions import CapacityTimeoutError, InvalidRequestError, PreemptedError, SuspendedError
+from rayslice.core.exceptions import (
+    CapacityTimeoutError,
+    InvalidRequestError,
+    PreemptedError,
+    RanElsewhereError,
+    SuspendedError,
+)
 from rayslice.core.step import StepSpec, checkpoint_root_problem
 
 __all__ = ["run_step", "reservation_name"]
@@ -69,12 +76,26 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
     first.note("reaped")
     checkpoint_dir = _checkpoint_dir(spec)
     waits = Waits(capacity=spec.capacity_timeout, start=gang.HOST_START_TIMEOUT_S)
+    if spec.cluster_set is not None:  # one of several clusters: it runs the step only while it holds the claim
+        waits.member = set_member.SetMember(spec, checkpoint_dir, log)
+        waits.arrival = spec.cluster_set.arrival or waits.arrival  # one arrival in every cluster's queue
     records: list[dict] = []  # every attempt's, for the step's goodput figures
+    outcome = "failed"
     try:
-        return _attempts(spec, first, checkpoint_dir, waits, records, driver_phases)
+        result = _attempts(spec, first, checkpoint_dir, waits, records, driver_phases)
+        outcome = "succeeded"
+        return result
+    except KeyboardInterrupt:
+        outcome = "stopped"
+        raise
+    except BaseException as exc:
+        outcome = f"failed: {type(exc).__name__}"
+        raise
     finally:
         if waits.requeued is not None:  # requeued for an attempt that never came (it failed before it asked)
             waits.requeued.leave()
+        if waits.member is not None:
+            waits.member.finish(outcome)  # only if it holds the step: the standbys end without running it
         _report_goodput(spec, records)
 
 
@@ -137,6 +158,9 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
         except KeyboardInterrupt:
             timeline.outcome = "stopped"
             raise
+        except RanElsewhereError:
+            timeline.outcome = "stood by"  # another cluster of its set ran the step: no failure of this one's
+            raise
         except PreemptedError as exc:
             timeline.outcome = "preempted"
             _note_lost_work(timeline, checkpoint_dir)
@@ -148,6 +172,8 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
                     log(suspend.exhausted(spec))
                 raise
             retries_used += not grows
+            if waits.member is not None:  # its hosts have ended: whichever cluster admits it next runs it
+                waits.member.release(str(exc))
             # The GCS may show a lost node alive for seconds yet (a host lost in a notice's grace rides along too).
             waits.lost_nodes |= {node for node in (getattr(exc, "node_id", ""), getattr(exc, "also_lost", "")) if node}
             waits.suspended = str(exc) if suspended is not None else ""
@@ -229,6 +255,8 @@ class Waits:
     # The queue place of an attempt that ended to resume: back to waiting in its line, never left (`_admit` rejoins
     # it; `run_step` leaves it if no attempt does).
     requeued: admission.Place | None = None
+    # A step on several clusters: this job's part (it stands by while another cluster holds the step).
+    member: set_member.SetMember | None = None
 
     def spend(self, kind: str, since: float) -> None:
         setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
@@ -308,32 +336,53 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
     """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted.
 
     After an attempt that ended to resume, the place it kept (requeued, never left) takes this attempt's request.
+    A step on several clusters waits out of the queue while another cluster holds it, leaves the queue when
+    another claims it meanwhile, and once admitted claims it before anything is reserved (`set_member`).
     """
-    place = admission.place_for(spec, arrival=waits.arrival,
-                                preemptible=spec.preemptible and waits.resumptions_left > 0, most_slices=most_slices,
-                                least_slices=waits.held_slices or None, grows=waits.grows_left > 0)
-    if waits.requeued is not None:
-        place, waits.requeued = waits.requeued.rejoin(place.entry), None
-    started = time.monotonic()
-    timeline.note("queued")
-    marker = None
-    try:
-        if not place.join().admitted.is_set():  # it waits: say so where the Slices page and `capacity` look
-            why = f"/suspended: {suspend.marker_text(waits.suspended)}" if waits.suspended else ""
-            marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}{why}/queued")
-        waited = place.wait(waits.capacity)
-    except BaseException:
-        place.leave()  # a cancelled step (ray job stop) gives its place up at once
-        raise
-    finally:
-        waits.spend("capacity", started)
-        if marker is not None:
-            with contextlib.suppress(Exception):
-                remove_placement_group(marker)
-    timeline.note("admitted")
-    if waited >= 1:
-        log(f"admitted after {waited:.1f} s in the queue")
-    return place
+    member = waits.member
+    while True:
+        if member is not None and member.must_stand_by():
+            if waits.requeued is not None:  # another cluster took the step back up: no place held here meanwhile
+                waits.requeued.leave()
+                waits.requeued = None
+            member.stand_by()
+        place = admission.place_for(spec, arrival=waits.arrival,
+                                    preemptible=spec.preemptible and waits.resumptions_left > 0,
+                                    most_slices=most_slices, least_slices=waits.held_slices or None,
+                                    grows=waits.grows_left > 0)
+        if waits.requeued is not None:
+            place, waits.requeued = waits.requeued.rejoin(place.entry), None
+        started = time.monotonic()
+        timeline.note("queued")
+        marker = None
+        try:
+            if not place.join().admitted.is_set():  # it waits: say so where the Slices page and `capacity` look
+                why = f"/suspended: {suspend.marker_text(waits.suspended)}" if waits.suspended else ""
+                marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}{why}/queued")
+            waited = place.wait(waits.capacity, give_up=member.taken_elsewhere if member is not None else None)
+        except admission.Withdrawn:
+            continue  # another cluster claimed the step while it waited here: stand by
+        except BaseException:
+            place.leave()  # a cancelled step (ray job stop) gives its place up at once
+            raise
+        finally:
+            waits.spend("capacity", started)
+            if marker is not None:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(marker)
+        if member is not None:
+            try:
+                claimed = member.claim()
+            except BaseException:
+                place.leave()
+                raise
+            if not claimed:  # admitted here too late: the admission goes back before anything is reserved
+                place.leave()
+                continue
+        timeline.note("admitted")
+        if waited >= 1:
+            log(f"admitted after {waited:.1f} s in the queue")
+        return place
 
 
 def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: host_process.Attempt,
@@ -466,7 +515,8 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         still_held = reservation.release(requeue=resumes)
         if resumes:
             waits.requeued = place
-        if suspended:  # no step body may run on two slices at once: the next attempt starts after every host ended
+        if suspended or (resumes and waits.member is not None):
+            # no step body may run on two slices (or clusters) at once: the next attempt starts after every host ended
             _wait_for_hosts_to_end(actors)
         timeline.mark("released")
         _log_release(str(request), started, still_held)
@@ -628,8 +678,8 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
             if watch.noticed_at is not None:
                 timeline.note("notice", watch.noticed_at)
         gang.kill(actors)
-        if suspended:  # its process has ended before the step resumes: no body runs twice at once
-            _wait_for_hosts_to_end(actors)
+        if suspended or (waits.member is not None and waits.resumes_after(ended)):
+            _wait_for_hosts_to_end(actors)  # its process has ended before the step resumes: no body runs twice at once
         if not waits.keep_place(place, ended):  # a step that resumes keeps its place in line
             place.leave()
         timeline.mark("released")

@@ -36,6 +36,7 @@ import json
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -577,6 +578,10 @@ def snapshot(timeout: float = 10.0) -> dict[str, Any]:
     return ray.get(broker().snapshot.remote(), timeout=timeout)
 
 
+class Withdrawn(Exception):
+    """A waiting place left the queue because its step no longer needs it here (`Place.wait`'s `give_up`)."""
+
+
 class Place:
     """A launcher's place in the queue, from `wait` until `leave` (both ends of a step's capacity).
 
@@ -700,12 +705,19 @@ class Place:
             self._thread.start()
         return self
 
-    def wait(self, timeout: float) -> float:
-        """Block until admitted (seconds waited), or leave the queue and raise CapacityTimeoutError."""
+    def wait(self, timeout: float, give_up: Callable[[], bool] | None = None) -> float:
+        """Block until admitted (seconds waited), or leave the queue and raise CapacityTimeoutError.
+
+        `give_up` (asked between beats): True leaves the queue and raises `Withdrawn` (a step on several
+        clusters that another cluster claimed meanwhile).
+        """
         started = time.monotonic()
         self.join()
         said = None
         while not self.admitted.is_set():
+            if give_up is not None and give_up():
+                self.leave()
+                raise Withdrawn(self.entry.what)
             if self.refused:
                 raise UnsatisfiableRequestError(f"{self.refused}. Ask for a kind the cluster has, or ask its "
                                                 "operator to raise the node group's maximum.")

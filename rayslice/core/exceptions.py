@@ -100,6 +100,14 @@ class SubmissionConflictError(RaysliceError):
     """Raised when a submission id is already taken by a job that another try or caller submitted."""
 
 
+class RanElsewhereError(RaysliceError):
+    """A job of a step on several clusters ends with it when another cluster of the set ran the step.
+
+    Not the step's outcome: the submitter takes the outcome of the job that held the claim
+    (`rayslice.core.cluster_claim`) and reads this one only as "this cluster stood by".
+    """
+
+
 class RayJobsError(RaysliceError):
     """Raised when a call to the Ray Jobs REST API fails."""
 
@@ -134,5 +142,5 @@ def error_fields(exc: BaseException) -> dict[str, object]:
 STEP_ERRORS: dict[str, type[RaysliceError]] = {
     cls.__name__: cls
     for cls in (CapacityTimeoutError, CollectiveHangError, HostLostError, InvalidRequestError, PreemptedError,
-                StepFailedError, StepTimeoutError, SuspendedError, UnsatisfiableRequestError)
+                RanElsewhereError, StepFailedError, StepTimeoutError, SuspendedError, UnsatisfiableRequestError)
 }

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import StepRequest
+from rayslice.core.cluster_claim import ClusterSet
 from rayslice.core.exceptions import FAILURE_FIELDS, InvalidRequestError, StepFailedError
 from rayslice.core.queue import SETTINGS_ENV, TEAM_PATTERN
 from rayslice.core.version import __version__
@@ -181,6 +182,9 @@ class StepSpec(BaseModel):
     marker_tag: str = Field("", pattern=r"^[0-9a-f]*$",
                             description="a per-submission secret in the driver's result and error lines, so that "
                                         "marker lines from elsewhere (another job's log a step prints) never count")
+    cluster_set: ClusterSet | None = Field(
+        None, description="the step names several clusters: the set, and which of them this job's is "
+                          "(rayslice.core.cluster_claim: one of them claims the step before any host starts)")
 
     @model_validator(mode="before")
     @classmethod

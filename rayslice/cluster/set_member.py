@@ -1,0 +1,113 @@
+"""A launcher on one cluster of a set: it stands by while another cluster holds the step, claims it once
+admitted here, releases it after a suspension, and ends the standbys when the step ends.
+
+The claims themselves are `rayslice.core.cluster_claim` (files in the step's shared checkpoint folder).
+Here is when the launcher reads and writes them:
+
+- before it joins its cluster's queue, and while it waits there (every `POLL_S`): a generation held by
+  another cluster sends it out of the queue to stand by; the step's end (`done`) ends this job with
+  `RanElsewhereError`;
+- once admitted, before anything is reserved: it claims the generation in play; a lost race gives the
+  admission back (`place.leave`) and it stands by. A cluster later in the set's preference order waits
+  `PREFERENCE_STEP_S` per place first, so a tie goes to the earlier one;
+- after an attempt that resumes (a notice, a lost slice), once every host ended: it releases the
+  generation, so that whichever cluster admits the step next runs it, from the same checkpoint;
+- when the step ends here (succeeded, failed, stopped): `done`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rayslice.core.cluster_claim import Claims, ClaimState
+from rayslice.core.exceptions import InvalidRequestError, RanElsewhereError
+from rayslice.core.step import StepSpec
+
+#: How often a standby (or a launcher waiting in its queue) looks at the claims.
+POLL_S = 1.0
+#: A tie goes to the cluster first in the set's order: each later place waits this much before it claims.
+PREFERENCE_STEP_S = 0.25
+
+
+class SetMember:
+    """This job's part in a step that names several clusters (`StepSpec.cluster_set`)."""
+
+    def __init__(self, spec: StepSpec, checkpoint_dir: str | None, log: Callable[[str], None]) -> None:
+        clusters = spec.cluster_set
+        assert clusters is not None
+        if not checkpoint_dir:
+            raise InvalidRequestError(
+                f"this step names the clusters {', '.join(clusters.members)} (set {clusters.name!r}), which keep "
+                "apart through claims in its checkpoint folder, but it has none: give it a checkpoint_root every "
+                "cluster can read (e.g. gs://bucket/ckpt)")
+        self.clusters = clusters
+        self.claims = Claims(checkpoint_dir, spec.owner.try_number, member=clusters.member,
+                             submission_id=spec.owner.submission_id or "adhoc")
+        self.log = log
+        self.generation: int | None = None  # the generation this job holds, while it does
+        self._said: tuple | None = None
+        self._looked = 0.0
+        self._elsewhere = False
+
+    def _mine(self, state: ClaimState) -> bool:
+        return state.held_by(self.claims.member, self.claims.submission_id)
+
+    def _elsewhere_now(self, state: ClaimState) -> bool:
+        return state.done is not None or (state.holder is not None and not self._mine(state))
+
+    def must_stand_by(self) -> bool:
+        """Whether another cluster holds the step now (or it ended): then this job waits out of its queue."""
+        return self._elsewhere_now(self.claims.state())
+
+    def stand_by(self) -> None:
+        """Until the generation in play is free (or this job's): out of the queue, holding nothing."""
+        while True:
+            state = self.claims.state()
+            if state.done is not None:
+                raise RanElsewhereError(
+                    f"cluster {state.done.get('cluster', '?')} of set {self.clusters.name!r} ran this step "
+                    f"({state.done.get('outcome', 'ended')}); cluster {self.clusters.member} stood by and ends "
+                    "without running it")
+            if state.holder is None or self._mine(state):
+                return
+            said = (state.generation, state.holder.get("cluster"))
+            if said != self._said:
+                self._said = said
+                self.log(f"cluster set {self.clusters.name}: cluster {said[1]} runs the step (claim {said[0]}); "
+                         f"{self.clusters.member} stands by, out of its queue, until it ends or is suspended")
+            time.sleep(POLL_S)
+
+    def taken_elsewhere(self) -> bool:
+        """While waiting in the queue: whether another cluster claimed the step (looked at once per POLL_S)."""
+        now = time.monotonic()
+        if now - self._looked >= POLL_S:
+            self._looked = now
+            self._elsewhere = self._elsewhere_now(self.claims.state())
+        return self._elsewhere
+
+    def claim(self) -> bool:
+        """Admitted here: claim the step before anything is reserved. False: another cluster has it."""
+        if self.clusters.rank:
+            time.sleep(PREFERENCE_STEP_S * self.clusters.rank)
+        state = self.claims.take()
+        if not self._mine(state):
+            return False
+        self.generation = state.generation
+        self.log(f"cluster set {self.clusters.name}: the step runs on cluster {self.clusters.member} "
+                 f"(claim {state.generation})")
+        return True
+
+    def release(self, why: str) -> None:
+        """Every host of the attempt ended and the step resumes: whichever cluster admits it next runs it."""
+        if self.generation is None:
+            return
+        generation, self.generation = self.generation, None
+        self.claims.release(generation, why)
+        self.log(f"cluster set {self.clusters.name}: released claim {generation}; the step waits in every "
+                 f"cluster's queue of {', '.join(self.clusters.members)} again, at its original arrival")
+
+    def finish(self, outcome: str) -> None:
+        """The step ended on this cluster: the other clusters' jobs end without running it."""
+        if self.generation is not None:
+            self.claims.finish(outcome)

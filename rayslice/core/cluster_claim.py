@@ -1,0 +1,180 @@
+"""Which cluster of a set runs a step now: a chain of create-if-absent claims in the step's shared folder.
+
+A step that names several Ray clusters (`ClusterSet`) is submitted to each of them at once, and each
+launcher waits in its own cluster's admission queue. Timing must never decide which of them runs the
+body: two clusters may admit the step within the same millisecond, and neither can see the other's
+queue. So the launcher that is admitted first *claims* the step before any host starts, by creating
+a file that must not exist yet, in the step's checkpoint folder, which every cluster of the set can
+read (`gs://` in production, one shared folder for the local clusters):
+
+    <checkpoint_dir>/.rayslice-claims/try-<N>/claim-<g>.json     the holder of generation g
+    <checkpoint_dir>/.rayslice-claims/try-<N>/released-<g>.json  g's holder stopped (every host ended)
+    <checkpoint_dir>/.rayslice-claims/try-<N>/done.json          the step ended; nobody runs it again
+
+Generation g is free once every generation before it was released. Exactly one launcher creates
+`claim-g` (the filesystem's exclusive create: `O_EXCL` locally, a generation-match precondition on
+object stores; fsspec's `open(mode="xb")`), and the others see it and stand by, out of their queues.
+The holder writes `released-g` only after its hosts ended (a suspension, a lost slice), so the next
+generation, on whichever cluster admits the step next, never runs beside it; `done` ends the standbys.
+
+An Airflow try is its own chain (its folder, `try-<N>`): a retry runs afresh, as on one cluster.
+Pure fsspec: the launcher takes and releases claims; the Airflow side and the CLI only read them.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rayslice.core.exceptions import InvalidRequestError
+
+CLAIMS_FOLDER = ".rayslice-claims"
+#: A member cluster's name: a `ray` connection id, or a local cluster's name.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class ClusterSet(BaseModel):
+    """What a step's launcher on one cluster of a set knows of the set (`StepSpec.cluster_set`).
+
+    `members` in order of preference (the first wins a tie); `member`: the cluster this job runs on;
+    `arrival`: the step's arrival (the submitter's clock), the same in every cluster's queue, so it waits
+    in each at one place and resumes at it after a suspension.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(..., pattern=NAME_PATTERN, description="the set's name (its connection id)")
+    members: tuple[str, ...] = Field(..., min_length=2)
+    member: str = Field("", description="this job's cluster; empty until the submitter picks it")
+    arrival: float = Field(0.0, ge=0)
+
+    @field_validator("members")
+    @classmethod
+    def _distinct(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [name for name in value if not re.fullmatch(NAME_PATTERN, name)]
+        if bad:
+            raise ValueError(f"cluster names must be 1-64 letters, digits, '.', '_' or '-', got {bad}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"a cluster set names each cluster once, got {list(value)}")
+        return value
+
+    @property
+    def rank(self) -> int:
+        """This job's cluster's place in the preference order (0: the first choice)."""
+        return self.members.index(self.member) if self.member in self.members else len(self.members)
+
+
+@dataclass(frozen=True)
+class ClaimState:
+    """What the claims folder says now."""
+
+    generation: int  # the generation in play: the first one not released
+    holder: dict[str, Any] | None  # its claim, if somebody holds it
+    done: dict[str, Any] | None  # the step's end, once written
+
+    def held_by(self, member: str, submission_id: str) -> bool:
+        return bool(self.holder) and self.holder.get("cluster") == member \
+            and self.holder.get("submission_id") == submission_id
+
+
+class Claims:
+    """The claims of one Airflow try of one step (`folder`: `<checkpoint_dir>/.rayslice-claims/try-<N>`)."""
+
+    def __init__(self, checkpoint_dir: str, try_number: int, *, member: str, submission_id: str) -> None:
+        import fsspec  # here: every host process imports core/step.py, and most never touch storage
+
+        self.folder = posixpath.join(checkpoint_dir.rstrip("/"), CLAIMS_FOLDER, f"try-{try_number}")
+        self.fs, self._root = fsspec.core.url_to_fs(self.folder)
+        self.member, self.submission_id = member, submission_id
+
+    def _path(self, name: str) -> str:
+        return posixpath.join(self._root, name)
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        try:
+            with self.fs.open(self._path(name), "rb") as f:
+                return json.loads(f.read() or b"{}")
+        except FileNotFoundError:
+            return None
+        except ValueError:  # a claim being written (object stores write whole objects; a local file may be short)
+            return {"cluster": "?", "partial": True}
+
+    def state(self) -> ClaimState:
+        """Where the chain stands (a listing and at most two reads)."""
+        try:
+            names = {posixpath.basename(p) for p in self.fs.ls(self._root, detail=False)}
+        except FileNotFoundError:
+            names = set()
+        generation = 0
+        while f"released-{generation}.json" in names:
+            generation += 1
+        holder = self._read(f"claim-{generation}.json") if f"claim-{generation}.json" in names else None
+        done = self._read("done.json") if "done.json" in names else None
+        return ClaimState(generation, holder, done)
+
+    def _record(self, **more: Any) -> bytes:
+        return json.dumps({"cluster": self.member, "submission_id": self.submission_id, "at": time.time(),
+                           **more}).encode()
+
+    def take(self) -> ClaimState:
+        """Claim the generation in play for this cluster, if it is free; the state after (held by whom).
+
+        Safe to call again: a claim already this job's is kept. Raises InvalidRequestError if the
+        filesystem cannot create exclusively (then no two clusters could be kept apart).
+        """
+        now = self.state()
+        if now.done is not None or now.holder is not None:
+            return now
+        self.fs.makedirs(self._root, exist_ok=True)
+        try:
+            with self.fs.open(self._path(f"claim-{now.generation}.json"), "xb") as f:
+                f.write(self._record(generation=now.generation))
+        except FileExistsError:
+            pass  # somebody else was first: state() says who
+        except (NotImplementedError, ValueError) as exc:
+            raise InvalidRequestError(
+                f"the checkpoint folder {self.folder} is on a filesystem that cannot create a file only if it is "
+                f"absent ({type(exc).__name__}: {exc}); a step on several clusters needs that to run on one at a "
+                "time: use gs://, or a folder every cluster mounts") from exc
+        return self.state()
+
+    def release(self, generation: int, why: str) -> None:
+        """This job's hosts ended and the step resumes: the next generation is anybody's."""
+        self._write(f"released-{generation}.json", self._record(generation=generation, why=why))
+
+    def finish(self, outcome: str) -> None:
+        """The step ended here (succeeded, failed, stopped): every standby job ends too."""
+        self._write("done.json", self._record(outcome=outcome))
+
+    def _write(self, name: str, data: bytes) -> None:
+        self.fs.makedirs(self._root, exist_ok=True)
+        try:
+            with self.fs.open(self._path(name), "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            pass  # written before (a repeated call): the first word stands
+
+
+def check_shared_root(root: str | None, what: str) -> None:
+    """A step on several clusters keeps its checkpoints (and claims) where every cluster reads them.
+
+    A `file://` root or a bare path is one machine's, unless every cluster mounts it: the set must
+    say so (`shared_root: true` on a set of local clusters, or an NFS / Filestore mount).
+    """
+    if not root:
+        raise InvalidRequestError(
+            f"{what}: a step on several clusters needs a checkpoint root every cluster can read (its claims "
+            "and checkpoints live there), e.g. 'gs://bucket/ckpt'; none is set: give the step checkpoint_root= or "
+            "the cluster set's connection the extra 'checkpoint_root'")
+    protocol = root.split("://", 1)[0] if "://" in root else "file"
+    if protocol in ("file", "local"):
+        raise InvalidRequestError(
+            f"{what}: checkpoint root {root!r} is on one machine's disk, which the other clusters of the set "
+            "cannot read: use a shared store (e.g. 'gs://bucket/ckpt'), or, for a folder every cluster mounts "
+            "(the local clusters, NFS), set the cluster set's extra 'shared_root': true")

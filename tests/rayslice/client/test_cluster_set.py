@@ -1,0 +1,223 @@
+"""One step over two real local Ray clusters (`set-a`, `set-b`, a v6e-4 each): it runs on whichever admits it
+first, skips a cluster that cannot take it, resumes on the other after a drain notice, and never runs on two
+at once (rayslice/client/cluster_set.py, rayslice/cluster/set_member.py, rayslice/core/cluster_claim.py).
+
+Proof comes from the clusters, not the launcher's word: each cluster's Ray job records (status and log), the
+step bodies' own records (which cluster's GCS they ran under), and both clusters' free TPU chips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from rayslice.client.cluster_set import Member, run_on_set, spec_for_set
+from rayslice.client.jobs_client import AsyncRayJobsClient
+from rayslice.client.submission import run_step_job
+from rayslice.core.accelerators import TpuSliceRequest
+from rayslice.core.exceptions import InvalidRequestError, UnsatisfiableRequestError
+from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
+from tests.cluster_pair import NAMES, Pair
+from tests.conftest import wait_until
+
+
+def where_am_i(seconds: float = 0.0, record: str = "", flag: str = "") -> dict:
+    """The step body: which cluster's GCS it runs under, and, with `record`, its start and end in a file."""
+    import ray
+
+    started = time.time()
+    gcs = ray.get_runtime_context().gcs_address
+    if flag:
+        Path(flag).with_suffix(".started").write_text(gcs)
+        while not Path(flag).exists():
+            time.sleep(0.1)
+    time.sleep(seconds)
+    if record:
+        with open(record, "a") as out:
+            out.write(json.dumps({"gcs": gcs, "start": started, "end": time.time()}) + "\n")
+    return {"gcs": gcs}
+
+
+def step(name: str, pair: Pair, fn=where_am_i, request: str = "v6e-4", **kwargs) -> StepSpec:
+    owner = Owner(dag_id="sets", run_id="r1", task_id=name, try_number=1)
+    return StepSpec.for_function(fn, request=TpuSliceRequest(tpu=request), kwargs=kwargs, owner=owner,
+                                 launcher="installed", capacity_timeout=120,
+                                 checkpoint_root=f"file://{pair.shared}")
+
+
+def on_set(pair: Pair, spec: StepSpec, *names: str, lines: list[str] | None = None):
+    spec = spec_for_set(spec, "tpus", names, shared_root=True)
+    out = lines if lines is not None else []
+
+    async def go():
+        members = pair.members(*names)
+        try:
+            return await run_on_set(spec, members, emit=out.append)
+        finally:
+            for member in members:
+                await member.client.aclose()
+
+    return asyncio.run(go()), spec
+
+
+def test_a_step_naming_both_runs_on_the_one_that_is_free_while_the_other_is_held(cluster_pair, tmp_path):
+    a, b = (cluster_pair.records[n] for n in NAMES)
+    flag = tmp_path / "hold"
+    holding = step("holder", cluster_pair, flag=str(flag))
+
+    async def hold():
+        return await run_step_job(a.dashboard_url, holding, token=a.token, emit=lambda line: None)
+
+    loop = asyncio.new_event_loop()
+    import threading
+
+    held: dict = {}
+    holder = threading.Thread(target=lambda: held.update(result=loop.run_until_complete(hold())))
+    holder.start()
+    try:
+        assert wait_until(lambda: flag.with_suffix(".started").exists(), timeout=120), "the holder never started on a"
+        lines: list[str] = []
+        result, spec = on_set(cluster_pair, step("mover", cluster_pair), *NAMES, lines=lines)
+    finally:
+        flag.write_text("go")
+        holder.join(120)
+    assert held["result"][0]["gcs"] == a.gcs_address
+    assert result[0]["gcs"] == b.gcs_address, "\n".join(lines)
+    log = "\n".join(lines)
+    assert "the step ran on cluster set-b" in log and "cluster set-a stood by" in log, log
+    # The clusters' own records: b's job ran it; a's ended without running it.
+    status_b, log_b = cluster_pair.jobs("set-b", spec.owner.submission_id)
+    status_a, log_a = cluster_pair.jobs("set-a", spec.owner.submission_id)
+    assert status_b == "SUCCEEDED" and "the step runs on cluster set-b" in log_b
+    assert status_a == "FAILED" and "RanElsewhereError" in log_a and "running on" not in log_a
+
+
+def test_an_unreachable_cluster_is_skipped_with_why_and_the_step_runs_on_the_next(cluster_pair):
+    dead = f"http://127.0.0.1:{local_cluster.free_port()}"  # a head that is down: nothing listens there
+    lines: list[str] = []
+    spec = spec_for_set(step("skipper", cluster_pair), "tpus", ("set-dead", NAMES[0]), shared_root=True)
+
+    async def go():
+        members = [Member("set-dead", AsyncRayJobsClient(dead, retries=0, timeout=3)),
+                   *cluster_pair.members(NAMES[0])]
+        try:
+            return await run_on_set(spec, members, emit=lines.append)
+        finally:
+            for member in members:
+                await member.client.aclose()
+
+    result = asyncio.run(go())
+    assert result[0]["gcs"] == cluster_pair.records[NAMES[0]].gcs_address
+    log = "\n".join(lines)
+    assert "cluster set-dead skipped: unreachable" in log and dead.split("//")[1] in log, log
+
+
+def test_a_request_no_cluster_of_the_set_has_fails_naming_each_refusal(cluster_pair):
+    lines: list[str] = []
+    with pytest.raises(UnsatisfiableRequestError, match="no cluster of set 'tpus' ran the step"):
+        on_set(cluster_pair, step("too-big", cluster_pair, request="v6e-16"), *NAMES, lines=lines)
+    log = "\n".join(lines)
+    assert "cluster set-a skipped: it refused the request" in log and "cluster set-b skipped" in log, log
+
+
+def test_a_root_on_one_machine_is_refused_before_anything_is_submitted(cluster_pair):
+    with pytest.raises(InvalidRequestError, match="one machine's disk"):
+        spec_for_set(step("local-root", cluster_pair), "tpus", NAMES)
+
+
+def counting_fit(steps: int, seconds_per_step: float) -> dict:
+    """A training loop that checkpoints every step and heeds a notice: saves, then raises StepSuspended."""
+    import ray
+
+    from rayslice import StepSuspended, get_step_context
+
+    ctx = get_step_context()
+    folder = Path(ctx.checkpoint_dir.removeprefix("file://"))
+    folder.mkdir(parents=True, exist_ok=True)
+    saved = folder / "step.json"
+    start = json.loads(saved.read_text())["step"] if saved.exists() else 0
+    gcs = ray.get_runtime_context().gcs_address
+    with open(folder / "bodies.jsonl", "a") as out:
+        out.write(json.dumps({"gcs": gcs, "from": start, "at": time.time()}) + "\n")
+    for i in range(start, steps):
+        time.sleep(seconds_per_step)
+        with open(folder / "done.jsonl", "a") as out:
+            out.write(json.dumps({"step": i, "gcs": gcs}) + "\n")
+        saved.write_text(json.dumps({"step": i + 1}))
+        if ctx.preempted:
+            raise StepSuspended(f"saved step {i + 1}")
+    return {"gcs": gcs, "resumed_from": start}
+
+
+def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_checkpoint(cluster_pair):
+    a, b = (cluster_pair.records[n] for n in NAMES)
+    spec = step("trainer", cluster_pair, fn=counting_fit, steps=12, seconds_per_step=1.0)
+    spec = spec.model_copy(update={"preemption_retries": 2})
+    folder = cluster_pair.shared / "sets" / "r1" / "trainer"
+    lines: list[str] = []
+    drained: dict = {}
+
+    def drain_a_once_it_saved():
+        assert wait_until(lambda: (folder / "step.json").exists(), timeout=120)
+        drained["deadline"] = time.time() + 30
+        local_cluster.preempt(a, next(n.slice_name for n in a.nodes if n.slice_name), 30, kill=False)
+        drained["free"] = wait_until(lambda: cluster_pair.free_chips(NAMES[0]) == 4, timeout=30)
+        drained["free_at"] = time.time()
+
+    import threading
+
+    drainer = threading.Thread(target=drain_a_once_it_saved)
+    drainer.start()
+    try:
+        result, spec = on_set(cluster_pair, spec, *NAMES, lines=lines)
+    finally:
+        drainer.join(60)
+        cluster_pair.replace_tpu_node(NAMES[0])  # a drained node is done: the next tests get a fresh one
+    log = "\n".join(lines)
+    assert result[0]["gcs"] == b.gcs_address and result[0]["resumed_from"] > 0, log
+    bodies = [json.loads(line) for line in (folder / "bodies.jsonl").read_text().splitlines()]
+    assert [body["gcs"] for body in bodies] == [a.gcs_address, b.gcs_address], bodies
+    done = [json.loads(line)["step"] for line in (folder / "done.jsonl").read_text().splitlines()]
+    assert done == list(range(12)), f"a step was done twice or skipped: {done}"
+    assert drained["free"] and drained["free_at"] < drained["deadline"], "a's chips were not free before the deadline"
+    assert "released claim 0" in log and "the step ran on cluster set-b" in log, log
+
+
+def test_many_steps_on_both_never_run_on_two_clusters_at_once_and_leave_every_chip_free(cluster_pair, tmp_path):
+    record = tmp_path / "bodies.jsonl"
+    count = int(os.environ.get("RAYSLICE_SET_STEPS", "8"))
+    rng = random.Random(7)
+    specs = [spec_for_set(step(f"many-{i}", cluster_pair, seconds=rng.uniform(0.2, 1.5), record=str(record)),
+                          "tpus", NAMES, shared_root=True) for i in range(count)]
+
+    async def go():
+        members = cluster_pair.members(*NAMES)
+        try:
+            return await asyncio.gather(*(run_on_set(spec, members, emit=lambda line: None) for spec in specs))
+        finally:
+            for member in members:
+                await member.client.aclose()
+
+    results = asyncio.run(go())
+    gcs = {cluster_pair.records[n].gcs_address: n for n in NAMES}
+    assert all(result[0]["gcs"] in gcs for result in results)
+    # From both clusters' job records: per step, exactly one job ran the body; the other stood by.
+    for spec in specs:
+        records = {name: cluster_pair.jobs(name, spec.owner.submission_id) for name in NAMES}
+        ran = [name for name, (_, log) in records.items() if "the step runs on cluster" in log]
+        statuses = {name: status for name, (status, _) in records.items()}
+        assert len(ran) == 1 and statuses[ran[0]] == "SUCCEEDED", (spec.owner.task_id, ran, statuses)
+    # From the bodies' own records: one body per step, and no two bodies on one slice at once.
+    bodies = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(bodies) == count
+    for name in gcs:
+        mine = sorted((b["start"], b["end"]) for b in bodies if b["gcs"] == name)
+        assert all(end <= nxt_start for (_, end), (nxt_start, _) in zip(mine, mine[1:], strict=False)), mine
+    assert wait_until(lambda: all(cluster_pair.free_chips(n) == 4 for n in NAMES), timeout=60)

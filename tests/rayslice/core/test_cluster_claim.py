@@ -1,0 +1,105 @@
+"""The claims that keep a step on several clusters running on one at a time (rayslice/core/cluster_claim.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from rayslice.core.cluster_claim import Claims, ClusterSet, check_shared_root
+from rayslice.core.exceptions import InvalidRequestError
+
+
+def claims(folder, member: str, sid: str = "sid", try_number: int = 1) -> Claims:
+    return Claims(f"file://{folder}", try_number, member=member, submission_id=sid)
+
+
+def test_the_first_take_holds_and_the_second_cluster_sees_who(tmp_path):
+    a, b = claims(tmp_path, "a"), claims(tmp_path, "b")
+    assert a.take().held_by("a", "sid")
+    seen = b.take()
+    assert seen.holder["cluster"] == "a" and not seen.held_by("b", "sid") and seen.generation == 0
+    assert a.take().held_by("a", "sid"), "taking again keeps a claim already this job's"
+
+
+def test_a_release_frees_the_next_generation_for_any_cluster_and_done_ends_the_chain(tmp_path):
+    a, b = claims(tmp_path, "a"), claims(tmp_path, "b")
+    a.take()
+    a.release(0, "drained")
+    state = b.take()
+    assert state.generation == 1 and state.held_by("b", "sid")
+    assert a.take().holder["cluster"] == "b", "a released generation 0: it cannot take 1 from b"
+    b.finish("succeeded")
+    after = a.take()
+    assert after.done == {**after.done, "cluster": "b", "outcome": "succeeded"}
+    assert after.holder["cluster"] == "b", "a finished chain is taken by nobody"
+
+
+def test_each_airflow_try_is_a_chain_of_its_own(tmp_path):
+    claims(tmp_path, "a", try_number=1).take()
+    assert claims(tmp_path, "b", try_number=2).take().held_by("b", "sid")
+
+
+def _race(folder: str, member: str, start, results) -> None:
+    start.wait()
+    state = claims(folder, member).take()
+    results.put((member, state.held_by(member, "sid")))
+
+
+@pytest.mark.parametrize("round_", range(5))
+def test_of_many_clusters_taking_at_once_exactly_one_holds(tmp_path, round_):
+    ctx = multiprocessing.get_context("fork")
+    start, results = ctx.Event(), ctx.Queue()
+    members = [f"c{i}" for i in range(6)]
+    procs = [ctx.Process(target=_race, args=(str(tmp_path), m, start, results)) for m in members]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(30)
+    won = [m for m, held in (results.get(timeout=5) for _ in members) if held]
+    assert len(won) == 1, won
+    assert claims(tmp_path, "x").state().holder["cluster"] == won[0]
+
+
+def test_a_filesystem_without_exclusive_create_is_refused_in_words(tmp_path, monkeypatch):
+    c = claims(tmp_path, "a")
+    real_open = c.fs.open
+
+    def no_exclusive(path, mode="rb", **kw):
+        if "x" in mode:
+            raise NotImplementedError("mode 'xb' not supported")
+        return real_open(path, mode, **kw)
+
+    monkeypatch.setattr(c.fs, "open", no_exclusive)
+    with pytest.raises(InvalidRequestError, match="cannot create a file only if it is absent"):
+        c.take()
+
+
+def test_a_set_names_each_cluster_once_and_knows_its_rank():
+    assert ClusterSet(name="tpus", members=("a", "b"), member="b").rank == 1
+    with pytest.raises(ValidationError, match="each cluster once"):
+        ClusterSet(name="tpus", members=("a", "a"))
+    with pytest.raises(ValidationError):
+        ClusterSet(name="tpus", members=("a",))
+    with pytest.raises(ValidationError, match="1-64 letters"):
+        ClusterSet(name="tpus", members=("a", "b/../c"))
+
+
+@pytest.mark.parametrize("root", [None, "", "/mnt/ckpt", "file:///tmp/ckpt", "local:///x"])
+def test_a_root_only_one_machine_reads_is_refused_for_a_set(root):
+    with pytest.raises(InvalidRequestError, match="checkpoint root|every cluster"):
+        check_shared_root(root, "task 'train'")
+
+
+def test_a_shared_store_is_accepted():
+    check_shared_root("gs://bucket/ckpt", "task 'train'")
+    check_shared_root("s3://bucket/ckpt", "task 'train'")
+
+
+def test_claims_live_in_the_steps_folder_under_the_try(tmp_path):
+    c = claims(tmp_path, "a", try_number=3)
+    c.take()
+    assert os.path.exists(tmp_path / ".rayslice-claims" / "try-3" / "claim-0.json")
