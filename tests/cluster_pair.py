@@ -46,6 +46,22 @@ class Pair:
         taken = capacity.snapshot(record.dashboard_url, record.token)
         return sum(h.chips - h.chips_used for s in taken.slices for h in s.hosts if h.state == "free")
 
+    def held_by(self, name: str, sid: str) -> list[str]:
+        """What the step still holds on one cluster, from its state API: placement groups not yet removed and
+        host processes alive, named `rayslice:<sid>/...` (not the launcher's word)."""
+        import httpx
+
+        record = self.records[name]
+        headers = {"Authorization": f"Bearer {record.token}"} if record.token else {}
+        held = []
+        for kind, done in (("placement_groups", "REMOVED"), ("actors", "DEAD")):
+            body = httpx.get(f"{record.dashboard_url}/api/v0/{kind}", params={"detail": "1", "limit": "10000"},
+                             headers=headers, timeout=30).json()
+            for row in body["data"]["result"]["result"]:
+                if (row.get("name") or "").startswith(f"rayslice:{sid}") and row.get("state") != done:
+                    held.append(f"{kind} {row.get('name')} {row.get('state')}")
+        return held
+
     def jobs(self, name: str, sid: str) -> tuple[str, str]:
         """(status, log) of the step's Ray job on one cluster, from that cluster's Jobs API."""
         with RayJobsClient(self.records[name].dashboard_url, token=self.records[name].token) as client:

@@ -24,7 +24,7 @@ PAGES = ["README.md", "docs/examples.md", "docs/concepts.md", "docs/connection.m
          "docs/ui.md", "docs/cli.md", "docs/errors.md", "docs/limits.md", "docs/sharing.md", "docs/operators.md",
          "docs/deploying-gke.md", "docs/deploying-tpu-vms.md", "docs/troubleshooting.md", "docs/upgrading.md",
          "docs/simulation.md", "docs/security.md", "docs/metrics.md", "docs/goodput.md",
-         "docs/preemption.md", "docs/elastic.md", "docs/doctor.md"]
+         "docs/preemption.md", "docs/elastic.md", "docs/doctor.md", "docs/cluster-sets.md"]
 EXAMPLES = [block for page in PAGES for block in BLOCK.findall((REPO / page).read_text())]
 HOST_LINE = re.compile(r"^(\x1b\[\d+m)?\([\w.-]+/(host\d+|GPU) pid=\d+\)")
 RAYSLICE = str(Path(sys.executable).with_name("rayslice"))

@@ -12,6 +12,7 @@ import os
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -336,8 +337,8 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
     """Take the step's place in the cluster's admission queue and wait (within capacity_timeout) until admitted.
 
     After an attempt that ended to resume, the place it kept (requeued, never left) takes this attempt's request.
-    A step on several clusters waits out of the queue while another cluster holds it, leaves the queue when
-    another claims it meanwhile, and once admitted claims it before anything is reserved (`set_member`).
+    A step on several clusters waits out of the queue while another cluster holds it, and leaves the queue when
+    another claims it meanwhile (`set_member`); it claims the step once its capacity is held (`_claim_or_give_back`).
     """
     member = waits.member
     while True:
@@ -352,6 +353,8 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
                                     grows=waits.grows_left > 0)
         if waits.requeued is not None:
             place, waits.requeued = waits.requeued.rejoin(place.entry), None
+        if member is not None:
+            place.give_up = member.taken_elsewhere
         started = time.monotonic()
         timeline.note("queued")
         marker = None
@@ -359,7 +362,8 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
             if not place.join().admitted.is_set():  # it waits: say so where the Slices page and `capacity` look
                 why = f"/suspended: {suspend.marker_text(waits.suspended)}" if waits.suspended else ""
                 marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}{why}/queued")
-            waited = place.wait(waits.capacity, give_up=member.taken_elsewhere if member is not None else None)
+            waited = (place.wait(waits.capacity) if member is None
+                      else place.wait(waits.capacity, give_up=member.taken_elsewhere))
         except admission.Withdrawn:
             continue  # another cluster claimed the step while it waited here: stand by
         except BaseException:
@@ -370,15 +374,6 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
             if marker is not None:
                 with contextlib.suppress(Exception):
                     remove_placement_group(marker)
-        if member is not None:
-            try:
-                claimed = member.claim()
-            except BaseException:
-                place.leave()
-                raise
-            if not claimed:  # admitted here too late: the admission goes back before anything is reserved
-                place.leave()
-                continue
         timeline.note("admitted")
         if waited >= 1:
             log(f"admitted after {waited:.1f} s in the queue")
@@ -404,19 +399,24 @@ def _run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: host_proce
             most = intact_slices(request, ray.nodes(), waits.lost_nodes)
     else:
         check_satisfiable(request, lost=waits.lost_nodes)  # an impossible request never enters the queue
-    place = _admit(spec, waits, timeline, most_slices=most)
-    try:
-        if request.elastic:  # the slices the queue admitted it on: what this attempt reserves and its program sees
-            asked, request = request, request.with_slices(int(place.entry.amount))
-            waits.granted_slices = request.num_slices
-            spec = spec.model_copy(update={"request": request})
-            log(f"elastic: starting on {request.num_slices} of {asked.min_slices}-{asked.num_slices} x "
-                f"{request.pod_type} (elastic_wait={asked.wait_for_all_s:g} s)")
-        timeline.chips = request.total_chips
-        return _reserve_and_run_on_slices(spec, request, attempt, timeline, waits, name, started, place)
-    finally:
-        if waits.requeued is not place:
-            place.leave()
+    asked, asked_spec = request, spec
+    while True:
+        place = _admit(asked_spec, waits, timeline, most_slices=most)
+        try:
+            request, spec = asked, asked_spec
+            if request.elastic:  # the slices the queue admitted it on: what this attempt reserves and its program sees
+                request = request.with_slices(int(place.entry.amount))
+                waits.granted_slices = request.num_slices
+                spec = spec.model_copy(update={"request": request})
+                log(f"elastic: starting on {request.num_slices} of {asked.min_slices}-{asked.num_slices} x "
+                    f"{request.pod_type} (elastic_wait={asked.wait_for_all_s:g} s)")
+            timeline.chips = request.total_chips
+            return _reserve_and_run_on_slices(spec, request, attempt, timeline, waits, name, started, place)
+        except admission.Withdrawn:
+            continue  # another cluster of its set claimed the step: nothing is held here; stand by
+        finally:
+            if waits.requeued is not place:
+                place.leave()
 
 
 def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt: host_process.Attempt,
@@ -432,6 +432,7 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
         raise
     finally:
         waits.spend("capacity", reserving)
+    _claim_or_give_back(waits, reservation.release)
     timeline.mark("reserved")
     actors: list[Any] = []
     spec_json = spec.model_dump_json()
@@ -574,17 +575,38 @@ def _log_release(what: str, started: float, still_held: list[str]) -> None:
         log(f"released {what} after {time.monotonic() - started:.1f} s")
 
 
+def _claim_or_give_back(waits: Waits, give_back: Callable[[], Any]) -> None:
+    """A step on several clusters, its capacity held here and no host started: claim it, or give the capacity back
+    and raise `Withdrawn` (another cluster claimed it first). Claiming only now, not at admission, means a cluster
+    that admitted the step onto capacity Ray cannot place (a draining slice) never holds it from the others."""
+    member = waits.member
+    if member is None:
+        return
+    try:
+        claimed = member.claim()
+    except BaseException:
+        give_back()
+        raise
+    if not claimed:
+        give_back()
+        raise admission.Withdrawn("claimed by another cluster of its set")
+
+
 def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: host_process.Attempt,
                      timeline: phases.Timeline, waits: Waits) -> Any:
     check_accelerator_satisfiable(request)  # an impossible request never enters the queue
     log(f"waiting for capacity: {request} (capacity_timeout={spec.capacity_timeout:.0f} s)")
     started = time.monotonic()
-    place = _admit(spec, waits, timeline)
-    try:
-        return _place_and_run_fraction(spec, request, attempt, timeline, waits, started, place)
-    finally:
-        if waits.requeued is not place:
-            place.leave()
+    while True:
+        place = _admit(spec, waits, timeline)
+        try:
+            _claim_or_give_back(waits, place.leave)
+            return _place_and_run_fraction(spec, request, attempt, timeline, waits, started, place)
+        except admission.Withdrawn:
+            continue  # another cluster of its set claimed the step: nothing is held here; stand by
+        finally:
+            if waits.requeued is not place:
+                place.leave()
 
 
 def _fraction_started(actor: Any, plan: HostPlan, within: float, watch: notices.Watch | None) -> float | None:

@@ -607,6 +607,8 @@ class Place:
         self.grow: str | None = None  # an elastic step's offer to grow (more slices free)
         self._requeue = False  # the broker must be told the entry changed (`requeue`) before it is only refreshed
         self._lock = threading.Lock()  # a beat's entry and its answer belong together (no stale "admitted")
+        # A step on several clusters: True once another cluster claimed it (asked while it waits and reserves).
+        self.give_up: Callable[[], bool] | None = None
 
     def _beat(self) -> None:
         with self._lock:

@@ -161,7 +161,8 @@ def reserve_slices(request: TpuSliceRequest, *, timeout: float, name: str,
 
 
 def _suspended_by(place: admission.Place) -> Callable[[], None]:
-    """A check that raises `SuspendedError` once the queue told `place`'s step to suspend (`Place.suspend`)."""
+    """A check that raises `SuspendedError` once the queue told `place`'s step to suspend (`Place.suspend`), or
+    `Withdrawn` once the place's step no longer needs it here (`Place.give_up`)."""
     def check() -> None:
         told = getattr(place, "suspend", None)
         if told is not None:
@@ -169,6 +170,9 @@ def _suspended_by(place: admission.Place) -> Callable[[], None]:
                                    "slices: no step body ran, and nothing is held", cause="preemption notice")
             error.node_id, error.slice_name, error.stopped_at_deadline = "", "", False
             raise error
+        give_up = getattr(place, "give_up", None)
+        if give_up is not None and give_up():  # a step on several clusters that another cluster claimed meanwhile
+            raise admission.Withdrawn(place.entry.what)
     return check
 
 

@@ -53,13 +53,14 @@ def step(name: str, pair: Pair, fn=where_am_i, request: str = "v6e-4", **kwargs)
 
 
 def on_set(pair: Pair, spec: StepSpec, *names: str, lines: list[str] | None = None):
-    spec = spec_for_set(spec, "tpus", names, shared_root=True)
+    if spec.cluster_set is None:
+        spec = spec_for_set(spec, "tpus", names, shared_root=True)
     out = lines if lines is not None else []
 
     async def go():
         members = pair.members(*names)
         try:
-            return await run_on_set(spec, members, emit=out.append)
+            return await run_on_set(spec, members, emit=lambda line: (out.append(line), print(line)))
         finally:
             for member in members:
                 await member.client.aclose()
@@ -159,7 +160,8 @@ def counting_fit(steps: int, seconds_per_step: float) -> dict:
 def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_checkpoint(cluster_pair):
     a, b = (cluster_pair.records[n] for n in NAMES)
     spec = step("trainer", cluster_pair, fn=counting_fit, steps=12, seconds_per_step=1.0)
-    spec = spec.model_copy(update={"preemption_retries": 2})
+    spec = spec_for_set(spec.model_copy(update={"preemption_retries": 2}), "tpus", NAMES, shared_root=True)
+    sid = spec.owner.submission_id
     folder = cluster_pair.shared / "sets" / "r1" / "trainer"
     lines: list[str] = []
     drained: dict = {}
@@ -168,7 +170,8 @@ def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_c
         assert wait_until(lambda: (folder / "step.json").exists(), timeout=120)
         drained["deadline"] = time.time() + 30
         local_cluster.preempt(a, next(n.slice_name for n in a.nodes if n.slice_name), 30, kill=False)
-        drained["free"] = wait_until(lambda: cluster_pair.free_chips(NAMES[0]) == 4, timeout=30)
+        # a's state API: the step's placement groups removed and its host processes dead (a's chips free)
+        drained["free"] = wait_until(lambda: not cluster_pair.held_by(NAMES[0], sid), timeout=30, interval=0.5)
         drained["free_at"] = time.time()
 
     import threading
@@ -186,7 +189,7 @@ def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_c
     assert [body["gcs"] for body in bodies] == [a.gcs_address, b.gcs_address], bodies
     done = [json.loads(line)["step"] for line in (folder / "done.jsonl").read_text().splitlines()]
     assert done == list(range(12)), f"a step was done twice or skipped: {done}"
-    assert drained["free"] and drained["free_at"] < drained["deadline"], "a's chips were not free before the deadline"
+    assert drained["free"] and drained["free_at"] < drained["deadline"], cluster_pair.held_by(NAMES[0], sid)
     assert "released claim 0" in log and "the step ran on cluster set-b" in log, log
 
 
