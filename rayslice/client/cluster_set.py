@@ -22,7 +22,8 @@ from typing import Any
 
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import submission_id, submit_step, wait_for_step
-from rayslice.core.cluster_claim import ClusterSet, check_shared_root
+from rayslice.core.cluster_claim import Claims, ClusterSet, check_shared_root
+from rayslice.core.context import checkpoint_dir_for
 from rayslice.core.exceptions import (
     InvalidRequestError,
     RanElsewhereError,
@@ -104,6 +105,9 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
                     emit(f"[rayslice] cluster {name} skipped: it refused the request ({exc})")
                     continue
                 except Exception as exc:  # the step's failure on the cluster that ran it, or a job lost
+                    if await _held_by(spec, name):  # it ran the step (or died holding it): that is the outcome
+                        emit(f"[rayslice] the step ran on cluster {name}, and failed there")
+                        raise
                     errors.append((name, exc))
                     continue
                 emit(f"[rayslice] the step ran on cluster {name}")
@@ -129,6 +133,24 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
                     await by_name[name].client.stop(jobs[name])
                 except RayJobsError as exc:
                     emit(f"[rayslice] could not stop Ray job {jobs[name]} on cluster {name}: {exc}")
+
+
+async def _held_by(spec: StepSpec, name: str) -> bool:
+    """Whether cluster `name` holds the step's claim now or ended it (its `done`), as the shared folder says.
+
+    A job that failed there is then the step's failure: its driver may have died without writing `done`, and the
+    others would stand by for ever. Storage that cannot be read says no (the job's error waits for the rest).
+    """
+    folder = checkpoint_dir_for(spec.checkpoint_root, spec.owner)
+    if not folder:
+        return False
+    try:
+        state = await asyncio.to_thread(
+            Claims(folder, member="", submission_id=spec.owner.submission_id or "adhoc").state)
+    except Exception:
+        return False
+    ended = (state.done or {}).get("cluster")
+    return ended == name or (ended is None and (state.holder or {}).get("cluster") == name)
 
 
 def _say_how_it_ended(name: str, task: asyncio.Future, emit: Callable[[str], None]) -> None:

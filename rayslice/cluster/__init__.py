@@ -96,7 +96,7 @@ def run_step(spec: StepSpec, *, driver_phases: dict[str, float] | None = None) -
         if waits.requeued is not None:  # requeued for an attempt that never came (it failed before it asked)
             waits.requeued.leave()
         if waits.member is not None:
-            waits.member.finish(outcome)  # only if it holds the step: the standbys end without running it
+            waits.member.finish(outcome)  # if it holds the step: the standbys end without running it; never raises
         _report_goodput(spec, records)
 
 
@@ -174,6 +174,10 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
                 raise
             retries_used += not grows
             if waits.member is not None:  # its hosts have ended: whichever cluster admits it next runs it
+                if waits.hosts_unaccounted:  # another cluster must not start beside a host that may still run
+                    log("cluster set: a host of the suspended attempt was never reported ended, so the step does not "
+                        "move to another cluster of its set: it fails here (an Airflow retry starts it afresh)")
+                    raise
                 waits.member.release(str(exc))
             # The GCS may show a lost node alive for seconds yet (a host lost in a notice's grace rides along too).
             waits.lost_nodes |= {node for node in (getattr(exc, "node_id", ""), getattr(exc, "also_lost", "")) if node}
@@ -258,6 +262,7 @@ class Waits:
     requeued: admission.Place | None = None
     # A step on several clusters: this job's part (it stands by while another cluster holds the step).
     member: set_member.SetMember | None = None
+    hosts_unaccounted: bool = False  # the last attempt's hosts were not all reported ended (a node cut off)
 
     def spend(self, kind: str, since: float) -> None:
         setattr(self, kind, max(0.0, getattr(self, kind) - (time.monotonic() - since)))
@@ -347,6 +352,8 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
                 waits.requeued.leave()
                 waits.requeued = None
             member.stand_by()
+            # Another cluster ran it meanwhile, for as long as that took: waiting here starts afresh.
+            waits.capacity, waits.start = spec.capacity_timeout, gang.HOST_START_TIMEOUT_S
         place = admission.place_for(spec, arrival=waits.arrival,
                                     preemptible=spec.preemptible and waits.resumptions_left > 0,
                                     most_slices=most_slices, least_slices=waits.held_slices or None,
@@ -518,29 +525,31 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
             waits.requeued = place
         if suspended or (resumes and waits.member is not None):
             # no step body may run on two slices (or clusters) at once: the next attempt starts after every host ended
-            _wait_for_hosts_to_end(actors)
+            waits.hosts_unaccounted = not _wait_for_hosts_to_end(actors)
         timeline.mark("released")
         _log_release(str(request), started, still_held)
         drain.wait(drain_from, quiet=quiet)  # after the release: the chips are free while the last lines arrive
         drain.close()
 
 
-def _wait_for_hosts_to_end(actors: list[Any]) -> None:
+def _wait_for_hosts_to_end(actors: list[Any]) -> bool:
     """After a suspension: every host process has ended before the next attempt starts elsewhere.
 
     Usually within a second of the kill. A host on a node cut off from the GCS stays "alive" until
     Ray declares its node dead (its health check, tens of seconds): wait for that too, up to
-    `HOSTS_END_S`, and say so when even that was not enough.
+    `HOSTS_END_S`, and say so when even that was not enough. Whether every host was reported ended.
     """
     left = gang.wait_dead(actors)
     if not left:
-        return
+        return True
     log(f"{len(left)} host process(es) of the suspended attempt have not ended yet: waiting up to "
         f"{HOSTS_END_S:.0f} s before the step resumes elsewhere")
     left = gang.wait_dead(left, timeout=HOSTS_END_S)
     if left:
         log(f"{len(left)} host process(es) of the suspended attempt still not reported ended after "
-            f"{HOSTS_END_S:.0f} s more (their node unreachable): the step resumes anyway")
+            f"{HOSTS_END_S:.0f} s more (their node unreachable): the step resumes anyway"
+)
+    return not left
 
 
 class HostsEnv(NamedTuple):
@@ -701,7 +710,8 @@ def _place_and_run_fraction(spec: StepSpec, request: AcceleratorRequest, attempt
                 timeline.note("notice", watch.noticed_at)
         gang.kill(actors)
         if suspended or (waits.member is not None and waits.resumes_after(ended)):
-            _wait_for_hosts_to_end(actors)  # its process has ended before the step resumes: no body runs twice at once
+            # its process has ended before the step resumes: no body runs twice at once
+            waits.hosts_unaccounted = not _wait_for_hosts_to_end(actors)
         if not waits.keep_place(place, ended):  # a step that resumes keeps its place in line
             place.leave()
         timeline.mark("released")

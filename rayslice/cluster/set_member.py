@@ -17,6 +17,7 @@ Here is when the launcher reads and writes them:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -28,6 +29,8 @@ from rayslice.core.step import StepSpec
 POLL_S = 1.0
 #: A tie goes to the cluster first in the set's order: each later place waits this much before it claims.
 PREFERENCE_STEP_S = 0.25
+#: Reads and the end's write are tried this many times (0.5, 1, 2 s apart) through a storage outage.
+READ_TRIES = 4
 
 
 class SetMember:
@@ -42,13 +45,30 @@ class SetMember:
                 "apart through claims in its checkpoint folder, but it has none: give it a checkpoint_root every "
                 "cluster can read (e.g. gs://bucket/ckpt)")
         self.clusters = clusters
-        self.claims = Claims(checkpoint_dir, spec.owner.try_number, member=clusters.member,
-                             submission_id=spec.owner.submission_id or "adhoc")
+        self.claims = Claims(checkpoint_dir, member=clusters.member, submission_id=spec.owner.submission_id or "adhoc")
         self.log = log
         self.generation: int | None = None  # the generation this job holds, while it does
         self._said: tuple | None = None
         self._looked = 0.0
         self._elsewhere = False
+        self._last: ClaimState | None = None  # the last state read, for a read that fails
+
+    def _state(self) -> ClaimState:
+        """The claims now. Storage that fails a read (a 503, a timeout) is asked again, up to `READ_TRIES` times;
+        then the last state read stands (nothing changed, as far as this job can tell), or, before any, it raises."""
+        for attempt in range(READ_TRIES):
+            try:
+                self._last = self.claims.state()
+                return self._last
+            except Exception as exc:
+                if attempt == READ_TRIES - 1:
+                    if self._last is not None:
+                        self.log(f"cluster set {self.clusters.name}: could not read the claims ({type(exc).__name__}: "
+                                 f"{exc}); going on as they last read")
+                        return self._last
+                    raise
+                time.sleep(min(4.0, 0.5 * 2 ** attempt))
+        raise AssertionError("unreachable")
 
     def _mine(self, state: ClaimState) -> bool:
         return state.held_by(self.claims.member, self.claims.submission_id)
@@ -58,12 +78,12 @@ class SetMember:
 
     def must_stand_by(self) -> bool:
         """Whether another cluster holds the step now (or it ended): then this job waits out of its queue."""
-        return self._elsewhere_now(self.claims.state())
+        return self._elsewhere_now(self._state())
 
     def stand_by(self) -> None:
         """Until the generation in play is free (or this job's): out of the queue, holding nothing."""
         while True:
-            state = self.claims.state()
+            state = self._state()
             if state.done is not None:
                 raise RanElsewhereError(
                     f"cluster {state.done.get('cluster', '?')} of set {self.clusters.name!r} ran this step "
@@ -83,14 +103,20 @@ class SetMember:
         now = time.monotonic()
         if now - self._looked >= POLL_S:
             self._looked = now
-            self._elsewhere = self._elsewhere_now(self.claims.state())
+            self._elsewhere = self._elsewhere_now(self._state())
         return self._elsewhere
 
     def claim(self) -> bool:
         """Admitted here: claim the step before anything is reserved. False: another cluster has it."""
         if self.clusters.rank:
             time.sleep(PREFERENCE_STEP_S * self.clusters.rank)
-        state = self.claims.take()
+        try:
+            state = self.claims.take()
+        except BaseException:  # stopped (or storage failed) after the claim was made: the end still writes `done`
+            with contextlib.suppress(Exception):
+                if self._mine(now := self.claims.state()):
+                    self.generation = now.generation
+            raise
         if not self._mine(state):
             return False
         self.generation = state.generation
@@ -108,6 +134,17 @@ class SetMember:
                  f"cluster's queue of {', '.join(self.clusters.members)} again, at its original arrival")
 
     def finish(self, outcome: str) -> None:
-        """The step ended on this cluster: the other clusters' jobs end without running it."""
-        if self.generation is not None:
-            self.claims.finish(outcome)
+        """The step ended on this cluster: the other clusters' jobs end without running it. Never raises: the
+        step's outcome stands (a standby left waiting is stopped by the submitter, who has the outcome)."""
+        if self.generation is None:
+            return
+        for attempt in range(READ_TRIES):
+            try:
+                self.claims.finish(outcome)
+                return
+            except Exception as exc:
+                if attempt == READ_TRIES - 1:
+                    self.log(f"cluster set {self.clusters.name}: could not write the step's end to the claims "
+                             f"({type(exc).__name__}: {exc}); the other clusters' jobs are stopped by the submitter")
+                    return
+                time.sleep(min(4.0, 0.5 * 2 ** attempt))

@@ -7,9 +7,9 @@ queue. So the launcher that is admitted first *claims* the step before any host 
 a file that must not exist yet, in the step's checkpoint folder, which every cluster of the set can
 read (`gs://` in production, one shared folder for the local clusters):
 
-    <checkpoint_dir>/.rayslice-claims/try-<N>/claim-<g>.json     the holder of generation g
-    <checkpoint_dir>/.rayslice-claims/try-<N>/released-<g>.json  g's holder stopped (every host ended)
-    <checkpoint_dir>/.rayslice-claims/try-<N>/done.json          the step ended; nobody runs it again
+    <checkpoint_dir>/.rayslice-claims/<submission id>/claim-<g>.json     the holder of generation g
+    <checkpoint_dir>/.rayslice-claims/<submission id>/released-<g>.json  g's holder stopped (every host ended)
+    <checkpoint_dir>/.rayslice-claims/<submission id>/done.json          the step ended; nobody runs it again
 
 Generation g is free once every generation before it was released. Exactly one launcher creates
 `claim-g` (the filesystem's exclusive create: `O_EXCL` locally, a generation-match precondition on
@@ -17,8 +17,11 @@ object stores; fsspec's `open(mode="xb")`), and the others see it and stand by, 
 The holder writes `released-g` only after its hosts ended (a suspension, a lost slice), so the next
 generation, on whichever cluster admits the step next, never runs beside it; `done` ends the standbys.
 
-An Airflow try is its own chain (its folder, `try-<N>`): a retry runs afresh, as on one cluster.
-Pure fsspec: the launcher takes and releases claims; the Airflow side and the CLI only read them.
+Each submission is its own chain: its id names the Airflow try and the task instance, so a retry, or a
+run deleted and created again under the same run id (which shares the checkpoint folder on purpose), never
+reads an earlier chain's `done`. Listings are read past any cache (`refresh=True`: gcsfs keeps them forever
+by default, and a waiting cluster would never see a release). Pure fsspec: the launcher takes and releases
+claims; the Airflow side only reads them.
 """
 
 from __future__ import annotations
@@ -84,12 +87,12 @@ class ClaimState:
 
 
 class Claims:
-    """The claims of one Airflow try of one step (`folder`: `<checkpoint_dir>/.rayslice-claims/try-<N>`)."""
+    """The claims of one submission of a step (`folder`: `<checkpoint_dir>/.rayslice-claims/<submission id>`)."""
 
-    def __init__(self, checkpoint_dir: str, try_number: int, *, member: str, submission_id: str) -> None:
+    def __init__(self, checkpoint_dir: str, *, member: str, submission_id: str) -> None:
         import fsspec  # here: every host process imports core/step.py, and most never touch storage
 
-        self.folder = posixpath.join(checkpoint_dir.rstrip("/"), CLAIMS_FOLDER, f"try-{try_number}")
+        self.folder = posixpath.join(checkpoint_dir.rstrip("/"), CLAIMS_FOLDER, submission_id)
         self.fs, self._root = fsspec.core.url_to_fs(self.folder)
         self.member, self.submission_id = member, submission_id
 
@@ -108,7 +111,7 @@ class Claims:
     def state(self) -> ClaimState:
         """Where the chain stands (a listing and at most two reads)."""
         try:
-            names = {posixpath.basename(p) for p in self.fs.ls(self._root, detail=False)}
+            names = {posixpath.basename(p) for p in self.fs.ls(self._root, detail=False, refresh=True)}
         except FileNotFoundError:
             names = set()
         generation = 0
@@ -172,8 +175,9 @@ def check_shared_root(root: str | None, what: str) -> None:
             f"{what}: a step on several clusters needs a checkpoint root every cluster can read (its claims "
             "and checkpoints live there), e.g. 'gs://bucket/ckpt'; none is set: give the step checkpoint_root= or "
             "the cluster set's connection the extra 'checkpoint_root'")
-    protocol = root.split("://", 1)[0] if "://" in root else "file"
-    if protocol in ("file", "local"):
+    target = root.rsplit("::", 1)[-1]  # a chained URL (`simplecache::file://...`) stores where its last part says
+    protocol = target.split("://", 1)[0] if "://" in target else "file"
+    if protocol in ("file", "local", "memory"):
         raise InvalidRequestError(
             f"{what}: checkpoint root {root!r} is on one machine's disk, which the other clusters of the set "
             "cannot read: use a shared store (e.g. 'gs://bucket/ckpt'), or, for a folder every cluster mounts "

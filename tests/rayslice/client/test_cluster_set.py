@@ -158,39 +158,46 @@ def counting_fit(steps: int, seconds_per_step: float) -> dict:
 
 
 def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_checkpoint(cluster_pair):
-    a, b = (cluster_pair.records[n] for n in NAMES)
+    """Whichever cluster runs the step first (a, unless b's job got there 0.25 s sooner) is drained with a 30 s
+    deadline: the step checkpoints, frees that cluster's chips before the deadline, and resumes on the other."""
     spec = step("trainer", cluster_pair, fn=counting_fit, steps=12, seconds_per_step=1.0)
     spec = spec_for_set(spec.model_copy(update={"preemption_retries": 2}), "tpus", NAMES, shared_root=True)
     sid = spec.owner.submission_id
     folder = cluster_pair.shared / "sets" / "r1" / "trainer"
+    by_gcs = {cluster_pair.records[n].gcs_address: n for n in NAMES}
     lines: list[str] = []
     drained: dict = {}
 
-    def drain_a_once_it_saved():
+    def drain_the_running_one_once_it_saved():
         assert wait_until(lambda: (folder / "step.json").exists(), timeout=120)
+        first = json.loads((folder / "bodies.jsonl").read_text().splitlines()[0])["gcs"]
+        record = cluster_pair.records[drained.setdefault("name", by_gcs[first])]
         drained["deadline"] = time.time() + 30
-        local_cluster.preempt(a, next(n.slice_name for n in a.nodes if n.slice_name), 30, kill=False)
-        # a's state API: the step's placement groups removed and its host processes dead (a's chips free)
-        drained["free"] = wait_until(lambda: not cluster_pair.held_by(NAMES[0], sid), timeout=30, interval=0.5)
+        local_cluster.preempt(record, next(n.slice_name for n in record.nodes if n.slice_name), 30, kill=False)
+        # its state API: the step's placement groups removed and its host processes dead (its chips free)
+        drained["free"] = wait_until(lambda: not cluster_pair.held_by(record.name, sid), timeout=30, interval=0.5)
         drained["free_at"] = time.time()
 
     import threading
 
-    drainer = threading.Thread(target=drain_a_once_it_saved)
+    drainer = threading.Thread(target=drain_the_running_one_once_it_saved)
     drainer.start()
     try:
         result, spec = on_set(cluster_pair, spec, *NAMES, lines=lines)
     finally:
         drainer.join(60)
-        cluster_pair.replace_tpu_node(NAMES[0])  # a drained node is done: the next tests get a fresh one
+        if "name" in drained:
+            cluster_pair.replace_tpu_node(drained["name"])  # a drained node is done: the next tests get a fresh one
     log = "\n".join(lines)
-    assert result[0]["gcs"] == b.gcs_address and result[0]["resumed_from"] > 0, log
+    drained_name = drained["name"]
+    other = next(n for n in NAMES if n != drained_name)
+    assert by_gcs[result[0]["gcs"]] == other and result[0]["resumed_from"] > 0, log
     bodies = [json.loads(line) for line in (folder / "bodies.jsonl").read_text().splitlines()]
-    assert [body["gcs"] for body in bodies] == [a.gcs_address, b.gcs_address], bodies
+    assert [by_gcs[body["gcs"]] for body in bodies] == [drained_name, other], bodies
     done = [json.loads(line)["step"] for line in (folder / "done.jsonl").read_text().splitlines()]
     assert done == list(range(12)), f"a step was done twice or skipped: {done}"
-    assert drained["free"] and drained["free_at"] < drained["deadline"], cluster_pair.held_by(NAMES[0], sid)
-    assert "released claim 0" in log and "the step ran on cluster set-b" in log, log
+    assert drained["free"] and drained["free_at"] < drained["deadline"], cluster_pair.held_by(drained_name, sid)
+    assert "released claim 0" in log and f"the step ran on cluster {other}" in log, log
 
 
 def test_many_steps_on_both_never_run_on_two_clusters_at_once_and_leave_every_chip_free(cluster_pair, tmp_path):
@@ -224,3 +231,40 @@ def test_many_steps_on_both_never_run_on_two_clusters_at_once_and_leave_every_ch
         mine = sorted((b["start"], b["end"]) for b in bodies if b["gcs"] == name)
         assert all(end <= nxt_start for (_, end), (nxt_start, _) in zip(mine, mine[1:], strict=False)), mine
     assert wait_until(lambda: all(cluster_pair.free_chips(n) == 4 for n in NAMES), timeout=60)
+
+
+def test_a_holder_whose_driver_is_killed_fails_the_step_and_the_standby_is_stopped(cluster_pair, tmp_path):
+    """The holder dies without writing its end: the submitter sees its job fail while it holds the claim, takes
+    that as the step's outcome, and stops the other cluster's standby (which would otherwise wait for ever)."""
+    import psutil
+
+    a = cluster_pair.records[NAMES[0]]
+    flag = tmp_path / "never"
+    spec = spec_for_set(step("killed-holder", cluster_pair, flag=str(flag)), "tpus", NAMES, shared_root=True)
+    sid = spec.owner.submission_id
+    killed: list[int] = []
+
+    def kill_the_driver_on_a():
+        assert wait_until(lambda: flag.with_suffix(".started").exists(), timeout=120)
+        for proc in psutil.process_iter(["cmdline", "cwd"]):
+            cmdline, cwd = " ".join(proc.info["cmdline"] or []), proc.info["cwd"] or ""
+            if "rayslice.cluster spec.json" in cmdline and cwd.startswith(a.temp_dir):
+                proc.kill()
+                killed.append(proc.pid)
+
+    import threading
+
+    killer = threading.Thread(target=kill_the_driver_on_a)
+    killer.start()
+    lines: list[str] = []
+    try:
+        with pytest.raises(Exception) as info:
+            on_set(cluster_pair, spec, *NAMES, lines=lines)
+    finally:
+        killer.join(150)
+    assert killed, "no driver of the step ran on set-a"
+    log = "\n".join(lines)
+    assert "the step ran on cluster set-a, and failed there" in log, (info.value, log)
+    assert wait_until(lambda: cluster_pair.jobs(NAMES[1], sid)[0] in ("STOPPED", "FAILED"), timeout=60), \
+        "the standby on set-b was left waiting"
+    assert wait_until(lambda: not cluster_pair.held_by(NAMES[0], sid), timeout=120), cluster_pair.held_by(NAMES[0], sid)

@@ -12,8 +12,8 @@ from rayslice.core.cluster_claim import Claims, ClusterSet, check_shared_root
 from rayslice.core.exceptions import InvalidRequestError
 
 
-def claims(folder, member: str, sid: str = "sid", try_number: int = 1) -> Claims:
-    return Claims(f"file://{folder}", try_number, member=member, submission_id=sid)
+def claims(folder, member: str, sid: str = "sid") -> Claims:
+    return Claims(f"file://{folder}", member=member, submission_id=sid)
 
 
 def test_the_first_take_holds_and_the_second_cluster_sees_who(tmp_path):
@@ -37,9 +37,13 @@ def test_a_release_frees_the_next_generation_for_any_cluster_and_done_ends_the_c
     assert after.holder["cluster"] == "b", "a finished chain is taken by nobody"
 
 
-def test_each_airflow_try_is_a_chain_of_its_own(tmp_path):
-    claims(tmp_path, "a", try_number=1).take()
-    assert claims(tmp_path, "b", try_number=2).take().held_by("b", "sid")
+def test_each_submission_is_a_chain_of_its_own(tmp_path):
+    """A retry, or a run created again under the same run id (same checkpoint folder), is a new submission id:
+    an earlier chain's claim or `done` never stops it."""
+    first = claims(tmp_path, "a", sid="try1")
+    first.take()
+    first.finish("succeeded")
+    assert claims(tmp_path, "b", sid="try2").take().held_by("b", "try2")
 
 
 def _race(folder: str, member: str, start, results) -> None:
@@ -88,7 +92,8 @@ def test_a_set_names_each_cluster_once_and_knows_its_rank():
         ClusterSet(name="tpus", members=("a", "b/../c"))
 
 
-@pytest.mark.parametrize("root", [None, "", "/mnt/ckpt", "file:///tmp/ckpt", "local:///x"])
+@pytest.mark.parametrize("root", [None, "", "/mnt/ckpt", "file:///tmp/ckpt", "local:///x", "memory://x",
+                                  "simplecache::file:///tmp/x", "filecache::file:///var/ckpt"])
 def test_a_root_only_one_machine_reads_is_refused_for_a_set(root):
     with pytest.raises(InvalidRequestError, match="checkpoint root|every cluster"):
         check_shared_root(root, "task 'train'")
@@ -99,7 +104,17 @@ def test_a_shared_store_is_accepted():
     check_shared_root("s3://bucket/ckpt", "task 'train'")
 
 
-def test_claims_live_in_the_steps_folder_under_the_try(tmp_path):
-    c = claims(tmp_path, "a", try_number=3)
+def test_claims_live_in_the_steps_folder_under_the_submission(tmp_path):
+    c = claims(tmp_path, "a", sid="rayslice-d-t-1")
     c.take()
-    assert os.path.exists(tmp_path / ".rayslice-claims" / "try-3" / "claim-0.json")
+    assert os.path.exists(tmp_path / ".rayslice-claims" / "rayslice-d-t-1" / "claim-0.json")
+
+
+def test_the_listing_is_read_past_the_filesystems_cache(tmp_path, monkeypatch):
+    """gcsfs caches listings forever by default: a waiting cluster must still see another's release."""
+    c = claims(tmp_path, "a")
+    asked = []
+    real_ls = c.fs.ls
+    monkeypatch.setattr(c.fs, "ls", lambda path, **kw: asked.append(kw) or real_ls(path, **kw))
+    c.state()
+    assert asked and asked[0].get("refresh") is True
