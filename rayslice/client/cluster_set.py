@@ -69,19 +69,24 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
     clusters = spec.cluster_set
     if clusters is None:
         raise InvalidRequestError("run_on_set needs a step made by spec_for_set (it names no cluster set)")
-    jobs: dict[str, str] = {}
-    for member in members:
+    async def submit(member: Member) -> str | None:
+        """Reach the member and submit its job; None (and a line saying why) when it is skipped."""
         try:
             await member.client.version()
         except RayJobsError as exc:
             emit(f"[rayslice] cluster {member.name} skipped: unreachable ({exc})")
-            continue
+            return None
         mine = spec.model_copy(update={"cluster_set": clusters.model_copy(update={"member": member.name}),
                                        "launcher": member.launcher})
         try:
-            jobs[member.name] = await submit_step(member.client, mine, emit=prefixed(emit, member.name))
+            return await submit_step(member.client, mine, emit=prefixed(emit, member.name))
         except RayJobsError as exc:
             emit(f"[rayslice] cluster {member.name} skipped: the submission failed ({exc})")
+            return None
+
+    # At once: a member later in the list must not start later for being later (the first admission wins).
+    submitted = await asyncio.gather(*(submit(member) for member in members))
+    jobs = {member.name: sid for member, sid in zip(members, submitted, strict=True) if sid is not None}
     if not jobs:
         raise UnsatisfiableRequestError(
             f"no cluster of set {clusters.name!r} ({', '.join(clusters.members)}) could take the step: every one was "
