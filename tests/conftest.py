@@ -63,6 +63,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first = items.index(users[0])
         rest = [item for item in items if item not in users]
         items[:] = rest[:first] + users + rest[first:]
+    # Likewise the tests over two clusters (`cluster_pair`): together, and the pair stops after the last of them.
+    pair_users = [item for item in items if "cluster_pair" in getattr(item, "fixturenames", ())]
+    if pair_users:
+        first = items.index(pair_users[0])
+        rest = [item for item in items if item not in pair_users]
+        items[:] = rest[:first] + pair_users + rest[first:]
     from tests import xdist_groups  # loaded (and assert-rewritten) by `pytest_plugins` by now
 
     if xdist_groups.active(config):
@@ -101,6 +107,13 @@ _session_airflow: list = []  # how to stop the running stack, so the last test t
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if _session_airflow and _uses_session_airflow(item) and (nextitem is None or not _uses_session_airflow(nextitem)):
         _session_airflow.pop()()
+    over_two = "cluster_pair" in getattr(item, "fixturenames", ())
+    next_over_two = nextitem is not None and "cluster_pair" in getattr(nextitem, "fixturenames", ())
+    if _cluster_pair and over_two and not next_over_two:
+        _cluster_pair.pop()()
+
+
+_cluster_pair: list = []  # how to stop the two clusters, so the last test over them can
 
 
 _cluster_start: dict = {}  # the session's cluster, starting in the background: its process, home and name
@@ -200,7 +213,8 @@ def private_cluster(home: Path, name: str, start: Callable[[], local_cluster.Clu
 
 @pytest.fixture(scope="session")
 def cluster_pair(tmp_path_factory):
-    """Two small private clusters for steps over several clusters (tests/cluster_pair.py), stopped at the end.
+    """Two small private clusters for steps over several clusters (tests/cluster_pair.py), stopped after the last
+    test over them (they run one after another: `pytest_collection_modifyitems`).
 
     Under a home of their own only while they start and stop: meanwhile `RAYSLICE_HOME` stays the session's.
     """
@@ -208,6 +222,12 @@ def cluster_pair(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("set-home")
     records = []
+
+    def stop() -> None:
+        with rayslice_home(home):
+            while records:
+                local_cluster.down(records.pop().name)
+
     try:
         for name in NAMES:
             with rayslice_home(home):
@@ -217,11 +237,12 @@ def cluster_pair(tmp_path_factory):
                     with contextlib.suppress(Exception):
                         local_cluster.down(name)
                     records.append(local_cluster.up(SHAPE, name=name))
+        _cluster_pair.append(stop)  # the last test over them stops them (`pytest_runtest_teardown`)
         yield Pair(*records, shared=home / "shared", home=home)
     finally:
-        with rayslice_home(home):
-            for record in records:
-                local_cluster.down(record.name)
+        if stop in _cluster_pair:
+            _cluster_pair.remove(stop)
+        stop()
 
 
 @pytest.fixture(scope="session")
