@@ -369,8 +369,7 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
             if not place.join().admitted.is_set():  # it waits: say so where the Slices page and `capacity` look
                 why = f"/suspended: {suspend.marker_text(waits.suspended)}" if waits.suspended else ""
                 marker = placement_group([{"CPU": 0.001}], name=f"{reservation_name(spec)}{why}/queued")
-            waited = (place.wait(waits.capacity) if member is None
-                      else place.wait(waits.capacity, give_up=member.taken_elsewhere))
+            waited = place.wait(waits.capacity)
         except admission.Withdrawn:
             continue  # another cluster claimed the step while it waited here: stand by
         except BaseException:

@@ -707,17 +707,17 @@ class Place:
             self._thread.start()
         return self
 
-    def wait(self, timeout: float, give_up: Callable[[], bool] | None = None) -> float:
+    def wait(self, timeout: float) -> float:
         """Block until admitted (seconds waited), or leave the queue and raise CapacityTimeoutError.
 
-        `give_up` (asked between beats): True leaves the queue and raises `Withdrawn` (a step on several
+        `self.give_up` (asked between beats): True leaves the queue and raises `Withdrawn` (a step on several
         clusters that another cluster claimed meanwhile).
         """
         started = time.monotonic()
         self.join()
         said = None
         while not self.admitted.is_set():
-            if give_up is not None and give_up():
+            if self.give_up is not None and self.give_up():
                 self.leave()
                 raise Withdrawn(self.entry.what)
             if self.refused:
