@@ -258,6 +258,10 @@ def airflow_up(
         "--team-connection", metavar="CONN_ID=TEAM",
         help="One more `ray` connection to the cluster whose steps count against TEAM's quota "
              "(e.g. ray_research=research); repeat it for several teams.")] = None,
+    cluster_set: Annotated[list[str] | None, typer.Option(
+        "--cluster-set", metavar="CONN_ID=A,B",
+        help="A cluster set over local clusters already up (`rayslice local up --name A`), in order of "
+             "preference: connection CONN_ID, and ray_A, ray_B for each cluster (docs/cluster-sets.md).")] = None,
 ) -> None:
     """Start Airflow (api-server, scheduler, dag-processor, triggerer) on your DAGs or the examples; print the login."""
     from rayslice.local import airflow_ui
@@ -268,12 +272,19 @@ def airflow_up(
         if not sep or not conn_id or not team:
             raise fail(f"--team-connection {item!r}: give CONN_ID=TEAM, e.g. ray_research=research")
         teams[conn_id] = team
+    sets = {}
+    for item in cluster_set or []:
+        conn_id, sep, names = item.partition("=")
+        if not sep or not conn_id or not names:
+            raise fail(f"--cluster-set {item!r}: give CONN_ID=A,B (local cluster names), e.g. tpus=a,b")
+        sets[conn_id] = names.split(",")
     try:
         record, already = airflow_ui.up(name, cluster=cluster, port=port, adopt_cluster=adopt_cluster,
                                         dags_folder=dags, examples=examples if examples is not None else dags is None,
-                                        team_connections=teams, emit=lambda line: console.print(f"[dim]{line}[/dim]"))
+                                        team_connections=teams, cluster_sets=sets,
+                                        emit=lambda line: console.print(f"[dim]{line}[/dim]"))
     except RaysliceError as exc:
-        if "--team-connection" in str(exc):
+        if "--team-connection" in str(exc) or "--cluster-set" in str(exc):
             raise fail(str(exc)) from None
         raise
     if already:

@@ -57,18 +57,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = ([item for item in items if not item.get_closest_marker("cluster")]
                 + [item for item in items if item.get_closest_marker("cluster")])
     # The tests that use the session's Airflow run one after another (in their files' order), so it
-    # can stop after the last of them instead of idling through the rest of the session.
-    users = [item for item in items if _uses_session_airflow(item)]
-    if users:
-        first = items.index(users[0])
-        rest = [item for item in items if item not in users]
-        items[:] = rest[:first] + users + rest[first:]
-    # Likewise the tests over two clusters (`cluster_pair`): together, and the pair stops after the last of them.
-    pair_users = [item for item in items if "cluster_pair" in getattr(item, "fixturenames", ())]
-    if pair_users:
-        first = items.index(pair_users[0])
-        rest = [item for item in items if item not in pair_users]
-        items[:] = rest[:first] + pair_users + rest[first:]
+    # can stop after the last of them instead of idling through the rest of the session; likewise the
+    # tests over two clusters (`cluster_pair`), which stop the pair after the last of them. A test over
+    # both sits where the two runs meet: the Airflow's last tests, then the pair's first.
+    on_airflow = [item for item in items if _uses_session_airflow(item)]
+    on_pair = [item for item in items if _uses_cluster_pair(item)]
+    both = [item for item in on_airflow if item in on_pair]
+    block = ([item for item in on_airflow if item not in both] + both
+             + [item for item in on_pair if item not in both])
+    if block:
+        first = min(items.index(item) for item in block)
+        rest = [item for item in items if item not in block]
+        before = [item for item in rest if items.index(item) < first]
+        items[:] = before + block + rest[len(before):]
     from tests import xdist_groups  # loaded (and assert-rewritten) by `pytest_plugins` by now
 
     if xdist_groups.active(config):
@@ -84,11 +85,13 @@ def groups(items: list[pytest.Item]) -> dict[str, str]:
     after its last user). Cluster-free tests are spread one by one.
     """
     found = {}
+    over_both = any(_uses_session_airflow(item) and _uses_cluster_pair(item) for item in items)
     for item in items:
         if _uses_session_airflow(item):
             found[item.nodeid] = SESSION_AIRFLOW_GROUP
-        elif "cluster_pair" in getattr(item, "fixturenames", ()):
-            found[item.nodeid] = "cluster-pair"  # one pair of clusters for every module that steps over two
+        elif _uses_cluster_pair(item):  # one pair of clusters for every module that steps over two, in the
+            # Airflow's worker when a test needs both (its tests and the pair's run back to back there)
+            found[item.nodeid] = SESSION_AIRFLOW_GROUP if over_both else "cluster-pair"
         elif any(item.get_closest_marker(mark) for mark in ("cluster", "airflow", "browser")):
             found[item.nodeid] = item.nodeid.split("::")[0]
     return found
@@ -100,6 +103,10 @@ def _uses_session_airflow(item: pytest.Item) -> bool:
     return bool(defs) and defs[-1].scope == "session"
 
 
+def _uses_cluster_pair(item: pytest.Item) -> bool:
+    return "cluster_pair" in getattr(item, "fixturenames", ())
+
+
 _session_airflow: list = []  # how to stop the running stack, so the last test that uses it can
 
 
@@ -107,8 +114,8 @@ _session_airflow: list = []  # how to stop the running stack, so the last test t
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if _session_airflow and _uses_session_airflow(item) and (nextitem is None or not _uses_session_airflow(nextitem)):
         _session_airflow.pop()()
-    over_two = "cluster_pair" in getattr(item, "fixturenames", ())
-    next_over_two = nextitem is not None and "cluster_pair" in getattr(nextitem, "fixturenames", ())
+    over_two = _uses_cluster_pair(item)
+    next_over_two = nextitem is not None and _uses_cluster_pair(nextitem)
     if _cluster_pair and over_two and not next_over_two:
         _cluster_pair.pop()()
 

@@ -175,9 +175,51 @@ def team_connection_env(teams: dict[str, str], dashboard_url: str | None, token:
     return env
 
 
+def member_connection_id(cluster: str) -> str:
+    """The `ray` connection id `--cluster-set` gives a local cluster: `ray_<name>` (`set-a` -> `ray_set_a`)."""
+    return "ray_" + re.sub(r"[^a-z0-9_]", "_", cluster.lower())
+
+
+def cluster_set_env(sets: dict[str, list[str]], *, load: Callable[[str], local_cluster.ClusterRecord] | None = None,
+                    ) -> dict[str, str]:
+    """`AIRFLOW_CONN_<ID>` for each cluster set (connection id -> local cluster names, in order of preference).
+
+    Each member cluster gets a `ray` connection of its own (`member_connection_id`), and the set lists them,
+    with a checkpoint root on this machine's disk, which every local cluster reads (`shared_root`). With
+    `load` None only the ids and names are checked (before anything starts); else each cluster's record is
+    read with it, and one that is not recorded is refused with how to start it.
+    """
+    env: dict[str, str] = {}
+    for conn_id, clusters in sets.items():
+        flag = f"--cluster-set {conn_id}={','.join(clusters)}"
+        if not _CONN_ID.fullmatch(conn_id) or conn_id == "ray_default":
+            raise RaysliceError(f"{flag}: the connection id must be lowercase letters, digits and '_', starting "
+                                "with a letter (not ray_default, which `up` sets), e.g. tpus=a,b")
+        if not clusters or any(not name for name in clusters) or len(set(clusters)) != len(clusters):
+            raise RaysliceError(f"{flag}: name each local cluster once, in order of preference, e.g. {conn_id}=a,b")
+        members = [member_connection_id(name) for name in clusters]
+        if conn_id in members:
+            raise RaysliceError(f"{flag}: {conn_id!r} is also the connection id of cluster "
+                                f"{clusters[members.index(conn_id)]!r}; give the set another id")
+        if load is None:
+            continue
+        for name, member in zip(clusters, members, strict=True):
+            try:
+                record = load(name)
+            except RaysliceError:
+                raise RaysliceError(f"{flag}: no local cluster {name!r} is recorded; start it first with "
+                                    f"`rayslice local up --name {name}`") from None
+            env[f"AIRFLOW_CONN_{member.upper()}"] = json.dumps(
+                local_cluster.ray_connection(record.dashboard_url, record.token))
+        root = local_cluster.state_dir().parent / "checkpoints" / conn_id
+        env[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps({"conn_type": "ray", "extra": {
+            "clusters": members, "checkpoint_root": f"file://{root}", "shared_root": True}})
+    return env
+
+
 def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_PORT, dags_folder: Path | None = None,
        examples: bool | None = None, adopt_cluster: bool = False, startup_timeout: float = 300,
-       team_connections: dict[str, str] | None = None,
+       team_connections: dict[str, str] | None = None, cluster_sets: dict[str, list[str]] | None = None,
        emit: Callable[[str], None] = print) -> tuple[UiRecord, bool]:
     """Start the UI (and the cluster if needed); returns (its record, whether it was already up).
 
@@ -186,8 +228,11 @@ def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_P
     `up` had started it (the demo hands its cluster over this way). `port` 0 picks a free port.
     `team_connections`: connection id -> team: more `ray` connections to the same cluster, one per team
     (`extra.team`), beside `ray_default`; an Airflow already up keeps the connections it was started with.
+    `cluster_sets`: connection id -> local cluster names: a cluster set over those clusters (`cluster_set_env`,
+    docs/cluster-sets.md), each of which must be up already.
     """
     team_connection_env(team_connections or {}, dashboard_url=None, token=None)  # bad ids or teams: before any start
+    sets_env = cluster_set_env(cluster_sets or {}, load=local_cluster.ClusterRecord.load)
     existing = UiRecord.load(name)
     if existing is not None:
         if processes(existing) and healthy(existing):
@@ -209,7 +254,8 @@ def up(name: str = "default", *, cluster: str = "default", port: int = DEFAULT_P
     stack = AirflowStack(ray.dashboard_url, ray.token, dags_folder=dags_to_serve(home, dags_folder, examples),
                          username=USERNAME, password=password, home=home, port=port,
                          startup_timeout=startup_timeout,
-                         extra_env=team_connection_env(team_connections or {}, ray.dashboard_url, ray.token))
+                         extra_env={**team_connection_env(team_connections or {}, ray.dashboard_url, ray.token),
+                                    **sets_env})
     emit(f"starting Airflow (api-server, scheduler, dag-processor, triggerer); logs in {home / 'logs'}")
     try:
         stack.start()
