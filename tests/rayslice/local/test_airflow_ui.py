@@ -64,7 +64,6 @@ def test_a_cluster_set_is_a_connection_per_local_cluster_and_the_set_of_them_wit
     assert tpus["extra"]["checkpoint_root"] == f"file://{tmp_path / 'checkpoints' / 'tpus'}"
     # what the operator reads from it: a set of those two connections, in that order
     from airflow.models.connection import Connection
-
     from rayslice.hooks.ray import cluster_set_of
 
     conn = Connection.from_json(env["AIRFLOW_CONN_TPUS"], conn_id="tpus")
