@@ -52,6 +52,8 @@ from rayslice.client.submission import LogFollower, running_earlier_tries, submi
 from rayslice.cloud import cluster_names
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
+from rayslice.core.cluster_claim import end_other_chains
+from rayslice.core.context import checkpoint_dir_for
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
 from rayslice.core.queue import TEAM_PATTERN, team_for
 from rayslice.core.step import (
@@ -439,6 +441,8 @@ class RayStepOperator(BaseOperator):
                 if spec.owner.try_number > 1:
                     await self._stop_earlier_tries(client, spec.owner)
                 members.append(Member(name, client, launcher=settings.launcher))
+            if spec.owner.try_number > 1:
+                await self._end_earlier_chains(spec)
             self.log.info("[rayslice] on cluster set %s: %s, in that order of preference (Ray job %s on each)",
                           clusters.name, ", ".join(self._members), spec.owner.submission_id)
             waiting, outcome = time.monotonic(), "error"
@@ -448,6 +452,22 @@ class RayStepOperator(BaseOperator):
                 return result
             finally:
                 metrics.waited(time.monotonic() - waiting, where="worker", outcome=outcome)
+
+    async def _end_earlier_chains(self, spec: StepSpec) -> None:
+        """End the earlier tries' claim chains: their jobs on a member this try could not reach never claim later."""
+        folder = checkpoint_dir_for(spec.checkpoint_root, spec.owner)
+        if not folder:
+            return
+        try:
+            ended = await asyncio.to_thread(end_other_chains, folder, spec.owner.submission_id or "",
+                                            f"superseded by try {spec.owner.try_number}")
+        except Exception as exc:  # storage down: the earlier tries' jobs this try reached are stopped anyway
+            self.log.warning("[rayslice] could not end the earlier tries' claims in %s: %s: %s", folder,
+                             type(exc).__name__, exc)
+            return
+        for sid in ended:
+            self.log.info("[rayslice] ended the claims of Ray job %s (an earlier try): its jobs on any cluster of "
+                          "the set end without running", sid)
 
     def cluster_hook(self, context: Context, deployment: str | None = None) -> RayHook:
         """The connection's hook, aimed at ``kuberay_cluster`` as rendered (the run's own for "per-run")."""

@@ -168,7 +168,9 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             suspended = suspend.Suspension.of(exc, timeline) if isinstance(exc, SuspendedError) else None
             grows = bool(getattr(exc, "grow", False)) and waits.grows_left > 0
             waits.grows_left -= grows
-            if not grows and retries_used == spec.preemption_retries:
+            if waits.member is not None:  # a set counts its retries once, whichever clusters used them
+                retries_used = max(retries_used, waits.member.retries_used)
+            if not grows and retries_used >= spec.preemption_retries:
                 if suspended is not None:
                     log(suspend.exhausted(spec))
                 raise
@@ -178,7 +180,7 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
                     log("cluster set: a host of the suspended attempt was never reported ended, so the step does not "
                         "move to another cluster of its set: it fails here (an Airflow retry starts it afresh)")
                     raise
-                waits.member.release(str(exc))
+                waits.member.release(str(exc), retries_used)
             # The GCS may show a lost node alive for seconds yet (a host lost in a notice's grace rides along too).
             waits.lost_nodes |= {node for node in (getattr(exc, "node_id", ""), getattr(exc, "also_lost", "")) if node}
             waits.suspended = str(exc) if suspended is not None else ""
@@ -598,6 +600,8 @@ def _claim_or_give_back(waits: Waits, give_back: Callable[[], Any]) -> None:
     if not claimed:
         give_back()
         raise admission.Withdrawn("claimed by another cluster of its set")
+    # Retries the step used on other clusters of its set count here too (its notice watch reads this).
+    waits.resumptions_left = min(waits.resumptions_left, member.resumptions_left)
 
 
 def _run_on_fraction(spec: StepSpec, request: AcceleratorRequest, attempt: host_process.Attempt,

@@ -48,6 +48,10 @@ class SetMember:
         self.claims = Claims(checkpoint_dir, member=clusters.member, submission_id=spec.owner.submission_id or "adhoc")
         self.log = log
         self.generation: int | None = None  # the generation this job holds, while it does
+        # The step's preemption retries used on every cluster of the set before this job's claim: one budget
+        # (`preemption_retries`) for the whole set, not one per cluster.
+        self.retries_used = 0
+        self.preemption_retries = spec.preemption_retries
         self._said: tuple | None = None
         self._looked = 0.0
         self._elsewhere = False
@@ -84,6 +88,10 @@ class SetMember:
         """Until the generation in play is free (or this job's): out of the queue, holding nothing."""
         while True:
             state = self._state()
+            if state.done is not None and state.done.get("superseded_by"):
+                raise RanElsewhereError(
+                    f"a later Airflow try of this task (Ray job {state.done['superseded_by']}) superseded this one; "
+                    f"cluster {self.clusters.member} ends without running it")
             if state.done is not None:
                 raise RanElsewhereError(
                     f"cluster {state.done.get('cluster', '?')} of set {self.clusters.name!r} ran this step "
@@ -120,16 +128,37 @@ class SetMember:
         if not self._mine(state):
             return False
         self.generation = state.generation
+        self.retries_used = self._retries_before(state.generation)
+        used = f"; {self.retries_used} preemption retries used so far on the set" if self.retries_used else ""
         self.log(f"cluster set {self.clusters.name}: the step runs on cluster {self.clusters.member} "
-                 f"(claim {state.generation})")
+                 f"(claim {state.generation}{used})")
         return True
 
-    def release(self, why: str) -> None:
-        """Every host of the attempt ended and the step resumes: whichever cluster admits it next runs it."""
+    @property
+    def resumptions_left(self) -> int:
+        """The set's preemption retries left, as of this job's claim."""
+        return max(0, self.preemption_retries - self.retries_used)
+
+    def _retries_before(self, generation: int) -> int:
+        """What the previous holder said it had used (read again through a storage outage; 0 if never read)."""
+        for attempt in range(READ_TRIES):
+            try:
+                return self.claims.retries_before(generation)
+            except Exception:
+                if attempt < READ_TRIES - 1:
+                    time.sleep(min(4.0, 0.5 * 2 ** attempt))
+        self.log(f"cluster set {self.clusters.name}: could not read the retries used before claim {generation}; "
+                 "counting this cluster's own")
+        return 0
+
+    def release(self, why: str, retries_used: int = 0) -> None:
+        """Every host of the attempt ended and the step resumes: whichever cluster admits it next runs it.
+
+        `retries_used`: the set's preemption retries used, this suspension's included (the next holder's start)."""
         if self.generation is None:
             return
         generation, self.generation = self.generation, None
-        self.claims.release(generation, why)
+        self.claims.release(generation, why, retries_used)
         self.log(f"cluster set {self.clusters.name}: released claim {generation}; the step waits in every "
                  f"cluster's queue of {', '.join(self.clusters.members)} again, at its original arrival")
 

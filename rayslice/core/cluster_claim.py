@@ -11,7 +11,8 @@ read (`gs://` in production, one shared folder for the local clusters):
     <checkpoint_dir>/.rayslice-claims/<submission id>/released-<g>.json  g's holder stopped (every host ended)
     <checkpoint_dir>/.rayslice-claims/<submission id>/done.json          the step ended; nobody runs it again
 
-Generation g is free once every generation before it was released. Exactly one launcher creates
+Generation g is free once every generation before it was released (or is void: a claim whose write failed
+halfway, unreadable after `VOID_AFTER_S`). Exactly one launcher creates
 `claim-g` (the filesystem's exclusive create: `O_EXCL` locally, a generation-match precondition on
 object stores; fsspec's `open(mode="xb")`), and the others see it and stand by, out of their queues.
 The holder writes `released-g` only after its hosts ended (a suspension, a lost slice), so the next
@@ -31,6 +32,7 @@ import posixpath
 import re
 import time
 from dataclasses import dataclass
+from datetime import UTC
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -38,6 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rayslice.core.exceptions import InvalidRequestError
 
 CLAIMS_FOLDER = ".rayslice-claims"
+#: A claim still unreadable this long after it was written is void: its write failed (`Claims._void`).
+VOID_AFTER_S = 30.0
 #: A member cluster's name: a `ray` connection id, or a local cluster's name.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -102,11 +106,12 @@ class Claims:
     def _read(self, name: str) -> dict[str, Any] | None:
         try:
             with self.fs.open(self._path(name), "rb") as f:
-                return json.loads(f.read() or b"{}")
+                record = json.loads(f.read())
         except FileNotFoundError:
             return None
         except ValueError:  # a claim being written (object stores write whole objects; a local file may be short)
             return {"cluster": "?", "partial": True}
+        return record if isinstance(record, dict) else {"cluster": "?", "partial": True}
 
     def state(self) -> ClaimState:
         """Where the chain stands (a listing and at most two reads)."""
@@ -115,11 +120,29 @@ class Claims:
         except FileNotFoundError:
             names = set()
         generation = 0
-        while f"released-{generation}.json" in names:
+        while f"released-{generation}.json" in names or (
+                f"claim-{generation}.json" in names and self._void(f"claim-{generation}.json")):
             generation += 1
         holder = self._read(f"claim-{generation}.json") if f"claim-{generation}.json" in names else None
         done = self._read("done.json") if "done.json" in names else None
         return ClaimState(generation, holder, done)
+
+    def _void(self, name: str) -> bool:
+        """Whether a claim is one whose write failed halfway: unreadable, and older than `VOID_AFTER_S`.
+
+        Its writer's claim raised, so its job failed without running the step; left standing, the claim
+        would keep every other cluster standing by for ever. A claim being written is young.
+        """
+        record = self._read(name)
+        if record is None or not record.get("partial"):
+            return False
+        try:
+            written = self.fs.modified(self._path(name))
+        except (FileNotFoundError, NotImplementedError):
+            return False
+        if written.tzinfo is None:  # fsspec's local filesystem says UTC without saying so
+            written = written.replace(tzinfo=UTC)
+        return time.time() - written.timestamp() > VOID_AFTER_S
 
     def _record(self, **more: Any) -> bytes:
         return json.dumps({"cluster": self.member, "submission_id": self.submission_id, "at": time.time(),
@@ -147,9 +170,26 @@ class Claims:
                 "time: use gs://, or a folder every cluster mounts") from exc
         return self.state()
 
-    def release(self, generation: int, why: str) -> None:
-        """This job's hosts ended and the step resumes: the next generation is anybody's."""
-        self._write(f"released-{generation}.json", self._record(generation=generation, why=why))
+    def release(self, generation: int, why: str, retries_used: int = 0) -> None:
+        """This job's hosts ended and the step resumes: the next generation is anybody's.
+
+        `retries_used`: the step's preemption retries used so far on every cluster of the set, this
+        suspension's included; the next holder reads it (`retries_before`), so the set counts them once.
+        """
+        self._write(f"released-{generation}.json",
+                    self._record(generation=generation, why=why, retries_used=retries_used))
+
+    def retries_before(self, generation: int) -> int:
+        """The preemption retries the step had used on any cluster of the set before `generation` was claimed."""
+        for earlier in range(generation - 1, -1, -1):  # the last release (a void claim has none)
+            record = self._read(f"released-{earlier}.json")
+            if record is None:
+                continue
+            try:
+                return max(0, int(record.get("retries_used", 0)))
+            except (TypeError, ValueError):
+                return 0
+        return 0
 
     def finish(self, outcome: str) -> None:
         """The step ended here (succeeded, failed, stopped): every standby job ends too."""
@@ -162,6 +202,31 @@ class Claims:
                 f.write(data)
         except FileExistsError:
             pass  # written before (a repeated call): the first word stands
+
+
+def end_other_chains(checkpoint_dir: str, keep: str, outcome: str) -> list[str]:
+    """Write `done` into every chain of the step's folder but `keep`'s (a retry's own); the ids it ended.
+
+    An Airflow retry stops the earlier try's jobs on every cluster it reaches; an earlier try's job on a
+    cluster it cannot reach (a partition) may still wait in that cluster's queue. With its chain ended,
+    that job stands by and ends when it is admitted, instead of running beside the retry.
+    """
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(posixpath.join(checkpoint_dir.rstrip("/"), CLAIMS_FOLDER))
+    try:
+        chains = [posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False, refresh=True)]
+    except FileNotFoundError:
+        return []
+    ended = []
+    for sid in sorted(chains):
+        if sid == keep:
+            continue
+        chain = Claims(checkpoint_dir, member="", submission_id=sid)
+        if chain.state().done is None:
+            chain._write("done.json", chain._record(outcome=outcome, superseded_by=keep))
+            ended.append(sid)
+    return ended
 
 
 def check_shared_root(root: str | None, what: str) -> None:

@@ -268,3 +268,47 @@ def test_a_holder_whose_driver_is_killed_fails_the_step_and_the_standby_is_stopp
     assert wait_until(lambda: cluster_pair.jobs(NAMES[1], sid)[0] in ("STOPPED", "FAILED"), timeout=60), \
         "the standby on set-b was left waiting"
     assert wait_until(lambda: not cluster_pair.held_by(NAMES[0], sid), timeout=120), cluster_pair.held_by(NAMES[0], sid)
+
+
+def test_a_set_spends_one_preemption_budget_whichever_clusters_suspend_the_step(cluster_pair):
+    """`preemption_retries=1` over two clusters: drained on the first, the step resumes on the other (the one
+    retry); drained there too, it fails as preempted instead of resuming a second time on a fresh budget."""
+    spec = step("drained-twice", cluster_pair, fn=counting_fit, steps=60, seconds_per_step=0.5)
+    spec = spec_for_set(spec.model_copy(update={"preemption_retries": 1}), "tpus", NAMES, shared_root=True)
+    sid = spec.owner.submission_id
+    folder = cluster_pair.shared / "sets" / "r1" / "drained-twice"
+    by_gcs = {cluster_pair.records[n].gcs_address: n for n in NAMES}
+    drained: list[str] = []
+
+    def bodies() -> list[dict]:
+        path = folder / "bodies.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def drain_whichever_runs_it(nth: int) -> None:
+        """Once the `nth` body has saved a step past where it began, drain its cluster (30 s ahead)."""
+        assert wait_until(lambda: len(bodies()) >= nth and (folder / "step.json").exists()
+                          and json.loads((folder / "step.json").read_text())["step"] > bodies()[nth - 1]["from"],
+                          timeout=180, interval=0.2), bodies()
+        record = cluster_pair.records[by_gcs[bodies()[nth - 1]["gcs"]]]
+        drained.append(record.name)
+        local_cluster.preempt(record, next(n.slice_name for n in record.nodes if n.slice_name), 30, kill=False)
+
+    import threading
+
+    drainer = threading.Thread(target=lambda: (drain_whichever_runs_it(1), drain_whichever_runs_it(2)))
+    drainer.start()
+    lines: list[str] = []
+    try:
+        with pytest.raises(Exception) as info:
+            on_set(cluster_pair, spec, *NAMES, lines=lines)
+    finally:
+        drainer.join(240)
+        for name in drained:
+            cluster_pair.replace_tpu_node(name)  # a drained node is done: the next tests get a fresh one
+    log = "\n".join(lines)
+    ran_on = [by_gcs[body["gcs"]] for body in bodies()]
+    assert ran_on == drained and sorted(ran_on) == sorted(NAMES), (bodies(), drained, log)  # one body each, no third
+    assert "1 preemption retries used so far on the set" in log, log
+    assert "preemption_retries=1 are used up" in log, (info.value, log)
+    for name in NAMES:
+        assert wait_until(lambda n=name: not cluster_pair.held_by(n, sid), timeout=60), cluster_pair.held_by(name, sid)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 
 import pytest
 from pydantic import ValidationError
 
-from rayslice.core.cluster_claim import Claims, ClusterSet, check_shared_root
+from rayslice.core.cluster_claim import VOID_AFTER_S, Claims, ClusterSet, check_shared_root, end_other_chains
 from rayslice.core.exceptions import InvalidRequestError
 
 
@@ -35,6 +36,44 @@ def test_a_release_frees_the_next_generation_for_any_cluster_and_done_ends_the_c
     after = a.take()
     assert after.done == {**after.done, "cluster": "b", "outcome": "succeeded"}
     assert after.holder["cluster"] == "b", "a finished chain is taken by nobody"
+
+
+def test_the_retries_a_step_used_pass_down_the_chain_to_whichever_cluster_holds_it_next(tmp_path):
+    """One preemption budget for the whole set: each release says how many were used, the next holder reads it."""
+    a, b = claims(tmp_path, "a"), claims(tmp_path, "b")
+    assert a.retries_before(a.take().generation) == 0
+    a.release(0, "drained", retries_used=1)
+    state = b.take()
+    assert state.generation == 1 and b.retries_before(1) == 1
+    b.release(1, "a priority step", retries_used=2)
+    assert a.retries_before(a.take().generation) == 2
+
+
+def test_a_claim_whose_write_failed_halfway_is_void_once_old_and_the_next_cluster_claims_past_it(tmp_path):
+    """Its writer's claim raised (its job failed without running the step); kept, it would hold every other
+    cluster standing by until the task is stopped."""
+    a, b = claims(tmp_path, "a"), claims(tmp_path, "b")
+    a.take()
+    a.release(0, "drained", retries_used=1)
+    empty = tmp_path / ".rayslice-claims" / "sid" / "claim-1.json"
+    empty.write_bytes(b"")  # created, never written
+    assert b.take().holder == {"cluster": "?", "partial": True}, "a claim being written is somebody's"
+    old = time.time() - VOID_AFTER_S - 5
+    os.utime(empty, (old, old))
+    state = b.take()
+    assert state.generation == 2 and state.held_by("b", "sid")
+    assert b.retries_before(2) == 1, "the retries used pass over the void claim"
+
+
+def test_a_retry_ends_every_earlier_chain_of_the_step_so_their_queued_jobs_never_claim(tmp_path):
+    first, second = claims(tmp_path, "a", sid="try1"), claims(tmp_path, "b", sid="try2")
+    first.take()  # try 1 held the step (its job may still wait in an unreachable cluster's queue)
+    claims(tmp_path, "c", sid="try0").finish("failed")  # an older chain that ended by itself is left as it was
+    assert end_other_chains(f"file://{tmp_path}", "try2", "superseded by try 2") == ["try1"]
+    assert first.state().done["superseded_by"] == "try2"
+    assert claims(tmp_path, "c", sid="try1").take().done is not None, "an ended chain is claimed by nobody"
+    assert second.take().held_by("b", "try2"), "the retry's own chain is untouched"
+    assert end_other_chains(f"file://{tmp_path / 'none'}", "x", "y") == []
 
 
 def test_each_submission_is_a_chain_of_its_own(tmp_path):
