@@ -93,9 +93,10 @@ def test_a_task_on_a_set_runs_on_the_member_that_is_free_and_returns_its_result(
 def test_a_retry_on_a_set_ends_the_earlier_tries_claims_so_their_queued_jobs_never_run(tmp_path):
     """Cluster-free: try 2 ends try 1's chain in the shared folder (try 1's job may wait in the queue of a cluster
     try 2 cannot reach, to stop it there); its own chain stays open."""
+    from rayslice.operators.tpu_slice import TpuSliceOperator
+
     from rayslice.core.cluster_claim import Claims
     from rayslice.core.context import checkpoint_dir_for
-    from rayslice.operators.tpu_slice import TpuSliceOperator
 
     op = TpuSliceOperator(task_id="step", tpu="v6e-4", python_callable=holder, ray_conn_id="tpus")
     owner = Owner(dag_id="d", run_id="r", task_id="step", try_number=2, submission_id="try-2")
