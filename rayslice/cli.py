@@ -130,6 +130,37 @@ def target(address: str | None, token: str | None, conn_id: str | None, name: st
     return Target(record.dashboard_url, token or record.token, f"--name {name} (the local cluster)")
 
 
+def cluster_set_sources(conn_id: str | None, address: str | None) -> tuple[str, list] | None:
+    """With --conn-id naming a cluster set (the extra `clusters`): the set's name and one source per member,
+    each from its own connection (a member whose connection fails keeps why); None for any other target.
+
+    The members' tokens are their own connections' (--token names one cluster's)."""
+    if not conn_id or address:
+        return None
+    try:
+        from rayslice.hooks.ray import RayHook, cluster_set_of
+    except ImportError:
+        return None  # `target` says what is missing
+    try:  # not `RayHook.cluster_set()`, which refuses the whole set for one missing member
+        clusters = cluster_set_of(RayHook(conn_id).get_connection(conn_id))
+    except Exception as exc:  # noqa: BLE001 - Airflow raises its own types for a missing connection
+        raise fail(f"--conn-id {conn_id!r}: {exc}") from None
+    if clusters is None:
+        return None
+    from rayslice.client.set_capacity import Source
+
+    sources = []
+    for member in clusters.members:
+        try:
+            settings = RayHook(member).settings()
+        except Exception as exc:  # noqa: BLE001 - a missing or broken member connection is that member's line
+            sources.append(Source(member, problem=f"its connection: {exc}"))
+            continue
+        sources.append(Source(member, settings.dashboard_url, settings.token, settings.verify, dict(settings.headers),
+                              launcher=settings.launcher))
+    return clusters.name, sources
+
+
 def in_flag_words(message: str, where: Target) -> str:
     """A client error in the command's words: the clients speak of the `ray` connection's fields, which
     only --conn-id used; with --address or --name the host and token came from flags."""
@@ -319,9 +350,19 @@ def capacity(
     name: Name = "default",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Every TPU slice (free/busy, who holds it) and GPU node (free share)."""
+    """Every TPU slice (free/busy, who holds it) and GPU node (free share); of a cluster set, each member's and
+    the queue across them."""
     from rayslice.client import capacity as cap
 
+    if (found := cluster_set_sources(conn_id, address)) is not None:
+        from rayslice.client import set_capacity
+
+        joined = set_capacity.read(*found)
+        if as_json:
+            console.print_json(json.dumps(joined.model_dump(mode="json")))
+        else:
+            console.print(set_capacity.render(joined))
+        return
     where = target(address, token, conn_id, name)
     try:
         snapshot = cap.snapshot(where.url, token=where.token, headers=where.headers, verify=where.verify)
@@ -393,6 +434,12 @@ def queue_(
     from rayslice.core.queue import QueueSettings, format_queue
 
     settings = None if set_ is None else QueueSettings.checked(set_, "--set")
+    if (found_set := cluster_set_sources(conn_id, address)) is not None:
+        if settings is not None:
+            raise fail(f"--conn-id {conn_id!r} is a cluster set: each cluster's queue policy is its own; set it with "
+                       "--conn-id of a member connection")
+        _set_queue(*found_set, installed=installed, as_json=as_json)
+        return
     where = target(address, token, conn_id, name)
     try:
         with RayJobsClient(where.url, token=where.token, headers=where.headers, verify=where.verify) as client:
@@ -406,6 +453,50 @@ def queue_(
         console.print(f"policy {settings['policy']}, aging {settings['aging_s']} s"
                       + (f", quotas {json.dumps(settings['quotas'])}" if settings["quotas"] else ""), highlight=False)
         console.print(format_queue(found["entries"]), highlight=False, markup=False)
+
+
+def _set_queue(set_name: str, sources: list, *, installed: bool, as_json: bool) -> None:
+    """`rayslice queue --conn-id <set>`: every member's queue read (a short job each), then one row per step."""
+    from rayslice.client.jobs_client import RayJobsClient
+    from rayslice.client.queue import format_set_queue, join_queues, read_queue, standing_by
+
+    queues: list[tuple[str, dict | None]] = []
+    problems: dict[str, str] = {}
+    clients: dict[str, RayJobsClient] = {}
+    try:
+        for source in sources:
+            if source.problem:
+                queues.append((source.name, None))
+                problems[source.name] = source.problem
+                continue
+            client = clients[source.name] = RayJobsClient(source.dashboard_url, token=source.token,
+                                                          headers=source.headers, verify=source.verify)
+            try:
+                queues.append((source.name, read_queue(client, installed=installed or source.launcher == "installed")))
+            except RaysliceError as exc:
+                queues.append((source.name, None))
+                problems[source.name] = str(exc)
+                clients.pop(source.name).close()
+        rows = join_queues(queues)
+        rows = join_queues(queues, standing_by(clients, rows))
+    finally:
+        for client in clients.values():
+            client.close()
+    if as_json:
+        console.print_json(json.dumps({"set": set_name, "members": [
+            {"name": n, **({"error": problems[n]} if found is None else {"settings": found["settings"]})}
+            for n, found in queues], "entries": rows}))
+        return
+    console.print(f"cluster set {set_name}: {', '.join(n for n, _ in queues)}", highlight=False)
+    for n, found in queues:
+        if found is None:
+            console.print(f"cluster {n}: unreachable ({problems[n]})", highlight=False, markup=False)
+        else:
+            settings = found["settings"]
+            console.print(f"cluster {n}: policy {settings['policy']}, aging {settings['aging_s']} s"
+                          + (f", quotas {json.dumps(settings['quotas'])}" if settings["quotas"] else ""),
+                          highlight=False, markup=False)
+    console.print(format_set_queue(rows), highlight=False, markup=False)
 
 
 @app.command()
