@@ -74,17 +74,25 @@ def test_a_step_on_the_set_is_one_row_waiting_on_both_then_running_on_one_standi
         assert wait_until(lambda: [(r.waits_on, r.runs_on) for r in rows()] == [(list(NAMES), None)], timeout=120), \
             rows()
         conns = {f"AIRFLOW_CONN_{r.name.upper().replace('-', '_')}": json.dumps(
-            {"conn_type": "ray", "host": r.dashboard_url}) for r in records}
+            {"conn_type": "ray", "host": r.dashboard_url, "extra": json.dumps({"launcher": "installed"})})
+            for r in records}
         conns[f"AIRFLOW_CONN_{SET.upper()}"] = json.dumps(
             {"conn_type": "ray", "extra": json.dumps({"clusters": [n.replace("-", "_") for n in NAMES]})})
         environ = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW_CONN")} | conns | {"COLUMNS": "250"}
-        out = subprocess.run([RAYSLICE, "capacity", "--conn-id", SET], env=environ, capture_output=True, text=True,
-                             timeout=120)
-        text = out.stdout + out.stderr
-        assert out.returncode == 0 and "== cluster set_a ==" in text and "== cluster set_b ==" in text, text
+
+        def cli(*args: str) -> str:
+            out = subprocess.run([RAYSLICE, *args, "--conn-id", SET], env=environ, capture_output=True, text=True,
+                                 timeout=180)
+            assert out.returncode == 0, out.stdout + out.stderr
+            return out.stdout + out.stderr
+
+        text = cli("capacity")
+        assert "== cluster set_a ==" in text and "== cluster set_b ==" in text, text
         assert "v6e-4-a" in text and text.count("sets/cap-on-set (r1)") == 1, text  # one step, not two
         assert "waits on set_a (1st in line), set_b (1st in line)" in text, text
         assert "sets/cap-hold-set-a (r1)" in text and "sets/cap-hold-set-b (r1)" in text, text  # each one's holder
+        queue = cli("queue")  # the brokers' own queues, read by a short job on each cluster
+        assert queue.count("sets.cap-on-set") == 1 and "waits on set_a (rank 1), set_b (rank 1)" in queue, queue
 
         flags[NAMES[0]].write_text("go")  # set-a's slice comes free: the step runs there, set-b's job stands by
         assert wait_until(lambda: body_flag.with_suffix(".started").exists(), timeout=120)
@@ -92,6 +100,8 @@ def test_a_step_on_the_set_is_one_row_waiting_on_both_then_running_on_one_standi
             (NAMES[0], [NAMES[1]], [])], timeout=60), rows()
         status_b, log_b = cluster_pair.jobs(NAMES[1], sid)  # set-b's own record: its job runs, out of its queue
         assert status_b == "RUNNING" and "stands by" in log_b, log_b
+        queue = cli("queue")
+        assert queue.count("sets.cap-on-set") == 1 and "runs on set_a; stands by on set_b" in queue, queue
         assert not [p for p in set_capacity.read(SET, sources).members[1].snapshot.pending
                     if p.holder and p.holder.submission_id == sid]
     finally:
