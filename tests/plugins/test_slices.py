@@ -547,3 +547,23 @@ def test_a_set_members_dashboard_is_shown_only_to_readers_of_that_member(client,
     down = client.get("/rayslice/?conn_id=tpus", headers=bearer(jwt("op", "op")))  # both dashboards gone now
     assert "cluster set_b: unreachable (" in down.text and b_url not in down.text, down.text[:3000]
     assert "cluster set_b&#x27;s dashboard" in down.text and a.url in down.text
+
+
+def test_a_sets_holders_and_queue_of_unreadable_dags_are_hidden(client, monkeypatch):
+    """Every member's holders and each row of the queue across them, as a single cluster's are hidden."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from rayslice.plugins import slices, slices_page
+
+    from rayslice.client.set_capacity import SetSnapshot
+
+    found = SetSnapshot.model_validate({k: v for k, v in _rich_set().items()})
+    monkeypatch.setattr(get_auth_manager(), "filter_authorized_dag_ids", lambda *, dag_ids, user, **kw: set())
+    data = slices.visible_set(found, user=None)
+    for member in data["members"]:
+        member["dashboard_url"] = "http://r:1"
+    text = json.dumps(data) + slices_page.fleet(data, {"airflow_base": "", "dashboard_url": ""})
+    assert "train(1)" not in text and "t&lt;1&gt;" not in text and "rayslice-s-1" not in text, text
+    assert "research" not in text and "tpus" not in json.dumps(data["queue"]), data["queue"]
+    assert [row["demand"]["request"] for row in data["queue"]] == ["hidden"] * 3
+    assert [where for where in (slices_page.where(r) for r in data["queue"])] == [
+        "waits on set-a (2nd in line), set-c", "waits on set-a", "runs on set-c; stands by on set-a"]
