@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shlex
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -128,6 +132,21 @@ def target(address: str | None, token: str | None, conn_id: str | None, name: st
         raise fail(f"{exc}: start it (`rayslice local up`), or point at a cluster with --address or --conn-id") \
             from None
     return Target(record.dashboard_url, token or record.token, f"--name {name} (the local cluster)")
+
+
+@contextlib.contextmanager
+def json_only_on_stdout(as_json: bool) -> Iterator[None]:
+    """With --json, stdout carries the JSON alone: log lines (the Jobs client's retry warnings, which Airflow's
+    logging setup, loaded with --conn-id, prints to stdout) go to stderr meanwhile."""
+    moved = [h for h in logging.getLogger().handlers
+             if as_json and isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout]
+    for handler in moved:
+        handler.setStream(sys.stderr)
+    try:
+        yield
+    finally:
+        for handler in moved:
+            handler.setStream(sys.stdout)
 
 
 def cluster_set_sources(conn_id: str | None, address: str | None) -> tuple[str, list] | None:
@@ -357,7 +376,8 @@ def capacity(
     if (found := cluster_set_sources(conn_id, address)) is not None:
         from rayslice.client import set_capacity
 
-        joined = set_capacity.read(*found)
+        with json_only_on_stdout(as_json):
+            joined = set_capacity.read(*found)
         if as_json:
             console.print_json(json.dumps(joined.model_dump(mode="json")))
         else:
@@ -365,7 +385,8 @@ def capacity(
         return
     where = target(address, token, conn_id, name)
     try:
-        snapshot = cap.snapshot(where.url, token=where.token, headers=where.headers, verify=where.verify)
+        with json_only_on_stdout(as_json):
+            snapshot = cap.snapshot(where.url, token=where.token, headers=where.headers, verify=where.verify)
     except RaysliceError as exc:
         raise unreachable(where, exc) from None
     if as_json:
@@ -438,11 +459,13 @@ def queue_(
         if settings is not None:
             raise fail(f"--conn-id {conn_id!r} is a cluster set: each cluster's queue policy is its own; set it with "
                        "--conn-id of a member connection")
-        _set_queue(*found_set, installed=installed, as_json=as_json)
+        with json_only_on_stdout(as_json):
+            _set_queue(*found_set, installed=installed, as_json=as_json)
         return
     where = target(address, token, conn_id, name)
     try:
-        with RayJobsClient(where.url, token=where.token, headers=where.headers, verify=where.verify) as client:
+        with (json_only_on_stdout(as_json),
+              RayJobsClient(where.url, token=where.token, headers=where.headers, verify=where.verify) as client):
             found = read_queue(client, installed=installed, set_settings=settings)
     except RaysliceError as exc:
         raise unreachable(where, exc) from None
