@@ -32,9 +32,10 @@ from airflow.plugins_manager import AirflowPlugin
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-    from rayslice.hooks.ray import RayConnectionSettings
+    from rayslice.hooks.ray import ClusterSetSettings, RayConnectionSettings
 
     from rayslice.client.capacity import Snapshot
+    from rayslice.client.set_capacity import SetSnapshot
     from rayslice.client.usage import Usage
 
 URL_PREFIX = "/rayslice"
@@ -82,10 +83,32 @@ class _Problem(Exception):
 
 def ray_connection(conn_id: str) -> "RayConnectionSettings":
     """The `ray` connection, resolved as the hook does: host is the dashboard URL, password the token."""
-    from airflow.sdk import BaseHook
     from rayslice.hooks.ray import settings_from_connection
 
     from rayslice.core.exceptions import RaysliceError
+
+    conn = _ray_conn(conn_id)
+    try:
+        return settings_from_connection(conn)
+    except RaysliceError as exc:
+        raise _Problem(400, str(exc)) from None
+
+
+def cluster_set(conn_id: str) -> "ClusterSetSettings | None":
+    """The cluster set `conn_id` names (its extra `clusters`), or None for a connection to one cluster."""
+    from rayslice.hooks.ray import cluster_set_of
+
+    from rayslice.core.exceptions import RaysliceError
+
+    try:
+        return cluster_set_of(_ray_conn(conn_id))
+    except RaysliceError as exc:
+        raise _Problem(400, str(exc)) from None
+
+
+def _ray_conn(conn_id: str) -> Any:
+    """The Airflow connection `conn_id`, of type `ray`; a _Problem that says what is wrong otherwise."""
+    from airflow.sdk import BaseHook
 
     if not _CONN_ID.match(conn_id):
         raise _Problem(400, f"{conn_id!r} is not a connection id")
@@ -96,10 +119,7 @@ def ray_connection(conn_id: str) -> "RayConnectionSettings":
                             "whose host is the Ray dashboard URL, e.g. http://ray-head:8265") from None
     if (conn.conn_type or "").lower() != "ray":
         raise _Problem(400, f"connection {conn_id!r} is of type {conn.conn_type!r}, not `ray`")
-    try:
-        return settings_from_connection(conn)
-    except RaysliceError as exc:
-        raise _Problem(400, str(exc)) from None
+    return conn
 
 
 def scrub(message: str, ray: "RayConnectionSettings") -> str:
@@ -111,6 +131,7 @@ def scrub(message: str, ray: "RayConnectionSettings") -> str:
 
 
 _readings: "dict[str, tuple[float, Snapshot]]" = {}
+_set_readings: "dict[str, tuple[float, tuple[SetSnapshot, dict[str, str]]]]" = {}
 _usages: "dict[str, tuple[float, Usage]]" = {}
 _inflight: "dict[tuple[int, str], asyncio.Future[Any]]" = {}
 T = TypeVar("T")
@@ -225,6 +246,75 @@ async def read(conn_id: str) -> "tuple[Snapshot, str]":
     return snap, ray.dashboard_url
 
 
+async def read_set(conn_id: str, clusters: "ClusterSetSettings") -> "tuple[SetSnapshot, dict[str, str]]":
+    """A cluster set's capacity and its members' dashboard URLs (no credentials): each member read as `read` reads
+    it (its own cache, its own shared reading; one that fails is kept with why), then the queue across them; the
+    whole cached for CACHE_S."""
+    from starlette.concurrency import run_in_threadpool
+
+    from rayslice.client import set_capacity
+    from rayslice.core.exceptions import RaysliceError
+
+    key = f"{conn_id} {' '.join(clusters.members)}"
+    cached = _set_readings.get(key)
+    if cached and time.monotonic() - cached[0] < CACHE_S:
+        return cached[1]
+
+    def source(member: str) -> "set_capacity.Source":
+        try:
+            ray = ray_connection(member)
+        except _Problem as exc:
+            return set_capacity.Source(member, problem=str(exc))
+        return set_capacity.Source(member, ray.dashboard_url, ray.token, ray.verify, dict(ray.headers))
+
+    async def member_snapshot(member: "set_capacity.Source") -> "Snapshot":
+        try:
+            return (await read(member.name))[0]
+        except _Problem as exc:  # already scrubbed of that member's secrets
+            raise RaysliceError(str(exc)) from None
+
+    async def joined() -> "tuple[SetSnapshot, dict[str, str]]":
+        sources = [await run_in_threadpool(source, member) for member in clusters.members]
+        found = await set_capacity.aread(conn_id, sources, reader=member_snapshot)
+        return found, {s.name: s.dashboard_url for s in sources}
+
+    found = await shared(f"set {key}", joined)
+    _set_readings[key] = (time.monotonic(), found)
+    return found
+
+
+async def capacity_data(conn_id: str, user: Any) -> tuple[dict[str, Any], str]:
+    """What the page and its JSON show for `conn_id`, as this user may see it, and the dashboard URL to link.
+
+    A cluster set: every member's capacity under its name (its dashboard URL only for users who may read that
+    member's connection), and the queue across them; the set has no dashboard of its own."""
+    from starlette.concurrency import run_in_threadpool
+
+    clusters = await run_in_threadpool(cluster_set, conn_id)
+    if clusters is None:
+        snap, dashboard = await read(conn_id)
+        data = await run_in_threadpool(visible, snap, user)  # auth managers may ask their database
+        return data, await shown_dashboard(conn_id, user, dashboard)
+    found, urls = await read_set(conn_id, clusters)
+    data = await run_in_threadpool(visible_set, found, user)
+    for member in data["members"]:
+        url = urls.get(member["name"], "")
+        member["dashboard_url"] = await shown_dashboard(member["name"], user, url)
+        if url and not member["dashboard_url"]:  # why it failed, without the address this user may not see
+            member["error"] = member["error"].replace(url, f"cluster {member['name']}'s dashboard")
+    return data, ""
+
+
+def visible_set(found: "SetSnapshot", user: Any) -> dict[str, Any]:
+    """The set's reading as JSON, every member's holders and the queue's hidden as `visible` hides them."""
+    data = found.model_dump(mode="json")
+    snaps = [m["snapshot"] for m in data["members"] if m["snapshot"] is not None]
+    _hide({"slices": [s for snap in snaps for s in snap["slices"]],
+           "gpu_nodes": [n for snap in snaps for n in snap["gpu_nodes"]],
+           "pending": [p for snap in snaps for p in snap["pending"]] + [row["demand"] for row in data["queue"]]}, user)
+    return data
+
+
 def visible(snap: "Snapshot", user: Any) -> dict[str, Any]:
     """The snapshot as JSON, with holders of no DAG this user may read replaced by a hidden one.
 
@@ -232,9 +322,13 @@ def visible(snap: "Snapshot", user: Any) -> dict[str, Any]:
     Ray workload): their names are whatever their creator chose. What hidden demand asks for, and its
     team, are hidden too (its place in line and priority stay: they say why a visible step waits).
     """
+    return _hide(snap.model_dump(mode="json"), user)
+
+
+def _hide(data: dict[str, Any], user: Any) -> dict[str, Any]:
+    """`visible`'s rule over a snapshot's JSON (its slices, GPU nodes and pending demand), in place."""
     from airflow.api_fastapi.app import get_auth_manager
 
-    data = snap.model_dump(mode="json")
     holders = [s["holder"] for s in data["slices"]] + [h["holder"] for s in data["slices"] for h in s["hosts"]]
     holders += [sh["holder"] for n in data["gpu_nodes"] for sh in n["shares"]]
     holders += [p["holder"] for p in data["pending"]]
@@ -243,7 +337,7 @@ def visible(snap: "Snapshot", user: Any) -> dict[str, Any]:
     for holder in holders:
         if holder and holder["dag_id"] not in allowed:
             holder.update(submission_id="", dag_id="", run_id="", task_id="", map_index=-1, try_number=0, request="",
-                          job_id=None, job_status=None, name="", label=HIDDEN)
+                          job_id=None, job_status=None, name="", label=HIDDEN, cluster_set="")
     for demand in data["pending"]:
         if not demand["holder"] or demand["holder"]["label"] == HIDDEN:
             demand.update(request="hidden", resources={}, team=None)
@@ -276,11 +370,9 @@ def build_app() -> "FastAPI":
         if not await run_in_threadpool(may_choose, conn_id, user):
             return JSONResponse({"detail": NOT_YOURS}, status_code=403)
         try:
-            snap, dashboard = await read(conn_id)
+            data, dashboard = await capacity_data(conn_id, user)
         except _Problem as exc:
             return JSONResponse({"detail": str(exc)}, status_code=exc.status)
-        data = await run_in_threadpool(visible, snap, user)  # auth managers may ask their database
-        dashboard = await shown_dashboard(conn_id, user, dashboard)
         return JSONResponse({**data, "conn_id": conn_id, "dashboard_url": dashboard},
                             headers={"Cache-Control": "no-store"})
 
@@ -327,9 +419,7 @@ def build_app() -> "FastAPI":
             return HTMLResponse(body, status_code=403, headers={"Cache-Control": "no-store"})
         data, dashboard, error = None, "", None
         try:
-            snap, dashboard = await read(conn_id)
-            data = await run_in_threadpool(visible, snap, user)
-            dashboard = await shown_dashboard(conn_id, user, dashboard)
+            data, dashboard = await capacity_data(conn_id, user)
         except _Problem as exc:
             error = str(exc)
         hours = window(hours)

@@ -173,18 +173,76 @@ def summary(data: dict[str, Any]) -> str:
     return "".join(f'<div class="tile"><b>{esc(v)}</b><span>{esc(k)}</span></div>' for k, v in tiles)
 
 
+def cluster(data: dict[str, Any], ctx: dict[str, str]) -> str:
+    """One cluster's summary, slices and GPU nodes (its waiting demand apart: a set shows it across members)."""
+    slices = "".join(slice_card(s, ctx) for s in data["slices"]) or '<p class="muted">No TPU slices.</p>'
+    gpus = "".join(gpu_card(n, ctx) for n in data["gpu_nodes"]) or '<p class="muted">No GPU nodes.</p>'
+    warnings = "".join(f'<div class="warning">{esc(w)}</div>' for w in data.get("warnings", []))
+    return (f'{warnings}<section class="summary">{summary(data)}</section>'
+            f'<h2>TPU slices</h2><section class="grid">{slices}</section>'
+            f'<h2>GPU nodes</h2><section class="grid">{gpus}</section>')
+
+
 def fleet(data: dict[str, Any] | None, ctx: dict[str, str], error: str | None = None) -> str:
     """The refreshed part of the page; `data` is the capacity JSON, None when none could be read."""
     banner = f'<div class="error">{esc(error)}</div>' if error else ""
     if data is None:
         return banner
-    slices = "".join(slice_card(s, ctx) for s in data["slices"]) or '<p class="muted">No TPU slices.</p>'
-    gpus = "".join(gpu_card(n, ctx) for n in data["gpu_nodes"]) or '<p class="muted">No GPU nodes.</p>'
-    warnings = "".join(f'<div class="warning">{esc(w)}</div>' for w in data.get("warnings", []))
-    return (f'{banner}{warnings}<section class="summary">{summary(data)}</section>'
-            f'<h2>TPU slices</h2><section class="grid">{slices}</section>'
-            f'<h2>GPU nodes</h2><section class="grid">{gpus}</section>'
+    if "members" in data:
+        return banner + set_fleet(data, ctx)
+    return (f'{banner}{cluster(data, ctx)}'
             f'<h2>Waiting for capacity</h2><section>{waiting(data["pending"], ctx)}</section>')
+
+
+def where(row: dict[str, Any]) -> str:
+    """Where a step of a set's queue is: "waits on a (1st in line), b" or "runs on b; stands by on a"."""
+    from rayslice.core.queue import ordinal
+
+    if row["runs_on"] is not None:
+        return f"runs on {row['runs_on']}" + (f"; stands by on {', '.join(row['stands_by'])}"
+                                              if row["stands_by"] else "")
+    places = row["places"]
+    return "waits on " + ", ".join(f"{n} ({ordinal(places[n])} in line)" if places.get(n) else n
+                                   for n in row["waits_on"])
+
+
+def across(data: dict[str, Any], ctx: dict[str, str]) -> str:
+    """The queue across a set's members: each step once, where it waits (or runs, and stands by)."""
+    if not data["queue"]:
+        return '<p class="muted">Nothing is waiting for capacity on any cluster of the set.</p>'
+    urls = {m["name"]: m["dashboard_url"] for m in data["members"]}
+    rows = []
+    for row in data["queue"]:
+        p = row["demand"]
+        home = row["runs_on"] or (row["waits_on"] or [""])[0]  # its job's link: where it runs, else waits first
+        mine = {**ctx, "dashboard_url": urls.get(home, "")}
+        info = in_queue({**p, "place": None})
+        wait = ('<td class="muted">running</td>' if row["runs_on"] is not None else
+                '<td class="muted" title="capacity is free; its worker process is starting">starting</td>'
+                if p["starting"] else
+                f'<td class="wait" data-waiting="{amount(p["waiting_s"]) if p["waiting_s"] is not None else ""}">'
+                f'{esc(duration(p["waiting_s"]))}</td>')
+        rows.append(f'<tr class="{"starting" if p["starting"] else ""}"><td><b>{esc(p["request"])}</b></td>'
+                    f'<td>{who(p["holder"], mine)}</td><td class="where">{esc(where(row))}</td>'
+                    f'<td class="queue">{esc(info)}</td>{wait}</tr>')
+    return ('<table class="pending across"><tr><th>asks for</th><th>for task</th><th>clusters</th>'
+            f'<th>in the queue</th><th>waiting</th></tr>{"".join(rows)}</table>')
+
+
+def set_fleet(data: dict[str, Any], ctx: dict[str, str]) -> str:
+    """A cluster set: each member under its name (or why it could not be read), then the queue across them."""
+    parts = []
+    for m in data["members"]:
+        link = (f' <a class="dashboard" {NEW_TAB} href="{esc(m["dashboard_url"])}/">Ray dashboard &#8599;</a>'
+                if m["dashboard_url"] else "")
+        head = f'<h2 class="member">Cluster <code>{esc(m["name"])}</code>{link}</h2>'
+        if m["snapshot"] is None:
+            body = f'<div class="error">cluster {esc(m["name"])}: unreachable ({esc(m["error"])})</div>'
+        else:
+            body = cluster(m["snapshot"], {**ctx, "dashboard_url": m["dashboard_url"]})
+        parts.append(f'<section class="member">{head}{body}</section>')
+    return (f'{"".join(parts)}<h2>Waiting for capacity across the set</h2>'
+            f'<section>{across(data, ctx)}</section>')
 
 
 def error_box(message: str) -> str:

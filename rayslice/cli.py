@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shlex
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -128,6 +132,52 @@ def target(address: str | None, token: str | None, conn_id: str | None, name: st
         raise fail(f"{exc}: start it (`rayslice local up`), or point at a cluster with --address or --conn-id") \
             from None
     return Target(record.dashboard_url, token or record.token, f"--name {name} (the local cluster)")
+
+
+@contextlib.contextmanager
+def json_only_on_stdout(as_json: bool) -> Iterator[None]:
+    """With --json, stdout carries the JSON alone: log lines (the Jobs client's retry warnings, which Airflow's
+    logging setup, loaded with --conn-id, prints to stdout) go to stderr meanwhile."""
+    moved = [h for h in logging.getLogger().handlers
+             if as_json and isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout]
+    for handler in moved:
+        handler.setStream(sys.stderr)
+    try:
+        yield
+    finally:
+        for handler in moved:
+            handler.setStream(sys.stdout)
+
+
+def cluster_set_sources(conn_id: str | None, address: str | None) -> tuple[str, list] | None:
+    """With --conn-id naming a cluster set (the extra `clusters`): the set's name and one source per member,
+    each from its own connection (a member whose connection fails keeps why); None for any other target.
+
+    The members' tokens are their own connections' (--token names one cluster's)."""
+    if not conn_id or address:
+        return None
+    try:
+        from rayslice.hooks.ray import RayHook, cluster_set_of
+    except ImportError:
+        return None  # `target` says what is missing
+    try:  # not `RayHook.cluster_set()`, which refuses the whole set for one missing member
+        clusters = cluster_set_of(RayHook(conn_id).get_connection(conn_id))
+    except Exception as exc:  # noqa: BLE001 - Airflow raises its own types for a missing connection
+        raise fail(f"--conn-id {conn_id!r}: {exc}") from None
+    if clusters is None:
+        return None
+    from rayslice.client.set_capacity import Source
+
+    sources = []
+    for member in clusters.members:
+        try:
+            settings = RayHook(member).settings()
+        except Exception as exc:  # noqa: BLE001 - a missing or broken member connection is that member's line
+            sources.append(Source(member, problem=f"its connection: {exc}"))
+            continue
+        sources.append(Source(member, settings.dashboard_url, settings.token, settings.verify, dict(settings.headers),
+                              launcher=settings.launcher))
+    return clusters.name, sources
 
 
 def in_flag_words(message: str, where: Target) -> str:
@@ -330,12 +380,24 @@ def capacity(
     name: Name = "default",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Every TPU slice (free/busy, who holds it) and GPU node (free share)."""
+    """Every TPU slice (free/busy, who holds it) and GPU node (free share); of a cluster set, each member's and
+    the queue across them."""
     from rayslice.client import capacity as cap
 
+    if (found := cluster_set_sources(conn_id, address)) is not None:
+        from rayslice.client import set_capacity
+
+        with json_only_on_stdout(as_json):
+            joined = set_capacity.read(*found)
+        if as_json:
+            console.print_json(json.dumps(joined.model_dump(mode="json")))
+        else:
+            console.print(set_capacity.render(joined))
+        return
     where = target(address, token, conn_id, name)
     try:
-        snapshot = cap.snapshot(where.url, token=where.token, headers=where.headers, verify=where.verify)
+        with json_only_on_stdout(as_json):
+            snapshot = cap.snapshot(where.url, token=where.token, headers=where.headers, verify=where.verify)
     except RaysliceError as exc:
         raise unreachable(where, exc) from None
     if as_json:
@@ -404,9 +466,17 @@ def queue_(
     from rayslice.core.queue import QueueSettings, format_queue
 
     settings = None if set_ is None else QueueSettings.checked(set_, "--set")
+    if (found_set := cluster_set_sources(conn_id, address)) is not None:
+        if settings is not None:
+            raise fail(f"--conn-id {conn_id!r} is a cluster set: each cluster's queue policy is its own; set it with "
+                       "--conn-id of a member connection")
+        with json_only_on_stdout(as_json):
+            _set_queue(*found_set, installed=installed, as_json=as_json)
+        return
     where = target(address, token, conn_id, name)
     try:
-        with RayJobsClient(where.url, token=where.token, headers=where.headers, verify=where.verify) as client:
+        with (json_only_on_stdout(as_json),
+              RayJobsClient(where.url, token=where.token, headers=where.headers, verify=where.verify) as client):
             found = read_queue(client, installed=installed, set_settings=settings)
     except RaysliceError as exc:
         raise unreachable(where, exc) from None
@@ -417,6 +487,50 @@ def queue_(
         console.print(f"policy {settings['policy']}, aging {settings['aging_s']} s"
                       + (f", quotas {json.dumps(settings['quotas'])}" if settings["quotas"] else ""), highlight=False)
         console.print(format_queue(found["entries"]), highlight=False, markup=False)
+
+
+def _set_queue(set_name: str, sources: list, *, installed: bool, as_json: bool) -> None:
+    """`rayslice queue --conn-id <set>`: every member's queue read (a short job each), then one row per step."""
+    from rayslice.client.jobs_client import RayJobsClient
+    from rayslice.client.queue import format_set_queue, join_queues, read_queue, standing_by
+
+    queues: list[tuple[str, dict | None]] = []
+    problems: dict[str, str] = {}
+    clients: dict[str, RayJobsClient] = {}
+    try:
+        for source in sources:
+            if source.problem:
+                queues.append((source.name, None))
+                problems[source.name] = source.problem
+                continue
+            client = clients[source.name] = RayJobsClient(source.dashboard_url, token=source.token,
+                                                          headers=source.headers, verify=source.verify)
+            try:
+                queues.append((source.name, read_queue(client, installed=installed or source.launcher == "installed")))
+            except RaysliceError as exc:
+                queues.append((source.name, None))
+                problems[source.name] = str(exc)
+                clients.pop(source.name).close()
+        rows = join_queues(queues)
+        rows = join_queues(queues, standing_by(clients, rows))
+    finally:
+        for client in clients.values():
+            client.close()
+    if as_json:
+        console.print_json(json.dumps({"set": set_name, "members": [
+            {"name": n, **({"error": problems[n]} if found is None else {"settings": found["settings"]})}
+            for n, found in queues], "entries": rows}))
+        return
+    console.print(f"cluster set {set_name}: {', '.join(n for n, _ in queues)}", highlight=False)
+    for n, found in queues:
+        if found is None:
+            console.print(f"cluster {n}: unreachable ({problems[n]})", highlight=False, markup=False)
+        else:
+            settings = found["settings"]
+            console.print(f"cluster {n}: policy {settings['policy']}, aging {settings['aging_s']} s"
+                          + (f", quotas {json.dumps(settings['quotas'])}" if settings["quotas"] else ""),
+                          highlight=False, markup=False)
+    console.print(format_set_queue(rows), highlight=False, markup=False)
 
 
 @app.command()

@@ -92,12 +92,15 @@ function gpuCard(n, ctx) {
 }
 
 // Where a step waiting in the admission queue stands (as plugins/slices_page.py in_queue says it).
+function ordinal(n) {
+  const suffix = n % 100 >= 10 && n % 100 <= 20 ? "th" : ({1: "st", 2: "nd", 3: "rd"})[n % 10] || "th";
+  return `${n}${suffix}`;
+}
+
 function inQueue(p) {
   if (p.kind !== "queue") return "";
   const place = p.place;
-  const suffix = place && place % 100 >= 10 && place % 100 <= 20 ? "th"
-    : ({1: "st", 2: "nd", 3: "rd"})[(place || 0) % 10] || "th";
-  return [place ? `${place}${suffix} in line` : "", p.priority != null ? `priority ${p.priority}` : "",
+  return [place ? `${ordinal(place)} in line` : "", p.priority != null ? `priority ${p.priority}` : "",
           p.team ? `team ${p.team}` : "", p.suspended ? `suspended: ${p.suspended}` : ""].filter(Boolean).join(", ");
 }
 
@@ -125,16 +128,64 @@ function summary(d) {
   return tiles.map(([k, v]) => `<div class="tile"><b>${esc(v)}</b><span>${esc(k)}</span></div>`).join("");
 }
 
-function fleet(d, ctx, error) {
-  const banner = error ? `<div class="error">${esc(error)}</div>` : "";
-  if (!d) return banner;
+// One cluster's summary, slices and GPU nodes (its waiting demand apart: a set shows it across members).
+function cluster(d, ctx) {
   const slices = d.slices.map((s) => sliceCard(s, ctx)).join("") || '<p class="muted">No TPU slices.</p>';
   const gpus = d.gpu_nodes.map((n) => gpuCard(n, ctx)).join("") || '<p class="muted">No GPU nodes.</p>';
   const warnings = (d.warnings || []).map((w) => `<div class="warning">${esc(w)}</div>`).join("");
-  return `${banner}${warnings}<section class="summary">${summary(d)}</section>` +
+  return `${warnings}<section class="summary">${summary(d)}</section>` +
     `<h2>TPU slices</h2><section class="grid">${slices}</section>` +
-    `<h2>GPU nodes</h2><section class="grid">${gpus}</section>` +
+    `<h2>GPU nodes</h2><section class="grid">${gpus}</section>`;
+}
+
+function fleet(d, ctx, error) {
+  const banner = error ? `<div class="error">${esc(error)}</div>` : "";
+  if (!d) return banner;
+  if (d.members) return banner + setFleet(d, ctx);
+  return `${banner}${cluster(d, ctx)}` +
     `<h2>Waiting for capacity</h2><section>${waiting(d.pending, ctx)}</section>`;
+}
+
+// A cluster set (as plugins/slices_page.py set_fleet draws it): each member under its name, then the queue
+// across them, each step once.
+function where(row) {
+  if (row.runs_on !== null && row.runs_on !== undefined) {
+    return `runs on ${row.runs_on}` + (row.stands_by.length ? `; stands by on ${row.stands_by.join(", ")}` : "");
+  }
+  return "waits on " + row.waits_on.map((n) => row.places[n] ? `${n} (${ordinal(row.places[n])} in line)` : n)
+    .join(", ");
+}
+
+function across(d, ctx) {
+  if (!d.queue.length) return '<p class="muted">Nothing is waiting for capacity on any cluster of the set.</p>';
+  const urls = Object.fromEntries(d.members.map((m) => [m.name, m.dashboard_url]));
+  const rows = d.queue.map((row) => {
+    const p = row.demand;
+    const running = row.runs_on !== null && row.runs_on !== undefined;
+    const home = running ? row.runs_on : (row.waits_on[0] || "");
+    const mine = {...ctx, dashboardUrl: urls[home] || ""};
+    const wait = running ? '<td class="muted">running</td>'
+      : p.starting ? '<td class="muted" title="capacity is free; its worker process is starting">starting</td>'
+        : `<td class="wait" data-waiting="${p.waiting_s ?? ""}">${esc(duration(p.waiting_s))}</td>`;
+    return `<tr class="${p.starting ? "starting" : ""}"><td><b>${esc(p.request)}</b></td>` +
+      `<td>${who(p.holder, mine)}</td><td class="where">${esc(where(row))}</td>` +
+      `<td class="queue">${esc(inQueue({...p, place: null}))}</td>${wait}</tr>`;
+  }).join("");
+  return '<table class="pending across"><tr><th>asks for</th><th>for task</th><th>clusters</th>' +
+    `<th>in the queue</th><th>waiting</th></tr>${rows}</table>`;
+}
+
+function setFleet(d, ctx) {
+  const parts = d.members.map((m) => {
+    const link = m.dashboard_url ? ` <a class="dashboard" data-top data-new target="_blank" rel="noopener" ` +
+      `href="${esc(m.dashboard_url)}/">Ray dashboard &#8599;</a>` : "";
+    const head = `<h2 class="member">Cluster <code>${esc(m.name)}</code>${link}</h2>`;
+    const body = m.snapshot === null || m.snapshot === undefined
+      ? `<div class="error">cluster ${esc(m.name)}: unreachable (${esc(m.error)})</div>`
+      : cluster(m.snapshot, {...ctx, dashboardUrl: m.dashboard_url});
+    return `<section class="member">${head}${body}</section>`;
+  }).join("");
+  return `${parts}<h2>Waiting for capacity across the set</h2><section>${across(d, ctx)}</section>`;
 }
 
 function start() {

@@ -66,6 +66,7 @@ class Holder(TaskRef):
     job_id: str | None = None
     job_status: str | None = None
     name: str = ""  # the placement group or actor name, for holders outside rayslice
+    cluster_set: str = ""  # a step over several clusters: its set (its job's metadata); its job on each member
 
     @computed_field
     @property
@@ -269,7 +270,7 @@ class _Holders:
         return Holder(
             submission_id=sid or job.get("submission_id") or "", **TaskRef.fields_from(meta),
             request=meta.get("request", ""), job_id=job.get("job_id") or job_id, job_status=job.get("status"),
-            name="" if sid or job.get("submission_id") else name,
+            name="" if sid or job.get("submission_id") else name, cluster_set=meta.get("cluster_set", ""),
         )
 
 
@@ -523,8 +524,9 @@ def _indices(gpus: list[int]) -> str:
     return ",".join(map(str, gpus))
 
 
-def render(snap: Snapshot) -> Any:
-    """Rich tables for `rayslice capacity`: slices, GPU nodes, then pending demand."""
+def render(snap: Snapshot, *, pending: bool = True) -> Any:
+    """Rich tables for `rayslice capacity`: slices, GPU nodes, then pending demand (`pending=False`: a member of a
+    cluster set, whose demand the set's queue shows once across its members: `set_capacity.render`)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -549,17 +551,17 @@ def render(snap: Snapshot) -> Any:
                           for share in n.shares)
         gpus.add_row(n.node_id[:12], f"{n.total:g}", f"{n.used:g}", f"{n.free:g}", users)
     parts: list[Any] = [slices, gpus]
-    if snap.pending:
-        pending = Table(title="Pending demand", title_justify="left")
+    if pending and snap.pending:
+        table = Table(title="Pending demand", title_justify="left")
         for column in ("request", "holder", "waiting"):
-            pending.add_column(column, overflow="fold")
+            table.add_column(column, overflow="fold")
         for p in snap.pending:
             wait = "starting (capacity is free)" if p.starting else _duration(p.waiting_s)
             if p.kind == "queue":
                 wait += f" (in the admission queue: {_queue_place(p)})"
-            pending.add_row(p.request, p.holder.label if p.holder else "", wait)
-        parts.append(pending)
-    else:
+            table.add_row(p.request, p.holder.label if p.holder else "", wait)
+        parts.append(table)
+    elif pending:
         parts.append(Text("No pending demand.", style="dim"))
     parts += [Text(f"warning: {w}", style="red") for w in snap.warnings]
     return Group(*parts)

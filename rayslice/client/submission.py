@@ -215,7 +215,10 @@ async def submit_step(
         runtime_env=runtime_env,
         metadata={"rayslice": "1", "request": str(spec.request), **{k: str(v) for k, v in owner.items()},
                   MARKER_TAG_KEY: spec.marker_tag, "priority": str(spec.priority or 0),
-                  **({"team": spec.team} if spec.team else {})},
+                  **({"team": spec.team} if spec.team else {}),
+                  # A step over several clusters: the set's views find its job on the other members (standing by).
+                  **({"cluster_set": spec.cluster_set.name, "cluster": spec.cluster_set.member}
+                     if spec.cluster_set is not None else {})},
     )
     emit(f"[rayslice] submitted {spec.request} as Ray job {sid}")
     return sid

@@ -291,6 +291,28 @@ def _rich_snapshot() -> dict:
     ).model_dump(mode="json")
 
 
+def _rich_set() -> dict:
+    """A cluster set's reading: a member with every shape, one unreachable, a step waiting on both, one running on
+    one and standing by on the other, and demand only one member knows."""
+    from rayslice.client.capacity import Holder, Pending, Snapshot
+    from rayslice.client.set_capacity import Across, MemberCapacity, SetSnapshot
+
+    rich = Snapshot.model_validate(_rich_snapshot())
+    both = Holder(submission_id="rayslice-s-1", dag_id="d", run_id="r", task_id="t<1>", job_id="08000000",
+                  job_status="RUNNING", cluster_set="tpus")
+    waiting = Pending(kind="queue", request="v6e-4", resources={}, holder=both, waiting_s=12, priority=1)
+    data = SetSnapshot(name="tpus", members=[
+        MemberCapacity(name="set-a", snapshot=rich), MemberCapacity(name="set-b", error="<b>refused</b>"),
+        MemberCapacity(name="set-c", snapshot=rich.model_copy(update={"pending": []}))],
+        queue=[Across(demand=waiting, waits_on=["set-a", "set-c"], places={"set-a": 2}),
+               Across(demand=rich.pending[1], waits_on=["set-a"]),
+               Across(demand=rich.pending[3], runs_on="set-c", stands_by=["set-a"])],
+        taken_at="2026-01-01T01:02:05Z").model_dump(mode="json")
+    for member, url in zip(data["members"], ("http://a:8265", "", ""), strict=True):
+        member["dashboard_url"] = url
+    return data
+
+
 @pytest.mark.skipif(not shutil.which("node"), reason="needs node to run the page's script")
 @pytest.mark.parametrize("error", [None, "Could not refresh: HTTP 502"])
 def test_the_script_redraws_exactly_what_the_server_drew(client, error):
@@ -300,7 +322,7 @@ def test_the_script_redraws_exactly_what_the_server_drew(client, error):
     live = client.get("/rayslice/api/capacity", headers=bearer(jwt("viewer", "viewer"))).json()
     harness = ("const {fleet} = require(process.argv[1]); let s = ''; process.stdin.on('data', (d) => s += d)"
                ".on('end', () => { const [d, ctx, e] = JSON.parse(s); process.stdout.write(fleet(d, ctx, e)); });")
-    for data in (_rich_snapshot(), live, None):
+    for data in (_rich_snapshot(), _rich_set(), live, None):
         ctx = {"airflow_base": "/base", "dashboard_url": "http://ray:8265"}
         js_ctx = {"airflowBase": ctx["airflow_base"], "dashboardUrl": ctx["dashboard_url"]}
         out = subprocess.run(["node", "-e", harness, str(slices_page.STATIC / "slices.js")], capture_output=True,
@@ -457,3 +479,91 @@ def test_pages_whose_cache_missed_together_share_one_reading(client, monkeypatch
     answers = asyncio.run(pages())
     assert sorted(calls) == ["asnapshot", "ausage"], calls
     assert len({id(snap) for snap, _ in answers[:5]}) == 1 and len({id(u) for u in answers[5:]}) == 1
+
+
+def test_a_cluster_set_shows_every_member_labelled_and_the_queue_across_them_once(client, monkeypatch):
+    """`?conn_id=<set>`: each member's capacity under its name (its dashboard only for readers of that member's
+    connection), an unreachable member in a line that says why, and a step waiting on both members once.
+    Before: the page refused a set ("this needs one cluster")."""
+    from rayslice.plugins import slices
+
+    from tests.rayslice.client.test_set_capacity import Dashboard, holding, job, queued
+
+    a_jobs = [job("s-wait", "01000000", "train", member="set_a"), job("s-run", "03000000", "run", member="set_a")]
+    b_jobs = [job("s-wait", "05000000", "train", member="set_b"), job("s-run", "07000000", "run", member="set_b")]
+    monkeypatch.setattr(slices, "_set_readings", {})
+    with (Dashboard("a", [queued("s-wait", "01000000"), queued("s-run", "03000000")], a_jobs) as a,
+          Dashboard("b", [queued("s-wait", "05000000"), holding("s-run", "07000000", "b-host0")], b_jobs) as b):
+        for name, url in (("SET_A", a.url), ("SET_B", b.url), ("SET_DEAD", "http://127.0.0.1:9")):
+            monkeypatch.setenv(f"AIRFLOW_CONN_{name}", json.dumps({"conn_type": "ray", "host": url}))
+        monkeypatch.setenv("AIRFLOW_CONN_TPUS", json.dumps(
+            {"conn_type": "ray", "extra": json.dumps({"clusters": ["set_a", "set_b", "set_dead", "nope"]})}))
+        op, viewer = bearer(jwt("op", "op")), bearer(jwt("viewer", "viewer"))
+        answer = client.get("/rayslice/api/capacity?conn_id=tpus", headers=op)
+        page = client.get("/rayslice/?conn_id=tpus", headers=op)
+        refused = client.get("/rayslice/api/capacity?conn_id=tpus", headers=viewer)
+    assert answer.status_code == 200, answer.text
+    data = answer.json()
+    assert [(m["name"], m["snapshot"] is not None) for m in data["members"]] == [
+        ("set_a", True), ("set_b", True), ("set_dead", False), ("nope", False)]
+    assert [m["dashboard_url"] for m in data["members"][:2]] == [a.url, b.url]
+    assert "127.0.0.1:9" in data["members"][2]["error"] and "add one of type `ray`" in data["members"][3]["error"]
+    rows = [(r["demand"]["holder"]["task_id"], r["waits_on"], r["runs_on"], r["stands_by"]) for r in data["queue"]]
+    assert rows == [("train", ["set_a", "set_b"], None, []), ("run", [], "set_b", ["set_a"])], rows
+    text = page.text.split('<script id="config"')[0]
+    assert page.status_code == 200 and "<h3>v6e-4-a</h3>" in text and "<h3>v6e-4-b</h3>" in text
+    assert 'Cluster <code>set_a</code>' in text and "cluster set_dead: unreachable (" in text
+    assert "waits on set_a (1st in line), set_b (1st in line)" in text and "runs on set_b; stands by on set_a" in text
+    assert text.count("<b>train</b>") == 1 and TOKEN not in page.text
+    assert refused.status_code == 403 and refused.json()["detail"] == slices.NOT_YOURS  # choosing the set: the check
+
+
+def test_a_set_members_dashboard_is_shown_only_to_readers_of_that_member(client, monkeypatch):
+    """The auth rule per member: a user who may read the set's connection but not a member's sees that member's
+    capacity without its dashboard URL, even in why it could not be read."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from rayslice.plugins import slices
+
+    from tests.rayslice.client.test_set_capacity import Dashboard
+
+    real = get_auth_manager().is_authorized_connection
+
+    def not_set_b(*, method, details, user, **kw):
+        return details.conn_id != "set_b" and real(method=method, details=details, user=user, **kw)
+
+    monkeypatch.setattr(get_auth_manager(), "is_authorized_connection", not_set_b)
+    monkeypatch.setattr(slices, "_set_readings", {})
+    with Dashboard("a", [], []) as a, Dashboard("b", [], []) as b:
+        monkeypatch.setenv("AIRFLOW_CONN_SET_A", json.dumps({"conn_type": "ray", "host": a.url}))
+        monkeypatch.setenv("AIRFLOW_CONN_SET_B", json.dumps({"conn_type": "ray", "host": b.url}))
+        monkeypatch.setenv("AIRFLOW_CONN_TPUS", json.dumps(
+            {"conn_type": "ray", "extra": json.dumps({"clusters": ["set_a", "set_b"]})}))
+        up = client.get("/rayslice/api/capacity?conn_id=tpus", headers=bearer(jwt("op", "op")))
+        b_url = b.url
+    assert up.status_code == 200, up.text
+    assert [m["dashboard_url"] for m in up.json()["members"]] == [a.url, ""] and b_url not in up.text
+    monkeypatch.setattr(slices, "_set_readings", {})
+    monkeypatch.setattr(slices, "_readings", {})
+    down = client.get("/rayslice/?conn_id=tpus", headers=bearer(jwt("op", "op")))  # both dashboards gone now
+    assert "cluster set_b: unreachable (" in down.text and b_url not in down.text, down.text[:3000]
+    assert "cluster set_b&#x27;s dashboard" in down.text and a.url in down.text
+
+
+def test_a_sets_holders_and_queue_of_unreadable_dags_are_hidden(client, monkeypatch):
+    """Every member's holders and each row of the queue across them, as a single cluster's are hidden."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from rayslice.plugins import slices, slices_page
+
+    from rayslice.client.set_capacity import SetSnapshot
+
+    found = SetSnapshot.model_validate({k: v for k, v in _rich_set().items()})
+    monkeypatch.setattr(get_auth_manager(), "filter_authorized_dag_ids", lambda *, dag_ids, user, **kw: set())
+    data = slices.visible_set(found, user=None)
+    for member in data["members"]:
+        member["dashboard_url"] = "http://r:1"
+    text = json.dumps(data) + slices_page.fleet(data, {"airflow_base": "", "dashboard_url": ""})
+    assert "train(1)" not in text and "t&lt;1&gt;" not in text and "rayslice-s-1" not in text, text
+    assert "research" not in text and "tpus" not in json.dumps(data["queue"]), data["queue"]
+    assert [row["demand"]["request"] for row in data["queue"]] == ["hidden"] * 3
+    assert [where for where in (slices_page.where(r) for r in data["queue"])] == [
+        "waits on set-a (2nd in line), set-c", "waits on set-a", "runs on set-c; stands by on set-a"]
