@@ -67,7 +67,7 @@ def main() -> None:
             trees = {"before sets": base, "this commit": ROOT}
             series = {(t, w, m): Series() for t in trees for w, ms in MEASURES.items() for m in ms}
             with cluster(SHAPE, "cost") as record:
-                for name, tree in trees.items():  # unrecorded: each tree's launcher package uploaded once
+                for tree in trees.values():  # unrecorded: each tree's launcher package uploaded once
                     for what in MEASURES:
                         probe(tree, what, record, home)
                 for rep in range(args.reps):
