@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rayslice.client.cluster_set import Member, run_on_set, spec_for_set
-from rayslice.client.jobs_client import AsyncRayJobsClient
+from rayslice.client.cluster_set import Member, ran_by, run_on_set, spec_for_set, stood_by
+from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.client.submission import run_step_job
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, UnsatisfiableRequestError
@@ -52,7 +52,8 @@ def step(name: str, pair: Pair, fn=where_am_i, request: str = "v6e-4", **kwargs)
                                  checkpoint_root=f"file://{pair.shared}")
 
 
-def on_set(pair: Pair, spec: StepSpec, *names: str, lines: list[str] | None = None):
+def on_set(pair: Pair, spec: StepSpec, *names: str, lines: list[str] | None = None, told: list[str] | None = None):
+    """Run `spec` over the clusters `names`; `told`: each cluster `run_on_set` said runs the step, in order."""
     if spec.cluster_set is None:
         spec = spec_for_set(spec, "tpus", names, shared_root=True)
     out = lines if lines is not None else []
@@ -60,7 +61,8 @@ def on_set(pair: Pair, spec: StepSpec, *names: str, lines: list[str] | None = No
     async def go():
         members = pair.members(*names)
         try:
-            return await run_on_set(spec, members, emit=lambda line: (out.append(line), print(line)))
+            return await run_on_set(spec, members, emit=lambda line: (out.append(line), print(line)),
+                                    on_cluster=told.append if told is not None else None)
         finally:
             for member in members:
                 await member.client.aclose()
@@ -85,7 +87,8 @@ def test_a_step_naming_both_runs_on_the_one_that_is_free_while_the_other_is_held
     try:
         assert wait_until(lambda: flag.with_suffix(".started").exists(), timeout=120), "the holder never started on a"
         lines: list[str] = []
-        result, spec = on_set(cluster_pair, step("mover", cluster_pair), *NAMES, lines=lines)
+        told: list[str] = []
+        result, spec = on_set(cluster_pair, step("mover", cluster_pair), *NAMES, lines=lines, told=told)
     finally:
         flag.write_text("go")
         holder.join(120)
@@ -98,6 +101,14 @@ def test_a_step_naming_both_runs_on_the_one_that_is_free_while_the_other_is_held
     status_a, log_a = cluster_pair.jobs("set-a", spec.owner.submission_id)
     assert status_b == "SUCCEEDED" and "the step runs on cluster set-b" in log_b
     assert status_a == "FAILED" and "RanElsewhereError" in log_a and "running on" not in log_a
+    # Who ran it, as the task's XCom and "Ray job" link get it: told once, the cluster that ran it; and from the two
+    # clusters' own job records (a link made before any cluster claimed it), set-a's job read as standing by.
+    assert told == ["set-b"]
+    records = {}
+    for name in NAMES:
+        with RayJobsClient(cluster_pair.records[name].dashboard_url, token=cluster_pair.records[name].token) as c:
+            records[name] = c.get(spec.owner.submission_id)
+    assert stood_by(records["set-a"]) and ran_by(records) == "set-b", records["set-a"].message
 
 
 def test_an_unreachable_cluster_is_skipped_with_why_and_the_step_runs_on_the_next(cluster_pair):
@@ -182,8 +193,9 @@ def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_c
 
     drainer = threading.Thread(target=drain_the_running_one_once_it_saved)
     drainer.start()
+    told: list[str] = []
     try:
-        result, spec = on_set(cluster_pair, spec, *NAMES, lines=lines)
+        result, spec = on_set(cluster_pair, spec, *NAMES, lines=lines, told=told)
     finally:
         drainer.join(60)
         if "name" in drained:
@@ -198,6 +210,7 @@ def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_c
     assert done == list(range(12)), f"a step was done twice or skipped: {done}"
     assert drained["free"] and drained["free_at"] < drained["deadline"], cluster_pair.held_by(drained_name, sid)
     assert "released claim 0" in log and f"the step ran on cluster {other}" in log, log
+    assert told == [drained_name, other], told  # the link and XCom follow the step to the other cluster
 
 
 def test_many_steps_on_both_never_run_on_two_clusters_at_once_and_leave_every_chip_free(cluster_pair, tmp_path):
