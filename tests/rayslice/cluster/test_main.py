@@ -150,3 +150,26 @@ def test_ray_job_stop_unwinds_the_driver_and_frees_the_capacity(cluster, ray_dri
     assert f"[rayslice] released {request_}" in log
     if request_.resource == "TPU":
         assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=10)
+
+
+def test_a_job_that_stood_by_is_no_step_in_the_clusters_metrics(spec_file, no_cluster, monkeypatch, capsys):
+    """A cluster set's member whose job stood by (another cluster ran the step) held nothing and failed nothing:
+    it is not counted as a step, nor as a failure, in `rayslice_steps` / `rayslice_step_failures`. Its error line
+    stays: the submitter reads it as "stood by"."""
+    from rayslice.cluster.metrics import sender
+    from rayslice.core.exceptions import RanElsewhereError
+
+    counted: list[tuple] = []
+    monkeypatch.setattr(sender, "step", lambda spec, outcome, error=None: counted.append((outcome, error)))
+
+    def stood_by(spec, **_):
+        raise RanElsewhereError("cluster b of set 'tpus' ran this step (succeeded); cluster a stood by")
+
+    monkeypatch.setattr("rayslice.cluster.run_step", stood_by)
+    assert driver.main(["launcher", spec_file]) == 1
+    marker, error = last_marked_line(capsys.readouterr().out)
+    assert marker == ERROR_MARKER and error["type"] == "RanElsewhereError"
+    assert counted == []
+    monkeypatch.setattr("rayslice.cluster.run_step", lambda spec, **_: [[4, 0]])  # a step that ran here is counted
+    assert driver.main(["launcher", spec_file]) == 0
+    assert counted == [("succeeded", None)]
