@@ -46,7 +46,11 @@ class RayJobLink(BaseOperatorLink):
             return ""
         from rayslice.hooks.ray import RayHook
 
-        member = ran_on(XCom.get_value(ti_key=ti_key, key=CLUSTER_KEY), str(sid))
+        # The operator that ran this try knows its member; else (a set's) the XCom it pushed. A step on one cluster
+        # reads nothing more: this runs as every task on a worker ends.
+        member = getattr(operator, "_ran_on", None) if getattr(operator, "_submission_id", None) == sid else None
+        if member is None and getattr(operator, "_set", None) is not None:
+            member = ran_on(XCom.get_value(ti_key=ti_key, key=CLUSTER_KEY), str(sid))
         return job_link(str(sid), member or getattr(operator, "ray_conn_id", RayHook.default_conn_name))
 
 

@@ -271,6 +271,10 @@ def visible(snap: "Snapshot", user: Any) -> dict[str, Any]:
     return data
 
 
+#: A member of a set that could not be asked for a job (`set_jobs`).
+UNHEARD = "unheard"
+
+
 def set_members(conn_id: str) -> tuple[str, ...] | None:
     """The member connections of `conn_id` when it is a cluster set (the extra `clusters`), else None."""
     from airflow.sdk import BaseHook
@@ -294,22 +298,25 @@ def set_members(conn_id: str) -> tuple[str, ...] | None:
 
 
 async def set_jobs(submission_id: str, members: tuple[str, ...]) -> "dict[str, tuple[Any, str]]":
-    """Each member's record of the job (None: it has none, or could not be asked) and the job's dashboard page."""
+    """Each member's record of the job and the job's dashboard page; the record is None where the member has no
+    such job, and `UNHEARD` where it could not be asked (its connection does not resolve, its dashboard is down)."""
     from starlette.concurrency import run_in_threadpool
 
-    from rayslice.core.exceptions import RaysliceError
+    from rayslice.core.exceptions import JobNotFoundError, RaysliceError
 
     async def one(name: str) -> "tuple[Any, str]":
         try:
             ray = await run_in_threadpool(ray_connection, name)
         except _Problem:
-            return None, ""
+            return UNHEARD, ""
         url = ray.job_url(quote(submission_id, safe=""))
         try:
             async with ray.async_client() as client:
                 return await client.get(submission_id), url
-        except RaysliceError:  # not found there (skipped at submission), or unreachable now
+        except JobNotFoundError:  # skipped at submission
             return None, url
+        except RaysliceError:
+            return UNHEARD, url
 
     found = await asyncio.gather(*(one(name) for name in members))
     return dict(zip(members, found, strict=True))
@@ -325,9 +332,11 @@ def set_job_page(submission_id: str, conn_id: str, jobs: "dict[str, tuple[Any, s
 
     rows = []
     for name, (job, url) in jobs.items():
-        status = "no job" if job is None else "stood by" if stood_by(job) else job.status.value.lower()
+        status = ("could not be asked" if job is UNHEARD else "no job" if job is None
+                  else "stood by" if stood_by(job) else job.status.value.lower())
         label = escape(name)
-        link = f'<a href="{escape(url)}">{label}</a>' if url and job is not None and readable.get(name) else label
+        link = f'<a href="{escape(url)}">{label}</a>' if url and job not in (None, UNHEARD) and readable.get(name) \
+            else label
         rows.append(f"<li>{link}: {escape(status)}</li>")
     return (f"<!doctype html><title>Ray job {escape(submission_id)}</title>"
             f"<p>Ray job {escape(submission_id)} is on every cluster of the set {escape(conn_id)}; no cluster has "
@@ -452,7 +461,8 @@ def build_app() -> "FastAPI":
         member whose job ran it, by the members' job records, if the user may read that member's connection;
         else a page of each member's job (links only to members the user may read)."""
         jobs = await set_jobs(submission_id, members)
-        chosen = ran_by({name: job for name, (job, _) in jobs.items()})
+        chosen = ran_by({name: job for name, (job, _) in jobs.items() if job is not UNHEARD},
+                        unknown=[name for name, (job, _) in jobs.items() if job is UNHEARD])
         readable = {name: await run_in_threadpool(may_read_connection, name, user) for name in members}
         if chosen is not None:
             if not readable[chosen]:

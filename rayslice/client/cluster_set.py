@@ -238,14 +238,18 @@ def stood_by(job: JobDetails) -> bool:
     return job.status is JobStatus.FAILED and RanElsewhereError.__name__ in (job.message or "")
 
 
-def ran_by(jobs: Mapping[str, JobDetails | None]) -> str | None:
+def ran_by(jobs: Mapping[str, JobDetails | None], unknown: Sequence[str] = ()) -> str | None:
     """Which member's job of a set's step ran it or runs it, from the members' job records alone (None: they do not
     tell: every job still waits, or more than one is left). For the "Ray job" link before the operator said which.
 
-    The job that succeeded ran it; else the one job that exists and did not stand by.
+    `jobs`: each member's record (None: it has no job of that id, e.g. skipped at submission); `unknown`: members
+    that could not be asked. The job that succeeded ran it; else, when every member answered, the one job that
+    exists and did not stand by (with a member unheard, a waiting standby could look like the only one left).
     """
     succeeded = [name for name, job in jobs.items() if job is not None and job.status is JobStatus.SUCCEEDED]
     if len(succeeded) == 1:
         return succeeded[0]
+    if unknown:
+        return None
     left = [name for name, job in jobs.items() if job is not None and not stood_by(job)]
     return left[0] if len(left) == 1 else None

@@ -30,6 +30,9 @@ def test_the_job_that_succeeded_or_the_one_left_that_did_not_stand_by_ran_the_st
     # Both still waiting (or one holds, one stands by, and the records cannot tell): not known from records.
     assert ran_by({"a": job("RUNNING"), "b": job("PENDING")}) is None
     assert ran_by({"a": None, "b": None}) is None
+    # A member that could not be asked may be the one that runs it: only a success tells then.
+    assert ran_by({"b": job("RUNNING")}, unknown=["a"]) is None
+    assert ran_by({"b": job("SUCCEEDED")}, unknown=["a"]) == "b"
 
 
 def test_the_submitter_tells_each_cluster_that_claims_the_step_once(tmp_path, monkeypatch):
