@@ -95,3 +95,4 @@ def test_the_usage_of_a_set_reads_every_member_and_names_each_attempts_cluster(a
     assert {bar["cluster"] for bar in data["bars"]} == {"set_a", "set_b"}
     section = api.get("/rayslice/usage?conn_id=tpus&hours=6", headers=bearer(jwt("op", "op")))
     assert section.status_code == 200 and "set_b: v6e-4-a" in section.text, section.text[:500]
+    assert "clusters (attempts)" in section.text and "<td>set_a (1), set_b (1)</td>" in section.text
