@@ -248,36 +248,44 @@ def test_many_steps_on_both_never_run_on_two_clusters_at_once_and_leave_every_ch
 
 def test_a_holder_whose_driver_is_killed_fails_the_step_and_the_standby_is_stopped(cluster_pair, tmp_path):
     """The holder dies without writing its end: the submitter sees its job fail while it holds the claim, takes
-    that as the step's outcome, and stops the other cluster's standby (which would otherwise wait for ever)."""
+    that as the step's outcome, and stops the other cluster's standby (which would otherwise wait for ever).
+    Whichever cluster claimed the step (a, unless b's job got there 0.25 s sooner) is the one whose driver dies."""
     import psutil
 
-    a = cluster_pair.records[NAMES[0]]
     flag = tmp_path / "never"
     spec = spec_for_set(step("killed-holder", cluster_pair, flag=str(flag)), "tpus", NAMES, shared_root=True)
     sid = spec.owner.submission_id
-    killed: list[int] = []
+    by_gcs = {cluster_pair.records[n].gcs_address: n for n in NAMES}
+    killed: dict = {}
 
-    def kill_the_driver_on_a():
+    def kill_the_holders_driver():
         assert wait_until(lambda: flag.with_suffix(".started").exists(), timeout=120)
+        holder = cluster_pair.records[killed.setdefault("name", by_gcs[flag.with_suffix(".started").read_text()])]
         for proc in psutil.process_iter(["cmdline", "cwd"]):
             cmdline, cwd = " ".join(proc.info["cmdline"] or []), proc.info["cwd"] or ""
-            if "rayslice.cluster spec.json" in cmdline and cwd.startswith(a.temp_dir):
+            if "rayslice.cluster spec.json" in cmdline and cwd.startswith(holder.temp_dir):
                 proc.kill()
-                killed.append(proc.pid)
+                killed.setdefault("pids", []).append(proc.pid)
+        if not killed.get("pids"):
+            flag.write_text("go")  # no driver found: let the step end rather than wait for ever
 
     import threading
 
-    killer = threading.Thread(target=kill_the_driver_on_a)
+    killer = threading.Thread(target=kill_the_holders_driver)
     killer.start()
     lines: list[str] = []
+    told: list[str] = []
     try:
         with pytest.raises(Exception) as info:
-            on_set(cluster_pair, spec, *NAMES, lines=lines)
+            on_set(cluster_pair, spec, *NAMES, lines=lines, told=told)
     finally:
         killer.join(150)
-    assert killed, "no driver of the step ran on set-a"
+    holder = killed["name"]
+    standby = next(n for n in NAMES if n != holder)
+    assert killed.get("pids"), f"no driver of the step ran on {holder}"
     log = "\n".join(lines)
-    assert "the step ran on cluster set-a, and failed there" in log, (info.value, log)
-    assert wait_until(lambda: cluster_pair.jobs(NAMES[1], sid)[0] in ("STOPPED", "FAILED"), timeout=60), \
-        "the standby on set-b was left waiting"
-    assert wait_until(lambda: not cluster_pair.held_by(NAMES[0], sid), timeout=120), cluster_pair.held_by(NAMES[0], sid)
+    assert f"the step ran on cluster {holder}, and failed there" in log, (info.value, log)
+    assert told == [holder], told  # the task's link and XCom name the cluster it failed on
+    assert wait_until(lambda: cluster_pair.jobs(standby, sid)[0] in ("STOPPED", "FAILED"), timeout=60), \
+        f"the standby on {standby} was left waiting"
+    assert wait_until(lambda: not cluster_pair.held_by(holder, sid), timeout=120), cluster_pair.held_by(holder, sid)
