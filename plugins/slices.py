@@ -12,7 +12,9 @@ Only a user allowed to read connections may point the page at another connection
 (`?conn_id=`); anyone else asking for one gets the same refusal whether it exists or not.
 The Ray dashboard's URL (the header link, job links, the JSON's `dashboard_url`) is shown only
 to users allowed to read the connection it comes from; the "Ray job" extra link of a task goes
-through `/rayslice/job/<submission id>`, which checks the same before it redirects there.
+through `/rayslice/job/<submission id>`, which checks the same before it redirects there. Given a
+cluster set, it leads to the member whose job ran the step (that member's connection must be readable
+too), and the usage joins every member's.
 
 Below the live view, a usage timeline of the last hours (`?hours=`) and the accelerator-hours
 per DAG and task over it (`rayslice.client.usage`), drawn on the server too.
