@@ -39,7 +39,7 @@ from typing import Any
 from airflow.triggers.base import StartTriggerArgs, TaskSuccessEvent, TriggerEvent
 from rayslice.hooks.ray import RayHook
 from rayslice.operators import metrics
-from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink, job_link
+from rayslice.operators.links import CLUSTER_KEY, SUBMISSION_ID_KEY, RayJobLink, job_link
 from rayslice.operators.triggers import LOG_CHECKPOINT_KEY, RayStepTrigger
 
 from rayslice.client.submission import submission_id, submit_step
@@ -388,7 +388,8 @@ class RayStepStartTrigger(RayStepTrigger):
             return False  # the task's first try: no earlier one pushed anything
         if recorded is None and await self._own_records(own, where):
             return True  # this try's earlier trigger ran (it cleared the try before), and its id's push was lost
-        keys = ["return_value", SUBMISSION_ID_KEY, RayJobLink().xcom_key, LOG_CHECKPOINT_KEY, DEADLINE_KEY]
+        keys = ["return_value", SUBMISSION_ID_KEY, RayJobLink().xcom_key, CLUSTER_KEY, LOG_CHECKPOINT_KEY,
+                DEADLINE_KEY]
         earlier = await asyncio.to_thread(backend.get_one, key="return_value", **where)
         if isinstance(earlier, Mapping):  # multiple_outputs keys (the DAG may have changed since: any dict's)
             keys += [str(k) for k in earlier if str(k) not in keys]

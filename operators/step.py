@@ -34,7 +34,7 @@ from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 from rayslice.hooks.ray import ClusterSetSettings, RayConnectionSettings, RayHook
 from rayslice.operators import metrics
-from rayslice.operators.links import SUBMISSION_ID_KEY, RayJobLink, job_link
+from rayslice.operators.links import CLUSTER_KEY, SUBMISSION_ID_KEY, RayJobLink, job_link
 from rayslice.operators.start_trigger import (
     START_ON_WORKER,
     STEP_ARGUMENTS,
@@ -312,6 +312,8 @@ class RayStepOperator(BaseOperator):
         self._cluster_owner: str | None = None  # for "per-run": the owner mark the run's cluster must carry
         self._set: ClusterSetSettings | None = None  # the connection is a cluster set: its members
         self._members: dict[str, RayConnectionSettings] = {}  # the set's members that resolved, in its order
+        self._ran_on: str | None = None  # a set's step: the member that runs (ran) it, once one claimed it
+        self._ti: Any = None  # the running try (a set's step pushes which member runs it as that changes)
 
     @property
     def entrypoint(self) -> str | None:
@@ -385,6 +387,7 @@ class RayStepOperator(BaseOperator):
         spec = self._spec(request, owner, context)
         self._submission_id = sid = owner.submission_id
         context["ti"].xcom_push(key=SUBMISSION_ID_KEY, value=sid)
+        self._ti = context["ti"]
         try:
             result = _run_coroutine(self._submit_and_follow(spec))
         except RaysliceError as exc:  # logged once, by Airflow, as the task's exception
@@ -443,15 +446,47 @@ class RayStepOperator(BaseOperator):
                 members.append(Member(name, client, launcher=settings.launcher))
             if spec.owner.try_number > 1:
                 await self._end_earlier_chains(spec)
+            sid = spec.owner.submission_id or ""
             self.log.info("[rayslice] on cluster set %s: %s, in that order of preference (Ray job %s on each)",
-                          clusters.name, ", ".join(self._members), spec.owner.submission_id)
+                          clusters.name, ", ".join(self._members), sid)
+            self._push_link(job_link(sid, self.ray_conn_id))  # until a cluster claims it: the route picks the member
             waiting, outcome = time.monotonic(), "error"
             try:
-                result = await run_on_set(spec, members, emit=self.log.info)
+                result = await run_on_set(spec, members, emit=self.log.info, on_cluster=self._cluster_runs)
                 outcome = "success"
                 return result
             finally:
                 metrics.waited(time.monotonic() - waiting, where="worker", outcome=outcome)
+                if self._ran_on:  # the try's last word on where it ran (the standbys' lines come before)
+                    self.log.info("[rayslice] Ray job %s %s on cluster %s of set %s: %s", sid,
+                                  "ran" if outcome == "success" else "ran (and failed)", self._ran_on, clusters.name,
+                                  job_link(sid, self._ran_on))
+
+    def _cluster_runs(self, name: str) -> None:
+        """A cluster of the set claimed the step (or took it over, or ran it): the task's XCom and its "Ray job"
+        link name that member from now on (`rayslice.operators.links`)."""
+        sid = self._submission_id or ""
+        moved = self._ran_on is not None
+        self._ran_on = name
+        self.log.info("[rayslice] %s cluster %s: Ray job %s there: %s", "the step moved to" if moved else
+                      "the step runs on", name, sid, job_link(sid, name))
+        if self._ti is not None:
+            self._ti.xcom_push(key=CLUSTER_KEY, value={"submission_id": sid, "cluster": name})
+        self._push_link(job_link(sid, name))
+
+    def _push_link(self, link: str) -> None:
+        """The "Ray job" link now, not only when the task ends: Airflow reads it from this XCom (the metadata DB's,
+        as the Task SDK's `finalize` writes it), and a set's step runs on a worker for its whole length."""
+        ti = self._ti
+        if ti is None:
+            return
+        from airflow.sdk import BaseXCom
+
+        try:
+            BaseXCom.set(RayJobLink().xcom_key, link, dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
+                         map_index=ti.map_index if ti.map_index is not None else -1)
+        except Exception as exc:  # the link is worth a line, never the step
+            self.log.warning("[rayslice] could not record the Ray job link: %s", exc)
 
     async def _end_earlier_chains(self, spec: StepSpec) -> None:
         """End the earlier tries' claim chains: their jobs on a member this try could not reach never claim later."""
@@ -595,6 +630,7 @@ class RayStepOperator(BaseOperator):
         where = dict(self._members) if self._set is not None else {"": settings}  # a set's job runs on each member
         for name, each in where.items():
             on = f" on cluster {name}" if name else ""
+            on += " (it runs the step there)" if name and name == self._ran_on else ""
             try:
                 with each.client() as client:
                     stopped = client.stop(sid)

@@ -12,7 +12,9 @@ Only a user allowed to read connections may point the page at another connection
 (`?conn_id=`); anyone else asking for one gets the same refusal whether it exists or not.
 The Ray dashboard's URL (the header link, job links, the JSON's `dashboard_url`) is shown only
 to users allowed to read the connection it comes from; the "Ray job" extra link of a task goes
-through `/rayslice/job/<submission id>`, which checks the same before it redirects there.
+through `/rayslice/job/<submission id>`, which checks the same before it redirects there. Given a
+cluster set, it leads to the member whose job ran the step (that member's connection must be readable
+too), and the usage joins every member's.
 
 Below the live view, a usage timeline of the last hours (`?hours=`) and the accelerator-hours
 per DAG and task over it (`rayslice.client.usage`), drawn on the server too.
@@ -172,12 +174,15 @@ async def shown_dashboard(conn_id: str, user: Any, dashboard: str) -> str:
 
 
 async def read_usage(conn_id: str, hours: float) -> "Usage":
-    """The usage over the last `hours` for `conn_id` (cached for USAGE_CACHE_S)."""
+    """The usage over the last `hours` for `conn_id` (cached for USAGE_CACHE_S); a cluster set's members joined."""
     from starlette.concurrency import run_in_threadpool
 
     from rayslice.client import usage
     from rayslice.core.exceptions import RaysliceError
 
+    members = await run_in_threadpool(set_members, conn_id)
+    if members is not None:
+        return await read_set_usage(members, hours)
     ray = await run_in_threadpool(ray_connection, conn_id)
     key = f"{conn_id} {ray.dashboard_url} {hours}"
     cached = _usages.get(key)
@@ -190,6 +195,22 @@ async def read_usage(conn_id: str, hours: float) -> "Usage":
         raise _Problem(502, scrub(str(exc), ray)) from None
     _usages[key] = (time.monotonic(), found)
     return found
+
+
+async def read_set_usage(members: tuple[str, ...], hours: float) -> "Usage":
+    """A cluster set's usage: each member's reading (its own cache), joined (`usage.merge`); a member that cannot be
+    read is named in `unread` and left out; none readable: the first one's problem."""
+    from rayslice.client import usage
+
+    answers = await asyncio.gather(*(read_usage(name, hours) for name in members), return_exceptions=True)
+    found = {name: a for name, a in zip(members, answers, strict=True) if not isinstance(a, BaseException)}
+    unread = {name: str(a) for name, a in zip(members, answers, strict=True) if isinstance(a, _Problem)}
+    for answer in answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, _Problem):
+            raise answer
+    if not found:
+        raise next(a for a in answers if isinstance(a, _Problem))
+    return usage.merge(found, unread)
 
 
 def visible_usage(found: "Usage", user: Any) -> dict[str, Any]:
@@ -212,8 +233,10 @@ def visible_usage(found: "Usage", user: Any) -> dict[str, Any]:
     # The goodput figures under the ids the bars now carry: a hidden step's real id never reaches the page.
     figures = {new.submission_id: found.goodput[old.submission_id]
                for old, new in zip(found.bars, bars, strict=True) if old.submission_id in found.goodput}
-    by_dag, by_task = usage.totals(bars, figures)
-    data = found.model_copy(update={"bars": bars, "goodput": figures}).model_dump(mode="json")
+    attempts = {new.submission_id: found.attempts[old.submission_id]
+                for old, new in zip(found.bars, bars, strict=True) if old.submission_id in found.attempts}
+    by_dag, by_task = usage.totals(bars, figures, attempts)
+    data = found.model_copy(update={"bars": bars, "goodput": figures, "attempts": attempts}).model_dump(mode="json")
     return {**data, "by_dag": [r.model_dump(mode="json") for r in by_dag],
             "by_task": [r.model_dump(mode="json") for r in by_task]}
 
@@ -344,6 +367,80 @@ def _hide(data: dict[str, Any], user: Any) -> dict[str, Any]:
     return data
 
 
+#: A member of a set that could not be asked for a job (`set_jobs`).
+UNHEARD = "unheard"
+
+
+def set_members(conn_id: str) -> tuple[str, ...] | None:
+    """The member connections of `conn_id` when it is a cluster set (the extra `clusters`), else None."""
+    from airflow.sdk import BaseHook
+    from rayslice.hooks.ray import cluster_set_of
+
+    from rayslice.core.exceptions import RaysliceError
+
+    if not _CONN_ID.match(conn_id):
+        raise _Problem(400, f"{conn_id!r} is not a connection id")
+    try:
+        conn = BaseHook.get_connection(conn_id)
+    except Exception:  # missing: ray_connection says so in its words
+        return None
+    if (conn.conn_type or "").lower() != "ray":
+        return None
+    try:
+        clusters = cluster_set_of(conn)
+    except RaysliceError as exc:
+        raise _Problem(400, str(exc)) from None
+    return None if clusters is None else clusters.members
+
+
+async def set_jobs(submission_id: str, members: tuple[str, ...]) -> "dict[str, tuple[Any, str]]":
+    """Each member's record of the job and the job's dashboard page; the record is None where the member has no
+    such job, and `UNHEARD` where it could not be asked (its connection does not resolve, its dashboard is down)."""
+    from starlette.concurrency import run_in_threadpool
+
+    from rayslice.core.exceptions import JobNotFoundError, RaysliceError
+
+    async def one(name: str) -> "tuple[Any, str]":
+        try:
+            ray = await run_in_threadpool(ray_connection, name)
+        except _Problem:
+            return UNHEARD, ""
+        url = ray.job_url(quote(submission_id, safe=""))
+        try:
+            async with ray.async_client() as client:
+                return await client.get(submission_id), url
+        except JobNotFoundError:  # skipped at submission
+            return None, url
+        except RaysliceError:
+            return UNHEARD, url
+
+    found = await asyncio.gather(*(one(name) for name in members))
+    return dict(zip(members, found, strict=True))
+
+
+def set_job_page(submission_id: str, conn_id: str, jobs: "dict[str, tuple[Any, str]]",
+                 readable: dict[str, bool]) -> str:
+    """A set's step whose records do not yet say which member runs it: each member's job, linked where the user
+    may read that member's connection (its dashboard's address is shown to no one else)."""
+    from html import escape
+
+    from rayslice.client.cluster_set import stood_by
+
+    rows = []
+    for name, (job, url) in jobs.items():
+        status = ("could not be asked" if job is UNHEARD else "no job" if job is None
+                  else "stood by" if stood_by(job) else job.status.value.lower())
+        label = escape(name)
+        link = f'<a href="{escape(url)}">{label}</a>' if url and job not in (None, UNHEARD) and readable.get(name) \
+            else label
+        rows.append(f"<li>{link}: {escape(status)}</li>")
+    return (f"<!doctype html><title>Ray job {escape(submission_id)}</title>"
+            f"<p>Ray job {escape(submission_id)} is on every cluster of the set {escape(conn_id)}; no cluster has "
+            "claimed the step yet (it waits in each one's queue), or the records do not tell which one runs it. "
+            "The task's \"Ray job\" link leads to the cluster that runs it once one claims it.</p>"
+            f"<ul>{''.join(rows)}</ul>")
+
+
 def airflow_base(root_path: str) -> str:
     """Where the Airflow UI lives, from our mount point: `<base>/rayslice` -> `<base>`."""
     return root_path[: -len(URL_PREFIX)] if root_path.endswith(URL_PREFIX) else ""
@@ -358,6 +455,8 @@ def build_app() -> "FastAPI":
     from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
     from rayslice.plugins import slices_page
     from starlette.concurrency import run_in_threadpool
+
+    from rayslice.client.cluster_set import ran_by
 
     app = FastAPI(
         title="rayslice: Slices", docs_url=None, redoc_url=None, openapi_url=None,
@@ -401,7 +500,9 @@ def build_app() -> "FastAPI":
     async def _usage_html(conn_id: str, hours: float, user: Any, base: str) -> str:
         try:
             found = await read_usage(conn_id, hours)
-            _, dashboard = await read(conn_id)
+            # A set's bars are on several dashboards: none is named (its steps' "Ray job" links say where each ran).
+            in_set = await run_in_threadpool(set_members, conn_id) is not None
+            dashboard = "" if in_set else (await read(conn_id))[1]
         except _Problem as exc:
             return slices_page.error_box(str(exc))
         data = await run_in_threadpool(visible_usage, found, user)
@@ -438,11 +539,29 @@ def build_app() -> "FastAPI":
         if not _CONN_ID.match(conn_id) or not await run_in_threadpool(may_read_connection, conn_id, user):
             return HTMLResponse(slices_page.error_box(NO_DASHBOARD), status_code=403)
         try:
+            members = await run_in_threadpool(set_members, conn_id)
+            if members is not None:  # a set: each member has a job of this id; lead to the one that ran it
+                return await _job_on_set(user, submission_id, conn_id, members)
             ray = await run_in_threadpool(ray_connection, conn_id)
         except _Problem as exc:
             return HTMLResponse(slices_page.error_box(str(exc)), status_code=exc.status)
         return RedirectResponse(ray.job_url(quote(submission_id, safe="")), status_code=307,
                                 headers={"Cache-Control": "no-store"})
+
+    async def _job_on_set(user: Any, submission_id: str, conn_id: str, members: tuple[str, ...]) -> Response:
+        """The link of a set's step that names the set (no cluster had claimed it when the link was made): the
+        member whose job ran it, by the members' job records, if the user may read that member's connection;
+        else a page of each member's job (links only to members the user may read)."""
+        jobs = await set_jobs(submission_id, members)
+        chosen = ran_by({name: job for name, (job, _) in jobs.items() if job is not UNHEARD},
+                        unknown=[name for name, (job, _) in jobs.items() if job is UNHEARD])
+        readable = {name: await run_in_threadpool(may_read_connection, name, user) for name in members}
+        if chosen is not None:
+            if not readable[chosen]:
+                return HTMLResponse(slices_page.error_box(NO_DASHBOARD), status_code=403)
+            url = jobs[chosen][1]
+            return RedirectResponse(url, status_code=307, headers={"Cache-Control": "no-store"})
+        return HTMLResponse(set_job_page(submission_id, conn_id, jobs, readable), headers={"Cache-Control": "no-store"})
 
     @app.get("/icon.svg")
     async def icon() -> Response:

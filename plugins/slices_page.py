@@ -378,26 +378,37 @@ def goodput_cell(r: dict[str, Any]) -> str:
 
 def usage_tables(data: dict[str, Any]) -> str:
     columns = _columns(data["by_dag"])
+    # A cluster set's usage: where each row's attempts held capacity (`UsageRow.clusters`).
+    on_set = any(r.get("clusters") for r in data["by_dag"] + data["by_task"])
 
     def hours(r: dict[str, Any]) -> str:
         return "".join(f'<td class="num">{hours_text(r["hours"].get(c, 0))}</td>' for c in columns)
+
+    def clusters(r: dict[str, Any]) -> str:
+        if not on_set:
+            return ""
+        return f'<td>{esc(", ".join(f"{n} ({k})" for n, k in (r.get("clusters") or {}).items()))}</td>'
 
     def row(r: dict[str, Any], with_task: bool) -> str:
         dag = ('<span class="muted">DAGs you cannot read</span>' if r["hidden"] else
                f'<i class="swatch" style="background:{dag_color(r["dag_id"])}"></i>{esc(r["dag_id"])}')
         task = f'<td>{esc(r["task_id"] or "")}</td>' if with_task else ""
-        return f'<tr><td>{dag}</td>{task}<td class="num">{r["steps"]}</td>{hours(r)}{goodput_cell(r)}</tr>'
+        return (f'<tr><td>{dag}</td>{task}<td class="num">{r["steps"]}</td>{clusters(r)}{hours(r)}'
+                f'{goodput_cell(r)}</tr>')
 
     def table(rows: list[dict[str, Any]], with_task: bool, css: str) -> str:
         head = "<th>task</th>" if with_task else ""
+        head_after = ('<th title="attempts that held capacity, per cluster of the set">clusters (attempts)</th>'
+                      if on_set else "")
         sums = {"hours": {c: sum(r["hours"].get(c, 0) for r in rows) for c in columns},
                 **_summed_goodput(rows)}
         total = (f'<tr class="total"><td>total</td>{"<td></td>" if with_task else ""}'
-                 f'<td class="num">{sum(r["steps"] for r in rows)}</td>{hours(sums)}{goodput_cell(sums)}</tr>')
+                 f'<td class="num">{sum(r["steps"] for r in rows)}</td>{"<td></td>" if on_set else ""}'
+                 f'{hours(sums)}{goodput_cell(sums)}</tr>')
         units = "".join(f'<th class="num">{"TPU chip" if c == "TPU" else esc(c)}-hours</th>' for c in columns)
         units += ('<th class="num" title="productive chip-time over chip-time held, of the ended steps whose job '
                   'log has the figures (docs/goodput.md)">goodput</th>')
-        return (f'<table class="usage {css}"><tr><th>DAG</th>{head}<th class="num">steps</th>{units}</tr>'
+        return (f'<table class="usage {css}"><tr><th>DAG</th>{head}<th class="num">steps</th>{head_after}{units}</tr>'
                 f'{"".join(row(r, with_task) for r in rows)}{total if rows else ""}</table>')
 
     return (f'<div class="tables"><div><h3>By DAG</h3>{table(data["by_dag"], False, "by-dag")}</div>'

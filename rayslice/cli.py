@@ -180,6 +180,21 @@ def cluster_set_sources(conn_id: str | None, address: str | None) -> tuple[str, 
     return clusters.name, sources
 
 
+def set_members(conn_id: str | None) -> tuple[str, ...] | None:
+    """The member connections when --conn-id names a cluster set (the extra `clusters`), else None."""
+    if not conn_id:
+        return None
+    try:
+        from rayslice.hooks.ray import RayHook
+    except ImportError:
+        return None  # `target` says what to install
+    try:
+        clusters = RayHook(conn_id).cluster_set()
+    except Exception as exc:  # noqa: BLE001 - Airflow raises its own types for a missing connection
+        raise fail(f"--conn-id {conn_id!r}: {exc}") from None
+    return None if clusters is None else clusters.members
+
+
 def in_flag_words(message: str, where: Target) -> str:
     """A client error in the command's words: the clients speak of the `ray` connection's fields, which
     only --conn-id used; with --address or --name the host and token came from flags."""
@@ -421,22 +436,38 @@ def usage_(
     per: Annotated[str, typer.Option("--per", help="Rows per 'task' or per 'dag'.")] = "task",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Chip-hours and goodput per DAG or task over the last hours: where every chip-hour went (docs/goodput.md)."""
+    """Chip-hours and goodput per DAG or task over the last hours: where every chip-hour went (docs/goodput.md).
+
+    With --conn-id of a cluster set, every member is read and joined: each row says on which clusters its
+    attempts held capacity (a member's job that stood by holds none and counts for nothing)."""
     from rayslice.client import usage
 
     if per not in ("task", "dag"):
         raise fail(f"--per {per!r}: use --per task or --per dag")
-    where = target(address, token, conn_id, name)
+    members = set_members(None if address else conn_id)
+    if members is None:
+        where = target(address, token, conn_id, name)
+        read = lambda: usage.usage(where.url, token=where.token, headers=where.headers,  # noqa: E731
+                                   verify=where.verify, hours=hours)
+    else:  # each member's own connection: its URL, token and headers
+        where = Target("", None, f"--conn-id {conn_id} (the cluster set of {', '.join(members)})")
+        targets = {member: target(None, None, member, name) for member in members}
+        read = lambda: usage.usage_of_set({  # noqa: E731
+            member: (lambda at=at: usage.usage(at.url, token=at.token, headers=at.headers, verify=at.verify,
+                                               hours=hours)) for member, at in targets.items()})
     try:
-        found = usage.usage(where.url, token=where.token, headers=where.headers, verify=where.verify, hours=hours)
+        found = read()
     except RaysliceError as exc:
         raise unreachable(where, exc) from None
+    for member, why in found.unread.items() if not as_json else ():
+        console.print(f"[yellow]cluster {member} of the set left out:[/yellow] {why}", highlight=False)
     bars = usage.select(found, dag_id=dag_id, task_id=task_id, team=team)
-    by_dag, by_task = usage.totals(bars, found.goodput)
+    by_dag, by_task = usage.totals(bars, found.goodput, found.attempts)
     rows = by_task if per == "task" else by_dag
     if as_json:
         console.print_json(json.dumps({"since": found.since.isoformat(), "until": found.until.isoformat(),
-                                       "rows": [row.model_dump(mode="json") for row in rows]}))
+                                       "rows": [row.model_dump(mode="json") for row in rows],
+                                       **({"clusters": list(members), "unread": found.unread} if members else {})}))
         return
     chosen = ", ".join(f"{flag} {value}" for flag, value in (("--dag", dag_id), ("--task", task_id),
                                                              ("--team", team)) if value)

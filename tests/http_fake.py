@@ -23,6 +23,13 @@ class Request:
     authorization: str | None
 
 
+@dataclass(frozen=True)
+class Text:
+    """An answer that is text, not JSON (a job log's lines)."""
+
+    text: str
+
+
 class JsonHttpFake:
     """``with Fake() as fake:`` -> a real HTTP server at ``fake.url`` until the block ends."""
 
@@ -61,9 +68,10 @@ class JsonHttpFake:
                 request = Request(self.command, url.path, parse_qs(url.query), body, self.headers.get("Authorization"))
                 with fake._lock:
                     code, payload = fake.answer(request)
-                data = json.dumps(payload).encode()
+                raw = isinstance(payload, Text)  # a log, as the state API serves it: not JSON
+                data = payload.text.encode() if raw else json.dumps(payload).encode()
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if raw else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

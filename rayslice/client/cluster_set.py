@@ -10,19 +10,25 @@ by ends with `RanElsewhereError`, which is only a line in the log here.
 A cluster that cannot be reached, that refuses the request (no such slice type, never enough), or whose
 submission fails, is skipped with a line that says why; the step goes on with the rest, and fails only
 when no cluster is left.
+
+Which cluster runs the step is told as it becomes known (`on_cluster`): every member has a job of the
+step's one submission id, so what names "the" job (the task's "Ray job" link, the task's XCom) must name
+its cluster too. The claims folder says who holds the step (read every `WATCH_S`, as the standbys read it);
+a failover to another cluster is told again, and the cluster that ran it is told last.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rayslice.client.job_details import JobDetails, JobStatus
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import submission_id, submit_step, wait_for_step
-from rayslice.core.cluster_claim import Claims, ClusterSet, check_shared_root
+from rayslice.core.cluster_claim import Claims, ClaimState, ClusterSet, check_shared_root
 from rayslice.core.context import checkpoint_dir_for
 from rayslice.core.exceptions import (
     InvalidRequestError,
@@ -36,6 +42,8 @@ from rayslice.core.step import Launcher, StepSpec
 REFUSALS = (UnsatisfiableRequestError,)
 #: How long the standbys get to end by themselves once the step ended on one cluster (they look every second).
 STANDBYS_END_S = 15.0
+#: How often the submitter reads the claims to tell which cluster holds the step (`on_cluster`).
+WATCH_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,14 @@ def spec_for_set(spec: StepSpec, set_name: str, members: Sequence[str], *, share
     return spec.model_copy(update={"cluster_set": clusters, "owner": owner})
 
 
-async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callable[[str], None] = print) -> Any:
-    """Run `spec` (from `spec_for_set`) on whichever cluster of `members` admits it first; its result or error."""
+async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callable[[str], None] = print,
+                     on_cluster: Callable[[str], None] | None = None) -> Any:
+    """Run `spec` (from `spec_for_set`) on whichever cluster of `members` admits it first; its result or error.
+
+    `on_cluster(name)` is called when a cluster claims the step, again when another one takes it over (a
+    resume after a suspension), and with the cluster that ran it once the outcome is known (each change once).
+    A callback that raises is a line in the log, never the step's failure.
+    """
     clusters = spec.cluster_set
     if clusters is None:
         raise InvalidRequestError("run_on_set needs a step made by spec_for_set (it names no cluster set)")
@@ -92,8 +106,26 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
             f"no cluster of set {clusters.name!r} ({', '.join(clusters.members)}) could take the step: every one was "
             "skipped (the lines above say why)")
     by_name = {m.name: m for m in members}
+    told: list[str] = []
+
+    def tell(name: str | None) -> None:
+        if on_cluster is None or not name or name not in jobs or (told and told[-1] == name):
+            return
+        told.append(name)
+        try:
+            on_cluster(name)
+        except Exception as exc:  # the link or XCom is worth a line, never the step
+            emit(f"[rayslice] could not record that cluster {name} runs the step: {type(exc).__name__}: {exc}")
+
+    def settle(name: str) -> None:
+        """The outcome's cluster, told last: no read begun before it may name another after it."""
+        if watcher is not None:
+            watcher.cancel()
+        tell(name)
+
     follows = {asyncio.ensure_future(wait_for_step(by_name[name].client, sid, emit=prefixed(emit, name))): name
                for name, sid in jobs.items()}
+    watcher = asyncio.ensure_future(_watch_holder(spec, tell)) if on_cluster is not None else None
     errors: list[tuple[str, BaseException]] = []
     try:
         pending = set(follows)
@@ -112,10 +144,12 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
                 except Exception as exc:  # the step's failure on the cluster that ran it, or a job lost
                     if await _held_by(spec, name):  # it ran the step (or died holding it): that is the outcome
                         emit(f"[rayslice] the step ran on cluster {name}, and failed there")
+                        settle(name)
                         raise
                     errors.append((name, exc))
                     continue
                 emit(f"[rayslice] the step ran on cluster {name}")
+                settle(name)
                 if pending:  # the standbys read the claims' end within a second or two
                     ended, _ = await asyncio.wait(pending, timeout=STANDBYS_END_S)
                     for other in ended:
@@ -127,6 +161,9 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
             f"no cluster of set {clusters.name!r} ran the step: every one refused it or stood by (the lines above "
             "say why)")
     finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
         leftover = [task for task in follows if not task.done()]
         for task in leftover:
             task.cancel()
@@ -140,22 +177,47 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
                     emit(f"[rayslice] could not stop Ray job {jobs[name]} on cluster {name}: {exc}")
 
 
+def _claims_state(spec: StepSpec) -> ClaimState | None:
+    """The step's claims now (blocking: run it in a thread); None without a folder."""
+    folder = checkpoint_dir_for(spec.checkpoint_root, spec.owner)
+    if not folder:
+        return None
+    return Claims(folder, member="", submission_id=spec.owner.submission_id or "adhoc").state()
+
+
+def holder_of(state: ClaimState | None) -> str | None:
+    """The cluster that ended the step (its `done`), else the one holding the generation in play; None: nobody."""
+    if state is None:
+        return None
+    if state.done is not None:
+        return state.done.get("cluster") or None
+    name = (state.holder or {}).get("cluster")
+    return None if not name or name == "?" else name  # "?": a claim still being written
+
+
 async def _held_by(spec: StepSpec, name: str) -> bool:
     """Whether cluster `name` holds the step's claim now or ended it (its `done`), as the shared folder says.
 
     A job that failed there is then the step's failure: its driver may have died without writing `done`, and the
     others would stand by for ever. Storage that cannot be read says no (the job's error waits for the rest).
     """
-    folder = checkpoint_dir_for(spec.checkpoint_root, spec.owner)
-    if not folder:
-        return False
     try:
-        state = await asyncio.to_thread(
-            Claims(folder, member="", submission_id=spec.owner.submission_id or "adhoc").state)
+        state = await asyncio.to_thread(_claims_state, spec)
     except Exception:
         return False
-    ended = (state.done or {}).get("cluster")
-    return ended == name or (ended is None and (state.holder or {}).get("cluster") == name)
+    return holder_of(state) == name
+
+
+async def _watch_holder(spec: StepSpec, tell: Callable[[str | None], None]) -> None:
+    """Tell each cluster that claims the step, as the claims folder says, until cancelled. Between two
+    generations (released, not yet claimed again) nobody is told: the last holder stands until the next.
+    A read that fails is tried again at the next look (the standbys' own reads wait out an outage too)."""
+    while True:
+        try:
+            tell(holder_of(await asyncio.to_thread(_claims_state, spec)))
+        except Exception:
+            pass
+        await asyncio.sleep(WATCH_S)
 
 
 def _say_how_it_ended(name: str, task: asyncio.Future, emit: Callable[[str], None]) -> None:
@@ -168,3 +230,26 @@ def _say_how_it_ended(name: str, task: asyncio.Future, emit: Callable[[str], Non
     elif error is not None:
         emit(f"[rayslice] cluster {name} ended with {type(error).__name__}: {error}")
 
+
+
+def stood_by(job: JobDetails) -> bool:
+    """Whether a member's job ended standing by (another cluster ran the step): its Ray job fails with
+    `RanElsewhereError`, which Ray's message for a failed job carries in the log's last lines it quotes."""
+    return job.status is JobStatus.FAILED and RanElsewhereError.__name__ in (job.message or "")
+
+
+def ran_by(jobs: Mapping[str, JobDetails | None], unknown: Sequence[str] = ()) -> str | None:
+    """Which member's job of a set's step ran it or runs it, from the members' job records alone (None: they do not
+    tell: every job still waits, or more than one is left). For the "Ray job" link before the operator said which.
+
+    `jobs`: each member's record (None: it has no job of that id, e.g. skipped at submission); `unknown`: members
+    that could not be asked. The job that succeeded ran it; else, when every member answered, the one job that
+    exists and did not stand by (with a member unheard, a waiting standby could look like the only one left).
+    """
+    succeeded = [name for name, job in jobs.items() if job is not None and job.status is JobStatus.SUCCEEDED]
+    if len(succeeded) == 1:
+        return succeeded[0]
+    if unknown:
+        return None
+    left = [name for name, job in jobs.items() if job is not None and not stood_by(job)]
+    return left[0] if len(left) == 1 else None

@@ -19,6 +19,13 @@ host processes is billed over its attempt's whole hold: the bill and the goodput
 agree. A running step (no record yet), or one whose record is unreadable, is billed from its host
 processes' lifetimes.
 
+A cluster set (a `ray` connection that lists others) is read member by member and joined (`merge`,
+`usage_of_set`): every bar and lane says its cluster, and a step's figures add up its members' records.
+Only a member whose job held capacity has any: a job that stood by (another cluster ran the step; its Ray
+job ends FAILED with `RanElsewhereError`) started no host process, so it has no bar, no chip-hours, no
+attempt and no figures, and is no failure here; a step that moved after a suspension has an attempt on
+each cluster it held capacity on, and counts once.
+
 How far back: as far as Ray keeps ended actors, the `maximum_gcs_destroyed_actor_cached_count`
 most recent (100,000 by default in Ray 2.60: 25,000 four-host steps), and never before the head
 node's start (a restarted head without GCS fault tolerance forgets every job and actor).
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal, get_args
 
@@ -48,7 +56,8 @@ from rayslice.core.accelerators import ResourceName
 from rayslice.core.goodput import CATEGORIES, Account
 from rayslice.core.step import TaskRef
 
-__all__ = ["Bar", "Lane", "Usage", "UsageRow", "ausage", "parse", "select", "totals", "usage"]
+__all__ = ["Bar", "Lane", "Usage", "UsageRow", "ausage", "merge", "parse", "select", "totals", "usage",
+           "usage_of_set"]
 
 WINDOWS_H = (1, 3, 6, 12, 24, 72)
 DEFAULT_WINDOW_H = 6
@@ -64,6 +73,7 @@ class Lane(BaseModel):
     kind: Literal["tpu", "gpu", "accelerator"]  # a slice, a GPU node, a node of another accelerator
     title: str
     detail: str = ""
+    cluster: str = ""  # in a cluster set's view: the member it belongs to ("" when one cluster is read)
 
 
 class Bar(TaskRef):
@@ -84,6 +94,7 @@ class Bar(TaskRef):
     waited_s: float | None = None
     team: str = ""  # the team the step counted against (its job's metadata), "" for none
     hidden: bool = False
+    cluster: str = ""  # in a cluster set's view: the member that held it ("" when one cluster is read)
 
     @model_validator(mode="after")
     def _default_resource(self) -> Bar:
@@ -105,6 +116,9 @@ class UsageRow(BaseModel):
     chip_h: dict[str, float] = {}
     held_chip_h: float | None = None  # the measured steps' chip-hours held, by their timelines (reserved to released)
     goodput: float | None = None
+    #: In a cluster set's view: attempts that held capacity, per member cluster (`Usage.attempts`; a step without
+    #: figures, e.g. still running, counts one per cluster it has bars on). Empty when one cluster is read.
+    clusters: dict[str, int] = {}
 
     @computed_field
     @property
@@ -126,6 +140,10 @@ class Usage(BaseModel):
     oldest: datetime | None = None  # the first start of a step's host process Ray still lists
     #: Submission id -> the ended step's goodput figures (`Account.to_json`), where its job log has them.
     goodput: dict[str, dict[str, Any]] = {}
+    #: A cluster set's view: submission id -> {member: attempts that held capacity there}, from the goodput records.
+    attempts: dict[str, dict[str, int]] = {}
+    #: A cluster set's view: the members that could not be read, and why (the rest is shown).
+    unread: dict[str, str] = {}
 
 
 def _at(seconds: float) -> datetime:
@@ -286,16 +304,74 @@ def _concurrent(procs: list[tuple[float, float | None, float]]) -> float:
     return peak
 
 
-def totals(bars: list[Bar], goodput: dict[str, dict[str, Any]] | None = None
-           ) -> tuple[list[UsageRow], list[UsageRow]]:
+def merge(by_cluster: Mapping[str, Usage], unread: Mapping[str, str] | None = None) -> Usage:
+    """A cluster set's members' readings as one: each lane and bar marked with its cluster (lane keys
+    `<cluster>:<lane>`, since two clusters may name a slice alike), a step's figures summed over its members'
+    records, and `attempts` saying how many of its attempts held capacity on which cluster.
+
+    A member whose job of a step stood by has no bar and no figures for it (nothing was held there): it adds
+    nothing, so the step counts once, with the attempts, chip-hours and goodput of the clusters that ran it.
+    """
+    from rayslice.core.goodput import Account
+
+    lanes: list[Lane] = []
+    bars: list[Bar] = []
+    figures: dict[str, Account] = {}
+    attempts: dict[str, dict[str, int]] = {}
+    for name, found in by_cluster.items():
+        lanes += [lane.model_copy(update={"key": f"{name}:{lane.key}", "title": f"{name}: {lane.title}",
+                                          "cluster": name}) for lane in found.lanes]
+        bars += [bar.model_copy(update={"lane": f"{name}:{bar.lane}", "cluster": name}) for bar in found.bars]
+        for sid, data in found.goodput.items():
+            account = Account.from_json(data)
+            figures[sid] = figures[sid].add(account) if sid in figures else account
+            if account.attempts:
+                attempts.setdefault(sid, {})[name] = attempts.get(sid, {}).get(name, 0) + account.attempts
+    readings = list(by_cluster.values())
+    now = max((f.until for f in readings), default=datetime.now(UTC))
+    hours = max((f.hours for f in readings), default=DEFAULT_WINDOW_H)
+    oldest = min((f.oldest for f in readings if f.oldest is not None), default=None)
+    bars.sort(key=lambda b: (b.start, b.lane))
+    lanes.sort(key=lambda lane: (lane.kind != "tpu", lane.title))
+    return Usage(since=min((f.since for f in readings), default=now), until=now, hours=hours, lanes=lanes, bars=bars,
+                 oldest=oldest, goodput={sid: a.to_json() for sid, a in figures.items()}, attempts=attempts,
+                 unread=dict(unread or {}))
+
+
+def usage_of_set(members: Mapping[str, Callable[[], Usage]]) -> Usage:
+    """Each member's usage (`read()` per member, e.g. `usage` of its dashboard) joined by `merge`. A member that
+    cannot be read is left out and named in `unread`; when none can be, the first member's error is raised."""
+    from rayslice.core.exceptions import RaysliceError
+
+    found: dict[str, Usage] = {}
+    unread: dict[str, str] = {}
+    first: RaysliceError | None = None
+    for name, read in members.items():
+        try:
+            found[name] = read()
+        except RaysliceError as exc:
+            unread[name] = str(exc)
+            first = first or exc
+    if not found and first is not None:
+        raise first
+    return merge(found, unread)
+
+
+def totals(bars: list[Bar], goodput: dict[str, dict[str, Any]] | None = None,
+           attempts: dict[str, dict[str, int]] | None = None) -> tuple[list[UsageRow], list[UsageRow]]:
     """Accelerator-hours per DAG and per (DAG, task) over the window, largest first; hidden DAGs make one row.
 
-    With `goodput` (Usage.goodput), each row also sums the figures of its steps that have them.
+    With `goodput` (Usage.goodput), each row also sums the figures of its steps that have them; with
+    `attempts` (Usage.attempts, a cluster set's view), each row says how many attempts held capacity where.
     """
     def add(rows: dict, key: tuple, bar: Bar) -> None:
         hours, steps = rows.setdefault(key, ({}, set()))
         hours[bar.resource] = hours.get(bar.resource, 0.0) + bar.hours
         steps.add(bar.submission_id)
+        if bar.cluster:
+            on.setdefault(bar.submission_id, set()).add(bar.cluster)
+
+    on: dict[str, set[str]] = {}  # the clusters each step has bars on
 
     per_dag: dict[tuple, tuple[dict[str, float], set[str]]] = {}
     per_task: dict[tuple, tuple[dict[str, float], set[str]]] = {}
@@ -307,11 +383,22 @@ def totals(bars: list[Bar], goodput: dict[str, dict[str, Any]] | None = None
     def rows(table: dict, with_task: bool) -> list[UsageRow]:
         out = [UsageRow(dag_id=key[0], task_id=key[2] if with_task else None, steps=len(steps),
                         hours={r: round(hours[r], 6) for r in ACCELERATORS if r in hours}, hidden=key[1],
-                        **_figures(steps, goodput or {}))
+                        clusters=_where(steps, attempts or {}, on), **_figures(steps, goodput or {}))
                for key, (hours, steps) in table.items()]
         return sorted(out, key=lambda r: (r.hidden, -sum(r.hours.values()), r.dag_id, r.task_id or ""))
 
     return rows(per_dag, False), rows(per_task, True)
+
+
+def _where(steps: set[str], attempts: dict[str, dict[str, int]], on: dict[str, set[str]]) -> dict[str, int]:
+    """Attempts that held capacity per cluster over a row's steps: a step's records where it has them, else one per
+    cluster it has bars on (a running attempt has no record yet)."""
+    out: dict[str, int] = {}
+    for sid in steps:
+        counted = attempts.get(sid) or dict.fromkeys(on.get(sid, ()), 1)
+        for name, count in counted.items():
+            out[name] = out.get(name, 0) + count
+    return dict(sorted(out.items()))
 
 
 def _figures(steps: set[str], goodput: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -375,11 +462,14 @@ def render(rows: list[UsageRow], *, title: str) -> Any:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for column in ("DAG", "task", "steps", "TPU chip-h", "GPU-h", "held chip-h", "goodput", *CATEGORIES):
+    on_clusters = any(row.clusters for row in rows)  # a cluster set's view: where the attempts ran
+    for column in ("DAG", "task", "steps", *(("clusters (attempts)",) if on_clusters else ()), "TPU chip-h", "GPU-h",
+                   "held chip-h", "goodput", *CATEGORIES):
         table.add_column(column, no_wrap=True, justify="left" if column in ("DAG", "task") else "right")
     for row in rows:
         table.add_row(
             "(hidden)" if row.hidden else row.dag_id, row.task_id or "", str(row.steps),
+            *((", ".join(f"{name} ({count})" for name, count in row.clusters.items()),) if on_clusters else ()),
             f"{row.tpu_chip_hours:.4g}", f"{row.gpu_hours:.4g}",
             "-" if row.held_chip_h is None else f"{row.held_chip_h:.4g}",
             "-" if row.goodput is None else f"{row.goodput:.1%}" + ("" if row.measured == row.steps

@@ -208,7 +208,8 @@ def _attempts(spec: StepSpec, first: phases.Timeline, checkpoint_dir: str | None
             for line in timeline.lines():
                 print(line, flush=True)
             records.append(timeline.record())
-            metrics.sender.attempt(spec, timeline.times, timeline.queue_wait())
+            if timeline.outcome != "stood by":  # another cluster of its set ran it: nothing held, no attempt here
+                metrics.sender.attempt(spec, timeline.times, timeline.queue_wait())
         attempt += 1
 
 

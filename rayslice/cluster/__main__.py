@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rayslice.core.exceptions import RaysliceError, StepFailedError, error_fields
+from rayslice.core.exceptions import RanElsewhereError, RaysliceError, StepFailedError, error_fields
 from rayslice.core.step import ResultTooLargeError, StepSpec, format_error, format_result
 
 
@@ -134,8 +134,13 @@ def main(argv: list[str]) -> int:
 
 
 def _counted(spec: StepSpec, metrics: Any, error: str | None) -> None:
-    """The step's outcome to the cluster's metrics (`rayslice.cluster.metrics`), after its last line."""
-    metrics.step(spec, "failed" if error else "succeeded", error)
+    """The step's outcome to the cluster's metrics (`rayslice.cluster.metrics`), after its last line.
+
+    A job of a cluster set's step that stood by (`RanElsewhereError`: another cluster ran it) is no step of this
+    cluster and no failure: the cluster that ran it counts it (what it held here, after a suspension, is in its
+    goodput figures, sent as it ended)."""
+    if error != RanElsewhereError.__name__:
+        metrics.step(spec, "failed" if error else "succeeded", error)
     metrics.flush()
 
 

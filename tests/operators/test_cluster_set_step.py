@@ -88,6 +88,10 @@ def test_a_task_on_a_set_runs_on_the_member_that_is_free_and_returns_its_result(
         held.join(120)
     assert str(run.state) == "success"
     assert xcom_values(run, "step") == [[b.gcs_address]]
+    # Which member ran it, for the task's readers and its "Ray job" link: set_b's job, through the Slices plugin.
+    [sid] = xcom_values(run, "step", key="ray_submission_id")
+    assert xcom_values(run, "step", key="ray_cluster") == [{"submission_id": sid, "cluster": "set_b"}]
+    assert xcom_values(run, "step", key="_link_RayJobLink") == [f"/rayslice/job/{sid}?conn_id=set_b"]
 
 
 def test_a_retry_on_a_set_ends_the_earlier_tries_claims_so_their_queued_jobs_never_run(tmp_path):

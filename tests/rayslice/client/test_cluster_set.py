@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rayslice.client.cluster_set import Member, run_on_set, spec_for_set
-from rayslice.client.jobs_client import AsyncRayJobsClient
+from rayslice.client.cluster_set import Member, ran_by, run_on_set, spec_for_set, stood_by
+from rayslice.client.jobs_client import AsyncRayJobsClient, RayJobsClient
 from rayslice.client.submission import run_step_job
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.exceptions import InvalidRequestError, UnsatisfiableRequestError
@@ -52,7 +52,8 @@ def step(name: str, pair: Pair, fn=where_am_i, request: str = "v6e-4", **kwargs)
                                  checkpoint_root=f"file://{pair.shared}")
 
 
-def on_set(pair: Pair, spec: StepSpec, *names: str, lines: list[str] | None = None):
+def on_set(pair: Pair, spec: StepSpec, *names: str, lines: list[str] | None = None, told: list[str] | None = None):
+    """Run `spec` over the clusters `names`; `told`: each cluster `run_on_set` said runs the step, in order."""
     if spec.cluster_set is None:
         spec = spec_for_set(spec, "tpus", names, shared_root=True)
     out = lines if lines is not None else []
@@ -60,7 +61,8 @@ def on_set(pair: Pair, spec: StepSpec, *names: str, lines: list[str] | None = No
     async def go():
         members = pair.members(*names)
         try:
-            return await run_on_set(spec, members, emit=lambda line: (out.append(line), print(line)))
+            return await run_on_set(spec, members, emit=lambda line: (out.append(line), print(line)),
+                                    on_cluster=told.append if told is not None else None)
         finally:
             for member in members:
                 await member.client.aclose()
@@ -85,7 +87,8 @@ def test_a_step_naming_both_runs_on_the_one_that_is_free_while_the_other_is_held
     try:
         assert wait_until(lambda: flag.with_suffix(".started").exists(), timeout=120), "the holder never started on a"
         lines: list[str] = []
-        result, spec = on_set(cluster_pair, step("mover", cluster_pair), *NAMES, lines=lines)
+        told: list[str] = []
+        result, spec = on_set(cluster_pair, step("mover", cluster_pair), *NAMES, lines=lines, told=told)
     finally:
         flag.write_text("go")
         holder.join(120)
@@ -98,6 +101,14 @@ def test_a_step_naming_both_runs_on_the_one_that_is_free_while_the_other_is_held
     status_a, log_a = cluster_pair.jobs("set-a", spec.owner.submission_id)
     assert status_b == "SUCCEEDED" and "the step runs on cluster set-b" in log_b
     assert status_a == "FAILED" and "RanElsewhereError" in log_a and "running on" not in log_a
+    # Who ran it, as the task's XCom and "Ray job" link get it: told once, the cluster that ran it; and from the two
+    # clusters' own job records (a link made before any cluster claimed it), set-a's job read as standing by.
+    assert told == ["set-b"]
+    records = {}
+    for name in NAMES:
+        with RayJobsClient(cluster_pair.records[name].dashboard_url, token=cluster_pair.records[name].token) as c:
+            records[name] = c.get(spec.owner.submission_id)
+    assert stood_by(records["set-a"]) and ran_by(records) == "set-b", records["set-a"].message
 
 
 def test_an_unreachable_cluster_is_skipped_with_why_and_the_step_runs_on_the_next(cluster_pair):
@@ -182,8 +193,9 @@ def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_c
 
     drainer = threading.Thread(target=drain_the_running_one_once_it_saved)
     drainer.start()
+    told: list[str] = []
     try:
-        result, spec = on_set(cluster_pair, spec, *NAMES, lines=lines)
+        result, spec = on_set(cluster_pair, spec, *NAMES, lines=lines, told=told)
     finally:
         drainer.join(60)
         if "name" in drained:
@@ -198,6 +210,7 @@ def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_c
     assert done == list(range(12)), f"a step was done twice or skipped: {done}"
     assert drained["free"] and drained["free_at"] < drained["deadline"], cluster_pair.held_by(drained_name, sid)
     assert "released claim 0" in log and f"the step ran on cluster {other}" in log, log
+    assert told == [drained_name, other], told  # the link and XCom follow the step to the other cluster
 
 
 def test_many_steps_on_both_never_run_on_two_clusters_at_once_and_leave_every_chip_free(cluster_pair, tmp_path):
@@ -235,39 +248,47 @@ def test_many_steps_on_both_never_run_on_two_clusters_at_once_and_leave_every_ch
 
 def test_a_holder_whose_driver_is_killed_fails_the_step_and_the_standby_is_stopped(cluster_pair, tmp_path):
     """The holder dies without writing its end: the submitter sees its job fail while it holds the claim, takes
-    that as the step's outcome, and stops the other cluster's standby (which would otherwise wait for ever)."""
+    that as the step's outcome, and stops the other cluster's standby (which would otherwise wait for ever).
+    Whichever cluster claimed the step (a, unless b's job got there 0.25 s sooner) is the one whose driver dies."""
     import psutil
 
-    a = cluster_pair.records[NAMES[0]]
     flag = tmp_path / "never"
     spec = spec_for_set(step("killed-holder", cluster_pair, flag=str(flag)), "tpus", NAMES, shared_root=True)
     sid = spec.owner.submission_id
-    killed: list[int] = []
+    by_gcs = {cluster_pair.records[n].gcs_address: n for n in NAMES}
+    killed: dict = {}
 
-    def kill_the_driver_on_a():
+    def kill_the_holders_driver():
         assert wait_until(lambda: flag.with_suffix(".started").exists(), timeout=120)
+        holder = cluster_pair.records[killed.setdefault("name", by_gcs[flag.with_suffix(".started").read_text()])]
         for proc in psutil.process_iter(["cmdline", "cwd"]):
             cmdline, cwd = " ".join(proc.info["cmdline"] or []), proc.info["cwd"] or ""
-            if "rayslice.cluster spec.json" in cmdline and cwd.startswith(a.temp_dir):
+            if "rayslice.cluster spec.json" in cmdline and cwd.startswith(holder.temp_dir):
                 proc.kill()
-                killed.append(proc.pid)
+                killed.setdefault("pids", []).append(proc.pid)
+        if not killed.get("pids"):
+            flag.write_text("go")  # no driver found: let the step end rather than wait for ever
 
     import threading
 
-    killer = threading.Thread(target=kill_the_driver_on_a)
+    killer = threading.Thread(target=kill_the_holders_driver)
     killer.start()
     lines: list[str] = []
+    told: list[str] = []
     try:
         with pytest.raises(Exception) as info:
-            on_set(cluster_pair, spec, *NAMES, lines=lines)
+            on_set(cluster_pair, spec, *NAMES, lines=lines, told=told)
     finally:
         killer.join(150)
-    assert killed, "no driver of the step ran on set-a"
+    holder = killed["name"]
+    standby = next(n for n in NAMES if n != holder)
+    assert killed.get("pids"), f"no driver of the step ran on {holder}"
     log = "\n".join(lines)
-    assert "the step ran on cluster set-a, and failed there" in log, (info.value, log)
-    assert wait_until(lambda: cluster_pair.jobs(NAMES[1], sid)[0] in ("STOPPED", "FAILED"), timeout=60), \
-        "the standby on set-b was left waiting"
-    assert wait_until(lambda: not cluster_pair.held_by(NAMES[0], sid), timeout=120), cluster_pair.held_by(NAMES[0], sid)
+    assert f"the step ran on cluster {holder}, and failed there" in log, (info.value, log)
+    assert told == [holder], told  # the task's link and XCom name the cluster it failed on
+    assert wait_until(lambda: cluster_pair.jobs(standby, sid)[0] in ("STOPPED", "FAILED"), timeout=60), \
+        f"the standby on {standby} was left waiting"
+    assert wait_until(lambda: not cluster_pair.held_by(holder, sid), timeout=120), cluster_pair.held_by(holder, sid)
 
 
 def test_a_set_spends_one_preemption_budget_whichever_clusters_suspend_the_step(cluster_pair):

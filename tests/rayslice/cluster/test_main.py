@@ -150,3 +150,51 @@ def test_ray_job_stop_unwinds_the_driver_and_frees_the_capacity(cluster, ray_dri
     assert f"[rayslice] released {request_}" in log
     if request_.resource == "TPU":
         assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=10)
+
+
+def test_a_job_that_stood_by_is_no_step_in_the_clusters_metrics(spec_file, no_cluster, monkeypatch, capsys):
+    """A cluster set's member whose job stood by (another cluster ran the step) held nothing and failed nothing:
+    it is not counted as a step, nor as a failure, in `rayslice_steps` / `rayslice_step_failures`. Its error line
+    stays: the submitter reads it as "stood by"."""
+    from rayslice.cluster.metrics import sender
+    from rayslice.core.exceptions import RanElsewhereError
+
+    counted: list[tuple] = []
+    monkeypatch.setattr(sender, "step", lambda spec, outcome, error=None: counted.append((outcome, error)))
+
+    def stood_by(spec, **_):
+        raise RanElsewhereError("cluster b of set 'tpus' ran this step (succeeded); cluster a stood by")
+
+    monkeypatch.setattr("rayslice.cluster.run_step", stood_by)
+    assert driver.main(["launcher", spec_file]) == 1
+    marker, error = last_marked_line(capsys.readouterr().out)
+    assert marker == ERROR_MARKER and error["type"] == "RanElsewhereError"
+    assert counted == []
+    monkeypatch.setattr("rayslice.cluster.run_step", lambda spec, **_: [[4, 0]])  # a step that ran here is counted
+    assert driver.main(["launcher", spec_file]) == 0
+    assert counted == [("succeeded", None)]
+
+
+def test_an_attempt_that_stood_by_is_no_attempt_in_the_clusters_metrics(monkeypatch):
+    """`run_step` on a member whose job stands by (it raises `RanElsewhereError` before anything is held): no attempt
+    is sent to the phase and queue-wait histograms (each observation there is an attempt), and no goodput record."""
+    import rayslice.cluster as launcher
+    from rayslice.core.exceptions import RanElsewhereError
+
+    sent: list[str] = []
+    monkeypatch.setattr(launcher.metrics.sender, "attempt", lambda spec, times, wait: sent.append("attempt"))
+    monkeypatch.setattr(launcher.metrics.sender, "goodput", lambda spec, account: sent.append("goodput"))
+    monkeypatch.setattr(launcher, "_require_connected_driver", lambda: None)
+    monkeypatch.setattr(launcher, "_reap_orphans", lambda spec: None)
+
+    def stands_by(*args, **kwargs):
+        raise RanElsewhereError("cluster b of set 'tpus' ran this step (succeeded); cluster a stood by")
+
+    monkeypatch.setattr(launcher, "_run_on_fraction", stands_by)
+    spec = StepSpec.for_function(returns_a_set, request=AcceleratorRequest(resource="GPU", count=0.25))
+    with pytest.raises(RanElsewhereError):
+        launcher.run_step(spec, driver_phases={"driver_started": 1.0, "accepted": 0.5})
+    assert sent == []
+    monkeypatch.setattr(launcher, "_run_on_fraction", lambda *args, **kwargs: 1)  # one that ran here is sent
+    launcher.run_step(spec, driver_phases={"driver_started": 1.0, "accepted": 0.5})
+    assert sent == ["attempt"]
