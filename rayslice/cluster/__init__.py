@@ -384,6 +384,8 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
                 with contextlib.suppress(Exception):
                     remove_placement_group(marker)
         timeline.note("admitted")
+        if member is not None:
+            member.admitted()  # a tie with a cluster later in the set's order goes to this one
         if waited >= 1:
             log(f"admitted after {waited:.1f} s in the queue")
         return place

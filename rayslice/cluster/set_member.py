@@ -9,7 +9,8 @@ Here is when the launcher reads and writes them:
   `RanElsewhereError`;
 - once admitted, before anything is reserved: it claims the generation in play; a lost race gives the
   admission back (`place.leave`) and it stands by. A cluster later in the set's preference order waits
-  `PREFERENCE_STEP_S` per place first, so a tie goes to the earlier one;
+  `PREFERENCE_STEP_S` per place first when an earlier one was admitted too (`admitted`), so a tie goes to
+  the earlier one;
 - after an attempt that resumes (a notice, a lost slice), once every host ended: it releases the
   generation, so that whichever cluster admits the step next runs it, from the same checkpoint;
 - when the step ends here (succeeded, failed, stopped): `done`.
@@ -18,6 +19,7 @@ Here is when the launcher reads and writes them:
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -114,9 +116,33 @@ class SetMember:
             self._elsewhere = self._elsewhere_now(self._state())
         return self._elsewhere
 
+    def admitted(self) -> None:
+        """This cluster's queue admitted the step: say so, off the step's path (a thread), so that a cluster later
+        in the set's order that is admitted at about the same time gives this one its preference."""
+        generation = self._last.generation if self._last is not None else 0
+
+        def note() -> None:
+            with contextlib.suppress(Exception):  # only a hint: without it, a tie goes to whoever claims first
+                self.claims.note_admitted(generation)
+
+        threading.Thread(target=note, name="rayslice-set-admitted", daemon=True).start()
+
+    def _ahead_of_me(self) -> bool:
+        """Whether a cluster earlier in the set's order was admitted for the generation in play."""
+        earlier = set(self.clusters.members[: self.clusters.rank])
+        generation = self._last.generation if self._last is not None else 0
+        try:
+            return bool(self.claims.admitted(generation) & earlier)
+        except Exception:  # storage that cannot list: wait, as if one were
+            return True
+
     def claim(self) -> bool:
-        """Admitted here: claim the step before anything is reserved. False: another cluster has it."""
-        if self.clusters.rank:
+        """Admitted here and capacity held: claim the step before any host starts. False: another cluster has it.
+
+        A cluster later in the set's order waits `PREFERENCE_STEP_S` per place first, but only when an earlier
+        one was admitted too (its `admitted` note): a tie goes to the earlier one, and a step whose earlier
+        clusters are full pays nothing for being on a set."""
+        if self.clusters.rank and self._ahead_of_me():
             time.sleep(PREFERENCE_STEP_S * self.clusters.rank)
         try:
             state = self.claims.take()

@@ -170,6 +170,22 @@ class Claims:
                 "time: use gs://, or a folder every cluster mounts") from exc
         return self.state()
 
+    def note_admitted(self, generation: int) -> None:
+        """This cluster's queue admitted the step for `generation` (it reserves now): later clusters of the set
+        then give it its preference before they claim (`admitted`). A plain write: only a hint, never a claim."""
+        self.fs.makedirs(self._root, exist_ok=True)
+        with self.fs.open(self._path(f"admitted-{generation}-{self.member}.json"), "wb") as f:
+            f.write(self._record(generation=generation))
+
+    def admitted(self, generation: int) -> set[str]:
+        """The clusters whose queues said they admitted the step for `generation` (`note_admitted`)."""
+        try:
+            names = [posixpath.basename(p) for p in self.fs.ls(self._root, detail=False, refresh=True)]
+        except FileNotFoundError:
+            return set()
+        prefix = f"admitted-{generation}-"
+        return {name[len(prefix):-len(".json")] for name in names if name.startswith(prefix) and name.endswith(".json")}
+
     def release(self, generation: int, why: str, retries_used: int = 0) -> None:
         """This job's hosts ended and the step resumes: the next generation is anybody's.
 

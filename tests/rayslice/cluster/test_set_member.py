@@ -25,3 +25,24 @@ def test_the_retries_used_elsewhere_leave_this_cluster_fewer(tmp_path):
     assert (b.retries_used, b.resumptions_left) == (1, 1)
     b.release("drained", retries_used=2)
     assert a.claim() and (a.retries_used, a.resumptions_left) == (2, 0)
+
+
+def test_a_later_cluster_waits_for_an_earlier_one_only_when_that_one_was_admitted_too(tmp_path, monkeypatch):
+    """A tie goes to the earlier cluster; a step whose earlier clusters are full claims at once on a later one."""
+    from rayslice.cluster import set_member
+    from tests.conftest import wait_until
+
+    slept: list[float] = []
+    monkeypatch.setattr(set_member.time, "sleep", lambda s: slept.append(s))
+    a, b = member(tmp_path / "1", "a"), member(tmp_path / "1", "b")
+    b.must_stand_by()
+    assert b.claim() and slept == [], "a was never admitted: b claims without waiting"
+
+    a, b = member(tmp_path / "2", "a"), member(tmp_path / "2", "b")
+    a.must_stand_by()
+    a.admitted()  # its note is written off the step's path
+    assert wait_until(lambda: "a" in a.claims.admitted(0), timeout=10)
+    slept.clear()  # (the wait above slept too)
+    b.must_stand_by()
+    assert b.claim(), "a was admitted but has not claimed: after its preference, b claims"
+    assert slept == [set_member.PREFERENCE_STEP_S], "a was admitted too: b gives it its preference first"
