@@ -72,7 +72,7 @@ def main() -> None:
     if what == "dispatch-tpu":
         out = dispatch(TpuSliceRequest(tpu="v6e-4"), url, token)
     elif what == "dispatch-gpu":
-        out = dispatch(AcceleratorRequest(accelerator="GPU", count=0.25), url, token)
+        out = dispatch(AcceleratorRequest(resource="GPU", count=0.25), url, token)
     elif what == "chain":
         out = chain()
     else:
