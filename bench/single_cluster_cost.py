@@ -39,6 +39,10 @@ def probe(tree: Path, what: str, record: local_cluster.ClusterRecord, airflow_ho
     env = {**os.environ, "AIRFLOW_HOME": str(airflow_home),
            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home}/airflow.db",
            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "bench" / "airflow_dags"),
+           "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([{
+               "name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+               "kwargs": {"path": str(ROOT / "bench" / "airflow_dags")}}]),
            "AIRFLOW_CONN_RAY_DEFAULT": json.dumps({"conn_type": "ray", "host": record.dashboard_url,
                                                    "password": record.token or "",
                                                    "extra": {"launcher": "shipped"}})}
