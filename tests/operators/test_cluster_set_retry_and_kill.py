@@ -1,5 +1,5 @@
-"""Review of issue 53 (cluster sets): the operator's side, cluster-free (a fake dashboard over real HTTP, a port that
-refuses connections for a member that cannot be reached). Marked `xfail(strict=True)`: fails on the code reviewed."""
+"""Cluster sets under faults (issue 53, found by review): the operator's side, cluster-free (a fake dashboard over real HTTP, a port that
+refuses connections for a member that cannot be reached).."""
 
 from __future__ import annotations
 
@@ -36,10 +36,6 @@ def step(x=1):
     return x
 
 
-@pytest.mark.xfail(strict=True, reason="defect: on an Airflow retry (try > 1) `_stop_earlier_tries` lists jobs "
-                   "on every member before anything is submitted and does not skip one that is unreachable: the whole "
-                   "try fails, though the docs say an unreachable member is skipped and the earlier try's job there "
-                   "stands by")
 def test_a_retry_goes_on_with_the_members_it_reaches(tmp_path, monkeypatch):
     from rayslice.hooks.ray import RayHook
     from rayslice.operators import step as step_module
@@ -81,10 +77,6 @@ class StoppableDashboard(EmptyDashboard):
         return super().answer(request)
 
 
-@pytest.mark.xfail(strict=True, reason="defect: `on_kill` on a set only calls each member's Jobs API: a member it "
-                   "cannot reach keeps the step's job waiting in its queue, and nothing in the claims tells that job "
-                   "the task was killed, so it later claims the step and runs the body after the task was marked "
-                   "failed (an Airflow retry ends the earlier chains for this reason; a kill does not)")
 def test_a_kill_that_cannot_reach_a_member_still_keeps_its_job_from_running_the_step(tmp_path, monkeypatch):
     from rayslice.hooks.ray import RayHook
     from rayslice.operators import step as step_module

@@ -1,10 +1,7 @@
-"""Review of issue 53 (cluster sets): a launcher's part in a set's step, cluster-free (claims in a local folder; the
-admission broker stood in for by a place that is admitted at once). Marked `xfail(strict=True)`: fails on the code
-reviewed, passes once the defect is fixed."""
+"""Cluster sets under faults (issue 53, found by review): a launcher's part in a set's step, cluster-free (claims in a local folder; the
+admission broker stood in for by a place that is admitted at once).."""
 
 from __future__ import annotations
-
-import pytest
 
 import rayslice.cluster as launcher
 from rayslice.cluster import phases
@@ -15,10 +12,6 @@ from rayslice.core.cluster_claim import Claims, ClusterSet
 from rayslice.core.step import Owner, StepSpec
 
 
-@pytest.mark.xfail(strict=True, reason="defect: the queue entry's `preemptible` is decided at join from this "
-                   "cluster's own retries; the set's retries used on another cluster are read only at the claim, after "
-                   "admission, so a step with none left on the set still runs as a priority victim here, and a "
-                   "higher-priority step's suspension then fails it")
 def test_a_step_with_no_set_retries_left_is_no_priority_victim_on_the_next_cluster(tmp_path, monkeypatch):
     spec = StepSpec(command=["true"], request=TpuSliceRequest(tpu="v6e-4"), preemption_retries=1, preemptible=True,
                     priority=1, owner=Owner(dag_id="d", run_id="r", task_id="t", submission_id="sid"),
@@ -40,10 +33,6 @@ def test_a_step_with_no_set_retries_left_is_no_priority_victim_on_the_next_clust
     assert not place.entry.preemptible, "held as a priority victim with no preemption retry left on the set"
 
 
-@pytest.mark.xfail(strict=True, reason="defect: `SetMember.release` writes `released-<g>` once, not through a storage "
-                   "outage as the reads and `finish` are: one 503 as a suspended step releases its claim raises out of "
-                   "`_attempts` (the suspension, with retries left, becomes the step's failure), and the claim, "
-                   "forgotten before the write, is never released nor ended")
 def test_a_storage_blip_as_the_claim_is_released_does_not_end_a_resumable_step(tmp_path, monkeypatch):
     from rayslice.cluster import set_member
 
@@ -53,17 +42,16 @@ def test_a_storage_blip_as_the_claim_is_released_does_not_end_a_resumable_step(t
                     cluster_set=ClusterSet(name="tpus", members=("a", "b"), member="a"))
     a = SetMember(spec, f"file://{tmp_path}", log=lambda line: None)
     assert a.claim()
-    fs = a.claims.fs
-    real_open = fs.open
+    real_create = Claims._create_whole
     blips = {"left": 1}
 
-    def flaky_open(path, mode="rb", **kwargs):
-        if mode == "xb" and path.endswith("released-0.json") and blips["left"]:
+    def flaky_create(self, name, data):
+        if name == "released-0.json" and blips["left"]:
             blips["left"] -= 1
             raise OSError("503 Service Unavailable")
-        return real_open(path, mode, **kwargs)
+        return real_create(self, name, data)
 
-    monkeypatch.setattr(fs, "open", flaky_open)
+    monkeypatch.setattr(Claims, "_create_whole", flaky_create)
     a.release("drained", retries_used=1)  # every host ended: the step resumes on whichever cluster admits it
     b = Claims(f"file://{tmp_path}", member="b", submission_id="sid")
     assert b.take().held_by("b", "sid"), "generation 0 was never released: no cluster can resume the step"

@@ -1,7 +1,6 @@
-"""Review of issue 53 (cluster sets): defects found by trying to break `run_on_set`, cluster-free.
+"""Cluster sets under faults (issue 53, found by review): defects found by trying to break `run_on_set`, cluster-free.
 
-The members' Jobs clients are fakes; the claims folder is a real local folder, as the standbys read it. Each test
-here is marked `xfail(strict=True)`: it fails on the code as reviewed, and passes once the defect is fixed.
+The members' Jobs clients are fakes; the claims folder is a real local folder, as the standbys read it.
 """
 
 from __future__ import annotations
@@ -40,9 +39,6 @@ def _set_spec(tmp_path):
     return spec, checkpoint_dir_for(spec.checkpoint_root, spec.owner)
 
 
-@pytest.mark.xfail(strict=True, reason="defect: the holder's job fails without writing `done` (driver killed) and the "
-                   "one read of the claims in `_held_by` hits a storage blip: run_on_set then waits for ever on the "
-                   "standbys, which stand by for ever behind the dead holder's claim")
 def test_a_holder_that_dies_during_a_storage_blip_fails_the_step_instead_of_hanging(tmp_path, monkeypatch):
     spec, folder = _set_spec(tmp_path)
     sid = spec.owner.submission_id
@@ -88,10 +84,6 @@ def test_a_holder_that_dies_during_a_storage_blip_fails_the_step_instead_of_hang
         asyncio.run(main())
 
 
-@pytest.mark.xfail(strict=True, reason="defect: a submission that fails with anything but RayJobsError (here another "
-                   "owner's job under the id: SubmissionConflictError) escapes `asyncio.gather` in run_on_set: the "
-                   "step fails while the job already submitted to the other member is neither followed nor stopped; "
-                   "it waits in that cluster's queue, claims and runs the body after the task failed")
 def test_a_submission_that_fails_on_one_member_never_leaves_the_others_job_unfollowed(tmp_path, monkeypatch):
     from rayslice.core.exceptions import SubmissionConflictError
 
