@@ -1,5 +1,5 @@
-"""Cluster sets under faults (issue 53, found by review): the operator's side, cluster-free (a fake dashboard over real HTTP, a port that
-refuses connections for a member that cannot be reached).."""
+"""A set's step retried or killed while a member cannot be reached (issue 53, found by review), cluster-free: a fake
+dashboard over real HTTP, and a port that refuses connections for the member that cannot be reached."""
 
 from __future__ import annotations
 

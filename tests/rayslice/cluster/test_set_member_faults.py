@@ -1,5 +1,5 @@
-"""Cluster sets under faults (issue 53, found by review): a launcher's part in a set's step, cluster-free (claims in a local folder; the
-admission broker stood in for by a place that is admitted at once).."""
+"""A launcher's part in a set's step under faults (issue 53, found by review), cluster-free: claims in a local
+folder; the admission broker stood in for by a place that is admitted at once."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Cluster sets under faults (issue 53, found by review): the claims chain (rayslice/core/cluster_claim.py) in a local folder, as the
-local clusters share it.."""
+"""The claims chain (rayslice/core/cluster_claim.py) against a writer frozen mid-claim (issue 53, found by review),
+in a local folder, as the local clusters share it."""
 
 from __future__ import annotations
 

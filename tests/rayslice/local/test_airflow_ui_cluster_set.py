@@ -1,4 +1,4 @@
-"""`rayslice airflow up --cluster-set` refuses what would break at run time (issue 53, found by review), cluster-free."""
+"""`rayslice airflow up --cluster-set` refuses what would break at run time (issue 53, found by review)."""
 
 from __future__ import annotations
 
