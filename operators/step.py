@@ -52,7 +52,7 @@ from rayslice.client.submission import LogFollower, running_earlier_tries, submi
 from rayslice.cloud import cluster_names
 from rayslice.core import runtime_env as runtime_envs
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
-from rayslice.core.cluster_claim import end_other_chains
+from rayslice.core.cluster_claim import end_chain, end_other_chains
 from rayslice.core.context import checkpoint_dir_for
 from rayslice.core.exceptions import InvalidRequestError, JobNotFoundError, RaysliceError, error_fields
 from rayslice.core.queue import TEAM_PATTERN, team_for
@@ -313,6 +313,7 @@ class RayStepOperator(BaseOperator):
         self._set: ClusterSetSettings | None = None  # the connection is a cluster set: its members
         self._members: dict[str, RayConnectionSettings] = {}  # the set's members that resolved, in its order
         self._ran_on: str | None = None  # a set's step: the member that runs (ran) it, once one claimed it
+        self._set_folder: str | None = None  # a set's step: its checkpoint folder (its claims live there)
         self._ti: Any = None  # the running try (a set's step pushes which member runs it as that changes)
 
     @property
@@ -439,13 +440,20 @@ class RayStepOperator(BaseOperator):
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
         async with contextlib.AsyncExitStack() as stack:
             members = []
+            unreachable: set[str] = set()
             for name, settings in self._members.items():
                 client = await stack.enter_async_context(settings.async_client())
                 if spec.owner.try_number > 1:
-                    await self._stop_earlier_tries(client, spec.owner)
+                    try:
+                        await self._stop_earlier_tries(client, spec.owner)
+                    except RaysliceError as exc:  # its earlier job, if any, is kept from running by its claims
+                        unreachable.add(name)
+                        self.log.warning("[rayslice] cluster %s: could not stop the earlier tries' jobs there (%s)",
+                                         name, exc)
                 members.append(Member(name, client, launcher=settings.launcher))
+            self._set_folder = checkpoint_dir_for(spec.checkpoint_root, spec.owner)
             if spec.owner.try_number > 1:
-                await self._end_earlier_chains(spec)
+                await self._end_earlier_chains(spec, unreachable)
             sid = spec.owner.submission_id or ""
             self.log.info("[rayslice] on cluster set %s: %s, in that order of preference (Ray job %s on each)",
                           clusters.name, ", ".join(self._members), sid)
@@ -488,14 +496,17 @@ class RayStepOperator(BaseOperator):
         except Exception as exc:  # the link is worth a line, never the step
             self.log.warning("[rayslice] could not record the Ray job link: %s", exc)
 
-    async def _end_earlier_chains(self, spec: StepSpec) -> None:
-        """End the earlier tries' claim chains: their jobs on a member this try could not reach never claim later."""
+    async def _end_earlier_chains(self, spec: StepSpec, unreachable: set[str] | None = None) -> None:
+        """End the earlier tries' claim chains: their jobs on a member this try could not reach never claim later.
+        One that holds the step on such a member may still run it: this try fails rather than start beside it."""
         folder = checkpoint_dir_for(spec.checkpoint_root, spec.owner)
         if not folder:
             return
         try:
             ended = await asyncio.to_thread(end_other_chains, folder, spec.owner.submission_id or "",
-                                            f"superseded by try {spec.owner.try_number}")
+                                            f"superseded by try {spec.owner.try_number}", frozenset(unreachable or ()))
+        except InvalidRequestError as exc:
+            raise AirflowException(f"{self.task_id}: {exc}") from None
         except Exception as exc:  # storage down: the earlier tries' jobs this try reached are stopped anyway
             self.log.warning("[rayslice] could not end the earlier tries' claims in %s: %s: %s", folder,
                              type(exc).__name__, exc)
@@ -638,6 +649,14 @@ class RayStepOperator(BaseOperator):
                 self.log.warning("[rayslice] could not stop Ray job %s%s: %s", sid, on, exc)
                 continue
             self.log.info("[rayslice] %s Ray job %s%s", "stopped" if stopped else "not running:", sid, on)
+        if self._set is not None and self._set_folder:  # a member not reached above: its job ends when admitted
+            try:
+                if end_chain(self._set_folder, sid, "stopped: its Airflow task was killed", killed=True):
+                    self.log.info("[rayslice] ended the step's claims: its job on any cluster of set %s not reached "
+                                  "above ends without running", self._set.name)
+            except Exception as exc:  # storage down: the jobs reached above are stopped anyway
+                self.log.warning("[rayslice] could not end the step's claims in %s: %s: %s", self._set_folder,
+                                 type(exc).__name__, exc)
 
     # ---- helpers
 

@@ -40,6 +40,10 @@ from rayslice.core.step import Launcher, StepSpec
 
 #: Errors that say a cluster can never run this request: skip it, go on with the rest.
 REFUSALS = (UnsatisfiableRequestError,)
+#: How often a job that failed while the claims could not be read is asked about again (did it hold the step?).
+RECHECK_S = 5.0
+#: Reads of the claims are tried this many times (0.5, 1, 2 s apart) through a storage outage.
+READ_TRIES = 4
 #: How long the standbys get to end by themselves once the step ended on one cluster (they look every second).
 STANDBYS_END_S = 15.0
 #: How often the submitter reads the claims to tell which cluster holds the step (`on_cluster`).
@@ -94,8 +98,8 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
                                        "launcher": member.launcher})
         try:
             return await submit_step(member.client, mine, emit=prefixed(emit, member.name))
-        except RayJobsError as exc:
-            emit(f"[rayslice] cluster {member.name} skipped: the submission failed ({exc})")
+        except Exception as exc:  # any failure is this member's: the others' jobs are followed (or stopped)
+            emit(f"[rayslice] cluster {member.name} skipped: the submission failed ({type(exc).__name__}: {exc})")
             return None
 
     # At once: a member later in the list must not start later for being later (the first admission wins).
@@ -130,7 +134,12 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
     try:
         pending = set(follows)
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(pending, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED)
+            for name, exc in errors:  # a failed job the claims could not be read for: did it hold the step?
+                if await _held_by(spec, name):
+                    emit(f"[rayslice] the step ran on cluster {name}, and failed there")
+                    settle(name)
+                    raise exc
             for task in done:
                 name = follows[task]
                 try:
@@ -199,13 +208,17 @@ async def _held_by(spec: StepSpec, name: str) -> bool:
     """Whether cluster `name` holds the step's claim now or ended it (its `done`), as the shared folder says.
 
     A job that failed there is then the step's failure: its driver may have died without writing `done`, and the
-    others would stand by for ever. Storage that cannot be read says no (the job's error waits for the rest).
+    others would stand by for ever. A read is tried again through a storage outage (4 tries); storage that still
+    cannot be read says no for now, and `run_on_set` asks again every `RECHECK_S` while others still run.
     """
-    try:
-        state = await asyncio.to_thread(_claims_state, spec)
-    except Exception:
-        return False
-    return holder_of(state) == name
+    for attempt in range(READ_TRIES):
+        try:
+            state = await asyncio.to_thread(_claims_state, spec)
+            return holder_of(state) == name
+        except Exception:
+            if attempt < READ_TRIES - 1:
+                await asyncio.sleep(min(4.0, 0.5 * 2 ** attempt))
+    return False
 
 
 async def _watch_holder(spec: StepSpec, tell: Callable[[str | None], None]) -> None:

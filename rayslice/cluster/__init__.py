@@ -357,6 +357,8 @@ def _admit(spec: StepSpec, waits: Waits, timeline: phases.Timeline, most_slices:
             member.stand_by()
             # Another cluster ran it meanwhile, for as long as that took: waiting here starts afresh.
             waits.capacity, waits.start = spec.capacity_timeout, gang.HOST_START_TIMEOUT_S
+        if member is not None:  # retries used on other clusters of its set count before it waits here
+            waits.resumptions_left = min(waits.resumptions_left, member.count_retries())
         place = admission.place_for(spec, arrival=waits.arrival,
                                     preemptible=spec.preemptible and waits.resumptions_left > 0,
                                     most_slices=most_slices, least_slices=waits.held_slices or None,

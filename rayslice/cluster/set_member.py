@@ -90,6 +90,10 @@ class SetMember:
         """Until the generation in play is free (or this job's): out of the queue, holding nothing."""
         while True:
             state = self._state()
+            if state.done is not None and state.done.get("killed"):
+                raise RanElsewhereError(
+                    f"its Airflow task was stopped ({state.done.get('outcome', 'killed')}); cluster "
+                    f"{self.clusters.member} ends without running it")
             if state.done is not None and state.done.get("superseded_by"):
                 raise RanElsewhereError(
                     f"a later Airflow try of this task (Ray job {state.done['superseded_by']}) superseded this one; "
@@ -177,14 +181,33 @@ class SetMember:
                  "counting this cluster's own")
         return 0
 
+    def count_retries(self) -> int:
+        """Before joining this cluster's queue: the set's preemption retries left, as the chain says now (a step
+        with none left must not wait as a priority victim here, whatever this cluster's own count)."""
+        generation = self._last.generation if self._last is not None else self._state().generation
+        self.retries_used = max(self.retries_used, self._retries_before(generation))
+        return self.resumptions_left
+
     def release(self, why: str, retries_used: int = 0) -> None:
         """Every host of the attempt ended and the step resumes: whichever cluster admits it next runs it.
 
-        `retries_used`: the set's preemption retries used, this suspension's included (the next holder's start)."""
+        `retries_used`: the set's preemption retries used, this suspension's included (the next holder's start).
+        The write is tried again through a storage outage (4 tries); this job holds the generation until it is
+        written, and a release that never could be written fails the step here (its end then writes `done`)."""
         if self.generation is None:
             return
-        generation, self.generation = self.generation, None
-        self.claims.release(generation, why, retries_used)
+        generation = self.generation
+        for attempt in range(READ_TRIES):
+            try:
+                self.claims.release(generation, why, retries_used)
+                break
+            except Exception as exc:
+                if attempt == READ_TRIES - 1:
+                    raise RuntimeError(f"cluster set {self.clusters.name}: could not release claim {generation} "
+                                       f"({type(exc).__name__}: {exc}): the step cannot move to another cluster "
+                                       "and ends here") from exc
+                time.sleep(min(4.0, 0.5 * 2 ** attempt))
+        self.generation = None
         self.log(f"cluster set {self.clusters.name}: released claim {generation}; the step waits in every "
                  f"cluster's queue of {', '.join(self.clusters.members)} again, at its original arrival")
 

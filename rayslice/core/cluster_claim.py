@@ -11,8 +11,7 @@ read (`gs://` in production, one shared folder for the local clusters):
     <checkpoint_dir>/.rayslice-claims/<submission id>/released-<g>.json  g's holder stopped (every host ended)
     <checkpoint_dir>/.rayslice-claims/<submission id>/done.json          the step ended; nobody runs it again
 
-Generation g is free once every generation before it was released (or is void: a claim whose write failed
-halfway, unreadable after `VOID_AFTER_S`). Exactly one launcher creates
+Generation g is free once every generation before it was released. Exactly one launcher creates
 `claim-g` (the filesystem's exclusive create: `O_EXCL` locally, a generation-match precondition on
 object stores; fsspec's `open(mode="xb")`), and the others see it and stand by, out of their queues.
 The holder writes `released-g` only after its hosts ended (a suspension, a lost slice), so the next
@@ -28,11 +27,12 @@ claims; the Airflow side only reads them.
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import re
+import secrets
 import time
 from dataclasses import dataclass
-from datetime import UTC
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -40,8 +40,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rayslice.core.exceptions import InvalidRequestError
 
 CLAIMS_FOLDER = ".rayslice-claims"
-#: A claim still unreadable this long after it was written is void: its write failed (`Claims._void`).
-VOID_AFTER_S = 30.0
 #: A member cluster's name: a `ray` connection id, or a local cluster's name.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -120,29 +118,11 @@ class Claims:
         except FileNotFoundError:
             names = set()
         generation = 0
-        while f"released-{generation}.json" in names or (
-                f"claim-{generation}.json" in names and self._void(f"claim-{generation}.json")):
+        while f"released-{generation}.json" in names:
             generation += 1
         holder = self._read(f"claim-{generation}.json") if f"claim-{generation}.json" in names else None
         done = self._read("done.json") if "done.json" in names else None
         return ClaimState(generation, holder, done)
-
-    def _void(self, name: str) -> bool:
-        """Whether a claim is one whose write failed halfway: unreadable, and older than `VOID_AFTER_S`.
-
-        Its writer's claim raised, so its job failed without running the step; left standing, the claim
-        would keep every other cluster standing by for ever. A claim being written is young.
-        """
-        record = self._read(name)
-        if record is None or not record.get("partial"):
-            return False
-        try:
-            written = self.fs.modified(self._path(name))
-        except (FileNotFoundError, NotImplementedError):
-            return False
-        if written.tzinfo is None:  # fsspec's local filesystem says UTC without saying so
-            written = written.replace(tzinfo=UTC)
-        return time.time() - written.timestamp() > VOID_AFTER_S
 
     def _record(self, **more: Any) -> bytes:
         return json.dumps({"cluster": self.member, "submission_id": self.submission_id, "at": time.time(),
@@ -159,8 +139,7 @@ class Claims:
             return now
         self.fs.makedirs(self._root, exist_ok=True)
         try:
-            with self.fs.open(self._path(f"claim-{now.generation}.json"), "xb") as f:
-                f.write(self._record(generation=now.generation))
+            self._create_whole(f"claim-{now.generation}.json", self._record(generation=now.generation))
         except FileExistsError:
             pass  # somebody else was first: state() says who
         except (NotImplementedError, ValueError) as exc:
@@ -169,6 +148,34 @@ class Claims:
                 f"absent ({type(exc).__name__}: {exc}); a step on several clusters needs that to run on one at a "
                 "time: use gs://, or a folder every cluster mounts") from exc
         return self.state()
+
+    def _create_whole(self, name: str, data: bytes) -> None:
+        """Create `name` with `data` if it does not exist (FileExistsError if it does), never seen half-written.
+
+        An object store writes a whole object, under a does-not-exist precondition. A local or mounted folder
+        would show the file between its exclusive create and its write (a writer frozen there, or failing
+        halfway, would leave a claim nobody can read): there the data goes to a file of the writer's own
+        first, and a hard link, which fails if the name exists, creates the claim whole (the lock-file way,
+        safe on NFS too).
+        """
+        from fsspec.implementations.local import LocalFileSystem
+
+        if not isinstance(self.fs, LocalFileSystem):
+            with self.fs.open(self._path(name), "xb") as f:
+                f.write(data)
+            return
+        own = self._path(f".{name}.{self.member or 'x'}.{secrets.token_hex(6)}.tmp")
+        with open(own, "wb") as f:
+            f.write(data)
+        try:
+            os.link(own, self._path(name))
+        except FileExistsError:
+            raise
+        except OSError:  # a mount without hard links (a FUSE one): the exclusive create, then the write
+            with open(self._path(name), "xb") as f:
+                f.write(data)
+        finally:
+            os.unlink(own)
 
     def note_admitted(self, generation: int) -> None:
         """This cluster's queue admitted the step for `generation` (it reserves now): later clusters of the set
@@ -214,35 +221,47 @@ class Claims:
     def _write(self, name: str, data: bytes) -> None:
         self.fs.makedirs(self._root, exist_ok=True)
         try:
-            with self.fs.open(self._path(name), "xb") as f:
-                f.write(data)
+            self._create_whole(name, data)
         except FileExistsError:
             pass  # written before (a repeated call): the first word stands
 
 
-def end_other_chains(checkpoint_dir: str, keep: str, outcome: str) -> list[str]:
+def end_chain(checkpoint_dir: str, submission_id: str, outcome: str, **more: Any) -> bool:
+    """Write the chain's `done` from outside its clusters (Airflow: the task killed, a later try); False if it had
+    ended already. A job of the step still waiting in some cluster's queue then ends when admitted there."""
+    chain = Claims(checkpoint_dir, member="", submission_id=submission_id)
+    if chain.state().done is not None:
+        return False
+    chain._write("done.json", chain._record(outcome=outcome, **more))
+    return True
+
+
+def end_other_chains(checkpoint_dir: str, keep: str, outcome: str,
+                     unreachable: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Write `done` into every chain of the step's folder but `keep`'s (a retry's own); the ids it ended.
 
     An Airflow retry stops the earlier try's jobs on every cluster it reaches; an earlier try's job on a
     cluster it cannot reach (a partition) may still wait in that cluster's queue. With its chain ended,
-    that job stands by and ends when it is admitted, instead of running beside the retry.
+    that job stands by and ends when it is admitted, instead of running beside the retry. A chain whose
+    step is held now by a cluster in `unreachable` may still run there: InvalidRequestError, nothing ended
+    (the retry must not start beside it).
     """
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(posixpath.join(checkpoint_dir.rstrip("/"), CLAIMS_FOLDER))
     try:
-        chains = [posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False, refresh=True)]
+        chains = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False, refresh=True))
     except FileNotFoundError:
         return []
-    ended = []
-    for sid in sorted(chains):
-        if sid == keep:
-            continue
-        chain = Claims(checkpoint_dir, member="", submission_id=sid)
-        if chain.state().done is None:
-            chain._write("done.json", chain._record(outcome=outcome, superseded_by=keep))
-            ended.append(sid)
-    return ended
+    states = {sid: Claims(checkpoint_dir, member="", submission_id=sid).state() for sid in chains if sid != keep}
+    for sid, state in states.items():
+        holder = (state.holder or {}).get("cluster")
+        if state.done is None and holder in unreachable:
+            raise InvalidRequestError(
+                f"an earlier try's Ray job {sid} holds the step on cluster {holder}, which cannot be reached: it may "
+                f"still run there, so this try does not start beside it; retry once {holder} answers (or stop that "
+                "job there)")
+    return [sid for sid in states if end_chain(checkpoint_dir, sid, outcome, superseded_by=keep)]
 
 
 def check_shared_root(root: str | None, what: str) -> None:

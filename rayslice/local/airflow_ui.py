@@ -198,6 +198,10 @@ def cluster_set_env(sets: dict[str, list[str]], *, load: Callable[[str], local_c
         if not clusters or any(not name for name in clusters) or len(set(clusters)) != len(clusters):
             raise RaysliceError(f"{flag}: name each local cluster once, in order of preference, e.g. {conn_id}=a,b")
         members = [member_connection_id(name) for name in clusters]
+        if len(set(members)) != len(members):
+            raise RaysliceError(f"{flag}: these clusters' connection ids would be the same ("
+                                f"{', '.join(f'{n} -> {m}' for n, m in zip(clusters, members, strict=True))}); "
+                                "name clusters that differ in more than '-', '_' or case")
         if conn_id in members:
             raise RaysliceError(f"{flag}: {conn_id!r} is also the connection id of cluster "
                                 f"{clusters[members.index(conn_id)]!r}; give the set another id")

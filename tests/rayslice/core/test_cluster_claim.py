@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 
 import pytest
 from pydantic import ValidationError
 
-from rayslice.core.cluster_claim import VOID_AFTER_S, Claims, ClusterSet, check_shared_root, end_other_chains
+from rayslice.core.cluster_claim import Claims, ClusterSet, check_shared_root, end_other_chains
 from rayslice.core.exceptions import InvalidRequestError
 
 
@@ -49,20 +48,28 @@ def test_the_retries_a_step_used_pass_down_the_chain_to_whichever_cluster_holds_
     assert a.retries_before(a.take().generation) == 2
 
 
-def test_a_claim_whose_write_failed_halfway_is_void_once_old_and_the_next_cluster_claims_past_it(tmp_path):
-    """Its writer's claim raised (its job failed without running the step); kept, it would hold every other
-    cluster standing by until the task is stopped."""
+def test_a_claim_is_never_seen_half_written_and_a_write_that_fails_leaves_no_claim(tmp_path, monkeypatch):
+    """On a local or mounted folder the claim appears whole (a hard link of the writer's own file): no reader
+    sees an empty claim that would hold every other cluster standing by, and a writer whose write fails
+    leaves no claim at all."""
+    import builtins
+
     a, b = claims(tmp_path, "a"), claims(tmp_path, "b")
-    a.take()
-    a.release(0, "drained", retries_used=1)
-    empty = tmp_path / ".rayslice-claims" / "sid" / "claim-1.json"
-    empty.write_bytes(b"")  # created, never written
-    assert b.take().holder == {"cluster": "?", "partial": True}, "a claim being written is somebody's"
-    old = time.time() - VOID_AFTER_S - 5
-    os.utime(empty, (old, old))
-    state = b.take()
-    assert state.generation == 2 and state.held_by("b", "sid")
-    assert b.retries_before(2) == 1, "the retries used pass over the void claim"
+    real_open = builtins.open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "claim-0" in str(path) and "w" in mode:
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        a.take()
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert a.state().holder is None, "a failed write left a claim"
+    assert b.take().held_by("b", "sid"), "the generation is free for the next cluster"
+    folder = tmp_path / ".rayslice-claims" / "sid"
+    assert sorted(p.name for p in folder.iterdir()) == ["claim-0.json"], "the writers' own files are gone"
 
 
 def test_a_retry_ends_every_earlier_chain_of_the_step_so_their_queued_jobs_never_claim(tmp_path):
@@ -74,6 +81,16 @@ def test_a_retry_ends_every_earlier_chain_of_the_step_so_their_queued_jobs_never
     assert claims(tmp_path, "c", sid="try1").take().done is not None, "an ended chain is claimed by nobody"
     assert second.take().held_by("b", "try2"), "the retry's own chain is untouched"
     assert end_other_chains(f"file://{tmp_path / 'none'}", "x", "y") == []
+
+
+def test_a_retry_does_not_start_beside_an_earlier_try_that_holds_the_step_on_a_cluster_it_cannot_reach(tmp_path):
+    """try 1 holds the step on cluster a, which the retry cannot reach (a partition): its body may still run there,
+    so the retry refuses, in words, and ends no chain; a holder on a cluster it reached (and stopped) is ended."""
+    claims(tmp_path, "a", sid="try1").take()
+    with pytest.raises(InvalidRequestError, match="holds the step on cluster a, which cannot be reached"):
+        end_other_chains(f"file://{tmp_path}", "try2", "superseded by try 2", unreachable={"a"})
+    assert claims(tmp_path, "a", sid="try1").state().done is None
+    assert end_other_chains(f"file://{tmp_path}", "try2", "superseded by try 2", unreachable={"b"}) == ["try1"]
 
 
 def test_each_submission_is_a_chain_of_its_own(tmp_path):
@@ -108,7 +125,8 @@ def test_of_many_clusters_taking_at_once_exactly_one_holds(tmp_path, round_):
 
 
 def test_a_filesystem_without_exclusive_create_is_refused_in_words(tmp_path, monkeypatch):
-    c = claims(tmp_path, "a")
+    """A store other than a local or mounted folder creates a claim with fsspec's exclusive create (`xb`)."""
+    c = Claims(f"memory://{tmp_path.name}", member="a", submission_id="sid")
     real_open = c.fs.open
 
     def no_exclusive(path, mode="rb", **kw):
