@@ -65,3 +65,24 @@ def add_dags(airflow, api: httpx.Client, source: Path, dag_ids: Iterable[str]) -
     for dag_id in dag_ids:
         api.patch(f"/dags/{dag_id}", json={"is_paused": False}).raise_for_status()
     return api
+
+
+def xcom(api: httpx.Client, ti_path: str, key: str = "return_value", map_index: int = -1):
+    """A task instance's XCom as a Python value, None while there is none (`ti_path`: its REST path under /api/v2).
+
+    The REST API gives a value as the XCom backend stores it: JSON, or a Python literal."""
+    import ast
+    import json
+
+    resp = api.get(f"{ti_path}/xcomEntries/{key}", params={"deserialize": True, "map_index": map_index})
+    if resp.status_code == 404:
+        return None
+    resp.raise_for_status()
+    value = resp.json()["value"]
+    for parse in (json.loads, ast.literal_eval):
+        if isinstance(value, str):
+            try:
+                value = parse(value)
+            except (ValueError, SyntaxError):
+                pass
+    return value

@@ -13,7 +13,6 @@ the bodies' own records, both clusters' job records and state APIs.
 
 from __future__ import annotations
 
-import ast
 import json
 import threading
 import time
@@ -24,7 +23,7 @@ import pytest
 from rayslice.local import local_cluster
 from tests.cluster_pair import NAMES
 from tests.conftest import wait_until
-from tests.e2e.conftest import add_dags
+from tests.e2e.conftest import add_dags, xcom
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -45,22 +44,6 @@ def _connections(api, pair) -> None:
     api.post("/connections", json={"connection_id": "pair_set", "conn_type": "ray", "extra": json.dumps({
         "clusters": list(CONN.values()), "checkpoint_root": f"file://{pair.shared}", "shared_root": True})}
              ).raise_for_status()
-
-
-def _xcom(api, ti_url: str, key: str):
-    """The task's XCom `key` as a Python value (None while there is none)."""
-    resp = api.get(f"{ti_url}/xcomEntries/{key}", params={"deserialize": True})
-    if resp.status_code == 404:
-        return None
-    resp.raise_for_status()
-    value = resp.json()["value"]
-    for parse in (json.loads, ast.literal_eval):
-        if isinstance(value, str):
-            try:
-                value = parse(value)
-            except (ValueError, SyntaxError):
-                pass
-    return value
 
 
 def test_a_drain_on_the_cluster_running_a_set_step_resumes_it_on_the_other_in_one_airflow_try(
@@ -95,7 +78,7 @@ def test_a_drain_on_the_cluster_running_a_set_step_resumes_it_on_the_other_in_on
                                               "conf": {"steps": STEPS, "seconds_per_step": 1.0}}).raise_for_status()
     try:
         ti_url = f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{TASK_ID}"
-        drained["sid"] = wait_until(lambda: _xcom(api, ti_url, "ray_submission_id"), timeout=600, interval=0.5)
+        drained["sid"] = wait_until(lambda: xcom(api, ti_url, "ray_submission_id"), timeout=600, interval=0.5)
         assert drained["sid"], api.get(ti_url).json()
         drainer.start()
         state = lambda: api.get(f"/dags/{DAG_ID}/dagRuns/{run_id}").json()["state"]  # noqa: E731
@@ -111,7 +94,7 @@ def test_a_drain_on_the_cluster_running_a_set_step_resumes_it_on_the_other_in_on
     assert "name" in drained, f"the drain never found the step's saved step in {pair.shared}: {log[-3000:]}"
     drained_name = drained["name"]
     other = next(n for n in NAMES if n != drained_name)
-    result = _xcom(api, ti_url, "return_value")[0]  # the slice's one host's result
+    result = xcom(api, ti_url)[0]  # the slice's one host's result
     assert by_gcs[result["gcs"]] == other and result["resumed_from"] > 0, result
     bodies = [json.loads(line) for line in (folder() / "bodies.jsonl").read_text().splitlines()]
     assert [by_gcs[body["gcs"]] for body in bodies] == [drained_name, other], bodies

@@ -27,7 +27,6 @@ bills within 2% of the chip-time held; nothing (chip, placement group, host proc
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import threading
@@ -39,7 +38,7 @@ import pytest
 
 from tests.airflow_cli import get_json
 from tests.conftest import TOTAL_TPU_CHIPS, wait_until
-from tests.e2e.conftest import add_dags
+from tests.e2e.conftest import add_dags, xcom
 from tests.e2e.dags.shared_day import GLOBAL_ROWS, MODULUS
 from tests.rayslice.cluster.test_launcher import assert_all_released
 
@@ -86,16 +85,8 @@ def _run_state(api, dag_id: str, run_id: str) -> str | None:
 
 
 def _xcom(api, dag_id: str, run_id: str, task_id: str, map_index: int = -1):
-    resp = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value",
-                   params={"deserialize": True, "map_index": map_index})
-    resp.raise_for_status()
-    value = resp.json()["value"]
-    for parse in (json.loads, ast.literal_eval):
-        if isinstance(value, str):
-            try:
-                value = parse(value)
-            except (ValueError, SyntaxError):
-                pass
+    value = xcom(api, f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}", map_index=map_index)
+    assert value is not None, f"no XCom return_value for {dag_id}/{run_id}/{task_id}"
     return value
 
 
