@@ -9,6 +9,7 @@ at random, checked from both clusters' job records (never a body on two clusters
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import tempfile
@@ -94,6 +95,42 @@ def start_delay_on_set(a, b, tpu: str, shared: Path, rep: int) -> float:
         holder.join(300)
 
 
+def start_delay_alone_beside_a_job_on_a(a, b, tpu: str, shared: Path, rep: int) -> float:
+    """The step on b alone while a's slice is held and a job of the same step starts on a at the same moment
+    (it waits in a's queue, and is stopped once b's body started): what the two clusters sharing this
+    machine's cores costs b, with no set at all. The set's own cost is the set row less this one."""
+    flag = shared / f"hold-beside-{rep}"
+    holding = spec(tpu, f"holder-beside-{rep}", shared, flag=str(flag))
+    holder = threading.Thread(target=lambda: asyncio.run(run_step_job(a.dashboard_url, holding, token=a.token,
+                                                                      emit=lambda line: None)))
+    holder.start()
+    try:
+        while not flag.with_suffix(".started").exists():
+            time.sleep(0.05)
+        waiting_on_a = spec(tpu, f"beside-{rep}", shared)
+        mine = spec(tpu, f"alone-beside-{rep}", shared)
+
+        sid = f"rayslice-bench-beside-{rep}-{time.time_ns()}"
+
+        async def both():
+            queued = asyncio.ensure_future(run_step_job(a.dashboard_url, waiting_on_a, token=a.token,
+                                                        submission_id=sid, emit=lambda line: None))
+            asked = time.time()
+            [result, *_] = await run_step_job(b.dashboard_url, mine, token=b.token, emit=lambda line: None)
+            queued.cancel()
+            await asyncio.gather(queued, return_exceptions=True)
+            return result["started"] - asked
+
+        try:
+            return asyncio.run(both())
+        finally:
+            with contextlib.suppress(Exception), RayJobsClient(a.dashboard_url, token=a.token) as on_a:
+                on_a.stop(sid)
+    finally:
+        flag.write_text("go")
+        holder.join(300)
+
+
 def free_chips(record) -> float:
     taken = capacity.snapshot(record.dashboard_url, record.token)
     return sum(h.chips - h.chips_used for s in taken.slices for h in s.hosts if h.state == "free")
@@ -165,16 +202,20 @@ def main() -> None:
     shared = Path(tempfile.mkdtemp(prefix="rayslice-bench-shared-"))
     with cluster(shape, "set-a", private=True) as a, cluster(shape, "set-b", private=True) as b:
         start_delay_alone(b, args.tpu, shared, -1)  # warm-up, unrecorded
-        alone, on_set_ = [], []
+        alone, on_set_, beside = [], [], []
         for rep in range(args.reps):
             alone.append(start_delay_alone(b, args.tpu, shared, rep))
             on_set_.append(start_delay_on_set(a, b, args.tpu, shared, rep))
-            log(f"rep {rep}: alone {alone[-1]:.2f} s, on the set {on_set_[-1]:.2f} s")
+            beside.append(start_delay_alone_beside_a_job_on_a(a, b, args.tpu, shared, rep))
+            log(f"rep {rep}: alone {alone[-1]:.2f} s, on the set {on_set_[-1]:.2f} s, "
+                f"alone beside a job starting on a {beside[-1]:.2f} s")
         table = Table(f"submit -> step body start on b ({args.tpu}), median of {args.reps}",
                       ["how", "seconds", "runs", "ratio"])
         table.add("on b alone", fmt_s(median(alone)), ", ".join(f"{x:.2f}" for x in alone), "1.00x")
         table.add("naming (a, b), a held", fmt_s(median(on_set_)), ", ".join(f"{x:.2f}" for x in on_set_),
                   fmt_ratio(median(on_set_), median(alone)))
+        table.add("on b alone, a held, a job of the step starting on a at once (no set)", fmt_s(median(beside)),
+                  ", ".join(f"{x:.2f}" for x in beside), fmt_ratio(median(beside), median(alone)))
         report.add(table)
         if args.many:
             result = many(a, b, args.tpu, shared, args.many, args.in_flight)
