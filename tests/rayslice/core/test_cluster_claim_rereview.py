@@ -69,3 +69,27 @@ def test_a_claim_made_as_the_retry_ends_the_earlier_chain_on_a_cluster_it_cannot
         return  # the retry refused to start beside it
     assert admitted == [True]
     pytest.fail("try 1 holds the step on cluster a (claimed before its `done`), and the retry goes on beside it")
+
+
+@pytest.mark.xfail(strict=True, reason="defect: a `done` written from outside the chain (on_kill's end_chain, which "
+                   "could not reach the holder's cluster) hides the holder from the next retry's check: the retry "
+                   "starts beside a body that still runs on the cluster it cannot reach")
+def test_a_retry_after_a_kill_that_could_not_reach_the_holder_does_not_start_beside_it(tmp_path):
+    from rayslice.core.cluster_claim import end_chain
+
+    # try 1 runs the step on cluster a; the task is killed while a is cut off: on_kill stops what it reaches and
+    # ends try 1's chain, but a's job (holding generation 0) runs on.
+    assert claims(tmp_path, "a", sid="try1").take().held_by("a", "try1")
+    assert end_chain(f"file://{tmp_path}", "try1", "stopped: its Airflow task was killed", killed=True)
+    # The task is cleared: try 2 still cannot reach a.
+    with pytest.raises(InvalidRequestError, match="holds the step on cluster a"):
+        end_other_chains(f"file://{tmp_path}", "try2", "superseded by try 2", unreachable={"a"})
+
+
+def test_a_retry_beside_an_earlier_chain_that_ended_by_itself_on_a_cluster_it_cannot_reach_goes_on(tmp_path):
+    """Held up: the holder wrote the chain's end itself (it ran to its end): an unreachable member is no reason
+    to refuse."""
+    first = claims(tmp_path, "a", sid="try1")
+    assert first.take().held_by("a", "try1")
+    first.finish("failed")
+    assert end_other_chains(f"file://{tmp_path}", "try2", "superseded by try 2", unreachable={"a"}) == []
