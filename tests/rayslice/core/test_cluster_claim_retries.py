@@ -15,9 +15,6 @@ def claims(folder, member: str, sid: str = "sid") -> Claims:
     return Claims(f"file://{folder}", member=member, submission_id=sid)
 
 
-@pytest.mark.xfail(strict=True, reason="defect: a write that fails after the writer's own file was created (a full "
-                   "disk at write or close) leaves that file behind in the chain's folder: the unlink runs only "
-                   "around the link")
 def test_a_claim_whose_write_fails_halfway_leaves_no_file_of_its_writer(tmp_path, monkeypatch):
     real_open = builtins.open
 
@@ -47,9 +44,6 @@ def test_a_claim_whose_write_fails_halfway_leaves_no_file_of_its_writer(tmp_path
     assert sorted(p.name for p in folder.iterdir()) == ["claim-0.json"], "a writer's own file was left behind"
 
 
-@pytest.mark.xfail(strict=True, reason="defect: end_other_chains reads who holds each earlier chain, then writes its "
-                   "`done`: a job on a cluster the retry cannot reach that claims in between holds the step there "
-                   "(a claim made before `done` runs), and the retry starts beside it")
 def test_a_claim_made_as_the_retry_ends_the_earlier_chain_on_a_cluster_it_cannot_reach_stops_the_retry(
         tmp_path, monkeypatch):
     # try 1's job waits in cluster a's queue (a cannot be reached by the retry); nobody holds the step yet.
@@ -71,9 +65,6 @@ def test_a_claim_made_as_the_retry_ends_the_earlier_chain_on_a_cluster_it_cannot
     pytest.fail("try 1 holds the step on cluster a (claimed before its `done`), and the retry goes on beside it")
 
 
-@pytest.mark.xfail(strict=True, reason="defect: a `done` written from outside the chain (on_kill's end_chain, which "
-                   "could not reach the holder's cluster) hides the holder from the next retry's check: the retry "
-                   "starts beside a body that still runs on the cluster it cannot reach")
 def test_a_retry_after_a_kill_that_could_not_reach_the_holder_does_not_start_beside_it(tmp_path):
     from rayslice.core.cluster_claim import end_chain
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
-
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.cluster_claim import Claims
 from rayslice.core.context import checkpoint_dir_for
@@ -71,9 +69,6 @@ def test_the_retry_refuses_beside_an_earlier_try_holding_the_step_on_a_member_it
     assert ran == [] and error is not None and "holds the step on cluster review_a" in str(error)
 
 
-@pytest.mark.xfail(strict=True, reason="defect: a member whose connection does not resolve on the retry (a kuberay "
-                   "extra whose Kubernetes API times out) is not counted unreachable: the retry ends the "
-                   "earlier try's chain that holds the step there and starts beside it")
 def test_the_retry_refuses_beside_an_earlier_try_holding_the_step_on_a_member_whose_connection_fails(
         tmp_path, monkeypatch):
     ran, error = _retry(tmp_path, monkeypatch, ray_connection(_refusing_url()), a_resolves=False)
@@ -81,8 +76,6 @@ def test_the_retry_refuses_beside_an_earlier_try_holding_the_step_on_a_member_wh
     assert error is not None
 
 
-@pytest.mark.xfail(strict=True, reason="defect: when the earlier chains cannot be read (a storage blip), the retry "
-                   "goes on though a member it could not reach may hold the step there: only a warning")
 def test_the_retry_does_not_start_blind_beside_a_member_it_cannot_reach(tmp_path, monkeypatch):
     from rayslice.operators import step as step_module
 
