@@ -453,6 +453,8 @@ class RayStepOperator(BaseOperator):
                 members.append(Member(name, client, launcher=settings.launcher))
             self._set_folder = checkpoint_dir_for(spec.checkpoint_root, spec.owner)
             if spec.owner.try_number > 1:
+                # A member whose connection did not resolve was not reached either: its earlier job is not stopped.
+                unreachable |= set(clusters.members) - set(self._members)
                 await self._end_earlier_chains(spec, unreachable)
             sid = spec.owner.submission_id or ""
             self.log.info("[rayslice] on cluster set %s: %s, in that order of preference (Ray job %s on each)",
@@ -507,7 +509,13 @@ class RayStepOperator(BaseOperator):
                                             f"superseded by try {spec.owner.try_number}", frozenset(unreachable or ()))
         except InvalidRequestError as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
-        except Exception as exc:  # storage down: the earlier tries' jobs this try reached are stopped anyway
+        except Exception as exc:
+            if unreachable:  # blind: an earlier try may hold the step on a member this try could not stop
+                raise AirflowException(
+                    f"{self.task_id}: could not read the earlier tries' claims in {folder} ({type(exc).__name__}: "
+                    f"{exc}), and cluster(s) {', '.join(sorted(unreachable))} could not be reached: an earlier try "
+                    "may still run the step there, so this try does not start beside it") from None
+            # storage down, every member reached: the earlier tries' jobs were stopped above
             self.log.warning("[rayslice] could not end the earlier tries' claims in %s: %s: %s", folder,
                              type(exc).__name__, exc)
             return

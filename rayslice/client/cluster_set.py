@@ -96,11 +96,19 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
             return None
         mine = spec.model_copy(update={"cluster_set": clusters.model_copy(update={"member": member.name}),
                                        "launcher": member.launcher})
-        try:
-            return await submit_step(member.client, mine, emit=prefixed(emit, member.name))
-        except Exception as exc:  # any failure is this member's: the others' jobs are followed (or stopped)
-            emit(f"[rayslice] cluster {member.name} skipped: the submission failed ({type(exc).__name__}: {exc})")
+        for attempt in (1, 2):
+            try:
+                return await submit_step(member.client, mine, emit=prefixed(emit, member.name))
+            except RayJobsError as exc:  # the answer may be what was lost: submitting again by id reattaches
+                if attempt == 1:
+                    emit(f"[rayslice] cluster {member.name}: the submission failed ({exc}); trying once more (a job "
+                         "it made after all is reattached, not made twice)")
+                    continue
+                emit(f"[rayslice] cluster {member.name} skipped: the submission failed ({exc})")
+            except Exception as exc:  # any other failure is this member's: the others' jobs are followed
+                emit(f"[rayslice] cluster {member.name} skipped: the submission failed ({type(exc).__name__}: {exc})")
             return None
+        return None
 
     # At once: a member later in the list must not start later for being later (the first admission wins).
     submitted = await asyncio.gather(*(submit(member) for member in members))
@@ -130,12 +138,13 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
     follows = {asyncio.ensure_future(wait_for_step(by_name[name].client, sid, emit=prefixed(emit, name))): name
                for name, sid in jobs.items()}
     watcher = asyncio.ensure_future(_watch_holder(spec, tell)) if on_cluster is not None else None
-    errors: list[tuple[str, BaseException]] = []
+    errors: list[tuple[str, BaseException]] = []  # failed jobs that did not hold the step when they failed
+    unknown: list[tuple[str, BaseException]] = []  # failed jobs whose holding could not be read (asked again)
     try:
         pending = set(follows)
         while pending:
             done, pending = await asyncio.wait(pending, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED)
-            for name, exc in errors:  # a failed job the claims could not be read for: did it hold the step?
+            for name, exc in unknown:  # a failed job the claims could not be read for: did it hold the step?
                 if await _held_by(spec, name):
                     emit(f"[rayslice] the step ran on cluster {name}, and failed there")
                     settle(name)
@@ -151,11 +160,12 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
                     emit(f"[rayslice] cluster {name} skipped: it refused the request ({exc})")
                     continue
                 except Exception as exc:  # the step's failure on the cluster that ran it, or a job lost
-                    if await _held_by(spec, name):  # it ran the step (or died holding it): that is the outcome
+                    held = await _held_by(spec, name)
+                    if held:  # it ran the step (or died holding it): that is the outcome
                         emit(f"[rayslice] the step ran on cluster {name}, and failed there")
                         settle(name)
                         raise
-                    errors.append((name, exc))
+                    (unknown if held is None else errors).append((name, exc))
                     continue
                 emit(f"[rayslice] the step ran on cluster {name}")
                 settle(name)
@@ -164,8 +174,14 @@ async def run_on_set(spec: StepSpec, members: Sequence[Member], *, emit: Callabl
                     for other in ended:
                         _say_how_it_ended(follows[other], other, emit)
                 return result
-        if errors:
-            raise errors[0][1]
+        failed = unknown + errors
+        for name, exc in failed:  # every job ended: the claims say which failure was the step's
+            if await _held_by(spec, name):
+                emit(f"[rayslice] the step ran on cluster {name}, and failed there")
+                settle(name)
+                raise exc
+        if failed:
+            raise failed[0][1]
         raise UnsatisfiableRequestError(
             f"no cluster of set {clusters.name!r} ran the step: every one refused it or stood by (the lines above "
             "say why)")
@@ -204,12 +220,12 @@ def holder_of(state: ClaimState | None) -> str | None:
     return None if not name or name == "?" else name  # "?": a claim still being written
 
 
-async def _held_by(spec: StepSpec, name: str) -> bool:
+async def _held_by(spec: StepSpec, name: str) -> bool | None:
     """Whether cluster `name` holds the step's claim now or ended it (its `done`), as the shared folder says.
 
     A job that failed there is then the step's failure: its driver may have died without writing `done`, and the
-    others would stand by for ever. A read is tried again through a storage outage (4 tries); storage that still
-    cannot be read says no for now, and `run_on_set` asks again every `RECHECK_S` while others still run.
+    others would stand by for ever. A read is tried again through a storage outage (4 tries); None: still
+    unreadable (`run_on_set` asks again every `RECHECK_S` while others still run).
     """
     for attempt in range(READ_TRIES):
         try:
@@ -218,7 +234,7 @@ async def _held_by(spec: StepSpec, name: str) -> bool:
         except Exception:
             if attempt < READ_TRIES - 1:
                 await asyncio.sleep(min(4.0, 0.5 * 2 ** attempt))
-    return False
+    return None
 
 
 async def _watch_holder(spec: StepSpec, tell: Callable[[str | None], None]) -> None:

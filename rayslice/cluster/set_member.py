@@ -158,6 +158,10 @@ class SetMember:
         if not self._mine(state):
             return False
         self.generation = state.generation
+        if (after := self._state()).done is not None:  # ended from Airflow as it claimed (a kill, a later try)
+            self.log(f"cluster set {self.clusters.name}: the step was ended ({after.done.get('outcome', 'ended')}) "
+                     f"as cluster {self.clusters.member} claimed it: it does not run here")
+            return False
         self.retries_used = self._retries_before(state.generation)
         used = f"; {self.retries_used} preemption retries used so far on the set" if self.retries_used else ""
         self.log(f"cluster set {self.clusters.name}: the step runs on cluster {self.clusters.member} "

@@ -12,8 +12,9 @@ read (`gs://` in production, one shared folder for the local clusters):
     <checkpoint_dir>/.rayslice-claims/<submission id>/done.json          the step ended; nobody runs it again
 
 Generation g is free once every generation before it was released. Exactly one launcher creates
-`claim-g` (the filesystem's exclusive create: `O_EXCL` locally, a generation-match precondition on
-object stores; fsspec's `open(mode="xb")`), and the others see it and stand by, out of their queues.
+`claim-g` (the filesystem's exclusive create: a hard link of the writer's own file locally, so a claim
+is never seen half-written; fsspec's `open(mode="xb")`, a generation-match precondition, on object
+stores), and the others see it and stand by, out of their queues.
 The holder writes `released-g` only after its hosts ended (a suspension, a lost slice), so the next
 generation, on whichever cluster admits the step next, never runs beside it; `done` ends the standbys.
 
@@ -26,6 +27,7 @@ claims; the Airflow side only reads them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -165,17 +167,19 @@ class Claims:
                 f.write(data)
             return
         own = self._path(f".{name}.{self.member or 'x'}.{secrets.token_hex(6)}.tmp")
-        with open(own, "wb") as f:
-            f.write(data)
         try:
-            os.link(own, self._path(name))
-        except FileExistsError:
-            raise
-        except OSError:  # a mount without hard links (a FUSE one): the exclusive create, then the write
-            with open(self._path(name), "xb") as f:
+            with open(own, "wb") as f:
                 f.write(data)
+            try:
+                os.link(own, self._path(name))
+            except FileExistsError:
+                raise
+            except OSError:  # a mount without hard links (a FUSE one): the exclusive create, then the write
+                with open(self._path(name), "xb") as f:
+                    f.write(data)
         finally:
-            os.unlink(own)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(own)
 
     def note_admitted(self, generation: int) -> None:
         """This cluster's queue admitted the step for `generation` (it reserves now): later clusters of the set
@@ -253,15 +257,30 @@ def end_other_chains(checkpoint_dir: str, keep: str, outcome: str,
         chains = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False, refresh=True))
     except FileNotFoundError:
         return []
-    states = {sid: Claims(checkpoint_dir, member="", submission_id=sid).state() for sid in chains if sid != keep}
-    for sid, state in states.items():
-        holder = (state.holder or {}).get("cluster")
-        if state.done is None and holder in unreachable:
+    def check(sid: str, state: ClaimState) -> None:
+        holder = may_still_run(state)
+        if holder in unreachable:
             raise InvalidRequestError(
                 f"an earlier try's Ray job {sid} holds the step on cluster {holder}, which cannot be reached: it may "
-                f"still run there, so this try does not start beside it; retry once {holder} answers (or stop that "
-                "job there)")
-    return [sid for sid in states if end_chain(checkpoint_dir, sid, outcome, superseded_by=keep)]
+                f"still run there, so this try does not start beside it; retry once {holder} answers (or, once you "
+                f"know that job is gone, delete {posixpath.join(checkpoint_dir, CLAIMS_FOLDER, sid)})")
+
+    others = [sid for sid in chains if sid != keep]
+    for sid in others:
+        check(sid, Claims(checkpoint_dir, member="", submission_id=sid).state())
+    ended = [sid for sid in others if end_chain(checkpoint_dir, sid, outcome, superseded_by=keep)]
+    for sid in others:  # a job that claimed between the look above and the end: it read no `done` (it runs)
+        check(sid, Claims(checkpoint_dir, member="", submission_id=sid).state())
+    return ended
+
+
+def may_still_run(state: ClaimState) -> str | None:
+    """The cluster whose job may still run the step by this chain: the generation's holder, unless the holder
+    itself wrote the end (a `done` from Airflow, for a kill or a later try, stops no job that already runs)."""
+    holder = (state.holder or {}).get("cluster")
+    if not holder or (state.done is not None and state.done.get("cluster")):
+        return None
+    return holder
 
 
 def check_shared_root(root: str | None, what: str) -> None:
