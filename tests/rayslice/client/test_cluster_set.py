@@ -259,8 +259,9 @@ def test_a_holder_whose_driver_is_killed_fails_the_step_and_the_standby_is_stopp
     killed: dict = {}
 
     def kill_the_holders_driver():
-        assert wait_until(lambda: flag.with_suffix(".started").exists(), timeout=120)
-        holder = cluster_pair.records[killed.setdefault("name", by_gcs[flag.with_suffix(".started").read_text()])]
+        started = flag.with_suffix(".started")  # the body writes its cluster there: wait for the whole text
+        assert wait_until(lambda: started.exists() and started.read_text() in by_gcs, timeout=120)
+        holder = cluster_pair.records[killed.setdefault("name", by_gcs[started.read_text()])]
         for proc in psutil.process_iter(["cmdline", "cwd"]):
             cmdline, cwd = " ".join(proc.info["cmdline"] or []), proc.info["cwd"] or ""
             if "rayslice.cluster spec.json" in cmdline and cwd.startswith(holder.temp_dir):
