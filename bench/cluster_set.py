@@ -76,40 +76,39 @@ def start_delay_alone(b, tpu: str, shared: Path, rep: int) -> float:
     return result["started"] - asked
 
 
-def start_delay_on_set(a, b, tpu: str, shared: Path, rep: int) -> float:
-    flag = shared / f"hold-{rep}"
-    holding = spec(tpu, f"holder-{rep}", shared, flag=str(flag))
-    holder = threading.Thread(target=lambda: asyncio.run(run_step_job(a.dashboard_url, holding, token=a.token,
+@contextlib.contextmanager
+def holding(a, tpu: str, shared: Path, name: str):
+    """a's one slice held by a step of its own, from its body's start until the block ends."""
+    flag = shared / f"hold-{name}"
+    step = spec(tpu, f"holder-{name}", shared, flag=str(flag))
+    holder = threading.Thread(target=lambda: asyncio.run(run_step_job(a.dashboard_url, step, token=a.token,
                                                                       emit=lambda line: None)))
     holder.start()
     try:
         while not flag.with_suffix(".started").exists():
             time.sleep(0.05)
+        yield
+    finally:
+        flag.write_text("go")
+        holder.join(300)
+
+
+def start_delay_on_set(a, b, tpu: str, shared: Path, rep: int) -> float:
+    with holding(a, tpu, shared, f"set-{rep}"):
         step = spec_for_set(spec(tpu, f"set-{rep}", shared), "bench", (a.name, b.name), shared_root=True)
         asked = time.time()
         [result, *_] = asyncio.run(on_set(step, a, b))
         assert result["gcs"] == b.gcs_address, "the step ran on the held cluster"
         return result["started"] - asked
-    finally:
-        flag.write_text("go")
-        holder.join(300)
 
 
 def start_delay_alone_beside_a_job_on_a(a, b, tpu: str, shared: Path, rep: int) -> float:
     """The step on b alone while a's slice is held and a job of the same step starts on a at the same moment
     (it waits in a's queue, and is stopped once b's body started): what the two clusters sharing this
     machine's cores costs b, with no set at all. The set's own cost is the set row less this one."""
-    flag = shared / f"hold-beside-{rep}"
-    holding = spec(tpu, f"holder-beside-{rep}", shared, flag=str(flag))
-    holder = threading.Thread(target=lambda: asyncio.run(run_step_job(a.dashboard_url, holding, token=a.token,
-                                                                      emit=lambda line: None)))
-    holder.start()
-    try:
-        while not flag.with_suffix(".started").exists():
-            time.sleep(0.05)
+    with holding(a, tpu, shared, f"beside-{rep}"):
         waiting_on_a = spec(tpu, f"beside-{rep}", shared)
         mine = spec(tpu, f"alone-beside-{rep}", shared)
-
         sid = f"rayslice-bench-beside-{rep}-{time.time_ns()}"
 
         async def both():
@@ -126,9 +125,6 @@ def start_delay_alone_beside_a_job_on_a(a, b, tpu: str, shared: Path, rep: int) 
         finally:
             with contextlib.suppress(Exception), RayJobsClient(a.dashboard_url, token=a.token) as on_a:
                 on_a.stop(sid)
-    finally:
-        flag.write_text("go")
-        holder.join(300)
 
 
 def free_chips(record) -> float:
