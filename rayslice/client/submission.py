@@ -387,7 +387,7 @@ class LogFollower:
             text = _strip_ansi(piece)
             if not piece.strip() or _HOST_DONE_LINE.match(text):
                 continue
-            if not self.show_gloo_connects and _GLOO_CONNECT_LINE.match(text):
+            if not self.show_gloo_connects and _is_gloo_connect(text):
                 continue
             self.emit(text)
 
@@ -403,6 +403,28 @@ _HOST_DONE_LINE = re.compile(r"^\(.*\) " + re.escape(HOST_DONE_MARKER) + r"\S")
 _GLOO_CONNECT_LINE = re.compile(r"^\([^()]* pid=\d+(?:, ip=[^()]*)?\) "
                                 r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\."
                                 r"(?: Expected number of connected peer ranks is : \d+)?\s*$")
+#: A host line's text after its Ray prefix, and the words of gloo's connection line: a host joining two JAX
+#: groups at once gets two such lines written into each other (`[Gloo] Rank [Gloo] Rank 7 is connected ...`).
+_HOST_PREFIX = re.compile(r"^\([^()]* pid=\d+(?:, ip=[^()]*)?\) ")
+_GLOO_WORDS = frozenset({"[Gloo]", "Rank", "is", "connected", "to", "peer", "ranks", "Expected", "number", "of",
+                         ".", ":"})
+_GLOO_PIECE = re.compile(r"\[Gloo\]|[A-Za-z]+|\d+|\S")
+
+
+def _is_gloo_connect(text: str) -> bool:
+    """gloo's connection line from a host, whole (`_GLOO_CONNECT_LINE`) or in pieces of two written into each
+    other: every word of the text past the host's prefix is one of that line's, and it says "connected" or
+    "peer". A host line with any word of its own (its program's, gloo's errors) is relayed."""
+    if _GLOO_CONNECT_LINE.match(text):
+        return True
+    prefix = _HOST_PREFIX.match(text)
+    if prefix is None:
+        return False
+    pieces = _GLOO_PIECE.findall(text[prefix.end():])
+    return (bool({"connected", "peer"} & set(pieces))
+            and all(piece in _GLOO_WORDS or piece.isdigit() for piece in pieces))
+
+
 #: Set to 1 to relay gloo's connection lines too (`LogFollower(show_gloo_connects=...)` overrides it).
 SHOW_GLOO_CONNECTS_ENV = "RAYSLICE_SHOW_GLOO_CONNECTS"
 

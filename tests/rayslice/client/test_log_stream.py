@@ -78,6 +78,26 @@ def test_the_simulated_slices_gloo_connection_lines_stay_out_of_the_task_log(mon
                        f"(v6e-16-a/host0 pid=2100) my program says: {GLOO}"]
 
 
+def test_two_gloo_connection_lines_written_into_each_other_stay_out_too(monkeypatch):
+    """A host joining two JAX groups at once: gloo's two threads interleave their writes (seen in the demo).
+    The pieces are hidden; a host line with any word of its own is relayed."""
+    monkeypatch.delenv("RAYSLICE_SHOW_GLOO_CONNECTS", raising=False)
+    interleaved = (
+        "(v6e-16-b/host3 pid=1528) [Gloo] Rank [Gloo] Rank 7 is connected to 7 peer ranks. Expected number of "
+        "connected peer ranks is : 7\n"
+        "(v6e-16-b/host3 pid=1528) 7 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n"
+        "(v6e-16-b/host3 pid=2152) [Gloo] Rank 3 is connected to 3[Gloo] Rank 3 is connected to 3 peer ranks. "
+        "Expected number of connected peer ranks is : 3\n"
+        "(v6e-16-b/host3 pid=2152)  peer ranks. Expected number of connected peer ranks is : 3\n"
+        "(v6e-16-b/host3 pid=2152) Rank 3 is connected to my database\n"
+        "(v6e-16-b/host3 pid=2152) 7 peers connected\n"
+    )
+    relayed: list[str] = []
+    LogFollower(relayed.append).feed(interleaved)
+    assert relayed == ["(v6e-16-b/host3 pid=2152) Rank 3 is connected to my database",
+                       "(v6e-16-b/host3 pid=2152) 7 peers connected"]
+
+
 def test_the_gloo_connection_lines_show_when_asked(monkeypatch):
     every = [line.replace("\x1b[36m", "").replace("\x1b[0m", "") for line in SIMULATED_HOSTS_LOG.splitlines()]
     monkeypatch.setenv("RAYSLICE_SHOW_GLOO_CONNECTS", "1")
