@@ -22,6 +22,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from rayslice.core.cluster_claim import Claims, ClaimState
 from rayslice.core.exceptions import InvalidRequestError, RanElsewhereError
@@ -33,6 +34,19 @@ POLL_S = 1.0
 PREFERENCE_STEP_S = 0.25
 #: Reads and the end's write are tried this many times (0.5, 1, 2 s apart) through a storage outage.
 READ_TRIES = 4
+
+T = TypeVar("T")
+
+
+def retried(call: Callable[[], T]) -> T:
+    """`call()`, asked again through a storage outage (a 503, a timeout): `READ_TRIES` tries, 0.5, 1, 2 s apart;
+    the last try's error is raised."""
+    for attempt in range(READ_TRIES - 1):
+        try:
+            return call()
+        except Exception:
+            time.sleep(min(4.0, 0.5 * 2 ** attempt))
+    return call()
 
 
 class SetMember:
@@ -62,19 +76,14 @@ class SetMember:
     def _state(self) -> ClaimState:
         """The claims now. Storage that fails a read (a 503, a timeout) is asked again, up to `READ_TRIES` times;
         then the last state read stands (nothing changed, as far as this job can tell), or, before any, it raises."""
-        for attempt in range(READ_TRIES):
-            try:
-                self._last = self.claims.state()
-                return self._last
-            except Exception as exc:
-                if attempt == READ_TRIES - 1:
-                    if self._last is not None:
-                        self.log(f"cluster set {self.clusters.name}: could not read the claims ({type(exc).__name__}: "
-                                 f"{exc}); going on as they last read")
-                        return self._last
-                    raise
-                time.sleep(min(4.0, 0.5 * 2 ** attempt))
-        raise AssertionError("unreachable")
+        try:
+            self._last = retried(self.claims.state)
+        except Exception as exc:
+            if self._last is None:
+                raise
+            self.log(f"cluster set {self.clusters.name}: could not read the claims ({type(exc).__name__}: {exc}); "
+                     "going on as they last read")
+        return self._last
 
     def _mine(self, state: ClaimState) -> bool:
         return state.held_by(self.claims.member, self.claims.submission_id)
@@ -175,15 +184,12 @@ class SetMember:
 
     def _retries_before(self, generation: int) -> int:
         """What the previous holder said it had used (read again through a storage outage; 0 if never read)."""
-        for attempt in range(READ_TRIES):
-            try:
-                return self.claims.retries_before(generation)
-            except Exception:
-                if attempt < READ_TRIES - 1:
-                    time.sleep(min(4.0, 0.5 * 2 ** attempt))
-        self.log(f"cluster set {self.clusters.name}: could not read the retries used before claim {generation}; "
-                 "counting this cluster's own")
-        return 0
+        try:
+            return retried(lambda: self.claims.retries_before(generation))
+        except Exception:
+            self.log(f"cluster set {self.clusters.name}: could not read the retries used before claim {generation}; "
+                     "counting this cluster's own")
+            return 0
 
     def count_retries(self) -> int:
         """Before joining this cluster's queue: the set's preemption retries left, as the chain says now (a step
@@ -201,16 +207,12 @@ class SetMember:
         if self.generation is None:
             return
         generation = self.generation
-        for attempt in range(READ_TRIES):
-            try:
-                self.claims.release(generation, why, retries_used)
-                break
-            except Exception as exc:
-                if attempt == READ_TRIES - 1:
-                    raise RuntimeError(f"cluster set {self.clusters.name}: could not release claim {generation} "
-                                       f"({type(exc).__name__}: {exc}): the step cannot move to another cluster "
-                                       "and ends here") from exc
-                time.sleep(min(4.0, 0.5 * 2 ** attempt))
+        try:
+            retried(lambda: self.claims.release(generation, why, retries_used))
+        except Exception as exc:
+            raise RuntimeError(f"cluster set {self.clusters.name}: could not release claim {generation} "
+                               f"({type(exc).__name__}: {exc}): the step cannot move to another cluster and ends "
+                               "here") from exc
         self.generation = None
         self.log(f"cluster set {self.clusters.name}: released claim {generation}; the step waits in every "
                  f"cluster's queue of {', '.join(self.clusters.members)} again, at its original arrival")
@@ -220,13 +222,8 @@ class SetMember:
         step's outcome stands (a standby left waiting is stopped by the submitter, who has the outcome)."""
         if self.generation is None:
             return
-        for attempt in range(READ_TRIES):
-            try:
-                self.claims.finish(outcome)
-                return
-            except Exception as exc:
-                if attempt == READ_TRIES - 1:
-                    self.log(f"cluster set {self.clusters.name}: could not write the step's end to the claims "
-                             f"({type(exc).__name__}: {exc}); the other clusters' jobs are stopped by the submitter")
-                    return
-                time.sleep(min(4.0, 0.5 * 2 ** attempt))
+        try:
+            retried(lambda: self.claims.finish(outcome))
+        except Exception as exc:
+            self.log(f"cluster set {self.clusters.name}: could not write the step's end to the claims "
+                     f"({type(exc).__name__}: {exc}); the other clusters' jobs are stopped by the submitter")
