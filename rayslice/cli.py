@@ -180,21 +180,6 @@ def cluster_set_sources(conn_id: str | None, address: str | None) -> tuple[str, 
     return clusters.name, sources
 
 
-def set_members(conn_id: str | None) -> tuple[str, ...] | None:
-    """The member connections when --conn-id names a cluster set (the extra `clusters`), else None."""
-    if not conn_id:
-        return None
-    try:
-        from rayslice.hooks.ray import RayHook
-    except ImportError:
-        return None  # `target` says what to install
-    try:
-        clusters = RayHook(conn_id).cluster_set()
-    except Exception as exc:  # noqa: BLE001 - Airflow raises its own types for a missing connection
-        raise fail(f"--conn-id {conn_id!r}: {exc}") from None
-    return None if clusters is None else clusters.members
-
-
 def in_flag_words(message: str, where: Target) -> str:
     """A client error in the command's words: the clients speak of the `ray` connection's fields, which
     only --conn-id used; with --address or --name the host and token came from flags."""
@@ -444,17 +429,23 @@ def usage_(
 
     if per not in ("task", "dag"):
         raise fail(f"--per {per!r}: use --per task or --per dag")
-    members = set_members(None if address else conn_id)
-    if members is None:
+    found_set = cluster_set_sources(conn_id, address)
+    members = None if found_set is None else [source.name for source in found_set[1]]
+    if found_set is None:
         where = target(address, token, conn_id, name)
         read = lambda: usage.usage(where.url, token=where.token, headers=where.headers,  # noqa: E731
                                    verify=where.verify, hours=hours)
-    else:  # each member's own connection: its URL, token and headers
-        where = Target("", None, f"--conn-id {conn_id} (the cluster set of {', '.join(members)})")
-        targets = {member: target(None, None, member, name) for member in members}
-        read = lambda: usage.usage_of_set({  # noqa: E731
-            member: (lambda at=at: usage.usage(at.url, token=at.token, headers=at.headers, verify=at.verify,
-                                               hours=hours)) for member, at in targets.items()})
+    else:  # each member's own connection: its URL, token and headers (one that does not resolve is left out)
+        where = Target("", None, f"--conn-id {conn_id} (the cluster set of {', '.join(members or ())})")
+
+        def member_usage(source) -> usage.Usage:
+            if source.problem:
+                raise RaysliceError(source.problem)
+            return usage.usage(source.dashboard_url, token=source.token, headers=source.headers,
+                               verify=source.verify, hours=hours)
+
+        read = lambda: usage.usage_of_set(  # noqa: E731
+            {source.name: (lambda source=source: member_usage(source)) for source in found_set[1]})
     try:
         found = read()
     except RaysliceError as exc:

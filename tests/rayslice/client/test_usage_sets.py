@@ -95,3 +95,15 @@ def test_the_usage_command_reads_every_member_of_a_set_connection(members, tmp_p
     table = run("usage", "--conn-id", "tpus", "--hours", "6", home=tmp_path, **env)
     assert table.returncode == 0 and "clusters (attempts)" in table.stdout, table.stdout + table.stderr
     assert "set_a (1), set_b (1)" in table.stdout and "set_b (1)" in table.stdout, table.stdout
+
+
+def test_the_usage_command_leaves_out_a_member_whose_connection_does_not_resolve(members, tmp_path):
+    """As `rayslice capacity --conn-id <set>` does: the member is named with why, the rest is shown."""
+    a, _, _ = members
+    env = {"AIRFLOW_CONN_SET_A": json.dumps({"conn_type": "ray", "host": a.url}),
+           "AIRFLOW_CONN_TPUS": json.dumps({"conn_type": "ray", "extra": {"clusters": ["set_a", "set_gone"]}})}
+    out = run("usage", "--conn-id", "tpus", "--hours", "6", "--json", home=tmp_path, **env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(out.stdout)
+    assert data["clusters"] == ["set_a", "set_gone"] and list(data["unread"]) == ["set_gone"], data
+    assert {row["task_id"] for row in data["rows"]} >= {"t2"}, data["rows"]
