@@ -372,24 +372,8 @@ UNHEARD = "unheard"
 
 
 def set_members(conn_id: str) -> tuple[str, ...] | None:
-    """The member connections of `conn_id` when it is a cluster set (the extra `clusters`), else None."""
-    from airflow.sdk import BaseHook
-    from rayslice.hooks.ray import cluster_set_of
-
-    from rayslice.core.exceptions import RaysliceError
-
-    if not _CONN_ID.match(conn_id):
-        raise _Problem(400, f"{conn_id!r} is not a connection id")
-    try:
-        conn = BaseHook.get_connection(conn_id)
-    except Exception:  # missing: ray_connection says so in its words
-        return None
-    if (conn.conn_type or "").lower() != "ray":
-        return None
-    try:
-        clusters = cluster_set_of(conn)
-    except RaysliceError as exc:
-        raise _Problem(400, str(exc)) from None
+    """The member connections of `conn_id` when it is a cluster set (`cluster_set`), else None."""
+    clusters = cluster_set(conn_id)
     return None if clusters is None else clusters.members
 
 
