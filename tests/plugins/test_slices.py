@@ -10,11 +10,11 @@ import json
 import shutil
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 from tests.airflow_env import REPO
+from tests.plugins.conftest import plugin_app
 
 TOKEN = "ray-t0ken-never-shown"
 
@@ -22,34 +22,12 @@ TOKEN = "ray-t0ken-never-shown"
 @pytest.fixture(scope="module")
 def airflow(airflow_db, ray_default, tmp_path_factory):
     """Airflow's API app with the plugin (installed the plugins-folder way) and a simple auth manager."""
-    from airflow import plugins_manager, settings
-    from airflow.api_fastapi import app as api_app
-
     folder = tmp_path_factory.mktemp("plugins")
-    (folder / "rayslice_slices.py").write_text("from rayslice.plugins.slices import SlicesPlugin  # noqa: F401\n")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(settings, "PLUGINS_FOLDER", str(folder))
-        mp.setenv("AIRFLOW__CORE__AUTH_MANAGER",
-                  "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager")
-        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS", "False")
-        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", "admin:admin,viewer:viewer,op:op")
-        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE", str(folder / "passwords.json"))
-        mp.setenv("AIRFLOW__API_AUTH__JWT_SECRET", uuid.uuid4().hex * 2)
-        # A token on the connection: the cluster ignores it, the page must never show it.
-        conn = {"conn_type": "ray", "host": ray_default.dashboard_url, "password": ray_default.token or TOKEN}
-        mp.setenv("AIRFLOW_CONN_RAY_DEFAULT", json.dumps(conn))
-        mp.setenv("AIRFLOW_CONN_NOT_RAY", json.dumps({"conn_type": "http", "host": "http://example.com"}))
-        _reset_plugins(plugins_manager, api_app)
-        try:
-            yield api_app.create_app("core"), ray_default
-        finally:
-            _reset_plugins(plugins_manager, api_app)
-
-
-def _reset_plugins(plugins_manager, api_app) -> None:
-    for cached in (plugins_manager._get_plugins, plugins_manager._get_ui_plugins, plugins_manager.get_fastapi_plugins):
-        cached.cache_clear()
-    api_app.purge_cached_app()
+    # A token on the connection: the cluster ignores it, the page must never show it.
+    conn = {"conn_type": "ray", "host": ray_default.dashboard_url, "password": ray_default.token or TOKEN}
+    with plugin_app(folder, "admin:admin,viewer:viewer,op:op",
+                    {"ray_default": conn, "not_ray": {"conn_type": "http", "host": "http://example.com"}}) as app:
+        yield app, ray_default
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,10 @@ Members are fake Ray dashboards over real HTTP (tests/set_dashboards.py); Airflo
 
 from __future__ import annotations
 
-import json
-import uuid
-
 import pytest
 
-from tests.plugins.test_slices import _reset_plugins, bearer, jwt
+from tests.plugins.conftest import plugin_app
+from tests.plugins.test_slices import bearer, jwt
 from tests.set_dashboards import pair
 
 
@@ -25,29 +23,13 @@ def members():
 @pytest.fixture(scope="module")
 def api(airflow_db, members, tmp_path_factory):
     """Airflow's API app with the plugin, a simple auth manager, and the set `tpus` of `set_a` and `set_b`."""
-    from airflow import plugins_manager, settings
-    from airflow.api_fastapi import app as api_app
     from fastapi.testclient import TestClient
 
     a, b = members
-    folder = tmp_path_factory.mktemp("plugins")
-    (folder / "rayslice_slices.py").write_text("from rayslice.plugins.slices import SlicesPlugin  # noqa: F401\n")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(settings, "PLUGINS_FOLDER", str(folder))
-        mp.setenv("AIRFLOW__CORE__AUTH_MANAGER",
-                  "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager")
-        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS", "False")
-        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", "viewer:viewer,op:op")
-        mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE", str(folder / "passwords.json"))
-        mp.setenv("AIRFLOW__API_AUTH__JWT_SECRET", uuid.uuid4().hex * 2)
-        mp.setenv("AIRFLOW_CONN_SET_A", json.dumps({"conn_type": "ray", "host": a.url}))
-        mp.setenv("AIRFLOW_CONN_SET_B", json.dumps({"conn_type": "ray", "host": b.url}))
-        mp.setenv("AIRFLOW_CONN_TPUS", json.dumps({"conn_type": "ray", "extra": {"clusters": ["set_a", "set_b"]}}))
-        _reset_plugins(plugins_manager, api_app)
-        try:
-            yield TestClient(api_app.create_app("core"))
-        finally:
-            _reset_plugins(plugins_manager, api_app)
+    with plugin_app(tmp_path_factory.mktemp("plugins"), "viewer:viewer,op:op", {
+            "set_a": {"conn_type": "ray", "host": a.url}, "set_b": {"conn_type": "ray", "host": b.url},
+            "tpus": {"conn_type": "ray", "extra": {"clusters": ["set_a", "set_b"]}}}) as app:
+        yield TestClient(app)
 
 
 def test_a_link_that_names_the_set_leads_to_the_member_that_ran_the_step(api, members):
