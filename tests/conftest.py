@@ -39,8 +39,11 @@ AIRFLOW_FIXTURES = {"airflow", "airflow_stack"}
 BROWSER_FIXTURES = {"browser"}
 
 
-#: The group of the tests that share the session's Airflow under `--dist loadgroup` (scripts/test's default).
-SESSION_AIRFLOW_GROUP = "session-airflow"
+#: The group of the tests that share the session's cluster and Airflow under `--dist loadgroup`
+#: (scripts/test's default): one worker runs them all, in order (tests/xdist_groups.py).
+SESSION_GROUP = "session"
+#: The session-scoped fixtures that are, or stand on, the session's cluster.
+SESSION_CLUSTER_FIXTURES = ("cluster", "ray_driver")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -65,13 +68,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     both = [item for item in on_airflow if item in on_pair]
     block = ([item for item in on_airflow if item not in both] + both
              + [item for item in on_pair if item not in both])
-    if block:
+    from tests import xdist_groups  # loaded (and assert-rewritten) by `pytest_plugins` by now
+
+    if block and xdist_groups.active(config):
+        # Two workers: the other one's private clusters start and run beside the session's first tests, so
+        # the session Airflow's end-to-end tests, the ones most sensitive to a busy machine, come last.
+        items[:] = [item for item in items if item not in block] + block
+    elif block:
         first = min(items.index(item) for item in block)
         rest = [item for item in items if item not in block]
         before = [item for item in rest if items.index(item) < first]
         items[:] = before + block + rest[len(before):]
-    from tests import xdist_groups  # loaded (and assert-rewritten) by `pytest_plugins` by now
-
     if xdist_groups.active(config):
         xdist_groups.record(groups(items))
 
@@ -79,22 +86,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def groups(items: list[pytest.Item]) -> dict[str, str]:
     """Which tests must run in one process when two xdist workers share the suite (tests/xdist_groups.py).
 
-    Each worker runs its own session cluster, so a cluster test may run in either; but a module's tests
-    share its module fixtures (a private cluster, a private Airflow), so each such module goes to one
-    worker whole, and every test of the session's Airflow to the same one (it starts once, and stops
-    after its last user). Cluster-free tests are spread one by one.
+    The tests on the session's cluster share its slices, so they cannot overlap: one worker runs the
+    session's cluster and Airflow and every module that touches either (`SESSION_GROUP`), one test
+    after another as a single process would. The other worker runs everything else beside them: the
+    cluster-free tests one by one, and each module that starts a cluster or an Airflow of its own,
+    whole (its tests share that module fixture). The tests over two clusters (`cluster_pair`, started
+    once per process) go together, in the session's group when one of them also uses the session's Airflow.
+    (A second session cluster for the other worker was tried: on two cores the suite is CPU-bound, and
+    it took 42.1 min against 43.1 with one; BENCHMARKS.md.)
     """
+    session_modules = {_module(item) for item in items if _uses_session_cluster(item) or _uses_session_airflow(item)}
+    if any(_uses_session_airflow(item) and _uses_cluster_pair(item) for item in items):
+        session_modules |= {_module(item) for item in items if _uses_cluster_pair(item)}
     found = {}
-    over_both = any(_uses_session_airflow(item) and _uses_cluster_pair(item) for item in items)
     for item in items:
-        if _uses_session_airflow(item):
-            found[item.nodeid] = SESSION_AIRFLOW_GROUP
-        elif _uses_cluster_pair(item):  # one pair of clusters for every module that steps over two, in the
-            # Airflow's worker when a test needs both (its tests and the pair's run back to back there)
-            found[item.nodeid] = SESSION_AIRFLOW_GROUP if over_both else "cluster-pair"
+        module = _module(item)
+        if module in session_modules:
+            found[item.nodeid] = SESSION_GROUP
+        elif _uses_cluster_pair(item):
+            found[item.nodeid] = "cluster-pair"
         elif any(item.get_closest_marker(mark) for mark in ("cluster", "airflow", "browser")):
-            found[item.nodeid] = item.nodeid.split("::")[0]
+            found[item.nodeid] = module
     return found
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def _uses_session_cluster(item: pytest.Item) -> bool:
+    fixture = getattr(item, "_fixtureinfo", None)
+    for name in SESSION_CLUSTER_FIXTURES:
+        defs = fixture.name2fixturedefs.get(name, ()) if fixture else ()
+        if defs and defs[-1].scope == "session":  # the closest definition: a module may have its own `cluster`
+            return True
+    return False
 
 
 def _uses_session_airflow(item: pytest.Item) -> bool:
@@ -129,12 +155,17 @@ _cluster_start: dict = {}  # the session's cluster, starting in the background: 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the session's cluster now, in its own process, if any selected test needs it.
 
-    The cluster-free tests run first (`pytest_collection_modifyitems`) while it starts. A process, not a
-    thread: it reads `RAYSLICE_HOME` throughout, which tests may change meanwhile.
+    The cluster-free tests run first (`pytest_collection_modifyitems`) while it starts; under two workers,
+    the other worker's tests do. A process, not a thread: it reads `RAYSLICE_HOME` throughout, which tests
+    may change meanwhile.
     """
     if (os.environ.get("RAYSLICE_TEST_CLUSTER") or session.config.option.collectonly
             or not any("cluster" in getattr(item, "fixturenames", ()) for item in session.items)):
         return
+    from tests import xdist_groups
+
+    if not xdist_groups.runs_the_session_group(session.config):
+        return  # the other worker of a grouped run: its tests never use it
     _start_session_cluster(session.config._tmp_path_factory.mktemp("rayslice-home"))
 
 

@@ -1,11 +1,12 @@
-"""Two xdist workers share the suite; the tests that must run in one process stay together.
+"""Two xdist workers share the suite: one runs everything on the session's cluster, the other the rest.
 
-`scripts/test` runs the whole suite as `-n 2 --dist loadgroup`: each worker starts its own session cluster,
-so most cluster tests may run in either, and one worker's tests run while the other's wait on Ray, JAX or
-Airflow. But a module's tests share its module fixtures (a private cluster, a private Airflow), and every
-test of the session's Airflow must run where it was started (it starts once, and stops after its last user):
-`tests/conftest.py` says which tests go together (`groups`), and this scheduler sends each group to one
-worker whole, in the collection's order (cluster-free tests first, while the clusters start).
+`scripts/test` runs the whole suite as `-n 2 --dist loadgroup`. The tests on the session's cluster and
+Airflow share its slices, so they cannot overlap: they are one group (`tests/conftest.py`, `groups`),
+which the session worker (`SESSION_WORKER`, the only one that starts the session's cluster) runs whole,
+in the collection's order, as one process would. Beside it, the other worker runs what needs no session
+cluster: the cluster-free tests one by one, and each module with a cluster or an Airflow of its own,
+whole (a module's tests share its module fixtures). Without a session group (`-m "not cluster"`) both
+workers share everything.
 
 Why not xdist's own `loadgroup` and `xdist_group` marks: xdist 3.8 tells the scheduler a test's group by
 appending it to `item._nodeid`, which pytest 9 no longer reads (a node's id is `item._id`), so every test
@@ -25,15 +26,23 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_ENV = "RAYSLICE_TEST_GROUPS"
+#: The worker that runs the session's group, and so the only one that starts the session's cluster.
+SESSION_WORKER = "gw0"
 
 
 def active(config: pytest.Config) -> bool:
     """Whether this run distributes by group (`--dist loadgroup`), in the controller or a worker."""
-    return config.getvalue("dist") == "loadgroup" or bool(getattr(config.option, "loadgroup", False))
+    return config.getoption("dist", default=None) == "loadgroup" or bool(getattr(config.option, "loadgroup", False))
+
+
+def runs_the_session_group(config: pytest.Config) -> bool:
+    """Whether this process may run tests on the session's cluster: not the other worker of a grouped run."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return not (worker and active(config)) or worker == SESSION_WORKER
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getvalue("dist") == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if config.getoption("dist", default=None) == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
         folder = Path(tempfile.mkdtemp(prefix="rayslice-test-groups-"))
         os.environ[GROUPS_ENV] = str(folder)  # the workers start after this, with this environment
 
@@ -56,7 +65,8 @@ def _load() -> dict[str, str]:
 
 
 class GroupScheduling(LoadScopeScheduling):
-    """xdist's scope scheduling with our groups as the scopes, taken in the collection's order."""
+    """xdist's scope scheduling with our groups as the scopes, taken in the collection's order; the
+    session's group goes to the session worker only."""
 
     def __init__(self, config: pytest.Config, log=None) -> None:
         super().__init__(config, log)
@@ -68,7 +78,33 @@ class GroupScheduling(LoadScopeScheduling):
             self._groups = _load()
         return self._groups.get(nodeid, nodeid)
 
+    def _assign_work_unit(self, node) -> None:
+        """The session's group to the session worker first; any other worker takes the next other unit."""
+        from tests.conftest import SESSION_GROUP
+
+        if SESSION_GROUP in self.workqueue and self._may_run_the_session_group(node):
+            self.workqueue.move_to_end(SESSION_GROUP, last=False)
+        elif self.workqueue and next(iter(self.workqueue)) == SESSION_GROUP:
+            if len(self.workqueue) == 1:
+                return  # only the session's group is left, and it is not this worker's
+            self.workqueue.move_to_end(SESSION_GROUP)
+        super()._assign_work_unit(node)
+
+    def _may_run_the_session_group(self, node) -> bool:
+        """The session worker; any worker once it is gone (a crashed worker's replacement has a new id)."""
+        return node.gateway.id == SESSION_WORKER or all(n.gateway.id != SESSION_WORKER for n in self.nodes)
+
+    def _reschedule(self, node) -> None:
+        from tests.conftest import SESSION_GROUP
+
+        only_the_session_group_left = list(self.workqueue) == [SESSION_GROUP]
+        if not node.shutting_down and only_the_session_group_left and not self._may_run_the_session_group(node):
+            if self._pending_of(self.assigned_work[node]) == 0:
+                node.shutdown()  # nothing left that this worker may run
+            return
+        super()._reschedule(node)
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling | None:
-    return GroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
+    return GroupScheduling(config, log) if config.getoption("dist", default=None) == "loadgroup" else None
