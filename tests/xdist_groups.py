@@ -1,6 +1,7 @@
 """Two xdist workers share the suite: one runs everything on the session's cluster, the other the rest.
 
-`scripts/test` runs the whole suite as `-n 2 --dist loadgroup`. The tests on the session's cluster and
+`./scripts/test -n 2 --dist loadgroup` runs the whole suite on two workers (not the default:
+BENCHMARKS.md, the suite's time). The tests on the session's cluster and
 Airflow share its slices, so they cannot overlap: they are one group (`tests/conftest.py`, `groups`),
 which the session worker (`SESSION_WORKER`, the only one that starts the session's cluster) runs whole,
 in the collection's order, as one process would. Beside it, the other worker runs what needs no session
