@@ -40,7 +40,7 @@ BROWSER_FIXTURES = {"browser"}
 
 
 #: The group of the tests that share the session's cluster and Airflow under `--dist loadgroup`
-#: (scripts/test's default): one worker runs them all, in order (tests/xdist_groups.py).
+#: (two workers, an option of scripts/test): one worker runs them all, in order (tests/xdist_groups.py).
 SESSION_GROUP = "session"
 #: The session-scoped fixtures that are, or stand on, the session's cluster.
 SESSION_CLUSTER_FIXTURES = ("cluster", "ray_driver")
