@@ -125,9 +125,10 @@ FAILING = textwrap.dedent('''
     from jax.experimental import multihost_utils
 
     how, folder = sys.argv[1], pathlib.Path(sys.argv[2])
+    # Before the rendezvous: once worker 2 has passed it, its failure may end the others at any moment.
+    (folder / f"pid-{os.getpid()}").write_text(os.environ["RAYSLICE_WORKER_ID"])
     jax.distributed.initialize()
     worker = jax.process_index()
-    (folder / f"pid-{os.getpid()}").write_text(str(worker))
 
     def fail():
         print(f"host {worker} fails: {how}", flush=True)
