@@ -40,6 +40,23 @@ NODE_IP = "127.0.0.2"
 _OBJECT_STORE_BYTES = 80 * 1024 * 1024
 _HEAD_OBJECT_STORE_BYTES = 150 * 1024 * 1024
 
+#: What an idle local cluster spends its CPU on, turned down (BENCHMARKS.md, "An idle local cluster's
+#: CPU"). Every simulated host is a whole Ray node on the one machine, so Ray's per-node defaults add up:
+#: - each node's dashboard agent collects and publishes the machine's stats (psutil over every process)
+#:   every 5 s, and the dashboard head ingests each report; every 30 s is plenty for a laptop's dashboard
+#:   (rayslice reads nodes from the state API, which these reports do not feed);
+#: - the head's log monitor globs the logs folder for new worker files 10 times a second while it has
+#:   fewer than 1,000 files; every 0.5 s instead (Ray's own pace past 1,000). A new worker's file is found
+#:   at most that much later and read from its start, so no line is lost;
+#: - each node's two agents check that their raylet still runs every 0.4 s; every 2 s (a node of a local
+#:   cluster stops as one process session, so nothing waits on this).
+IDLE_CPU_SETTINGS = {
+    "REPORTER_UPDATE_INTERVAL_MS": "30000",
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "0.5",
+    "RAY_DASHBOARD_AGENT_CHECK_PARENT_INTERVAL_S": "2",
+}
+
 
 def state_dir() -> Path:
     """Where cluster records live (`RAYSLICE_HOME`, default `~/.rayslice`)."""
@@ -159,6 +176,7 @@ class ClusterRecord:
             # A local cluster stops as a whole (`down`): a node that got SIGTERM after it ran steps
             # would otherwise wait for Ray's graceful drain (up to 30 s) before its processes exit.
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+            **IDLE_CPU_SETTINGS,
         }
         if self.token:  # explicit either way: Ray turns token auth on by itself if a token file exists
             env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
