@@ -332,7 +332,8 @@ async def logs_delivered(timeout: float = LOG_DELIVERY_S) -> bool:
     Records still queued then go to the triggerer's own log, not the task's: under load, the lines a
     trigger relayed last (a host's output, printed just before the step's result) were missing from
     the task log. Called before each event: once the queue is empty, everything logged so far is in
-    the task's log file. Costs nothing when the triggerer keeps up (the queue is empty already).
+    the task's log file. Costs nothing when the triggerer keeps up; one that cannot (its queue never
+    empties: other triggers' records count too, the socket tells no more) holds each event `timeout` s.
     """
     until = time.monotonic() + timeout
     while (unread := _unread_log_bytes()):

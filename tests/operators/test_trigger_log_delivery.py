@@ -19,6 +19,8 @@ import logging
 import os
 import select
 import socket
+import subprocess
+import sys
 import types
 from collections import deque
 
@@ -151,3 +153,22 @@ async def test_a_triggerer_that_reads_nothing_holds_the_event_no_longer_than_the
         channel.close()
         runner_end.close()
         supervisor_end.close()
+
+
+def test_the_triggerer_runners_log_channel_is_found(tmp_path):
+    """Set up as Airflow's triggerer runner process sets up its logging (in a process of its own)."""
+    script = tmp_path / "runner.py"
+    script.write_text(
+        "import asyncio, os, socket\n"
+        "from airflow.sdk.execution_time.supervisor import _configure_logs_over_json_channel\n"
+        "child, parent = socket.socketpair()\n"
+        "_configure_logs_over_json_channel(os.dup(child.fileno()))\n"
+        "import structlog\n"
+        "from rayslice.operators.triggers import _unread_log_bytes, logs_delivered\n"
+        "structlog.get_logger('t').info('@@ echo')\n"
+        "queued = _unread_log_bytes()\n"
+        "assert queued and asyncio.run(logs_delivered(timeout=0.2)) is False, queued\n"
+        "assert b'@@ echo' in parent.recv(1 << 20)\n"
+        "assert _unread_log_bytes() == 0 and asyncio.run(logs_delivered(timeout=30)) is True\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
