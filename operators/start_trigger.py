@@ -40,7 +40,7 @@ from airflow.triggers.base import StartTriggerArgs, TaskSuccessEvent, TriggerEve
 from rayslice.hooks.ray import RayHook
 from rayslice.operators import metrics
 from rayslice.operators.links import CLUSTER_KEY, SUBMISSION_ID_KEY, RayJobLink, job_link
-from rayslice.operators.triggers import LOG_CHECKPOINT_KEY, RayStepTrigger
+from rayslice.operators.triggers import LOG_CHECKPOINT_KEY, RayStepTrigger, logs_delivered
 
 from rayslice.client.submission import submission_id, submit_step
 from rayslice.core.exceptions import RaysliceError
@@ -195,6 +195,11 @@ class RayStepStartTrigger(RayStepTrigger):
         self._context = context
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        async for event in self._start():
+            await logs_delivered()  # every line logged before the event is in the task's log (see there)
+            yield event
+
+    async def _start(self) -> AsyncIterator[TriggerEvent]:
         try:
             operator, spec = await self._build()
         except CannotStart as exc:

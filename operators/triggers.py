@@ -49,6 +49,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import stat
+import struct
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -74,6 +77,8 @@ CHECKPOINT_S = 5.0
 UNKNOWN_STATE = "unknown"
 #: How long a kill waits for a job it does not find yet (a kill during submission) before deciding none was made.
 SUBMIT_GRACE_S = 10.0
+#: The longest a trigger's event waits for the triggerer to have read the trigger's log records (`logs_delivered`).
+LOG_DELIVERY_S = 10.0
 
 
 class RayStepTrigger(BaseTrigger):
@@ -136,6 +141,7 @@ class RayStepTrigger(BaseTrigger):
                 self.log.info("[rayslice] Ray job %s ended; resuming the task in %.1f s (min_deferral)",
                               self.submission_id, wait)
                 await asyncio.sleep(wait)
+            await logs_delivered()
             yield event
 
     async def _follow(self) -> AsyncIterator[TriggerEvent]:
@@ -291,6 +297,50 @@ class RayStepTrigger(BaseTrigger):
                     await asyncio.sleep(0.5)
         self.log.info("Ray job %s: %s", self.submission_id,
                       "stop requested" if stopped else "was not running")
+
+
+def _unread_log_bytes() -> int | None:
+    """Bytes this process wrote to the triggerer's logs socket that the triggerer has not read; None: no such socket.
+
+    A triggerer's runner process sends its records to the supervisor over a socket, the output of
+    its structlog configuration (the Task SDK's `configure_logging(output=...)`); the socket's send
+    queue (`SIOCOUTQ`, Linux) holds what the other end has not read yet. Anywhere else (a test, `dag.test()`,
+    a platform without the ioctl) there is nothing to wait for.
+    """
+    try:
+        import fcntl
+        import termios
+
+        import structlog
+
+        output = getattr(structlog.get_config().get("logger_factory"), "io", None)
+        fd = output.fileno() if output is not None else -1
+        if fd < 0 or not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return None
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0])
+    except Exception:
+        return None
+
+
+async def logs_delivered(timeout: float = LOG_DELIVERY_S) -> bool:
+    """Wait (at most `timeout` s) until the triggerer has read every log record this trigger wrote; False if not.
+
+    Airflow 3.3.2's triggerer writes a trigger's records into its task's log only while it knows the
+    trigger: its supervisor reads the runner's logs socket 4096 bytes per loop iteration, between
+    database round trips (`make_buffered_socket_reader`, `run_once`), and on the runner's report that
+    a trigger finished it drops the trigger's file logger (`_handle_request`: `logger_cache.pop`).
+    Records still queued then go to the triggerer's own log, not the task's: under load, the lines a
+    trigger relayed last (a host's output, printed just before the step's result) were missing from
+    the task log. Called before each event: once the queue is empty, everything logged so far is in
+    the task's log file. Costs nothing when the triggerer keeps up; one that cannot (its queue never
+    empties: other triggers' records count too, the socket tells no more) holds each event `timeout` s.
+    """
+    until = time.monotonic() + timeout
+    while (unread := _unread_log_bytes()):
+        if time.monotonic() >= until:
+            return False
+        await asyncio.sleep(0.05)
+    return unread is not None
 
 
 async def shielded(work: Any) -> Any:

@@ -83,9 +83,9 @@ def _host_lines(api: httpx.Client, dag_id: str, run_id: str, ti: dict) -> list[s
     for try_number in range(1, ti["try_number"] + 1):
         resp = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{ti['task_id']}/logs/{try_number}",
                        params={"map_index": ti["map_index"], "full_content": True})
-        if resp.status_code == 200:
-            content = "\n".join(json.dumps(e) if isinstance(e, dict) else str(e) for e in resp.json()["content"])
-            lines |= {f"try {try_number}: {line}" for line in HOST_LINE.findall(content)}
+        resp.raise_for_status()  # a log that cannot be read is not a log without the line
+        content = "\n".join(json.dumps(e) if isinstance(e, dict) else str(e) for e in resp.json()["content"])
+        lines |= {f"try {try_number}: {line}" for line in HOST_LINE.findall(content)}
     return sorted(lines)
 
 
