@@ -14,11 +14,13 @@ the bodies' own records, both clusters' job records and state APIs.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from rayslice.operators.links import CLUSTER_KEY
 
 from rayslice.local import local_cluster
 from tests.cluster_pair import NAMES
@@ -107,4 +109,8 @@ def test_a_drain_on_the_cluster_running_a_set_step_resumes_it_on_the_other_in_on
     status, drained_log = pair.jobs(drained_name, drained["sid"])
     assert status == "FAILED" and "RanElsewhereError" in drained_log, drained_log[-2000:]
     assert f"the step ran on cluster {CONN[other]}" in log and "released claim 0" in log, log[-4000:]
+    # The task told where the step runs as it moved: its log, in order, then its XCom (which the "Ray job" link reads).
+    told = re.findall(r"\[rayslice\] (the step runs on|the step moved to) cluster (\w+):", log)
+    assert told == [("the step runs on", CONN[drained_name]), ("the step moved to", CONN[other])], told
+    assert xcom(api, ti_url, CLUSTER_KEY) == {"submission_id": drained["sid"], "cluster": CONN[other]}
     assert not pair.held_by(other, drained["sid"]), pair.held_by(other, drained["sid"])

@@ -18,7 +18,8 @@ for the next batches, so each notice reaches it while it runs, whatever Airflow'
 loaded machine; no assertion depends on how long anything takes beyond the documented bound on the
 evaluation's start.
 
-The Must-hold of issue 49: every run ends `success` on try 1 (no Airflow retry for a notice);
+The Must-hold of issue 49: every run ends `success` on try 1 (no Airflow retry for a notice, as the
+task log says of the drain's suspension, with the checkpoint the step resumes from);
 the training's final state is exactly `expected_state`; no training step ran twice after its
 checkpoint; the evaluation's body starts within the grace plus its own start-up; the training's
 goodput adds up to the chip-time it held and its lost work is the steps it redid; `rayslice usage`
@@ -261,6 +262,11 @@ def test_a_day_on_one_shared_cluster(airflow, airflow_api, cluster, ray_driver, 
     # A suspension's expected shutdown noise is not a fatal error in the task log.
     task_log = _task_log(api, "day_train", runs["day_train"], "train")
     assert FATAL_NOISE not in task_log, re.findall(f".*{FATAL_NOISE}.*", task_log)[:3]
+    # The drain's suspension, as the task log tells it: no Airflow retry, and the checkpoint the step resumes from
+    # (the one it saved on the notice), not on the drained slice.
+    told = [line for line in task_log.splitlines() if f"not on {target}, whose node is going" in line]
+    assert told and all("no Airflow retry" in line and "resumes from the checkpoint of step" in line
+                        for line in told), told or re.findall(r".*no Airflow retry.*", task_log)
 
     # The evaluation's body started within the grace plus its own start-up (its reservation to its body),
     # with a few queue heartbeats of slack for the suspension to be asked and the release to be seen.

@@ -1,6 +1,7 @@
 """One step over two real local Ray clusters (`set-a`, `set-b`, a v6e-4 each): it runs on whichever admits it
-first, skips a cluster that cannot take it, resumes on the other after a drain notice, and never runs on two
-at once (rayslice/client/cluster_set.py, rayslice/cluster/set_member.py, rayslice/core/cluster_claim.py).
+first, skips a cluster that cannot take it, resumes on the other after a drain notice (through the real Airflow,
+with what the task tells of it: tests/e2e/test_cluster_set_drain.py), and never runs on two at once
+(rayslice/client/cluster_set.py, rayslice/cluster/set_member.py, rayslice/core/cluster_claim.py).
 
 Proof comes from the clusters, not the launcher's word: each cluster's Ray job records (status and log), the
 step bodies' own records (which cluster's GCS they ran under), and both clusters' free TPU chips.
@@ -166,51 +167,6 @@ def counting_fit(steps: int, seconds_per_step: float) -> dict:
         if ctx.preempted:
             raise StepSuspended(f"saved step {i + 1}")
     return {"gcs": gcs, "resumed_from": start}
-
-
-def test_a_drain_on_the_running_cluster_resumes_the_step_on_the_other_from_its_checkpoint(cluster_pair):
-    """Whichever cluster runs the step first (a, unless b's job got there 0.25 s sooner) is drained with a 30 s
-    deadline: the step checkpoints, frees that cluster's chips before the deadline, and resumes on the other."""
-    spec = step("trainer", cluster_pair, fn=counting_fit, steps=12, seconds_per_step=1.0)
-    spec = spec_for_set(spec.model_copy(update={"preemption_retries": 2}), "tpus", NAMES, shared_root=True)
-    sid = spec.owner.submission_id
-    folder = cluster_pair.shared / "sets" / "r1" / "trainer"
-    by_gcs = {cluster_pair.records[n].gcs_address: n for n in NAMES}
-    lines: list[str] = []
-    drained: dict = {}
-
-    def drain_the_running_one_once_it_saved():
-        assert wait_until(lambda: (folder / "step.json").exists(), timeout=120)
-        first = json.loads((folder / "bodies.jsonl").read_text().splitlines()[0])["gcs"]
-        record = cluster_pair.records[drained.setdefault("name", by_gcs[first])]
-        drained["deadline"] = time.time() + 30
-        local_cluster.preempt(record, next(n.slice_name for n in record.nodes if n.slice_name), 30, kill=False)
-        # its state API: the step's placement groups removed and its host processes dead (its chips free)
-        drained["free"] = wait_until(lambda: not cluster_pair.held_by(record.name, sid), timeout=30, interval=0.5)
-        drained["free_at"] = time.time()
-
-    import threading
-
-    drainer = threading.Thread(target=drain_the_running_one_once_it_saved)
-    drainer.start()
-    told: list[str] = []
-    try:
-        result, spec = on_set(cluster_pair, spec, *NAMES, lines=lines, told=told)
-    finally:
-        drainer.join(60)
-        if "name" in drained:
-            cluster_pair.replace_tpu_node(drained["name"])  # a drained node is done: the next tests get a fresh one
-    log = "\n".join(lines)
-    drained_name = drained["name"]
-    other = next(n for n in NAMES if n != drained_name)
-    assert by_gcs[result[0]["gcs"]] == other and result[0]["resumed_from"] > 0, log
-    bodies = [json.loads(line) for line in (folder / "bodies.jsonl").read_text().splitlines()]
-    assert [by_gcs[body["gcs"]] for body in bodies] == [drained_name, other], bodies
-    done = [json.loads(line)["step"] for line in (folder / "done.jsonl").read_text().splitlines()]
-    assert done == list(range(12)), f"a step was done twice or skipped: {done}"
-    assert drained["free"] and drained["free_at"] < drained["deadline"], cluster_pair.held_by(drained_name, sid)
-    assert "released claim 0" in log and f"the step ran on cluster {other}" in log, log
-    assert told == [drained_name, other], told  # the link and XCom follow the step to the other cluster
 
 
 def test_many_steps_on_both_never_run_on_two_clusters_at_once_and_leave_every_chip_free(cluster_pair, tmp_path):
