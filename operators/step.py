@@ -121,6 +121,22 @@ class RayStepFailedForGood(RayStepFailed, AirflowFailException):
     """A failure no retry can fix (``NOT_RETRIED``): Airflow fails the task without retrying it."""
 
 
+def _executor_can_race() -> bool:
+    """Whether an executor runs this task in a process of its own, whose exit can race the trigger (`min_deferral`).
+
+    The race (apache/airflow#67287) is the scheduler reading the deferring worker's exit report after
+    the resumed task started. `dag.test()` runs the task in the calling process through the Task SDK's
+    in-process supervisor, with no executor and no exit report: nothing to wait for, so a step ended
+    there resumes its task at once instead of `min_deferral` (15 s) later.
+    """
+    try:
+        from airflow.sdk.execution_time import task_runner
+        from airflow.sdk.execution_time.supervisor import InProcessSupervisorComms
+    except ImportError:  # another Task SDK layout: keep the wait
+        return True
+    return not isinstance(getattr(task_runner, "SUPERVISOR_COMMS", None), InProcessSupervisorComms)
+
+
 class RayStepOperator(BaseOperator):
     """Run one step (a function or a program) on Ray capacity and return its result as the task's XCom.
 
@@ -172,7 +188,8 @@ class RayStepOperator(BaseOperator):
         than this many seconds after it deferred, even if the step ended earlier. Airflow's scheduler
         (3.3.2 and earlier) fails a task that resumes before it has seen the deferring worker's exit
         (apache/airflow#67287, #72716). A step started in the triggerer has no deferring worker and never
-        waits. Capacity is released when the step ends either way; 0 turns the wait off.
+        waits, nor does one run by ``dag.test()`` (no executor). Capacity is released when the step ends
+        either way; 0 turns the wait off.
     :param shipped_callable: set by rayslice (the decorators, or ``python_callable=``): the function pickled
         at parse time, for the triggerer.
     """
@@ -402,7 +419,7 @@ class RayStepOperator(BaseOperator):
                 trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, kuberay_cluster=self._cluster,
                                        kuberay_owner=self._cluster_owner, submission_id=sid,
                                        poll_interval=self.poll_interval, deadline=deadline, deadline_reason=reason,
-                                       resume_not_before=time.time() + self.min_deferral),
+                                       resume_not_before=time.time() + (self.min_deferral if _executor_can_race() else 0.0)),
                 method_name="execute_complete",
                 timeout=None if deadline is None else timedelta(
                     seconds=max(deadline - time.time(), self.min_deferral) + DEFERRAL_BACKSTOP_S),

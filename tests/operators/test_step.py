@@ -348,3 +348,31 @@ def test_preemptible_and_notice_signal_reach_the_step_and_bad_values_fail_at_par
         TpuSliceOperator(task_id="bad", tpu="v6e-16", command=["true"], notice_signal="SIGKILL")
     with pytest.raises(InvalidRequestError, match="preemptible of 'bad2' must be True or False"):
         TpuSliceOperator(task_id="bad2", tpu="v6e-16", command=["true"], preemptible="yes")
+
+
+EXECUTOR_RACE_DAG = textwrap.dedent('''
+    from datetime import datetime
+
+    from airflow.sdk import DAG, task
+
+    with DAG("executor_race", start_date=datetime(2026, 1, 1), schedule=None):
+
+        @task
+        def inside():
+            from rayslice.operators.step import _executor_can_race
+            return _executor_can_race()
+
+        inside()
+''')
+
+
+def test_dag_test_has_no_executor_to_race_so_a_deferred_step_resumes_at_once(airflow_db):
+    """`min_deferral` waits out a worker's exit report; `dag.test()` runs the task in this process, without one."""
+    from rayslice.operators.step import _executor_can_race
+
+    assert _executor_can_race()  # not inside a task: assume an executor, keep the wait
+    dags, errors = load_dag_file(write_dag_file("executor_race", EXECUTOR_RACE_DAG))
+    assert not errors, errors
+    dr = dags["executor_race"].test()
+    assert task_states(dr) == {"inside": "success"}
+    assert xcom_values(dr, "inside") == [False]
