@@ -28,7 +28,7 @@ import pytest
 
 from rayslice.client import capacity
 from rayslice.client.jobs_client import AsyncRayJobsClient, JobStatus, RayJobsClient
-from rayslice.client.submission import submission_id, submit_step, wait_for_step
+from rayslice.client.submission import JobFollow, submission_id, submit_step, wait_for_step
 from rayslice.core.accelerators import AcceleratorRequest, TpuSliceRequest
 from rayslice.core.exceptions import (
     HostLostError,
@@ -262,8 +262,23 @@ def _held_step_behind_a_proxy(cluster, monkeypatch, tmp_path, name: str) -> tupl
 
 
 async def test_followers_wait_out_a_dashboard_outage_during_the_step(cluster, ray_driver, tmp_path, monkeypatch):
-    """The Airflow trigger and `wait_for_step` both follow one job through a proxy that is cut for 8 s."""
+    """The Airflow trigger and `wait_for_step` both follow one job through a proxy cut for several of their polls."""
     from rayslice.operators.triggers import RayStepTrigger
+
+    refused: dict[int, int] = {}  # follower -> status polls the cut dashboard did not answer
+    real_get = JobFollow._get
+
+    async def counted_get(self):
+        job = await real_get(self)
+        if job is None:
+            refused[id(self)] = refused.get(id(self), 0) + 1
+        return job
+
+    monkeypatch.setattr(JobFollow, "_get", counted_get)
+
+    async def both_refused(times: int) -> None:
+        while len(refused) < 2 or min(refused.values()) < times:
+            await asyncio.sleep(0.1)
 
     proxy, sid, spec = _held_step_behind_a_proxy(cluster, monkeypatch, tmp_path, "follow-outage")
     try:
@@ -274,7 +289,8 @@ async def test_followers_wait_out_a_dashboard_outage_during_the_step(cluster, ra
             by_waiter = asyncio.ensure_future(wait_for_step(client, sid, emit=lambda _: None, poll=0.5))
             await _wait_files(tmp_path, ["step"], client, sid)
             proxy.down()
-            await asyncio.sleep(8)  # several polls of each, all refused
+            refused.clear()
+            await asyncio.wait_for(both_refused(2), FAULT_BOUND_S)  # several polls of each, all refused
             assert not by_trigger.done() and not by_waiter.done(), (by_trigger, by_waiter)
             proxy.up()
             (tmp_path / "step.release").touch()

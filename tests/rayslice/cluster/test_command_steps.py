@@ -228,7 +228,7 @@ def test_a_command_step_whose_processes_all_block_in_a_collective_fails_as_a_han
 
     script = tmp_path / "hang.py"
     script.write_text(HANGS)
-    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=[sys.executable, str(script)], hang_timeout=10,
+    spec = StepSpec(request=TpuSliceRequest(tpu="v6e-16"), command=[sys.executable, str(script)], hang_timeout=5,
                     step_timeout=90, owner=Owner(submission_id=f"test-cmd-hang-{time.time_ns()}"))
     with pytest.raises(CollectiveHangError) as info:  # before: StepTimeoutError
         run_step(spec)

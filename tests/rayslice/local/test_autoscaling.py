@@ -62,39 +62,32 @@ def count_devices():
     return jax.device_count()
 
 
+def _pod_type_hosts(alive: dict[str, dict], pod_type: str) -> set[str]:
+    return {node_id for node_id, labels in alive.items() if labels.get("ray.io/tpu-pod-type") == pod_type}
+
+
 @pytest.mark.parametrize("pod_type", ["v4-16"])  # a whole 2-host slice; v6e-4 runs in the bench (CI time)
-def test_a_step_on_a_cluster_without_that_slice_makes_the_autoscaler_add_then_remove_it(autoscaling_cluster, pod_type):
+def test_the_autoscaler_adds_a_slice_for_a_step_and_removes_it_after_but_keeps_a_leaked_reservations_host(
+        autoscaling_cluster, pod_type, tmp_path):
+    """One pass over idle hosts proves both: the step's slice is removed, the leaked v6e-4 host is kept.
+
+    The leaky driver's v6e-4 host has run its last task before the step's slice is even added, so
+    had its reservation not counted, it would have been idle longer than the step's hosts: the
+    autoscaler's removal of those (a positive wait) is the moment it would have gone too. It goes
+    only once the driver ends, a full idle timeout after (its idle time counts from then).
+    `pod_type` must not be v6e-4: the cluster holds one host of each type.
+    """
     from rayslice.client.submission import run_step_job
 
-    request = TpuSliceRequest(tpu=pod_type)
-    with local_autoscaler.NodeWatcher(autoscaling_cluster) as watcher:
-        assert watcher.alive == {}, "the cluster must start this step with zero TPU hosts"
-        spec = StepSpec.for_function(
-            count_devices, request=request, capacity_timeout=240, owner=Owner(run_id=f"as-{time.time_ns()}")
-        )
-        result = asyncio.run(run_step_job(autoscaling_cluster.dashboard_url, spec, emit=print))
-        done = watcher.now()
-        removed = watcher.wait(lambda alive: not alive, timeout=IDLE_S + GRACE)
-        removed_after = watcher.now() - done
-    assert result == [request.chips_per_host * request.hosts_per_slice] * request.hosts_per_slice
-    added = [e for e in watcher.events if e.kind == "added"]
-    # The whole slice, and only it, with the labels rayslice schedules on (they come from the node-type config).
-    assert sorted(e.labels["ray.io/tpu-worker-id"] for e in added) == [str(i) for i in range(request.hosts_per_slice)]
-    assert {e.labels["ray.io/tpu-pod-type"] for e in added} == {pod_type}
-    assert {e.labels["ray.io/tpu-slice-name"] for e in added} == {f"{pod_type}-a"}
-    assert removed, f"{len(watcher.alive)} host(s) still up {removed_after:.0f} s after the step"
-    assert {e.node_id for e in watcher.events if e.kind == "removed"} == {e.node_id for e in added}
-
-
-def test_a_leaked_slice_reservation_keeps_its_host_until_the_driver_gives_it_back(autoscaling_cluster, tmp_path):
     script = tmp_path / "leaky_driver.py"
     script.write_text(LEAKY_DRIVER)
     sid = f"leaky-{time.time_ns()}"
+    request = TpuSliceRequest(tpu=pod_type)
     with (
         local_autoscaler.NodeWatcher(autoscaling_cluster) as watcher,
         RayJobsClient(autoscaling_cluster.dashboard_url) as client,
     ):
-        assert watcher.alive == {}
+        assert watcher.alive == {}, "the cluster must start with zero TPU hosts"
         client.submit(f"{sys.executable} {script}", submission_id=sid)
         try:
             deadline = time.monotonic() + 240
@@ -102,12 +95,41 @@ def test_a_leaked_slice_reservation_keeps_its_host_until_the_driver_gives_it_bac
                 assert not client.get(sid).status.is_terminal, client.logs(sid)
                 time.sleep(1)
             assert "LEAKY-RESULT [1]" in client.logs(sid)  # ran on the host (1 CPU device: no simulated-TPU setup)
-            assert [e.labels["ray.io/tpu-pod-type"] for e in watcher.events if e.kind == "added"] == ["v6e-4"]
-            gone_while_leaked = watcher.wait(lambda alive: not alive, timeout=IDLE_S + GRACE)
-            assert not gone_while_leaked, "the autoscaler removed a host whose slice is still reserved"
+            leaked_at = watcher.now()  # its host's last task has ended: idle but for the reservation
+            [leaked] = [e for e in watcher.events if e.kind == "added"]
+            assert leaked.labels["ray.io/tpu-pod-type"] == "v6e-4"
+
+            spec = StepSpec.for_function(
+                count_devices, request=request, capacity_timeout=240, owner=Owner(run_id=f"as-{time.time_ns()}")
+            )
+            result = asyncio.run(run_step_job(autoscaling_cluster.dashboard_url, spec, emit=print))
+            done = watcher.now()
+            removed = watcher.wait(lambda alive: not _pod_type_hosts(alive, pod_type), timeout=IDLE_S + GRACE)
+            removed_after = watcher.now() - done
+            assert result == [request.chips_per_host * request.hosts_per_slice] * request.hosts_per_slice
+            added = [e for e in watcher.events if e.kind == "added" and e.node_id != leaked.node_id]
+            # The whole slice, and only it, with the labels rayslice schedules on (from the node-type config).
+            assert sorted(e.labels["ray.io/tpu-worker-id"] for e in added) == \
+                [str(i) for i in range(request.hosts_per_slice)]
+            assert {e.labels["ray.io/tpu-pod-type"] for e in added} == {pod_type}
+            assert {e.labels["ray.io/tpu-slice-name"] for e in added} == {f"{pod_type}-a"}
+            assert removed, f"{len(_pod_type_hosts(watcher.alive, pod_type))} host(s) still up " \
+                            f"{removed_after:.0f} s after the step"
+            assert leaked.node_id in watcher.alive, "the autoscaler removed a host whose slice is still reserved"
+            assert {e.node_id for e in watcher.events if e.kind == "removed"} == {e.node_id for e in added}
+            step_removed_at = max(e.t for e in watcher.events if e.kind == "removed")
+            print(f"v6e-4 host idle but reserved since {leaked_at:.1f} s; step's hosts removed at "
+                  f"{step_removed_at:.1f} s")
+            # What makes that removal the witness: the v6e-4 host had been idle past the idle timeout by then.
+            assert step_removed_at - leaked_at >= IDLE_S, (leaked_at, step_removed_at)
         finally:
+            stopped_at = watcher.now()
             client.stop(sid)  # the driver exits; Ray removes the placement groups it created
         assert watcher.wait(lambda alive: not alive, timeout=IDLE_S + GRACE), "host kept after the driver ended"
+    [gone] = [e for e in watcher.events if e.kind == "removed" and e.node_id == leaked.node_id]
+    print(f"driver stopped at {stopped_at:.1f} s; v6e-4 host removed at {gone.t:.1f} s")
+    # Not removed alongside the step's hosts (a moment late): its idle time began when the driver ended.
+    assert gone.t - stopped_at >= IDLE_S, (stopped_at, gone.t)
 
 
 def test_a_request_no_node_group_can_hold_is_refused_at_once(autoscaling_cluster):
