@@ -415,11 +415,12 @@ class RayStepOperator(BaseOperator):
             limit, reason = self.deferral_limit()
             deadline = None if limit is None else started + limit
             metrics.deferred("worker")
+            wait = self.min_deferral if _executor_can_race() else 0.0
             self.defer(
                 trigger=RayStepTrigger(ray_conn_id=self.ray_conn_id, kuberay_cluster=self._cluster,
                                        kuberay_owner=self._cluster_owner, submission_id=sid,
                                        poll_interval=self.poll_interval, deadline=deadline, deadline_reason=reason,
-                                       resume_not_before=time.time() + (self.min_deferral if _executor_can_race() else 0.0)),
+                                       resume_not_before=time.time() + wait),
                 method_name="execute_complete",
                 timeout=None if deadline is None else timedelta(
                     seconds=max(deadline - time.time(), self.min_deferral) + DEFERRAL_BACKSTOP_S),
