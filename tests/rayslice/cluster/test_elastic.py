@@ -6,7 +6,9 @@ starts on one slice after `elastic_wait`; when that step ends, the queue offers 
 and it checkpoints and resumes on two; when a host of one of its slices is lost, it resumes on the
 slice left. It must end where a fixed 2-slice run of the same training ends (`reference_fit`: the same
 training in numpy, which a `global_rows` run matches on any device count; tests/dags/test_resharding.py),
-and hold nothing after.
+and hold nothing after. The training is `fed_fit` (tests/fed_training.py: `fit`, paced by the test
+rather than a clock): it holds after a saved step, so the offer and the loss reach an attempt the
+test has seen running, and it is let go as soon as the last attempt started.
 The lost host is started again at the end (as tests/rayslice/cluster/test_notices.py does), so the
 session cluster keeps its two slices and no cluster of its own has to start.
 """
@@ -25,12 +27,13 @@ from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.step import Owner, StepSpec
 from rayslice.local import local_cluster
 from tests.conftest import wait_until
+from tests.fed_training import Feed, fed_fit
 from tests.rayslice.cluster.test_preemption import free_chips_match_alive_hosts, run_as_job
 from tests.training_reference import assert_matches, reference_fit
 
 DATASET = {"features": 4, "rows_per_device": 8, "seed": 7}
 GLOBAL_ROWS = 64  # divisible by 16 and 32 devices: every slice count sees the same batch
-#: Enough steps to outlast the grow and the loss, each injected as soon as a step was saved on the slices before it.
+#: More steps than the attempts before the last one run (the last one resumes after step 3, the rest at once).
 STEPS = 16
 LEARNING_RATE = 0.05
 
@@ -46,21 +49,18 @@ def hold_until_released(folder: str):
     return os.environ["TPU_NAME"]
 
 
-def elastic_training(folder: str, dataset: dict, learning_rate: float, steps: int, global_rows: int,
-                     seconds_per_step: float):
-    """Notes each attempt's slice count and devices (and its slice), then trains (`fit`)."""
+def elastic_training(folder: str, feed: str, dataset: dict, learning_rate: float, steps: int, global_rows: int):
+    """Notes each attempt's slice count and devices (and its slice), then trains (`fit`'s training, fed)."""
     import os
 
     import jax
-    from rayslice.dags.training_pipeline import fit
 
     from rayslice import get_step_context
 
     context = get_step_context()
     Path(folder, f"attempt{context.preemption_attempt}-slices{context.num_slices}-devices{jax.device_count()}-"
                  f"{os.environ['TPU_NAME']}-{jax.process_index()}").touch()
-    result = fit(dataset, learning_rate, steps, checkpoint_every=1, seconds_per_step=seconds_per_step,
-                 global_rows=global_rows)
+    result = fed_fit(feed, dataset, learning_rate, steps, checkpoint_every=1, global_rows=global_rows)
     return {**result, "devices": jax.device_count(), "slices": context.num_slices}
 
 
@@ -81,6 +81,8 @@ def saved_steps(root: Path) -> list[int]:
 def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_loss(cluster, tmp_path):
     owner = dict(dag_id="elastic", task_id="train")
     lost: list[int] = []  # the session cluster's node this test kills, started again at the end
+    feed = Feed(tmp_path / "feed")
+    feed.release(1)  # the first attempt trains step 0, saves it, and waits, running
     try:
         with tempfile.TemporaryDirectory() as folder:
             blocker = StepSpec.for_function(hold_until_released, request=TpuSliceRequest(tpu="v6e-16"),
@@ -96,8 +98,8 @@ def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_l
             step = StepSpec.for_function(
                 elastic_training,
                 request=TpuSliceRequest(tpu="v6e-16", num_slices=(1, 2), multislice=True, elastic_wait=3),
-                kwargs=dict(folder=folder, dataset=DATASET, learning_rate=LEARNING_RATE, steps=STEPS,
-                            global_rows=GLOBAL_ROWS, seconds_per_step=1.0),
+                kwargs=dict(folder=folder, feed=feed.path, dataset=DATASET, learning_rate=LEARNING_RATE, steps=STEPS,
+                            global_rows=GLOBAL_ROWS),
                 preemption_retries=1, checkpoint_root=checkpoints.as_uri(),
                 owner=Owner(run_id=f"elastic-{time.time_ns()}", **owner))
             outcome: dict[str, object] = {}
@@ -119,9 +121,10 @@ def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_l
             assert wait_until(lambda: 0 in attempts(folder), timeout=240), log[-20:]
             assert {(s, d) for s, d, _ in attempts(folder)[0]} == {(1, 16)}
             assert blocked_slice not in {name for _, _, name in attempts(folder)[0]}
-            # 2. A step trained (and saved) on one slice, the other slice frees: it is offered it, checkpoints,
-            # and resumes on both.
-            assert wait_until(lambda: saved_steps(checkpoints), timeout=120), log[-20:]
+            # 2. A step trained (and saved) on one slice, and the training waits, running: the other slice frees,
+            # it is offered it, checkpoints, and resumes on both.
+            assert wait_until(lambda: feed.waiting(0, 1), timeout=120), log[-20:]
+            assert saved_steps(checkpoints)
             Path(folder, "release").touch()
             holding.join(timeout=120)
             assert held.get("result") == [blocked_slice] * 4
@@ -130,11 +133,14 @@ def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_l
             # 3. Once a step trained on both is saved, a host of one of its slices is lost: it resumes on the
             # slice left, without waiting for another.
             resumed_from = max(saved_steps(checkpoints))
-            assert wait_until(lambda: max(saved_steps(checkpoints)) > resumed_from, timeout=120), log[-20:]
+            feed.release(resumed_from + 1)
+            assert wait_until(lambda: feed.waiting(1, resumed_from + 1), timeout=120), log[-20:]
+            assert max(saved_steps(checkpoints)) > resumed_from
             lost.append(next(i for i, n in enumerate(cluster.nodes)
                              if n.slice_name == blocked_slice and n.worker_id == 1))
             local_cluster.kill_node(cluster, lost[0])
-            running.join(timeout=400)
+            with feed.releasing(lambda: feed.started(2), STEPS):
+                running.join(timeout=400)
             assert "error" not in outcome, outcome.get("error")
             assert wait_until(lambda: 2 in attempts(folder), timeout=1)
             assert {(s, d) for s, d, _ in attempts(folder)[2]} == {(1, 16)}
@@ -151,5 +157,6 @@ def test_an_elastic_step_starts_on_one_grows_to_two_and_resumes_on_one_after_a_l
         assert_matches(results, reference_fit(DATASET, LEARNING_RATE, STEPS, global_rows=GLOBAL_ROWS))
         assert wait_until(lambda: free_chips_match_alive_hosts(cluster), timeout=10)
     finally:
+        feed.release(STEPS)  # a failed test leaves no training waiting on the session cluster
         if lost:
             local_cluster.restart_node(cluster, lost[0])

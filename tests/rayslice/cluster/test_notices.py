@@ -3,6 +3,10 @@
 Each test drains one host of the v6e-16 the step runs on (Ray's `DrainNode`, reason preemption,
 a deadline ahead, as `rayslice local preempt --worker 2` sends it), kills that node at the deadline
 as the platform would, and starts it again at the end, so the session cluster keeps its two slices.
+
+The training steps are `fed_fit` (tests/fed_training.py: `fit`, paced by the test rather than a
+clock): they hold at a step the test chose, so the notice reaches a step the test has seen
+running there, and they are let go as soon as the next attempt started.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from rayslice.core.context import checkpoint_dir_for
 from rayslice.core.step import Owner, StepSpec
 from rayslice.local import local_cluster
 from tests.conftest import wait_until
+from tests.fed_training import Feed, fed_fit
 from tests.rayslice.cluster.test_launcher import assert_all_released
 from tests.training_reference import assert_matches, reference_fit
 
@@ -101,20 +106,15 @@ def _attempts(out: str) -> list[dict]:
             if "[rayslice] phases: " in line]
 
 
-def _checkpoints(folder: Path) -> list[int]:
-    return sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit())
-
-
 ONE_SLICE = TpuSliceRequest(tpu="v6e-16")
 
 
-def _fit(name: str, tmp_path: Path, request: TpuSliceRequest = ONE_SLICE,
+def _fit(name: str, tmp_path: Path, feed: Feed, request: TpuSliceRequest = ONE_SLICE,
          priority: int = 3, preemptible: bool = False, **kwargs) -> StepSpec:
-    from rayslice.dags.training_pipeline import fit
-
+    """`fit`'s training (`fed_fit`), held by `feed`."""
     return StepSpec.for_function(
-        fit, request=request, checkpoint_root=f"file://{tmp_path / name}",
-        kwargs={"dataset": DATASET, "learning_rate": 0.05, **kwargs},
+        fed_fit, request=request, checkpoint_root=f"file://{tmp_path / name}",
+        kwargs={"feed": feed.path, "dataset": DATASET, "learning_rate": 0.05, **kwargs},
         owner=Owner(submission_id=f"test-{name}-{time.time_ns()}"), preemption_retries=1, priority=priority,
         preemptible=preemptible,
     )
@@ -125,13 +125,15 @@ def test_a_drained_host_suspends_a_training_step_which_checkpoints_frees_its_sli
 ):
     from rayslice.cluster import run_step
 
-    steps, every = 10, 4
-    spec = _fit("noticed", tmp_path, steps=steps, checkpoint_every=every, seconds_per_step=2.0)
-    folder = Path(checkpoint_dir_for(f"file://{tmp_path / 'noticed'}", spec.owner).removeprefix("file://"))
-    with Preemption(cluster, ray_driver, spec, lambda: _checkpoints(folder), seconds=30) as preemption:
+    steps, every, held = 10, 4, 5
+    feed = Feed(tmp_path / "feed")
+    spec = _fit("noticed", tmp_path, feed, steps=steps, checkpoint_every=every)
+    feed.release(held)  # steps 0-4: the first checkpoint (4), then the training waits, running, before step 5
+    with feed.releasing(lambda: feed.started(1), steps), \
+            Preemption(cluster, ray_driver, spec, lambda: feed.waiting(0, held), seconds=30) as preemption:
         resumed = run_step(spec)
     out = capsys.readouterr().out
-    assert preemption.victim, "the step ended before its first checkpoint"
+    assert preemption.victim, "the step ended before it waited, running, after its first checkpoint"
     first, second = _attempts(out)
     # The notice reached the step, which checkpointed the step it had just completed (not a periodic one).
     resumed_from = int(re.search(r"resumes from the checkpoint of step (\d+)", out).group(1))
@@ -156,10 +158,12 @@ def test_a_step_that_ignores_the_notice_is_stopped_before_the_deadline_and_resum
 ):
     from rayslice.cluster import run_step
 
-    steps, every = 14, 4
-    spec = _fit("ignored", tmp_path, steps=steps, checkpoint_every=every, seconds_per_step=2.0, heed_notice=False)
-    folder = Path(checkpoint_dir_for(f"file://{tmp_path / 'ignored'}", spec.owner).removeprefix("file://"))
-    with Preemption(cluster, ray_driver, spec, lambda: _checkpoints(folder), seconds=10) as preemption:
+    steps, every, held = 14, 4, 5
+    feed = Feed(tmp_path / "feed")
+    spec = _fit("ignored", tmp_path, feed, steps=steps, checkpoint_every=every, heed_notice=False)
+    feed.release(held)  # the first checkpoint (4), then it waits, running, before step 5, ignoring the notice
+    with feed.releasing(lambda: feed.started(1), steps), \
+            Preemption(cluster, ray_driver, spec, lambda: feed.waiting(0, held), seconds=10) as preemption:
         resumed = run_step(spec)
     out = capsys.readouterr().out
     assert preemption.victim
@@ -245,16 +249,16 @@ def test_a_priority_10_evaluation_suspends_a_preemptible_two_slice_training_whic
     from rayslice.core.queue import QueueSettings
 
     two = TpuSliceRequest(tpu="v6e-16", num_slices=2, multislice=True)
-    steps, every, grace = 8, 4, 20
-    train = _fit("two-preemptible", tmp_path, request=two, priority=0, preemptible=True, steps=steps,
-                 checkpoint_every=every, seconds_per_step=2.0)
-    folder = Path(checkpoint_dir_for(f"file://{tmp_path / 'two-preemptible'}", train.owner).removeprefix("file://"))
+    steps, every, grace, held = 8, 4, 20, 5
+    feed = Feed(tmp_path / "feed")
+    train = _fit("two-preemptible", tmp_path, feed, request=two, priority=0, preemptible=True, steps=steps,
+                 checkpoint_every=every)
     urgent = StepSpec.for_function(evaluate, request=TpuSliceRequest(tpu="v6e-16"), priority=10,
                                    capacity_timeout=300, owner=Owner(submission_id=f"test-eval-{time.time_ns()}"))
     seen: dict = {}
 
-    def evaluation_asks_after_the_first_checkpoint() -> None:
-        if wait_until(lambda: _checkpoints(folder), timeout=300, interval=0.2):
+    def evaluation_asks_after_the_first_checkpoint() -> None:  # while the training waits, running, before step 5
+        if wait_until(lambda: feed.waiting(0, held), timeout=300, interval=0.2):
             seen["asked"] = time.time()
             seen["starts"] = asyncio.run(run_step_job(cluster.dashboard_url, urgent, token=cluster.token,
                                                       emit=lambda line: None))
@@ -262,14 +266,16 @@ def test_a_priority_10_evaluation_suspends_a_preemptible_two_slice_training_whic
     ray_driver.get(queue.broker().set_settings.remote(
         QueueSettings(preemption="lower-priority", preemption_grace_s=grace).model_dump()), timeout=10)
     asker = threading.Thread(target=evaluation_asks_after_the_first_checkpoint)
+    feed.release(held)
     try:
-        asker.start()
-        resumed = run_step(train)
-        asker.join()
+        with feed.releasing(lambda: feed.started(1), steps):
+            asker.start()
+            resumed = run_step(train)
+            asker.join()
     finally:
         ray_driver.get(queue.broker().set_settings.remote(QueueSettings().model_dump()), timeout=10)
     out = capsys.readouterr().out
-    assert "asked" in seen, "the training ended before its first checkpoint"
+    assert "asked" in seen, "the training ended before it waited, running, after its first checkpoint"
     with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
         evaluation = parse_phases(client.logs(urgent.owner.submission_id))[-1]
     first, second = _attempts(out)
