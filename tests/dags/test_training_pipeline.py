@@ -1,15 +1,14 @@
-"""The training pipeline's checkpoints: resumed after an Airflow retry, exactly, and where their roots come from.
+"""The training pipeline's checkpoints: resumed after a preemption notice and after an Airflow retry, exactly.
 
-A preemption notice that suspends a training step and resumes it from its checkpoint:
-tests/rayslice/cluster/test_notices.py (the step, its slice freed before the deadline, its result an
-uninterrupted run's) and tests/e2e/test_shared_day.py (through the real Airflow: one try that
-succeeded, and the task log saying it was no Airflow retry and which checkpoint it resumes from).
-(A node lost without notice: tests/rayslice/cluster/test_preemption.py.)
+The notice test drains one host's node of a v6e-16 in the middle of training (after a checkpoint),
+kills it at the deadline as the platform would, and starts it again afterwards, so the session
+cluster keeps its two slices. (A node lost without notice: tests/rayslice/cluster/test_preemption.py.)
 """
 
 from __future__ import annotations
 
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -18,11 +17,112 @@ import pytest
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.context import checkpoint_dir_for
 from rayslice.core.step import Owner, StepSpec
+from rayslice.local import local_cluster
 from tests.airflow_env import deployment, load_dag_file, task_instance, task_states, write_dag_file, xcom_values
+from tests.conftest import wait_until
+from tests.rayslice.cluster.test_launcher import assert_all_released
+from tests.training_reference import assert_matches, reference_fit
 
 pytestmark = pytest.mark.timeout(600)
 
 DATASET = {"features": 4, "rows_per_device": 8, "seed": 7}
+
+
+def _node_of(cluster, slice_name: str, worker_id: int) -> int:
+    return next(i for i, n in enumerate(cluster.nodes) if n.slice_name == slice_name and n.worker_id == worker_id)
+
+
+def _checkpointed_slice(folder: Path, hosts_group: str, ray) -> str | None:
+    """Once a complete checkpoint exists, the slice the training runs on (from its hosts' placement group)."""
+    from ray.util.placement_group import placement_group_table
+
+    if not any(p.name.isdigit() for p in folder.glob("*")):
+        return None
+    groups = [g for g in placement_group_table().values() if g["name"] == hosts_group and g["state"] == "CREATED"]
+    if not groups:
+        return None
+    nodes = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
+    return nodes[groups[0]["bundles_to_node_id"][0]]["ray.io/tpu-slice-name"]
+
+
+NOTICE_DAG = textwrap.dedent(
+    '''
+    """A v6e-16 training step that heeds preemption notices; the test drains one of its hosts."""
+    from datetime import datetime
+
+    from airflow.sdk import DAG
+
+    from rayslice.dags.training_pipeline import fit
+    from rayslice.operators.tpu_slice import TpuSliceOperator
+
+    with DAG("tp_notice", schedule=None, start_date=datetime(2026, 1, 1)):
+        TpuSliceOperator(task_id="train", tpu="v6e-16", python_callable=fit, preemption_retries=1, retries=0,
+                         op_kwargs={"dataset": DATASET, "learning_rate": 0.05, "steps": STEPS,
+                                    "checkpoint_every": 4, "seconds_per_step": SECONDS})
+    '''
+)
+
+
+def _running_slice(ray) -> str | None:
+    """The slice under the only rayslice hosts placement group placed now (this test's step)."""
+    from ray.util.placement_group import placement_group_table
+
+    groups = [g for g in placement_group_table().values()
+              if g["name"].startswith("rayslice:") and g["name"].endswith("/hosts") and g["state"] == "CREATED"]
+    if len(groups) != 1:
+        return None
+    nodes = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
+    return nodes[groups[0]["bundles_to_node_id"][0]]["ray.io/tpu-slice-name"]
+
+
+def test_a_preemption_notice_suspends_the_step_and_airflow_shows_one_try_that_succeeded_as_an_uninterrupted_run(
+    airflow_db, ray_default, ray_driver, tmp_path, capfd
+):
+    """Issue 39: a drain with a 30 s deadline reaches a host of the running v6e-16 step in a real Airflow.
+
+    The step checkpoints, frees its slice before the deadline (the node is then killed, as the
+    platform would), resumes on the other v6e-16, and Airflow shows one try that succeeded, with
+    the result of an uninterrupted run.
+    """
+    steps, seconds = 8, 2.0
+    source = NOTICE_DAG.replace("DATASET", repr(DATASET)).replace("STEPS", str(steps)).replace("SECONDS", str(seconds))
+    dags, errors = load_dag_file(write_dag_file("tp_notice", source))
+    assert not errors
+    root = Path(ray_default.checkpoint_root.removeprefix("file://")) / deployment() / "tp_notice"
+    seen: dict = {}
+
+    def platform_drains_host_2_after_a_checkpoint() -> None:
+        name = wait_until(lambda: any(p.name.isdigit() for p in root.glob("*/train/*")) and _running_slice(ray_driver),
+                          timeout=300, interval=0.2)
+        if not name:
+            return
+        nodes = local_cluster.slice_nodes(ray_default, name, [2])
+        seen["index"], seen["slice"] = next(iter(nodes)), name
+        seen["deadline"] = local_cluster.drain(ray_default, list(nodes.values()), 30)
+        while time.time() < seen["deadline"]:
+            time.sleep(0.1)
+        seen["free_before_deadline"] = _running_slice(ray_driver) != name
+        local_cluster.kill_node(ray_default, seen["index"])
+
+    platform = threading.Thread(target=platform_drains_host_2_after_a_checkpoint)
+    platform.start()
+    try:
+        dr = dags["tp_notice"].test()
+    finally:
+        platform.join()
+        if "index" in seen:
+            local_cluster.restart_node(ray_default, seen["index"])
+    out = capfd.readouterr().out
+    assert "slice" in seen, "the step ended before its first checkpoint"
+    assert task_states(dr) == {"train": "success"}
+    assert task_instance(dr, "train").try_number == 1  # a suspension is no Airflow retry
+    assert "no Airflow retry" in out and "resumes from the checkpoint of step" in out, out
+    assert seen["free_before_deadline"]
+    [resumed] = xcom_values(dr, "train")
+    assert len(resumed) == 4
+    assert_matches(resumed, reference_fit(DATASET, 0.05, steps, hosts=4))  # where an uninterrupted run ends
+    assert wait_until(lambda: ray_driver.available_resources().get("TPU-v6e-16-head") == 2, timeout=120)
+    assert_all_released(ray_driver)
 
 
 RETRY_DAG = textwrap.dedent(
