@@ -45,15 +45,15 @@ _HEAD_OBJECT_STORE_BYTES = 150 * 1024 * 1024
 #: - each node's dashboard agent collects and publishes the machine's stats (psutil over every process)
 #:   every 5 s, and the dashboard head ingests each report; every 30 s is plenty for a laptop's dashboard
 #:   (rayslice reads nodes from the state API, which these reports do not feed);
-#: - the head's log monitor globs the logs folder for new worker files 10 times a second while it has
-#:   fewer than 1,000 files; every 0.5 s instead (Ray's own pace past 1,000). A new worker's file is found
-#:   at most that much later and read from its start, so no line is lost;
+#: - the head's log monitor (the only one: nodes join without theirs) globs the logs folder for new worker
+#:   files 10 times a second while it has fewer than 1,000 files; every 0.5 s instead (Ray's own pace past
+#:   1,000, `LOG_NAME_UPDATE_INTERVAL_S`). A new worker's file is found at most that much later and read
+#:   from its start, so no line is lost;
 #: - each node's two agents check that their raylet still runs every 0.4 s; every 2 s (a node of a local
-#:   cluster stops as one process session, so nothing waits on this).
+#:   cluster stops as one process session, so nothing waits on this). Ray reads it as a whole number.
 IDLE_CPU_SETTINGS = {
     "REPORTER_UPDATE_INTERVAL_MS": "30000",
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
-    "LOG_NAME_UPDATE_INTERVAL_S": "0.5",
     "RAY_DASHBOARD_AGENT_CHECK_PARENT_INTERVAL_S": "2",
 }
 
