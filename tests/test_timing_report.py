@@ -6,6 +6,7 @@ message names the test that took the time, so CI's failure says where to cut.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,3 +88,17 @@ def test_a_bad_budget_is_a_usage_error_naming_it(tmp_path: Path, value: str) -> 
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout + run.stderr
     assert "RAYSLICE_SUITE_BUDGET_MINUTES" in run.stderr and value in run.stderr
     assert "minutes" in run.stderr
+
+
+def test_under_two_workers_each_workers_total_is_shown_and_every_tests_time_can_be_kept(tmp_path: Path) -> None:
+    times = tmp_path / "times.json"
+    run = run_suite(tmp_path, "-n", "2", env={"RAYSLICE_TEST_TIMES": str(times)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    kept = json.loads(times.read_text())["tests"]
+    slow = kept["suite/test_two.py::test_deliberately_slow"]
+    assert slow["s"] >= 1.5 and slow["worker"] in ("gw0", "gw1")
+    per_worker = [line.split() for line in run.stdout.split("time per xdist worker", 1)[1].splitlines()
+                  if "last test ended at" in line]
+    rows = {row[4].rstrip(","): (float(row[0]), int(row[2])) for row in per_worker}
+    assert sum(count for _, count in rows.values()) == 2, run.stdout
+    assert rows[slow["worker"]][0] >= 1.5, run.stdout  # the slow test is charged to the worker that ran it

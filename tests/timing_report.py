@@ -7,11 +7,14 @@ round later. So every run (`scripts/test`, `.ci/run`) ends with:
 - the slowest tests (setup + call + teardown, so a fixture's start-up is charged to the test that
   waited for it), 25 by default (`--slowest N`);
 - each test directory's total;
+- under xdist, each worker's total and when its last test ended: the critical path, since the worker
+  that runs the session's cluster runs its tests one after another (tests/xdist_groups.py);
 - the session's wall time against its budget, and, past the budget, a failed exit status (1, unless
   the run already failed otherwise) with the slowest tests named in the message.
 
 The budget is `--suite-budget-minutes`, else `$RAYSLICE_SUITE_BUDGET_MINUTES`, else
-`DEFAULT_BUDGET_MINUTES`; 0 turns it off. It counts the whole session, the cluster start-up the
+`DEFAULT_BUDGET_MINUTES`; 0 turns it off. `$RAYSLICE_TEST_TIMES=FILE` also writes every test's
+time and worker to FILE as JSON, for finding what to cut. It counts the whole session, the cluster start-up the
 tests waited for included, because that is what CI waits for.
 
 Registered by tests/conftest.py (`pytest_plugins`); a pytest of its own loads it with
@@ -20,6 +23,7 @@ Registered by tests/conftest.py (`pytest_plugins`); a pytest of its own loads it
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import defaultdict
@@ -34,6 +38,7 @@ BUDGET_ENV = "RAYSLICE_SUITE_BUDGET_MINUTES"
 DEFAULT_SLOWEST = 25
 #: How many of the slowest tests the budget's failure message names.
 NAMED_IN_FAILURE = 5
+TIMES_ENV = "RAYSLICE_TEST_TIMES"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -75,12 +80,19 @@ class TimingReport:
         self.started = time.monotonic()
         self.per_test: dict[str, float] = defaultdict(float)
         self.location: dict[str, str] = {}
+        self.worker: dict[str, str] = {}
+        self.worker_ended: dict[str, float] = {}  # seconds after the session started
         self.over_budget: str | None = None
         self.wall: float | None = None  # the session's, once it finished
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.per_test[report.nodeid] += report.duration
         self.location.setdefault(report.nodeid, report.fspath)
+        node = getattr(report, "node", None)  # the xdist worker that ran it, seen from the controller
+        if node is not None:
+            worker = node.gateway.id
+            self.worker[report.nodeid] = worker
+            self.worker_ended[worker] = time.monotonic() - self.started
 
     def ranked(self) -> list[tuple[str, float]]:
         return sorted(self.per_test.items(), key=lambda item: item[1], reverse=True)
@@ -94,9 +106,22 @@ class TimingReport:
             counts[folder] += 1
         return sorted(((folder, totals[folder], counts[folder]) for folder in totals), key=lambda row: -row[1])
 
+    def per_worker(self) -> list[tuple[str, float, int]]:
+        totals: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for nodeid, worker in self.worker.items():
+            totals[worker] += self.per_test[nodeid]
+            counts[worker] += 1
+        return sorted((worker, totals[worker], counts[worker]) for worker in totals)
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         wall = self.wall = time.monotonic() - self.started
+        times = os.environ.get(TIMES_ENV)
+        if times and self.per_test:
+            Path(times).write_text(json.dumps({"wall_s": wall, "tests": {
+                nodeid: {"s": seconds, "worker": self.worker.get(nodeid)} for nodeid, seconds in self.ranked()}},
+                indent=1))
         if not self.budget or wall <= self.budget * 60:
             return
         named = ", ".join(f"{nodeid} ({seconds:.1f} s)" for nodeid, seconds in self.ranked()[:NAMED_IN_FAILURE])
@@ -117,6 +142,11 @@ class TimingReport:
             terminalreporter.write_sep("=", "time per test directory")
             for folder, seconds, count in self.per_directory():
                 write(f"{seconds:9.1f} s  {count:5d} tests  {folder}")
+        if self.worker:
+            terminalreporter.write_sep("=", "time per xdist worker")
+            for worker, seconds, count in self.per_worker():
+                write(f"{seconds:9.1f} s  {count:5d} tests  {worker}, last test ended at "
+                      f"{_minutes(self.worker_ended[worker])}")
         budget = f"budget {self.budget:g} min" if self.budget else "no budget"
         write(f"suite wall time {_minutes(wall)} ({budget})")
         if self.over_budget:
