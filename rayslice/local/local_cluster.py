@@ -50,11 +50,18 @@ _HEAD_OBJECT_STORE_BYTES = 150 * 1024 * 1024
 #:   1,000, `LOG_NAME_UPDATE_INTERVAL_S`). A new worker's file is found at most that much later and read
 #:   from its start, so no line is lost;
 #: - each node's two agents check that their raylet still runs every 0.4 s; every 2 s (a node of a local
-#:   cluster stops as one process session, so nothing waits on this). Ray reads it as a whole number.
+#:   cluster stops as one process session, so nothing waits on this). Ray reads it as a whole number;
+#: - every node's dashboard agent, and the dashboard's event module, open every file of the session's
+#:   events folder every 2 s to forward new events (worker deaths, job changes) to the dashboard's event
+#:   page. On a real cluster each node has its own folder; here all nodes share the head's, which gains a
+#:   file per worker process ever started, so each of the 12 readers reads every node's files and the cost
+#:   grows all day (800 files: 5% of a core per agent). Every 60 s instead: an event reaches the
+#:   dashboard's page up to a minute later; nothing in rayslice reads them.
 IDLE_CPU_SETTINGS = {
     "REPORTER_UPDATE_INTERVAL_MS": "30000",
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     "RAY_DASHBOARD_AGENT_CHECK_PARENT_INTERVAL_S": "2",
+    "SCAN_EVENT_DIR_INTERVAL_SECONDS": "60",
 }
 
 

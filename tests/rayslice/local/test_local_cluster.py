@@ -61,6 +61,23 @@ def test_down_stops_exactly_its_own_processes(cluster, home: Path):
     assert httpx.get(f"{cluster.dashboard_url}/api/version", timeout=10, headers=headers).status_code == 200  # serving
 
 
+def test_every_nodes_raylet_runs_with_the_idle_settings(cluster):
+    """The settings reach the processes that read them: each node's raylet, whose children (the dashboard and
+    runtime-env agents, the workers) inherit its environment and read each setting from it at import. (The
+    agents' own /proc environ is no witness: Ray's process title overwrites it.)"""
+    raylets = {}
+    for pid in local_cluster.owned_pids(cluster):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/raylet"):
+                raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                raylets[pid] = dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+        except OSError:  # a process that ended meanwhile
+            continue
+    assert len(raylets) == len(cluster.nodes), raylets.keys()
+    for environ in raylets.values():
+        assert {key: environ.get(key) for key in local_cluster.IDLE_CPU_SETTINGS} == local_cluster.IDLE_CPU_SETTINGS
+
+
 def test_capacity_command_lists_every_slice(cluster, home: Path):
     result = cli("capacity", "--address", cluster.dashboard_url, "--json", home=home)
     assert result.returncode == 0, result.stderr
