@@ -34,8 +34,9 @@ def run_suite(tmp_path: Path, *options: str, env: dict[str, str] | None = None) 
     (folder / "test_two.py").write_text(SUITE)
     ini = tmp_path / "pytest.ini"
     ini.write_text("[pytest]\n")
-    environ = {key: value for key, value in os.environ.items() if key not in ("RAYSLICE_SUITE_BUDGET_MINUTES",
-                                                                             "PYTEST_ADDOPTS")}
+    environ = {key: value for key, value in os.environ.items()
+               if key not in ("RAYSLICE_SUITE_BUDGET_MINUTES", "PYTEST_ADDOPTS", "RAYSLICE_TEST_TIMES",
+                              "PYTEST_XDIST_WORKER")}
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
     environ.update(env or {})
     return subprocess.run(

@@ -118,7 +118,7 @@ class TimingReport:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         wall = self.wall = time.monotonic() - self.started
         times = os.environ.get(TIMES_ENV)
-        if times and self.per_test:
+        if times and self.per_test and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller's, whole
             Path(times).write_text(json.dumps({"wall_s": wall, "tests": {
                 nodeid: {"s": seconds, "worker": self.worker.get(nodeid)} for nodeid, seconds in self.ranked()}},
                 indent=1))
