@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-#: The suite's processes cache bytecode even where PYTHONDONTWRITEBYTECODE is set (as on CI images and the
-#: project's shared machine): otherwise every xdist worker compiles and assertion-rewrites every test module
-#: at collection, and every CLI, Airflow and Ray process a test starts compiles rayslice again, which was
-#: about a third of the cluster-free run's start (BENCHMARKS.md, the fast loop). Only the repository's own
-#: modules are affected (`scripts/bootstrap` compiles .venv's); `__pycache__` is git-ignored, and what the
-#: product ships (working_dir uploads, packages, the Docker context) leaves it out.
+#: The suite's processes cache bytecode even where PYTHONDONTWRITEBYTECODE is set (as on the CI machine and
+#: this project's, BENCHMARKS.md §8): otherwise every xdist worker compiles and assertion-rewrites every test
+#: module at collection (a cluster-free collection: 9-10 CPU-s from source, 4.6 cached), and every CLI,
+#: Airflow and Ray process a test starts compiles rayslice again. Only the repository's own modules are
+#: affected (`scripts/bootstrap` compiles .venv's); `__pycache__` is git-ignored, and what the product ships
+#: (working_dir uploads, packages, the Docker context) leaves it out.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
