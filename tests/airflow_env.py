@@ -67,7 +67,8 @@ def init_db() -> None:
                     _copy_db(first, HOME / "airflow.db")
                 else:
                     db.initdb()
-                    _copy_db(HOME / "airflow.db", first)
+                    _copy_db(HOME / "airflow.db", first.with_suffix(".tmp"))
+                    first.with_suffix(".tmp").replace(first)  # whole or not at all, should this worker die
         else:
             db.initdb()
         _initialized = True
