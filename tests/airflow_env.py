@@ -8,6 +8,7 @@ runs DAGs that live in a bundle).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -45,12 +46,31 @@ MIGRATED = HOME / "migrated.db"
 
 
 def init_db() -> None:
-    """`airflow db migrate`, in process, once per session (an empty SQLite DB: ~20 s)."""
+    """`airflow db migrate`, in process, once per session (an empty SQLite DB: ~20 s), or once per run
+    under xdist: a worker after the first copies the first's migrated DB (tests/conftest.py,
+    `SHARED_MIGRATION_ENV`)."""
     global _initialized
     if not _initialized:
         from airflow.utils import db
 
-        db.initdb()
+        from tests.conftest import SHARED_MIGRATION_ENV
+
+        shared = os.environ.get(SHARED_MIGRATION_ENV)
+        if shared:
+            with open(Path(shared) / "lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                first = Path(shared) / "migrated.db"
+                if first.exists():
+                    from airflow.models import import_all_models
+
+                    import_all_models()  # as `initdb` leaves the process: every model mapped
+                    _copy_db(first, HOME / "airflow.db")
+                else:
+                    db.initdb()
+                    _copy_db(HOME / "airflow.db", first.with_suffix(".tmp"))
+                    first.with_suffix(".tmp").replace(first)  # whole or not at all, should this worker die
+        else:
+            db.initdb()
         _initialized = True
         _copy_db(HOME / "airflow.db", MIGRATED)
 

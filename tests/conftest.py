@@ -21,7 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from rayslice.local import local_cluster, processes
+#: The suite's processes cache bytecode even where PYTHONDONTWRITEBYTECODE is set (as on the CI machine and
+#: this project's, BENCHMARKS.md §8): otherwise every xdist worker compiles and assertion-rewrites every test
+#: module at collection (a cluster-free collection: 9-10 CPU-s from source, 4.6 cached), and every CLI,
+#: Airflow and Ray process a test starts compiles rayslice again. Only the repository's own modules are
+#: affected (`scripts/bootstrap` compiles .venv's); `__pycache__` is git-ignored, and what the product ships
+#: (working_dir uploads, packages, the Docker context) leaves it out.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+from rayslice.local import local_cluster, processes  # noqa: E402  (after the bytecode setting above)
 
 #: The slowest tests and each directory's total at the end of every run, and the suite's time budget.
 #: Two workers for the whole suite (scripts/test), with what must share a process kept together.
@@ -170,8 +179,21 @@ def _stop_session_cluster() -> None:
                 local_cluster.down(_cluster_start["name"])
 
 
+#: A folder the xdist workers of one run share, so the first to need Airflow's metadata DB migrates it and
+#: the other copies it (tests/airflow_env.py, `init_db`): one migration per run, not one per worker.
+SHARED_MIGRATION_ENV = "RAYSLICE_TEST_MIGRATED_DB"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        # The controller, before it starts the workers (they inherit its environment).
+        os.environ[SHARED_MIGRATION_ENV] = tempfile.mkdtemp(prefix="rayslice-migrated-db-")
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _stop_session_cluster()  # started in the background, but no test asked for it (all skipped, Ctrl-C)
+    if not os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(SHARED_MIGRATION_ENV):
+        shutil.rmtree(os.environ.pop(SHARED_MIGRATION_ENV), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ def test_quick():
     pass
 
 def test_deliberately_slow():
-    time.sleep(1.5)
+    time.sleep(0.4)
 '''
 
 
@@ -52,17 +52,17 @@ def over_budget_message(output: str) -> str:
 
 
 def test_a_slow_test_past_a_tiny_budget_fails_the_run_and_is_named(tmp_path: Path) -> None:
-    run = run_suite(tmp_path, "--suite-budget-minutes=0.01")  # 0.6 s; the slow test alone sleeps 1.5 s
+    run = run_suite(tmp_path, "--suite-budget-minutes=0.002")  # 0.12 s; the slow test alone sleeps 0.4 s
     assert "2 passed" in run.stdout, run.stdout + run.stderr
     assert run.returncode == 1, run.stdout + run.stderr
     message = over_budget_message(run.stdout)
-    assert "budget of 0.01 min" in message
+    assert "budget of 0.002 min" in message
     slowest = message.split("slowest: ", 1)[1]
     assert slowest.startswith("suite/test_two.py::test_deliberately_slow ("), message
 
 
 def test_the_environment_sets_the_budget_and_the_option_overrides_it(tmp_path: Path) -> None:
-    tiny = {"RAYSLICE_SUITE_BUDGET_MINUTES": "0.01"}
+    tiny = {"RAYSLICE_SUITE_BUDGET_MINUTES": "0.002"}
     run = run_suite(tmp_path, env=tiny)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "test_deliberately_slow" in over_budget_message(run.stdout)

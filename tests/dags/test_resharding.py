@@ -16,6 +16,7 @@ another device count, without Ray.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import shutil
@@ -67,13 +68,15 @@ def test_without_global_rows_the_training_depends_on_the_host_count():
 
 
 #: `fit` in a process of its own with `devices` CPU devices, the step context a command step's
-#: process inherits (`RAYSLICE_*`), printing its result as JSON.
+#: process inherits (`RAYSLICE_*`), printing its result as JSON. `fit` comes by value on stdin, as a
+#: step's function reaches the cluster: importing the DAG file would import Airflow (~2 s a process).
 ONE_PROCESS = textwrap.dedent(
     """
-    import json, sys
+    import base64, json, sys
 
-    from rayslice.dags.training_pipeline import fit
+    import cloudpickle
 
+    fit = cloudpickle.loads(base64.b64decode(sys.stdin.read()))
     kwargs = json.loads(sys.argv[1])
     try:
         print("RESULT " + json.dumps(fit(**kwargs)), flush=True)
@@ -83,14 +86,26 @@ ONE_PROCESS = textwrap.dedent(
 )
 
 
+def fit_by_value() -> str:
+    """The DAG file's `fit`, with the helpers it calls, pickled by value (base64)."""
+    import cloudpickle
+    from rayslice.dags import training_pipeline
+
+    cloudpickle.register_pickle_by_value(training_pipeline)
+    try:
+        return base64.b64encode(cloudpickle.dumps(training_pipeline.fit)).decode()
+    finally:
+        cloudpickle.unregister_pickle_by_value(training_pipeline)
+
+
 def fit_in_a_process(devices: int, checkpoint_dir: Path, steps: int, global_rows: int = GLOBAL_ROWS) -> dict | str:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("RAYSLICE_", "XLA_", "JAX_"))}
     env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
             "RAYSLICE_SUBMISSION_ID": f"test-resharding-{time.time_ns()}", "RAYSLICE_NUM_PROCESSES": "1",
             "RAYSLICE_CHECKPOINT_DIR": checkpoint_dir.as_uri()}
     kwargs = {"dataset": DATASET, "learning_rate": LEARNING_RATE, "steps": steps, "global_rows": global_rows}
-    done = subprocess.run([sys.executable, "-c", ONE_PROCESS, json.dumps(kwargs)], env=env, capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-c", ONE_PROCESS, json.dumps(kwargs)], input=fit_by_value(), env=env,
+                          capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith(("RESULT ", "VALUEERROR ")))
     return json.loads(line.removeprefix("RESULT ")) if line.startswith("RESULT ") else line

@@ -63,8 +63,15 @@ def _trigger(jobs: Jobs, monkeypatch: pytest.MonkeyPatch) -> RayStepTrigger:
 def test_a_state_airflow_does_not_give_leaves_the_job_running(monkeypatch):
     channel, jobs = Unanswered(), Jobs()
     monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", channel, raising=False)
+    waits, sleep = [], asyncio.sleep
+
+    async def no_wait(delay, *args, **kwargs):  # the pauses between asks (3 s in all) are not what this is about
+        waits.append(delay)
+        await sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", no_wait)
     asyncio.run(_trigger(jobs, monkeypatch).on_kill())
-    assert channel.asked == 3  # asked again before deciding
+    assert channel.asked == 3 and len(waits) >= 2 and all(w > 0 for w in waits)  # asked again, after a pause
     assert jobs.stops == 0
 
 

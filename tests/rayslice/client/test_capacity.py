@@ -20,7 +20,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from rayslice.cli import app
-from rayslice.client import capacity, usage
+from rayslice.client import capacity, jobs_client, usage
 from rayslice.client.jobs_client import AsyncRayJobsClient
 from rayslice.client.submission import submit_step
 from rayslice.cluster.phases import parse_phases
@@ -241,7 +241,8 @@ def _check_usage(url: str, token: str | None, ids: dict[str, str]) -> None:
     assert half.hours == pytest.approx(expected / 3600, abs=1e-6) and half.hours < bar.hours
 
 
-def test_unreachable_dashboard_says_what_to_check():
+def test_unreachable_dashboard_says_what_to_check(monkeypatch):
+    monkeypatch.setattr(jobs_client._BaseJobsClient, "_delay", lambda self, attempt: 0.0)  # the message, not the pauses
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RayUnreachableError, match="check the `ray` connection's host"):
         capacity.snapshot(url, timeout=2)
@@ -387,9 +388,11 @@ class StateApiFake(JsonHttpFake):
         return 200, [] if request.path == "/api/jobs/" else _state([])
 
 
-def test_reads_share_the_jobs_clients_retries_tls_settings_and_errors():
+def test_reads_share_the_jobs_clients_retries_tls_settings_and_errors(monkeypatch):
     """503s are retried, a CA bundle path works (no DeprecationWarning), a refused token is named, never shown."""
     import certifi
+
+    monkeypatch.setattr(jobs_client._BaseJobsClient, "_delay", lambda self, attempt: 0.0)  # retried, not paused
 
     with StateApiFake("right-token", unavailable=2) as fake:
         snap = capacity.snapshot(fake.url, token="right-token", verify=certifi.where())

@@ -382,12 +382,13 @@ def test_cli_validates_against_a_crd_file(reference_crds):
 
 def test_cli_rejects_what_the_named_crd_rejects(tmp_path, reference_crds):
     """A CRD file that caps maxReplicas at 1 (an older or stricter KubeRay): the manifest fails against it."""
-    crd = yaml.safe_load(reference_crds[0].read_text())
+    # libyaml's loader and dumper, as the product's (kuberay_crds._load_file): pure-Python YAML takes seconds on ~1 MB.
+    crd = yaml.load(reference_crds[0].read_text(), Loader=yaml.CSafeLoader)
     group = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
         "workerGroupSpecs"]["items"]["properties"]["maxReplicas"]
     group["maximum"] = 1
     strict = tmp_path / "strict.yaml"
-    strict.write_text(yaml.safe_dump(crd))
+    strict.write_text(yaml.dump(crd, Dumper=yaml.CSafeDumper))
     result = runner.invoke(kuberay_cli.app, ["manifest", "--tpu", "v6e-16", "--max-slices", "2", "--crd", str(strict)])
     assert result.exit_code == 1 and result.stdout == ""
     assert "workerGroupSpecs[0].maxReplicas" in result.stderr and str(strict) in result.stderr

@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 import textwrap
+import time
 
 from rayslice.core.accelerators import TpuSliceRequest
 from rayslice.core.step import StepSpec
@@ -46,7 +47,7 @@ def test_helpers_from_sibling_modules_of_the_dags_folder_travel_with_the_functio
     assert out.stdout.strip() == "{'tripled': 15, 'doubled': 10, 'scale': 3}"
 
 
-def test_functions_pickled_from_many_threads_at_once_all_travel_by_value():
+def test_functions_pickled_from_many_threads_at_once_all_travel_by_value(monkeypatch):
     """Threads that ship functions of one module at once (a driver running steps in parallel, the
     triggerer) each get a blob that carries the module by value, and none fails because another
     thread gave the module's by-value registration back in the middle of its pickling."""
@@ -56,13 +57,23 @@ def test_functions_pickled_from_many_threads_at_once_all_travel_by_value():
 
     from rayslice.core.step import pickle_function
 
+    dumps = cloudpickle.dumps
+
+    def slow_dumps(*args, **kwargs):
+        """Each pickling takes a while, as a big DAG file's does: the other threads run meanwhile, so
+        without a guard one of them gives the registration back mid-pickling in every round."""
+        time.sleep(0.002)
+        return dumps(*args, **kwargs)
+
+    monkeypatch.setattr(cloudpickle, "dumps", slow_dumps)
+
     errors: list[BaseException] = []
     blobs: list[str] = []
     start = threading.Barrier(8)
 
     def ship() -> None:
         start.wait()
-        for _ in range(100):
+        for _ in range(10):
             try:
                 blobs.append(pickle_function(_local_step))
             except BaseException as exc:  # collected: a failing thread must not hide the others
@@ -74,7 +85,7 @@ def test_functions_pickled_from_many_threads_at_once_all_travel_by_value():
     for thread in threads:
         thread.join()
     assert errors == []
-    assert len(blobs) == 800
+    assert len(blobs) == 80
     # By value: a Python that cannot import this test module runs it.
     assert len(set(blobs)) == 1
     code = "import base64, sys, cloudpickle; print(cloudpickle.loads(base64.b64decode(sys.stdin.read()))(41))"
