@@ -97,9 +97,9 @@ def test_under_two_workers_each_workers_total_is_shown_and_every_tests_time_can_
     assert run.returncode == 0, run.stdout + run.stderr
     kept = json.loads(times.read_text())["tests"]
     slow = kept["suite/test_two.py::test_deliberately_slow"]
-    assert slow["s"] >= 1.5 and slow["worker"] in ("gw0", "gw1")
+    assert slow["s"] >= 0.4 and slow["worker"] in ("gw0", "gw1")
     per_worker = [line.split() for line in run.stdout.split("time per xdist worker", 1)[1].splitlines()
                   if "last test ended at" in line]
     rows = {row[4].rstrip(","): (float(row[0]), int(row[2])) for row in per_worker}
     assert sum(count for _, count in rows.values()) == 2, run.stdout
-    assert rows[slow["worker"]][0] >= 1.5, run.stdout  # the slow test is charged to the worker that ran it
+    assert rows[slow["worker"]][0] >= 0.4, run.stdout  # the slow test is charged to the worker that ran it
