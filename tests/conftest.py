@@ -61,6 +61,43 @@ PINNED_GROUPS = {SESSION_GROUP: "gw0", CLUSTER_SIDE_GROUP: "gw1"}
 SESSION_CLUSTER_FIXTURES = ("cluster", "ray_driver")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        needs = set(getattr(item, "fixturenames", ()))
+        if needs & CLUSTER_FIXTURES:
+            item.add_marker(pytest.mark.cluster)
+        if needs & AIRFLOW_FIXTURES:
+            item.add_marker(pytest.mark.airflow)
+        if needs & BROWSER_FIXTURES or item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.browser)
+    # Cluster-free tests first: the session's cluster starts in the background meanwhile
+    # (`pytest_collection_finish`), so its minute or two of start-up overlaps them.
+    items[:] = ([item for item in items if not item.get_closest_marker("cluster")]
+                + [item for item in items if item.get_closest_marker("cluster")])
+    # The tests that use the session's Airflow run one after another (in their files' order), so it
+    # can stop after the last of them instead of idling through the rest of the session; likewise the
+    # tests over two clusters (`cluster_pair`), which stop the pair after the last of them. A test over
+    # both sits where the two runs meet: the Airflow's last tests, then the pair's first.
+    on_airflow = [item for item in items if _uses_session_airflow(item)]
+    on_pair = [item for item in items if _uses_cluster_pair(item)]
+    both = [item for item in on_airflow if item in on_pair]
+    block = ([item for item in on_airflow if item not in both] + both
+             + [item for item in on_pair if item not in both])
+    from tests import xdist_groups  # loaded (and assert-rewritten) by `pytest_plugins` by now
+
+    if block and xdist_groups.active(config):
+        # Two workers: the other one's private clusters start and run beside the session's first tests, so
+        # the session Airflow's end-to-end tests, the ones most sensitive to a busy machine, come last.
+        items[:] = [item for item in items if item not in block] + block
+    elif block:
+        first = min(items.index(item) for item in block)
+        rest = [item for item in items if item not in block]
+        before = [item for item in rest if items.index(item) < first]
+        items[:] = before + block + rest[len(before):]
+    if xdist_groups.active(config):
+        xdist_groups.record(groups(items))
+
+
 def groups(items: list[pytest.Item]) -> dict[str, str]:
     """Which tests must run in one process when two xdist workers share the suite (tests/xdist_groups.py).
 
