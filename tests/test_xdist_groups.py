@@ -1,4 +1,4 @@
-"""The two-worker scheduler (tests/xdist_groups.py): each pinned group runs whole on its own worker only.
+"""The two-worker scheduler (tests/xdist_groups.py): the session's group runs whole on the session worker only.
 
 Driven the way pytest-xdist drives it (nodes added, collections registered, `schedule`, each test
 marked complete), with stand-in worker nodes that record what they were sent.
@@ -12,16 +12,14 @@ from types import SimpleNamespace
 import pytest
 
 from tests import xdist_groups
-from tests.conftest import CLUSTER_SIDE_GROUP, SESSION_GROUP
+from tests.conftest import SESSION_GROUP
 
 COLLECTION = ["tests/a.py::free_1", "tests/a.py::free_2", "tests/b.py::on_session_1", "tests/b.py::on_session_2",
               "tests/c.py::on_second_1", "tests/d.py::own_cluster_1", "tests/d.py::own_cluster_2",
-              "tests/e.py::on_session_3", "tests/a.py::free_3", "tests/f.py::cluster_side_1",
-              "tests/f.py::cluster_side_2"]
+              "tests/e.py::on_session_3", "tests/a.py::free_3"]
 GROUPS = {"tests/b.py::on_session_1": SESSION_GROUP, "tests/b.py::on_session_2": SESSION_GROUP,
           "tests/e.py::on_session_3": SESSION_GROUP, "tests/c.py::on_second_1": "tests/c.py",
-          "tests/d.py::own_cluster_1": "tests/d.py", "tests/d.py::own_cluster_2": "tests/d.py",
-          "tests/f.py::cluster_side_1": CLUSTER_SIDE_GROUP, "tests/f.py::cluster_side_2": CLUSTER_SIDE_GROUP}
+          "tests/d.py::own_cluster_1": "tests/d.py", "tests/d.py::own_cluster_2": "tests/d.py"}
 
 
 class Node:
@@ -56,10 +54,9 @@ def _plain_init(self, config, log=None) -> None:  # xdist's, less reading `-n` f
     self.log = lambda *args: None
 
 
-def run(scheduler, *nodes: Node, registered: bool = False) -> None:
-    """Register the nodes (unless they are), schedule, then complete each node's tests in turn until nothing
-    is left."""
-    for node in () if registered else nodes:
+def run(scheduler, *nodes: Node) -> None:
+    """Register the nodes, schedule, then complete each node's tests in turn until nothing is left."""
+    for node in nodes:
         scheduler.add_node(node)
         scheduler.add_node_collection(node, COLLECTION)
     scheduler.schedule()
@@ -71,18 +68,13 @@ def run(scheduler, *nodes: Node, registered: bool = False) -> None:
                 done[node] += 1
 
 
-@pytest.mark.parametrize("warm_up", [0, 1])
-def test_each_pinned_group_runs_whole_in_order_on_its_worker_only(scheduler, monkeypatch, warm_up):
-    monkeypatch.setattr(xdist_groups, "WARM_UP_UNITS", warm_up)
+def test_the_session_group_runs_whole_in_order_on_the_session_worker_only(scheduler):
     other, session = Node("gw1"), Node("gw0")  # the other worker registers first
     run(scheduler, other, session)
-    for group, node, not_there in [(SESSION_GROUP, session, other), (CLUSTER_SIDE_GROUP, other, session)]:
-        tests = [n for n in COLLECTION if GROUPS.get(n) == group]
-        start = node.sent.index(tests[0])
-        assert node.sent[start:start + len(tests)] == tests  # whole, in order
-        assert start == warm_up  # after its warm-up: cluster-free tests while its cluster starts
-        assert all(n.startswith("tests/a.py") for n in node.sent[:start])
-        assert not set(tests) & set(not_there.sent)
+    on_session = [n for n in COLLECTION if GROUPS.get(n) == SESSION_GROUP]
+    assert [n for n in session.sent if n in on_session] == on_session
+    assert session.sent[:len(on_session)] == on_session  # first, and whole
+    assert not set(on_session) & set(other.sent)
     assert sorted(session.sent + other.sent) == sorted(COLLECTION)  # every test ran, once
     own = [n for n in other.sent + session.sent if n.startswith("tests/d.py")]
     assert own in ([n for n in other.sent if n.startswith("tests/d.py")],
@@ -100,19 +92,17 @@ def test_a_replacement_for_a_lost_session_worker_runs_the_session_group(schedule
     replacement = Node("gw2")
     scheduler.add_node(replacement)
     scheduler.add_node_collection(replacement, COLLECTION)
-    run(scheduler, other, replacement, registered=True)
+    scheduler.schedule()
     on_session = [n for n in COLLECTION if GROUPS.get(n) == SESSION_GROUP]
     assert set(on_session) <= set(replacement.sent) | set(other.sent)
-    assert sorted(other.sent + replacement.sent) == sorted(COLLECTION)  # nothing lost with gw0
-    assert not scheduler.workqueue
+    assert SESSION_GROUP not in scheduler.workqueue
 
 
-def test_each_worker_knows_its_pinned_group_and_so_which_session_cluster_to_start(monkeypatch):
+def test_only_the_session_worker_starts_the_session_cluster(monkeypatch):
     grouped = SimpleNamespace(getoption=lambda name, default=None: "loadgroup", option=SimpleNamespace())
     spread = SimpleNamespace(getoption=lambda name, default=None: "load", option=SimpleNamespace())
-    for worker, config, group in [("gw0", grouped, SESSION_GROUP), ("gw1", grouped, CLUSTER_SIDE_GROUP),
-                                  ("gw2", grouped, xdist_groups.NO_GROUP), ("gw1", spread, None)]:
+    for worker, config, starts in [("gw0", grouped, True), ("gw1", grouped, False), ("gw1", spread, True)]:
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
-        assert xdist_groups.pinned_group_here(config) == group, (worker, config)
+        assert xdist_groups.runs_the_session_group(config) is starts, (worker, config)
     monkeypatch.delenv("PYTEST_XDIST_WORKER")
-    assert xdist_groups.pinned_group_here(grouped) is None  # one process: any test
+    assert xdist_groups.runs_the_session_group(grouped)  # one process

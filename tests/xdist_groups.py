@@ -27,17 +27,8 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_ENV = "RAYSLICE_TEST_GROUPS"
-#: How many cluster-free tests a worker runs before its pinned group: its session cluster starts meanwhile.
-WARM_UP_UNITS = 100
-#: What `pinned_group_here` says of a worker of a grouped run that has no pinned group.
-NO_GROUP = ""
-
-
-def pinned_groups() -> dict[str, str]:
-    """Group -> the worker that runs it (tests/conftest.py)."""
-    from tests.conftest import PINNED_GROUPS
-
-    return PINNED_GROUPS
+#: The worker that runs the session's group, and so the only one that starts the session's cluster.
+SESSION_WORKER = "gw0"
 
 
 def active(config: pytest.Config) -> bool:
@@ -45,13 +36,10 @@ def active(config: pytest.Config) -> bool:
     return config.getoption("dist", default=None) == "loadgroup" or bool(getattr(config.option, "loadgroup", False))
 
 
-def pinned_group_here(config: pytest.Config) -> str | None:
-    """The pinned group this process runs in a grouped run (`NO_GROUP` for a worker without one); None in one
-    process or a run not grouped, which may run any test."""
+def runs_the_session_group(config: pytest.Config) -> bool:
+    """Whether this process may run tests on the session's cluster: not the other worker of a grouped run."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if not (worker and active(config)):
-        return None
-    return next((group for group, pinned in pinned_groups().items() if pinned == worker), NO_GROUP)
+    return not (worker and active(config)) or worker == SESSION_WORKER
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -92,37 +80,27 @@ class GroupScheduling(LoadScopeScheduling):
         return self._groups.get(nodeid, nodeid)
 
     def _assign_work_unit(self, node) -> None:
-        """A worker's own pinned group once it has warmed up (or nothing else is left); else the next unit
-        no worker is pinned to; else nothing: only other workers' groups are left."""
-        pinned = pinned_groups()
-        mine = next((g for g in pinned if g in self.workqueue and self._may_run(node, g)), None)
-        other = next((unit for unit in self.workqueue if unit not in pinned), None)
-        sent = self._units_sent.get(node.gateway.id, 0)
-        unit = mine if mine is not None and (sent >= WARM_UP_UNITS or other is None) else other
-        if unit is None:
-            return
-        self.workqueue.move_to_end(unit, last=False)
-        self._units_sent[node.gateway.id] = sent + 1
+        """The session's group to the session worker first; any other worker takes the next other unit."""
+        from tests.conftest import SESSION_GROUP
+
+        if SESSION_GROUP in self.workqueue and self._may_run_the_session_group(node):
+            self.workqueue.move_to_end(SESSION_GROUP, last=False)
+        elif self.workqueue and next(iter(self.workqueue)) == SESSION_GROUP:
+            if len(self.workqueue) == 1:
+                return  # only the session's group is left, and it is not this worker's
+            self.workqueue.move_to_end(SESSION_GROUP)
         super()._assign_work_unit(node)
 
-    @property
-    def _units_sent(self) -> dict[str, int]:
-        if not hasattr(self, "_sent"):
-            self._sent: dict[str, int] = {}
-        return self._sent
-
-    def _may_run(self, node, group: str) -> bool:
-        """The group's worker; any worker once it is gone (a crashed worker's replacement has a new id)."""
-        worker = pinned_groups()[group]
-        return node.gateway.id == worker or all(n.gateway.id != worker for n in self.nodes)
-
-    def _may_run_any(self, node) -> bool:
-        pinned = pinned_groups()
-        return any(unit not in pinned or self._may_run(node, unit) for unit in self.workqueue)
+    def _may_run_the_session_group(self, node) -> bool:
+        """The session worker; any worker once it is gone (a crashed worker's replacement has a new id)."""
+        return node.gateway.id == SESSION_WORKER or all(n.gateway.id != SESSION_WORKER for n in self.nodes)
 
     def _reschedule(self, node) -> None:
-        if not node.shutting_down and self.workqueue and not self._may_run_any(node):
-            if self._pending_of(self.assigned_work.get(node, {})) == 0:
+        from tests.conftest import SESSION_GROUP
+
+        only_the_session_group_left = list(self.workqueue) == [SESSION_GROUP]
+        if not node.shutting_down and only_the_session_group_left and not self._may_run_the_session_group(node):
+            if self._pending_of(self.assigned_work[node]) == 0:
                 node.shutdown()  # nothing left that this worker may run
             return
         super()._reschedule(node)
