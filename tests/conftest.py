@@ -211,6 +211,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
         # The controller, before it starts the workers (they inherit its environment).
         os.environ[SHARED_MIGRATION_ENV] = tempfile.mkdtemp(prefix="rayslice-migrated-db-")
+        # Each worker an Airflow home (metadata DB, DAG folder) of its own: a conftest the controller loaded for
+        # a folder argument (`./scripts/test tests/operators -n 2`) imported tests/airflow_env.py, which set it here.
+        os.environ.pop("RAYSLICE_TEST_AIRFLOW_HOME", None)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

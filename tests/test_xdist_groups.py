@@ -106,3 +106,19 @@ def test_only_the_session_worker_starts_the_session_cluster(monkeypatch):
         assert xdist_groups.runs_the_session_group(config) is starts, (worker, config)
     monkeypatch.delenv("PYTEST_XDIST_WORKER")
     assert xdist_groups.runs_the_session_group(grouped)  # one process
+
+
+def test_the_workers_do_not_inherit_the_controllers_airflow_home(monkeypatch, tmp_path):
+    """`./scripts/test tests/operators -n 2`: the controller loads tests/operators/conftest.py, whose import of
+    tests/airflow_env.py sets RAYSLICE_TEST_AIRFLOW_HOME; workers that inherit it share one metadata DB, and the
+    second one's `init_db` copies the migrated DB over the one the first is using."""
+    import os
+
+    from tests import conftest
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setenv("RAYSLICE_TEST_AIRFLOW_HOME", str(tmp_path / "the-controllers"))
+    monkeypatch.setenv(conftest.SHARED_MIGRATION_ENV, "")  # restored after the test, as the home
+    monkeypatch.setattr(conftest.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
+    conftest.pytest_configure(SimpleNamespace(option=SimpleNamespace(numprocesses=2)))
+    assert "RAYSLICE_TEST_AIRFLOW_HOME" not in os.environ
