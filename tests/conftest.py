@@ -33,7 +33,7 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 from rayslice.local import local_cluster, processes  # noqa: E402  (after the bytecode setting above)
 
 #: The slowest tests and each directory's total at the end of every run, and the suite's time budget.
-#: Two workers for the whole suite (scripts/test), with what must share a process kept together.
+#: Two workers for the whole suite on request (`-n 2 --dist loadgroup`), with what must share a process kept together.
 pytest_plugins = ["tests.timing_report", "tests.xdist_groups"]
 
 TEST_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
