@@ -33,7 +33,7 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 from rayslice.local import local_cluster, processes  # noqa: E402  (after the bytecode setting above)
 
 #: The slowest tests and each directory's total at the end of every run, and the suite's time budget.
-#: Two workers for the whole suite on request (`-n 2 --dist loadgroup`), with what must share a process kept together.
+#: Two workers for the whole suite (scripts/test), with what must share a process kept together.
 pytest_plugins = ["tests.timing_report", "tests.xdist_groups"]
 
 TEST_SPEC = local_cluster.ClusterSpec(tpus=("v6e-16", "v6e-16", "v6e-4"), gpus=3)
@@ -48,9 +48,15 @@ AIRFLOW_FIXTURES = {"airflow", "airflow_stack"}
 BROWSER_FIXTURES = {"browser"}
 
 
-#: The group of the tests that share the session's cluster and Airflow under `--dist loadgroup`
-#: (two workers, an option of scripts/test): one worker runs them all, in order (tests/xdist_groups.py).
+#: The groups of tests that one xdist worker each runs whole, in order, under `--dist loadgroup` (two workers,
+#: `scripts/test`'s default), each on a session cluster of its own (tests/xdist_groups.py): the tests on the
+#: session's Airflow (and every other module on the session's cluster), and the launcher's own tests on the
+#: cluster (`CLUSTER_SIDE_MODULES`, which need no Airflow) on a second session cluster beside them.
 SESSION_GROUP = "session"
+CLUSTER_SIDE_GROUP = "session-cluster-side"
+CLUSTER_SIDE_MODULES = "tests/rayslice/cluster/"
+#: Which worker runs each of those groups (another one only once that worker is gone).
+PINNED_GROUPS = {SESSION_GROUP: "gw0", CLUSTER_SIDE_GROUP: "gw1"}
 #: The session-scoped fixtures that are, or stand on, the session's cluster.
 SESSION_CLUSTER_FIXTURES = ("cluster", "ray_driver")
 
@@ -88,29 +94,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         rest = [item for item in items if item not in block]
         before = [item for item in rest if items.index(item) < first]
         items[:] = before + block + rest[len(before):]
-    if xdist_groups.active(config):
-        xdist_groups.record(groups(items))
 
 
 def groups(items: list[pytest.Item]) -> dict[str, str]:
     """Which tests must run in one process when two xdist workers share the suite (tests/xdist_groups.py).
 
-    The tests on the session's cluster share its slices, so they cannot overlap: one worker runs the
+    The tests on a session's cluster share its slices, so they cannot overlap: one worker runs the
     session's cluster and Airflow and every module that touches either (`SESSION_GROUP`), one test
-    after another as a single process would. The other worker runs everything else beside them: the
-    cluster-free tests one by one, and each module that starts a cluster or an Airflow of its own,
-    whole (its tests share that module fixture). The tests over two clusters (`cluster_pair`, started
-    once per process) go together, in the session's group when one of them also uses the session's Airflow.
-    (A second session cluster for the other worker was tried: on two cores the suite is CPU-bound, and
-    it took 42.1 min against 43.1 with one; BENCHMARKS.md.)
+    after another as a single process would, and the other worker runs the cluster-side modules that need
+    no Airflow (`CLUSTER_SIDE_GROUP`) the same way on a session cluster of its own. Beside them, whichever
+    worker is free runs the rest: the cluster-free tests one by one, and each module that starts a cluster
+    or an Airflow of its own, whole (its tests share that module fixture). The tests over two clusters
+    (`cluster_pair`, started once per process) go together, in the session's group when one of them also
+    uses the session's Airflow. (One session cluster left the other worker idle for two thirds of the run:
+    BENCHMARKS.md, the test suite's time.)
     """
     session_modules = {_module(item) for item in items if _uses_session_cluster(item) or _uses_session_airflow(item)}
     if any(_uses_session_airflow(item) and _uses_cluster_pair(item) for item in items):
         session_modules |= {_module(item) for item in items if _uses_cluster_pair(item)}
+    beside_airflow = {_module(item) for item in items if _uses_session_airflow(item) or _uses_cluster_pair(item)}
+    cluster_side = {module for module in session_modules
+                    if module.startswith(CLUSTER_SIDE_MODULES) and module not in beside_airflow}
+    if os.environ.get("RAYSLICE_TEST_CLUSTER"):
+        cluster_side = set()  # one reused cluster: its slices are shared, so its tests run one after another
     found = {}
     for item in items:
         module = _module(item)
-        if module in session_modules:
+        if module in cluster_side:
+            found[item.nodeid] = CLUSTER_SIDE_GROUP
+        elif module in session_modules:
             found[item.nodeid] = SESSION_GROUP
         elif _uses_cluster_pair(item):
             found[item.nodeid] = "cluster-pair"
@@ -168,13 +180,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     the other worker's tests do. A process, not a thread: it reads `RAYSLICE_HOME` throughout, which tests
     may change meanwhile.
     """
-    if (os.environ.get("RAYSLICE_TEST_CLUSTER") or session.config.option.collectonly
-            or not any("cluster" in getattr(item, "fixturenames", ()) for item in session.items)):
+    if os.environ.get("RAYSLICE_TEST_CLUSTER") or session.config.option.collectonly:
         return
     from tests import xdist_groups
 
-    if not xdist_groups.runs_the_session_group(session.config):
-        return  # the other worker of a grouped run: its tests never use it
+    here = xdist_groups.pinned_group_here(session.config)  # None: every test may run here
+    mine = groups(session.items) if here else {}
+    if not any("cluster" in getattr(item, "fixturenames", ()) and (here is None or mine.get(item.nodeid) == here)
+               for item in session.items):
+        return  # no test here needs it (a worker of a grouped run without a session group of its own runs none)
     _start_session_cluster(session.config._tmp_path_factory.mktemp("rayslice-home"))
 
 

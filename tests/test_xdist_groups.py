@@ -1,4 +1,4 @@
-"""The two-worker scheduler (tests/xdist_groups.py): the session's group runs whole on the session worker only.
+"""The two-worker scheduler (tests/xdist_groups.py): each pinned group runs whole on its own worker only.
 
 Driven the way pytest-xdist drives it (nodes added, collections registered, `schedule`, each test
 marked complete), with stand-in worker nodes that record what they were sent.
@@ -12,14 +12,16 @@ from types import SimpleNamespace
 import pytest
 
 from tests import xdist_groups
-from tests.conftest import SESSION_GROUP
+from tests.conftest import CLUSTER_SIDE_GROUP, SESSION_GROUP
 
 COLLECTION = ["tests/a.py::free_1", "tests/a.py::free_2", "tests/b.py::on_session_1", "tests/b.py::on_session_2",
               "tests/c.py::on_second_1", "tests/d.py::own_cluster_1", "tests/d.py::own_cluster_2",
-              "tests/e.py::on_session_3", "tests/a.py::free_3"]
+              "tests/e.py::on_session_3", "tests/a.py::free_3", "tests/f.py::cluster_side_1",
+              "tests/f.py::cluster_side_2"]
 GROUPS = {"tests/b.py::on_session_1": SESSION_GROUP, "tests/b.py::on_session_2": SESSION_GROUP,
           "tests/e.py::on_session_3": SESSION_GROUP, "tests/c.py::on_second_1": "tests/c.py",
-          "tests/d.py::own_cluster_1": "tests/d.py", "tests/d.py::own_cluster_2": "tests/d.py"}
+          "tests/d.py::own_cluster_1": "tests/d.py", "tests/d.py::own_cluster_2": "tests/d.py",
+          "tests/f.py::cluster_side_1": CLUSTER_SIDE_GROUP, "tests/f.py::cluster_side_2": CLUSTER_SIDE_GROUP}
 
 
 class Node:
@@ -29,9 +31,10 @@ class Node:
         self.gateway = SimpleNamespace(id=worker)
         self.sent: list[str] = []
         self.shutting_down = False
+        self.collection = COLLECTION
 
     def send_runtest_some(self, indexes: list[int]) -> None:
-        self.sent.extend(COLLECTION[i] for i in indexes)
+        self.sent.extend(self.collection[i] for i in indexes)
 
     def shutdown(self) -> None:
         self.shutting_down = True
@@ -54,27 +57,44 @@ def _plain_init(self, config, log=None) -> None:  # xdist's, less reading `-n` f
     self.log = lambda *args: None
 
 
-def run(scheduler, *nodes: Node) -> None:
-    """Register the nodes, schedule, then complete each node's tests in turn until nothing is left."""
-    for node in nodes:
+def run(scheduler, *nodes: Node, registered: bool = False, collection: list[str] = COLLECTION,
+        first_ahead: bool = False) -> None:
+    """Register the nodes (unless they are), schedule, then complete each node's tests in turn until nothing
+    is left, as xdist's workers do: a worker runs a test only once it knows the next one or that none comes
+    (`shutdown`), so a worker never told either holds its last test for ever, and the run never ends.
+    `first_ahead`: the first node runs every test it can before the others run any more (a slow other worker)."""
+    for node in () if registered else nodes:
         scheduler.add_node(node)
-        scheduler.add_node_collection(node, COLLECTION)
+        scheduler.add_node_collection(node, collection)
     scheduler.schedule()
     done = {node: 0 for node in nodes}
-    while any(done[node] < len(node.sent) for node in nodes):
+    progress = True
+    while progress:
+        progress = False
         for node in nodes:  # one test each, alternately: two workers progressing at once
-            if done[node] < len(node.sent):
-                scheduler.mark_test_complete(node, COLLECTION.index(node.sent[done[node]]))
+            if done[node] < len(node.sent) and (done[node] + 1 < len(node.sent) or node.shutting_down):
+                scheduler.mark_test_complete(node, collection.index(node.sent[done[node]]))
                 done[node] += 1
+                progress = True
+                if first_ahead:
+                    break
+    held = {node.gateway.id: node.sent[done[node]:] for node in nodes if done[node] < len(node.sent)}
+    assert not held, f"workers left holding tests, never told to stop: {held}"
+    assert all(node.shutting_down for node in nodes)
 
 
-def test_the_session_group_runs_whole_in_order_on_the_session_worker_only(scheduler):
+@pytest.mark.parametrize("warm_up", [0, 1])
+def test_each_pinned_group_runs_whole_in_order_on_its_worker_only(scheduler, monkeypatch, warm_up):
+    monkeypatch.setattr(xdist_groups, "WARM_UP_UNITS", warm_up)
     other, session = Node("gw1"), Node("gw0")  # the other worker registers first
     run(scheduler, other, session)
-    on_session = [n for n in COLLECTION if GROUPS.get(n) == SESSION_GROUP]
-    assert [n for n in session.sent if n in on_session] == on_session
-    assert session.sent[:len(on_session)] == on_session  # first, and whole
-    assert not set(on_session) & set(other.sent)
+    for group, node, not_there in [(SESSION_GROUP, session, other), (CLUSTER_SIDE_GROUP, other, session)]:
+        tests = [n for n in COLLECTION if GROUPS.get(n) == group]
+        start = node.sent.index(tests[0])
+        assert node.sent[start:start + len(tests)] == tests  # whole, in order
+        assert start == warm_up  # after its warm-up: cluster-free tests while its cluster starts
+        assert all(n.startswith("tests/a.py") for n in node.sent[:start])
+        assert not set(tests) & set(not_there.sent)
     assert sorted(session.sent + other.sent) == sorted(COLLECTION)  # every test ran, once
     own = [n for n in other.sent + session.sent if n.startswith("tests/d.py")]
     assert own in ([n for n in other.sent if n.startswith("tests/d.py")],
@@ -92,20 +112,61 @@ def test_a_replacement_for_a_lost_session_worker_runs_the_session_group(schedule
     replacement = Node("gw2")
     scheduler.add_node(replacement)
     scheduler.add_node_collection(replacement, COLLECTION)
-    scheduler.schedule()
+    run(scheduler, other, replacement, registered=True)
     on_session = [n for n in COLLECTION if GROUPS.get(n) == SESSION_GROUP]
     assert set(on_session) <= set(replacement.sent) | set(other.sent)
-    assert SESSION_GROUP not in scheduler.workqueue
+    assert sorted(other.sent + replacement.sent) == sorted(COLLECTION)  # nothing lost with gw0
+    assert not scheduler.workqueue
 
 
-def test_only_the_session_worker_starts_the_session_cluster(monkeypatch):
+def test_each_worker_knows_its_pinned_group_and_so_which_session_cluster_to_start(monkeypatch):
     grouped = SimpleNamespace(getoption=lambda name, default=None: "loadgroup", option=SimpleNamespace())
     spread = SimpleNamespace(getoption=lambda name, default=None: "load", option=SimpleNamespace())
-    for worker, config, starts in [("gw0", grouped, True), ("gw1", grouped, False), ("gw1", spread, True)]:
+    for worker, config, group in [("gw0", grouped, SESSION_GROUP), ("gw1", grouped, CLUSTER_SIDE_GROUP),
+                                  ("gw2", grouped, xdist_groups.NO_GROUP), ("gw1", spread, None)]:
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
-        assert xdist_groups.runs_the_session_group(config) is starts, (worker, config)
+        assert xdist_groups.pinned_group_here(config) == group, (worker, config)
     monkeypatch.delenv("PYTEST_XDIST_WORKER")
-    assert xdist_groups.runs_the_session_group(grouped)  # one process
+    assert xdist_groups.pinned_group_here(grouped) is None  # one process: any test
+
+
+def test_a_worker_left_with_only_another_workers_group_is_told_to_stop_with_tests_in_hand(scheduler, monkeypatch):
+    """gw1 ends its own group while gw0 is still warming up: only gw0's group is left, which gw1 may not run,
+    and gw1 still holds its last test; unless told to stop now it never runs it (`run` fails)."""
+    monkeypatch.setattr(xdist_groups, "WARM_UP_UNITS", 3)
+    other, session = Node("gw1"), Node("gw0")
+    run(scheduler, other, session, first_ahead=True)
+    assert sorted(session.sent + other.sent) == sorted(COLLECTION)
+
+
+@pytest.mark.parametrize("first", ["gw0", "gw1"])
+def test_fewer_units_than_workers_keeps_the_worker_pinned_to_the_one_there(scheduler, first):
+    """`-k on_session`: one unit, two workers. xdist sends home the last worker to register; here never the
+    worker pinned to that unit, whichever registered last."""
+    only_session = [n for n in COLLECTION if GROUPS.get(n) == SESSION_GROUP]
+    nodes = {"gw0": Node("gw0"), "gw1": Node("gw1")}
+    for node in nodes.values():
+        node.collection = only_session
+    order = [nodes[first], nodes["gw1" if first == "gw0" else "gw0"]]
+    run(scheduler, *order, collection=only_session)
+    assert nodes["gw0"].sent == only_session
+    assert nodes["gw1"].sent == []
+
+
+def test_a_reused_cluster_makes_one_group_of_every_test_on_it(monkeypatch):
+    """RAYSLICE_TEST_CLUSTER: both session groups would run at once on the one cluster's slices."""
+    from tests import conftest
+
+    def item(module: str, fixtures: tuple[str, ...]):
+        defs = {name: [SimpleNamespace(scope="session")] for name in fixtures}
+        return SimpleNamespace(nodeid=f"{module}::t", fixturenames=fixtures, get_closest_marker=lambda mark: None,
+                               _fixtureinfo=SimpleNamespace(name2fixturedefs=defs))
+
+    items = [item("tests/rayslice/cluster/test_x.py", ("cluster",)), item("tests/operators/test_y.py", ("cluster",))]
+    monkeypatch.delenv("RAYSLICE_TEST_CLUSTER", raising=False)
+    assert set(conftest.groups(items).values()) == {SESSION_GROUP, CLUSTER_SIDE_GROUP}
+    monkeypatch.setenv("RAYSLICE_TEST_CLUSTER", "reused")
+    assert set(conftest.groups(items).values()) == {SESSION_GROUP}
 
 
 def test_the_workers_do_not_inherit_the_controllers_airflow_home(monkeypatch, tmp_path):
@@ -122,3 +183,38 @@ def test_the_workers_do_not_inherit_the_controllers_airflow_home(monkeypatch, tm
     monkeypatch.setattr(conftest.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
     conftest.pytest_configure(SimpleNamespace(option=SimpleNamespace(numprocesses=2)))
     assert "RAYSLICE_TEST_AIRFLOW_HOME" not in os.environ
+
+
+@pytest.mark.parametrize(("arguments", "environment", "added"), [
+    ([], {}, ["-n", "2", "--dist", "loadgroup"]),
+    (["-m", "not cluster"], {}, ["-n", "2", "--dist", "loadgroup"]),
+    (["-n", "3"], {}, ["--dist", "loadgroup"]),  # more workers, the same grouping
+    (["-n3"], {}, ["--dist", "loadgroup"]),
+    (["-n", "2", "--dist", "load"], {}, []),  # the caller's own distribution
+    (["--pdb"], {}, []),  # a debugger needs the terminal: one process
+    (["-p", "no:xdist"], {}, []),
+    (["-s"], {}, []),
+    ([], {"RAYSLICE_TEST_CLUSTER": "mine"}, []),  # one reused cluster: one process
+    (["-n", "2"], {"RAYSLICE_TEST_CLUSTER": "mine"}, ["--dist", "loadgroup"]),  # asked for: grouped, one group
+])
+def test_scripts_test_runs_two_grouped_workers_unless_the_arguments_choose(tmp_path, arguments, environment, added):
+    """scripts/test's own arguments to pytest, ahead of the caller's, run against a stand-in `.venv`."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(root / "scripts" / "test", tmp_path / "scripts" / "test")
+    stand_ins = {"scripts/bootstrap": "#!/bin/sh\n", ".venv/bin/python": '#!/bin/sh\nprintf "%s\\n" "$@"\n',
+                 "bin/chromium": "#!/bin/sh\n"}
+    for name, text in stand_ins.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "RAYSLICE_TEST_CLUSTER"}
+    env |= environment | {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"}
+    run = subprocess.run([str(tmp_path / "scripts" / "test"), *arguments], env=env, capture_output=True, text=True,
+                         check=True)
+    assert run.stdout.splitlines() == ["-m", "pytest", *added, *arguments]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -27,8 +28,17 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_ENV = "RAYSLICE_TEST_GROUPS"
-#: The worker that runs the session's group, and so the only one that starts the session's cluster.
-SESSION_WORKER = "gw0"
+#: How many cluster-free tests a worker runs before its pinned group: its session cluster starts meanwhile.
+WARM_UP_UNITS = 100
+#: What `pinned_group_here` says of a worker of a grouped run that has no pinned group.
+NO_GROUP = ""
+
+
+def pinned_groups() -> dict[str, str]:
+    """Group -> the worker that runs it (tests/conftest.py)."""
+    from tests.conftest import PINNED_GROUPS
+
+    return PINNED_GROUPS
 
 
 def active(config: pytest.Config) -> bool:
@@ -36,16 +46,32 @@ def active(config: pytest.Config) -> bool:
     return config.getoption("dist", default=None) == "loadgroup" or bool(getattr(config.option, "loadgroup", False))
 
 
-def runs_the_session_group(config: pytest.Config) -> bool:
-    """Whether this process may run tests on the session's cluster: not the other worker of a grouped run."""
+def pinned_group_here(config: pytest.Config) -> str | None:
+    """The pinned group this process runs in a grouped run (`NO_GROUP` for a worker without one); None in one
+    process or a run not grouped, which may run any test."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    return not (worker and active(config)) or worker == SESSION_WORKER
+    if not (worker and active(config)):
+        return None
+    return next((group for group, pinned in pinned_groups().items() if pinned == worker), NO_GROUP)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("dist", default=None) == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
         folder = Path(tempfile.mkdtemp(prefix="rayslice-test-groups-"))
         os.environ[GROUPS_ENV] = str(folder)  # the workers start after this, with this environment
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(GROUPS_ENV):
+        shutil.rmtree(os.environ.pop(GROUPS_ENV), ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)  # after `-k`, `-m` and `--deselect` took what was not asked for
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if active(config):
+        from tests.conftest import groups
+
+        record(groups(items))
 
 
 def record(groups: dict[str, str]) -> None:
@@ -79,31 +105,56 @@ class GroupScheduling(LoadScopeScheduling):
             self._groups = _load()
         return self._groups.get(nodeid, nodeid)
 
-    def _assign_work_unit(self, node) -> None:
-        """The session's group to the session worker first; any other worker takes the next other unit."""
-        from tests.conftest import SESSION_GROUP
+    def schedule(self) -> None:
+        """xdist's, but where there are fewer units than workers, the workers it sends home are not the ones
+        pinned to a group that is there (it would send home the last to register, whichever that is)."""
+        if self.collection is None and self.collection_is_completed and self.registered_collections:
+            units = {self._split_scope(test) for test in next(iter(self.registered_collections.values()))}
+            wanted = {worker for group, worker in pinned_groups().items() if group in units}
+            self.assigned_work = dict(sorted(self.assigned_work.items(),
+                                             key=lambda item: item[0].gateway.id not in wanted))
+        super().schedule()
 
-        if SESSION_GROUP in self.workqueue and self._may_run_the_session_group(node):
-            self.workqueue.move_to_end(SESSION_GROUP, last=False)
-        elif self.workqueue and next(iter(self.workqueue)) == SESSION_GROUP:
-            if len(self.workqueue) == 1:
-                return  # only the session's group is left, and it is not this worker's
-            self.workqueue.move_to_end(SESSION_GROUP)
+    def _assign_work_unit(self, node) -> None:
+        """A worker's own pinned group once it has warmed up (or nothing else is left); else the next unit
+        no worker is pinned to; else nothing: only other workers' groups are left."""
+        pinned = pinned_groups()
+        mine = next((g for g in pinned if g in self.workqueue and self._may_run(node, g)), None)
+        other = next((unit for unit in self.workqueue if unit not in pinned), None)
+        sent = self._units_sent.get(node.gateway.id, 0)
+        unit = mine if mine is not None and (sent >= WARM_UP_UNITS or other is None) else other
+        if unit is None:
+            return
+        self.workqueue.move_to_end(unit, last=False)
+        self._units_sent[node.gateway.id] = sent + 1
         super()._assign_work_unit(node)
 
-    def _may_run_the_session_group(self, node) -> bool:
-        """The session worker; any worker once it is gone (a crashed worker's replacement has a new id)."""
-        return node.gateway.id == SESSION_WORKER or all(n.gateway.id != SESSION_WORKER for n in self.nodes)
+    @property
+    def _units_sent(self) -> dict[str, int]:
+        if not hasattr(self, "_sent"):
+            self._sent: dict[str, int] = {}
+        return self._sent
+
+    def _may_run(self, node, group: str) -> bool:
+        """The group's worker; any worker once it is gone (a crashed worker's replacement has a new id)."""
+        worker = pinned_groups()[group]
+        return node.gateway.id == worker or all(n.gateway.id != worker for n in self.nodes)
+
+    def _may_run_any(self, node) -> bool:
+        pinned = pinned_groups()
+        return any(unit not in pinned or self._may_run(node, unit) for unit in self.workqueue)
 
     def _reschedule(self, node) -> None:
-        from tests.conftest import SESSION_GROUP
-
-        only_the_session_group_left = list(self.workqueue) == [SESSION_GROUP]
-        if not node.shutting_down and only_the_session_group_left and not self._may_run_the_session_group(node):
-            if self._pending_of(self.assigned_work[node]) == 0:
-                node.shutdown()  # nothing left that this worker may run
-            return
-        super()._reschedule(node)
+        """xdist's, but a worker is never left holding a single test: an xdist worker runs a test only once it
+        knows the next one or that none comes (`shutdown`). So it gets units until it holds two tests, and is
+        told to stop as soon as nothing is left that it may run, even with tests in hand."""
+        while not node.shutting_down:
+            if not self.workqueue or not self._may_run_any(node):
+                node.shutdown()
+                return
+            if self._pending_of(self.assigned_work[node]) >= 2:
+                return
+            self._assign_work_unit(node)
 
 
 @pytest.hookimpl(tryfirst=True)
