@@ -163,9 +163,14 @@ def test_every_flag_the_docs_name_exists():
 
 
 def _test_suite_flags() -> set[str]:
-    """`scripts/test`'s own pytest options (tests/timing_report.py), which the README names."""
-    source = (REPO / "tests" / "timing_report.py").read_text()
-    return set(re.findall(r"addoption\(\"(--[a-z][a-z0-9-]*)\"", source))
+    """`scripts/test`'s options, which the README names: pytest's own and its plugins' (xdist's `--dist`), read
+    from `pytest --help` with the project's plugins loaded (tests/timing_report.py's `--suite-budget-minutes`)."""
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", "pytest", "--help", "-p", "tests.timing_report"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", shown))
 
 
 def test_decorators_and_operators_the_docs_name_exist():

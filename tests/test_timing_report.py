@@ -80,7 +80,7 @@ def test_within_budget_the_run_passes_and_reports_the_slowest_and_each_directory
     listed, per_directory = report.split("time per test directory", 1)
     assert "test_deliberately_slow" in listed and "test_quick" not in listed
     assert any(line.split()[-1] == "suite" and "2 tests" in line for line in per_directory.splitlines()), report
-    assert "budget 80 min" in run.stdout  # the default, until the suite is cut to fit 40
+    assert "budget 40 min" in run.stdout  # the default
 
 
 @pytest.mark.parametrize("value", ["soon", "-5"])
@@ -103,3 +103,24 @@ def test_under_two_workers_each_workers_total_is_shown_and_every_tests_time_can_
     rows = {row[4].rstrip(","): (float(row[0]), int(row[2])) for row in per_worker}
     assert sum(count for _, count in rows.values()) == 2, run.stdout
     assert rows[slow["worker"]][0] >= 0.4, run.stdout  # the slow test is charged to the worker that ran it
+
+
+def test_ci_fails_when_the_suite_passes_its_budget_and_names_the_slow_test(tmp_path: Path) -> None:
+    """The whole chain CI runs (.ci/run, scripts/test, its default workers, the timing report), over a suite of
+    a quick and a deliberately slow test: within the default budget it passes; past a budget it fails."""
+    (tmp_path / "test_two.py").write_text(SUITE)
+    environ = {key: value for key, value in os.environ.items()
+               if not key.startswith(("RAYSLICE_TEST_", "RAYSLICE_SUITE_", "PYTEST_"))}
+    environ["PYTEST_ADDOPTS"] = f"-p tests.timing_report -p no:cacheprovider {tmp_path / 'test_two.py'}"
+
+    def ci(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / ".ci" / "run")], cwd=tmp_path, env=environ | env, capture_output=True,
+                              text=True, timeout=300)
+
+    run = ci()
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 passed" in run.stdout and "budget 40 min" in run.stdout, run.stdout
+    run = ci(RAYSLICE_SUITE_BUDGET_MINUTES="0.002")
+    assert "2 passed" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "test_two.py::test_deliberately_slow (" in over_budget_message(run.stdout)

@@ -449,7 +449,7 @@ def _reserve_and_run_on_slices(spec: StepSpec, request: TpuSliceRequest, attempt
     timeline.mark("reserved")
     actors: list[Any] = []
     spec_json = spec.model_dump_json()
-    # After a failure: the last line of a host that raised, and a quiet second for hosts that died.
+    # After a failure: the last line of a host that raised, and a quiet spell (QUIET_S) for hosts that died.
     drain, drain_from, quiet = log_drain.LogDrain(), [], log_drain.LogDrain.QUIET_S
     # From here on a drained node of the reservation is the step's preemption notice (cluster/notices.py).
     # An elastic function step also hears the queue's offer to grow (a command step's program is never offered it:

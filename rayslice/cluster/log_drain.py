@@ -28,8 +28,10 @@ class LogDrain:
     #: The longest a drain waits, on success or failure. It runs after the release (no chip waits on it)
     #: and ends as soon as every host's last line is in; a loaded node's log monitor can lag for seconds.
     TIMEOUT_S = 15.0
-    #: After a failure, how long host output must have been quiet: a killed host prints no last line.
-    QUIET_S = 1.0
+    #: After a failure, how long host output must have been quiet: a killed host prints no last line. A node's
+    #: log monitor reads a burst in batches, one pass over every open log file each; on a loaded node with
+    #: hundreds of worker logs a pass took over a second, and a 1 s window lost a dead host's last lines.
+    QUIET_S = 3.0
 
     def __init__(self) -> None:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher

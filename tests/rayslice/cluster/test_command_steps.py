@@ -282,8 +282,15 @@ def test_every_ending_leaves_no_process_of_the_program_and_the_chips_free(ray_dr
                     command=["bash", "-c", BACKGROUNDED.format(name=name, end=end.format(name=name))])
     hosts = 4 if tpu == "v6e-16" else 1
 
+    ender_saw: list[str] = []  # why the ending never came, for the failure's message
+
     def end_it() -> None:  # once every host's background child runs
-        if not wait_until(lambda: len(_named(f"{name}-bg")) == hosts, timeout=120):
+        try:
+            if not wait_until(lambda: len(_named(f"{name}-bg")) == hosts, timeout=120):
+                ender_saw.append(f"{len(_named(f'{name}-bg'))} of {hosts} background children after 120 s")
+                return
+        except Exception as exc:  # noqa: BLE001 (said in the failure, not lost with the thread)
+            ender_saw.append(repr(exc))
             return
         if ending == "kill":
             _thread.interrupt_main()
@@ -305,7 +312,7 @@ def test_every_ending_leaves_no_process_of_the_program_and_the_chips_free(ray_dr
     ender.join(10)
     expected = {"success": list, "failure": StepFailedError, "step_timeout": StepTimeoutError,
                 "kill": KeyboardInterrupt, "notice": BaseException, "lost peer": HostLostError}[ending]
-    assert isinstance(outcome, expected), outcome
+    assert isinstance(outcome, expected), (outcome, ender_saw)
     assert wait_until(lambda: not _named(name), timeout=15), f"left running after {ending}: {_named(name)}"
     assert wait_until(lambda: ray_driver.available_resources().get("TPU") == TOTAL_TPU_CHIPS, timeout=15)
 

@@ -141,7 +141,8 @@ def _children(pid: int) -> list[str]:
 
 
 def _cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    # Bytes, not text: any process of the machine may have set a title that is not UTF-8.
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
 
 
 #: Two processes of one JAX group on this machine: process 1 ends as told right after joining, while
