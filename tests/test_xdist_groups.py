@@ -218,3 +218,28 @@ def test_scripts_test_runs_two_grouped_workers_unless_the_arguments_choose(tmp_p
     run = subprocess.run([str(tmp_path / "scripts" / "test"), *arguments], env=env, capture_output=True, text=True,
                          check=True)
     assert run.stdout.splitlines() == ["-m", "pytest", *added, *arguments]
+
+
+def test_the_test_a_worker_crashed_on_is_reported_once_and_not_run_again(scheduler, monkeypatch):
+    """xdist reports the test a worker died on as failed (`handle_crashitem`); its loadscope scheduler then puts
+    it back in the queue with the rest of its unit, so the replacement runs it again: a test reported twice, and a
+    test that kills its worker kills every replacement in turn (each starting, and leaving running, a session
+    cluster of its own) until `--max-worker-restart`."""
+    monkeypatch.setattr(xdist_groups, "WARM_UP_UNITS", 0)
+    other, session = Node("gw1"), Node("gw0")
+    for node in (other, session):
+        scheduler.add_node(node)
+        scheduler.add_node_collection(node, COLLECTION)
+    scheduler.schedule()
+    on_session = [n for n in COLLECTION if GROUPS.get(n) == SESSION_GROUP]
+    assert session.sent[:3] == on_session
+    scheduler.mark_test_complete(session, COLLECTION.index(on_session[0]))
+    crashed = scheduler.remove_node(session)  # gw0 dies running the group's second test
+    assert crashed == on_session[1]
+    replacement = Node("gw2")
+    scheduler.add_node(replacement)
+    scheduler.add_node_collection(replacement, COLLECTION)
+    run(scheduler, other, replacement, registered=True)
+    again = other.sent + replacement.sent
+    assert crashed not in again
+    assert sorted([*again, *on_session[:2]]) == sorted(COLLECTION)  # the rest, once each
