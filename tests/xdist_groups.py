@@ -144,6 +144,20 @@ class GroupScheduling(LoadScopeScheduling):
         pinned = pinned_groups()
         return any(unit not in pinned or self._may_run(node, unit) for unit in self.workqueue)
 
+    def remove_node(self, node) -> str | None:
+        """xdist's, but the test the worker died on is not queued again: xdist reports it as failed
+        (`handle_crashitem`), and a test that kills its worker would kill each replacement in turn."""
+        workload = self.assigned_work.get(node, {})
+        crashed = next(((unit, test) for unit, tests in workload.items() for test, done in tests.items() if not done),
+                       None)
+        if crashed is None:
+            return super().remove_node(node)
+        workload[crashed[0]][crashed[1]] = True
+        for unit in [unit for unit, tests in workload.items() if all(tests.values())]:
+            del workload[unit]  # nothing of it left to run
+        super().remove_node(node)  # the rest back in the queue, and the others rescheduled
+        return crashed[1]
+
     def _reschedule(self, node) -> None:
         """xdist's, but a worker is never left holding a single test: an xdist worker runs a test only once it
         knows the next one or that none comes (`shutdown`). So it gets units until it holds two tests, and is
