@@ -196,6 +196,12 @@ def test_the_workers_do_not_inherit_the_controllers_airflow_home(monkeypatch, tm
     (["-s"], {}, []),
     ([], {"RAYSLICE_TEST_CLUSTER": "mine"}, []),  # one reused cluster: one process
     (["-n", "2"], {"RAYSLICE_TEST_CLUSTER": "mine"}, ["--dist", "loadgroup"]),  # asked for: grouped, one group
+    # PYTEST_ADDOPTS is the caller's too: pytest reads it ahead of the command line.
+    ([], {"PYTEST_ADDOPTS": "--pdb"}, []),  # else: "--pdb is incompatible with distributing tests"
+    ([], {"PYTEST_ADDOPTS": "-p no:xdist"}, []),  # else: "unrecognized arguments: -n"
+    ([], {"PYTEST_ADDOPTS": "-n0"}, ["--dist", "loadgroup"]),  # else the command line's -n 2 overrides it
+    ([], {"PYTEST_ADDOPTS": "-n 2", "RAYSLICE_TEST_CLUSTER": "mine"}, ["--dist", "loadgroup"]),  # else xdist's
+    # `load`: the reused cluster's tests on two workers at once
 ])
 def test_scripts_test_runs_two_grouped_workers_unless_the_arguments_choose(tmp_path, arguments, environment, added):
     """scripts/test's own arguments to pytest, ahead of the caller's, run against a stand-in `.venv`."""
@@ -213,7 +219,7 @@ def test_scripts_test_runs_two_grouped_workers_unless_the_arguments_choose(tmp_p
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
         (tmp_path / name).chmod(0o755)
-    env = {key: value for key, value in os.environ.items() if key != "RAYSLICE_TEST_CLUSTER"}
+    env = {key: value for key, value in os.environ.items() if key not in ("RAYSLICE_TEST_CLUSTER", "PYTEST_ADDOPTS")}
     env |= environment | {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"}
     run = subprocess.run([str(tmp_path / "scripts" / "test"), *arguments], env=env, capture_output=True, text=True,
                          check=True)
@@ -243,3 +249,73 @@ def test_the_test_a_worker_crashed_on_is_reported_once_and_not_run_again(schedul
     again = other.sent + replacement.sent
     assert crashed not in again
     assert sorted([*again, *on_session[:2]]) == sorted(COLLECTION)  # the rest, once each
+
+
+def _pytest(tmp_path, *arguments: str, **env: str):
+    """A pytest of this repository's suite in a process of its own, its temporary folders under `tmp_path/tmp`."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    environ = {key: value for key, value in os.environ.items() if not key.startswith(("RAYSLICE_TEST_", "PYTEST_"))}
+    environ |= {"TMPDIR": str(tmp_path / "tmp"), **env}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *arguments],
+                          cwd=Path(__file__).resolve().parents[1], env=environ, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_run_removes_only_the_shared_folders_it_made(tmp_path):
+    """A variable left set (a shell that copied a worker's environment) names a folder this run did not make: a
+    run in one process removed it, whatever it held."""
+    from tests.conftest import SHARED_MIGRATION_ENV
+
+    kept = {name: tmp_path / name for name in (xdist_groups.GROUPS_ENV, SHARED_MIGRATION_ENV)}
+    for folder in kept.values():
+        folder.mkdir()
+        (folder / "precious").write_text("")
+    run = _pytest(tmp_path, "-n", "0", "--collect-only", "-q", "tests/test_xdist_groups.py",
+                  **{name: str(folder) for name, folder in kept.items()})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [name for name, folder in kept.items() if not (folder / "precious").exists()] == []
+
+
+def test_xdist_turned_off_runs_the_suite_in_one_process(tmp_path):
+    """`./scripts/test -p no:xdist` (README: one process): xdist's hooks are then unknown, and pytest refused the
+    scheduler's hook at collection (INTERNALERROR, "unknown hook 'pytest_xdist_make_scheduler'")."""
+    run = _pytest(tmp_path, "-p", "no:xdist", "tests/test_xdist_groups.py", "-k", "reused_cluster")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("option", ["--markers", "--help"])
+def test_a_run_without_a_session_leaves_no_shared_folder_behind(tmp_path, option):
+    """`./scripts/test --markers` (two workers by default): pytest configures, shows, unconfigures; no session,
+    so no `pytest_sessionfinish` to remove the shared migration folder."""
+    run = _pytest(tmp_path, "-n", "2", "--dist", "loadgroup", option)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(path.name for path in (tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_controller_with_a_worker_name_left_in_its_environment_still_shares_its_folders(monkeypatch, tmp_path):
+    """PYTEST_XDIST_WORKER left set (a shell started from a worker): the controller took itself for a worker, made
+    no groups folder (so no groups: the session's tests spread over both workers, each starting the session
+    Airflow) and no shared migration, and let its workers inherit its Airflow home."""
+    import os
+
+    from tests import conftest
+
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    monkeypatch.setenv(xdist_groups.GROUPS_ENV, "")
+    monkeypatch.setenv(conftest.SHARED_MIGRATION_ENV, "")
+    monkeypatch.setenv("RAYSLICE_TEST_AIRFLOW_HOME", str(tmp_path / "the-controllers"))
+    made = []
+    monkeypatch.setattr(xdist_groups.tempfile, "mkdtemp", lambda prefix: made.append(prefix) or str(tmp_path / prefix))
+    controller = SimpleNamespace(option=SimpleNamespace(numprocesses=2),
+                                 getoption=lambda name, default=None: "loadgroup")  # no `workerinput`
+    xdist_groups.pytest_configure(controller)
+    conftest.pytest_configure(controller)
+    assert sorted(made) == ["rayslice-migrated-db-", "rayslice-test-groups-"]
+    assert os.environ[xdist_groups.GROUPS_ENV] == str(tmp_path / "rayslice-test-groups-")
+    assert "RAYSLICE_TEST_AIRFLOW_HOME" not in os.environ
