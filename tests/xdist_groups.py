@@ -55,15 +55,29 @@ def pinned_group_here(config: pytest.Config) -> str | None:
     return next((group for group, pinned in pinned_groups().items() if pinned == worker), NO_GROUP)
 
 
+#: The groups folder this process made: the only one it removes, not one a variable left set names.
+_made: list[str] = []
+
+
+def is_controller(config: pytest.Config) -> bool:
+    """Not an xdist worker (xdist gives its workers' configs `workerinput`); PYTEST_XDIST_WORKER may be left set in
+    the environment of a process that is none."""
+    return not hasattr(config, "workerinput")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("dist", default=None) == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
-        folder = Path(tempfile.mkdtemp(prefix="rayslice-test-groups-"))
-        os.environ[GROUPS_ENV] = str(folder)  # the workers start after this, with this environment
+    if config.getoption("dist", default=None) == "loadgroup" and is_controller(config):
+        folder = tempfile.mkdtemp(prefix="rayslice-test-groups-")
+        _made.append(folder)
+        os.environ[GROUPS_ENV] = folder  # the workers start after this, with this environment
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if not os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(GROUPS_ENV):
-        shutil.rmtree(os.environ.pop(GROUPS_ENV), ignore_errors=True)
+    while _made:
+        folder = _made.pop()
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.environ.get(GROUPS_ENV) == folder:
+            del os.environ[GROUPS_ENV]
 
 
 @pytest.hookimpl(trylast=True)  # after `-k`, `-m` and `--deselect` took what was not asked for
@@ -171,6 +185,6 @@ class GroupScheduling(LoadScopeScheduling):
             self._assign_work_unit(node)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: unknown under `-p no:xdist`
 def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling | None:
     return GroupScheduling(config, log) if config.getoption("dist", default=None) == "loadgroup" else None
