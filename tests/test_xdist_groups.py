@@ -319,3 +319,22 @@ def test_a_controller_with_a_worker_name_left_in_its_environment_still_shares_it
     assert sorted(made) == ["rayslice-migrated-db-", "rayslice-test-groups-"]
     assert os.environ[xdist_groups.GROUPS_ENV] == str(tmp_path / "rayslice-test-groups-")
     assert "RAYSLICE_TEST_AIRFLOW_HOME" not in os.environ
+
+
+def test_the_session_cluster_of_a_worker_that_died_is_stopped(monkeypatch, tmp_path):
+    """A worker that dies (killed for memory, a crash in a Ray driver) never reaches `pytest_sessionfinish`, so its
+    session cluster ran on after the run, and xdist's replacement started another."""
+    import os
+
+    from tests import conftest
+
+    home = tmp_path / "popen-gw0" / "rayslice-home0"
+    (home / "clusters").mkdir(parents=True)
+    (home / "clusters" / "pytest-123.json").write_text("{}")
+    stopped = []
+    monkeypatch.setattr(conftest.local_cluster, "down", lambda name: stopped.append((name, os.environ["RAYSLICE_HOME"])))
+    factory = SimpleNamespace(getbasetemp=lambda: tmp_path)
+    for worker, error in [("gw1", "crashed"), ("gw0", None), ("gw0", "crashed")]:
+        node = SimpleNamespace(gateway=SimpleNamespace(id=worker), config=SimpleNamespace(_tmp_path_factory=factory))
+        conftest.pytest_testnodedown(node=node, error=error)
+    assert stopped == [("pytest-123", str(home))]
