@@ -216,6 +216,21 @@ def _stop_session_cluster() -> None:
                 local_cluster.down(_cluster_start["name"])
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown under `-p no:xdist`
+def pytest_testnodedown(node, error) -> None:
+    """In the controller: a worker that died (xdist replaces it) never stopped its session cluster; stop it.
+
+    Its records lie in the worker's own temporary folder (`pytest_collection_finish`). A cluster whose `up` was
+    still running when the worker died is recorded only once it is up, after this: that one is still left.
+    """
+    if error is None:
+        return
+    worker_temp = Path(node.config._tmp_path_factory.getbasetemp()) / f"popen-{node.gateway.id}"
+    for record in sorted(worker_temp.glob("rayslice-home*/clusters/pytest-*.json")):
+        with rayslice_home(record.parent.parent), contextlib.suppress(Exception):
+            local_cluster.down(record.stem)
+
+
 #: A folder the xdist workers of one run share, so the first to need Airflow's metadata DB migrates it and
 #: the other copies it (tests/airflow_env.py, `init_db`): one migration per run, not one per worker.
 SHARED_MIGRATION_ENV = "RAYSLICE_TEST_MIGRATED_DB"

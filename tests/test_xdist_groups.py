@@ -332,7 +332,8 @@ def test_the_session_cluster_of_a_worker_that_died_is_stopped(monkeypatch, tmp_p
     (home / "clusters").mkdir(parents=True)
     (home / "clusters" / "pytest-123.json").write_text("{}")
     stopped = []
-    monkeypatch.setattr(conftest.local_cluster, "down", lambda name: stopped.append((name, os.environ["RAYSLICE_HOME"])))
+    monkeypatch.setattr(conftest.local_cluster, "down",
+                        lambda name: stopped.append((name, os.environ["RAYSLICE_HOME"])))
     factory = SimpleNamespace(getbasetemp=lambda: tmp_path)
     for worker, error in [("gw1", "crashed"), ("gw0", None), ("gw0", "crashed")]:
         node = SimpleNamespace(gateway=SimpleNamespace(id=worker), config=SimpleNamespace(_tmp_path_factory=factory))
