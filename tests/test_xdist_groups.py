@@ -27,11 +27,11 @@ GROUPS = {"tests/b.py::on_session_1": SESSION_GROUP, "tests/b.py::on_session_2":
 class Node:
     """A stand-in for xdist's WorkerController: what the scheduler sent it, in order."""
 
-    def __init__(self, worker: str) -> None:
+    def __init__(self, worker: str, collection: list[str] = COLLECTION) -> None:
         self.gateway = SimpleNamespace(id=worker)
         self.sent: list[str] = []
         self.shutting_down = False
-        self.collection = COLLECTION
+        self.collection = collection
 
     def send_runtest_some(self, indexes: list[int]) -> None:
         self.sent.extend(self.collection[i] for i in indexes)
@@ -83,18 +83,19 @@ def run(scheduler, *nodes: Node, registered: bool = False, collection: list[str]
     assert all(node.shutting_down for node in nodes)
 
 
-@pytest.mark.parametrize("warm_up", [0, 1])
-def test_each_pinned_group_runs_whole_in_order_on_its_worker_only(scheduler, monkeypatch, warm_up):
-    monkeypatch.setattr(xdist_groups, "WARM_UP_UNITS", warm_up)
+def test_each_pinned_group_runs_whole_in_order_on_its_worker_only_after_every_cluster_free_test(scheduler):
     other, session = Node("gw1"), Node("gw0")  # the other worker registers first
     run(scheduler, other, session)
+    free = {n for n in COLLECTION if n not in GROUPS}
     for group, node, not_there in [(SESSION_GROUP, session, other), (CLUSTER_SIDE_GROUP, other, session)]:
         tests = [n for n in COLLECTION if GROUPS.get(n) == group]
         start = node.sent.index(tests[0])
         assert node.sent[start:start + len(tests)] == tests  # whole, in order
-        assert start == warm_up  # after its warm-up: cluster-free tests while its cluster starts
-        assert all(n.startswith("tests/a.py") for n in node.sent[:start])
+        assert set(node.sent[:start]) <= free  # cluster-free tests while its cluster starts, nothing else
         assert not set(tests) & set(not_there.sent)
+    for node in (session, other):  # as in one process: no cluster-free test after a test on a cluster
+        last_free = max((i for i, n in enumerate(node.sent) if n in free), default=-1)
+        assert all(n in free for n in node.sent[:last_free + 1]), node.sent
     assert sorted(session.sent + other.sent) == sorted(COLLECTION)  # every test ran, once
     own = [n for n in other.sent + session.sent if n.startswith("tests/d.py")]
     assert own in ([n for n in other.sent if n.startswith("tests/d.py")],
@@ -131,9 +132,8 @@ def test_each_worker_knows_its_pinned_group_and_so_which_session_cluster_to_star
 
 
 def test_a_worker_left_with_only_another_workers_group_is_told_to_stop_with_tests_in_hand(scheduler, monkeypatch):
-    """gw1 ends its own group while gw0 is still warming up: only gw0's group is left, which gw1 may not run,
-    and gw1 still holds its last test; unless told to stop now it never runs it (`run` fails)."""
-    monkeypatch.setattr(xdist_groups, "WARM_UP_UNITS", 3)
+    """gw1 runs every test it may while gw0 sits on its first ones: only gw0's group is left, which gw1 may not
+    run, and gw1 still holds its last test; unless told to stop now it never runs it (`run` fails)."""
     other, session = Node("gw1"), Node("gw0")
     run(scheduler, other, session, first_ahead=True)
     assert sorted(session.sent + other.sent) == sorted(COLLECTION)
@@ -226,29 +226,29 @@ def test_scripts_test_runs_two_grouped_workers_unless_the_arguments_choose(tmp_p
     assert run.stdout.splitlines() == ["-m", "pytest", *added, *arguments]
 
 
-def test_the_test_a_worker_crashed_on_is_reported_once_and_not_run_again(scheduler, monkeypatch):
+def test_the_test_a_worker_crashed_on_is_reported_once_and_not_run_again(scheduler):
     """xdist reports the test a worker died on as failed (`handle_crashitem`); its loadscope scheduler then puts
     it back in the queue with the rest of its unit, so the replacement runs it again: a test reported twice, and a
     test that kills its worker kills every replacement in turn (each starting, and leaving running, a session
     cluster of its own) until `--max-worker-restart`."""
-    monkeypatch.setattr(xdist_groups, "WARM_UP_UNITS", 0)
-    other, session = Node("gw1"), Node("gw0")
+    on_clusters = [n for n in COLLECTION if n in GROUPS]  # no cluster-free test: gw0 starts on its group
+    other, session = Node("gw1", on_clusters), Node("gw0", on_clusters)
     for node in (other, session):
         scheduler.add_node(node)
-        scheduler.add_node_collection(node, COLLECTION)
+        scheduler.add_node_collection(node, on_clusters)
     scheduler.schedule()
-    on_session = [n for n in COLLECTION if GROUPS.get(n) == SESSION_GROUP]
+    on_session = [n for n in on_clusters if GROUPS.get(n) == SESSION_GROUP]
     assert session.sent[:3] == on_session
-    scheduler.mark_test_complete(session, COLLECTION.index(on_session[0]))
+    scheduler.mark_test_complete(session, on_clusters.index(on_session[0]))
     crashed = scheduler.remove_node(session)  # gw0 dies running the group's second test
     assert crashed == on_session[1]
-    replacement = Node("gw2")
+    replacement = Node("gw2", on_clusters)
     scheduler.add_node(replacement)
-    scheduler.add_node_collection(replacement, COLLECTION)
-    run(scheduler, other, replacement, registered=True)
+    scheduler.add_node_collection(replacement, on_clusters)
+    run(scheduler, other, replacement, registered=True, collection=on_clusters)
     again = other.sent + replacement.sent
     assert crashed not in again
-    assert sorted([*again, *on_session[:2]]) == sorted(COLLECTION)  # the rest, once each
+    assert sorted([*again, *on_session[:2]]) == sorted(on_clusters)  # the rest, once each
 
 
 def _pytest(tmp_path, *arguments: str, **env: str):

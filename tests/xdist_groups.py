@@ -1,13 +1,12 @@
-"""Two xdist workers share the suite: one runs everything on the session's cluster, the other the rest.
+"""Two xdist workers share the suite, each with a session cluster of its own (`scripts/test`'s default).
 
-`./scripts/test -n 2 --dist loadgroup` runs the whole suite on two workers (not the default:
-BENCHMARKS.md, the suite's time). The tests on the session's cluster and
-Airflow share its slices, so they cannot overlap: they are one group (`tests/conftest.py`, `groups`),
-which the session worker (`SESSION_WORKER`, the only one that starts the session's cluster) runs whole,
-in the collection's order, as one process would. Beside it, the other worker runs what needs no session
-cluster: the cluster-free tests one by one, and each module with a cluster or an Airflow of its own,
-whole (a module's tests share its module fixtures). Without a session group (`-m "not cluster"`) both
-workers share everything.
+The tests on a session cluster share its slices, so they cannot overlap: they are a pinned group
+(`tests/conftest.py`, `groups` and `PINNED_GROUPS`) that one worker runs whole, in the collection's order, as
+one process would: gw0 the tests on the session Airflow and most of the cluster tests, gw1 the launcher's own
+(`tests/rayslice/cluster/`) on a second session cluster. Each worker starts its session cluster in the
+background and runs cluster-free tests, shared between the two, until none is left; then its own group; then
+whatever no worker is pinned to (each module with a cluster or an Airflow of its own, whole: a module's tests
+share its module fixtures). A worker that is gone (crashed) has its group run by any worker.
 
 Why not xdist's own `loadgroup` and `xdist_group` marks: xdist 3.8 tells the scheduler a test's group by
 appending it to `item._nodeid`, which pytest 9 no longer reads (a node's id is `item._id`), so every test
@@ -28,8 +27,6 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_ENV = "RAYSLICE_TEST_GROUPS"
-#: How many cluster-free tests a worker runs before its pinned group: its session cluster starts meanwhile.
-WARM_UP_UNITS = 100
 #: What `pinned_group_here` says of a worker of a grouped run that has no pinned group.
 NO_GROUP = ""
 
@@ -130,24 +127,24 @@ class GroupScheduling(LoadScopeScheduling):
         super().schedule()
 
     def _assign_work_unit(self, node) -> None:
-        """A worker's own pinned group once it has warmed up (or nothing else is left); else the next unit
-        no worker is pinned to; else nothing: only other workers' groups are left."""
+        """The next cluster-free test (meanwhile the worker's session cluster starts); once none is left, the
+        worker's own pinned group; then the next unit no worker is pinned to (modules with clusters of their own);
+        else nothing: only other workers' groups are left.
+
+        Every worker runs cluster-free tests before any test on a cluster, as one process does: a cluster test
+        may leave its process changed (a Ray driver, Ray's threads, a module's state), and the cluster-free
+        tests were written, and always ran, before any of that.
+        """
         pinned = pinned_groups()
+        named = set(self._groups.values()) if self._groups else set()
+        free = next((unit for unit in self.workqueue if unit not in named), None)
         mine = next((g for g in pinned if g in self.workqueue and self._may_run(node, g)), None)
         other = next((unit for unit in self.workqueue if unit not in pinned), None)
-        sent = self._units_sent.get(node.gateway.id, 0)
-        unit = mine if mine is not None and (sent >= WARM_UP_UNITS or other is None) else other
+        unit = next((choice for choice in (free, mine, other) if choice is not None), None)
         if unit is None:
             return
         self.workqueue.move_to_end(unit, last=False)
-        self._units_sent[node.gateway.id] = sent + 1
         super()._assign_work_unit(node)
-
-    @property
-    def _units_sent(self) -> dict[str, int]:
-        if not hasattr(self, "_sent"):
-            self._sent: dict[str, int] = {}
-        return self._sent
 
     def _may_run(self, node, group: str) -> bool:
         """The group's worker; any worker once it is gone (a crashed worker's replacement has a new id)."""

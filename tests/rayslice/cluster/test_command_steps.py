@@ -267,7 +267,7 @@ ENDINGS = {  # ending -> (slice type, how the foreground part ends, step_timeout
 @pytest.mark.parametrize("ending", list(ENDINGS))
 def test_every_ending_leaves_no_process_of_the_program_and_the_chips_free(ray_driver, monkeypatch, ending):
     """Installed launcher (this driver's own rayslice on its hosts): whatever ends the step, nothing of it is left."""
-    import _thread
+    import signal
     import threading
 
     import ray
@@ -292,8 +292,9 @@ def test_every_ending_leaves_no_process_of_the_program_and_the_chips_free(ray_dr
         except Exception as exc:  # noqa: BLE001 (said in the failure, not lost with the thread)
             ender_saw.append(repr(exc))
             return
-        if ending == "kill":
-            _thread.interrupt_main()
+        if ending == "kill":  # SIGINT at the thread running the step, as `ray job stop` sends its driver: a real
+            # signal ends a blocking wait at once, where `_thread.interrupt_main` waited for the next bytecode
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         elif ending == "notice":
             monkeypatch.setattr(notices, "draining", lambda nodes: dict.fromkeys(nodes, time.time() + 30))
         elif ending == "lost peer":
