@@ -264,6 +264,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             del os.environ[SHARED_MIGRATION_ENV]
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """What a test did to this process's SIGINT and SIGTERM handlers ends with it.
+
+    Airflow's runners (a triggerer, a scheduler) install their own and a test that runs one in this process
+    may leave it; a later test stopped with SIGINT, as `ray job stop` stops a driver, then never heard it.
+    """
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="session")
 def cluster():
     reuse = os.environ.get("RAYSLICE_TEST_CLUSTER")

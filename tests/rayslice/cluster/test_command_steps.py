@@ -295,6 +295,8 @@ def test_every_ending_leaves_no_process_of_the_program_and_the_chips_free(ray_dr
         if ending == "kill":  # SIGINT at the thread running the step, as `ray job stop` sends its driver: a real
             # signal ends a blocking wait at once, where `_thread.interrupt_main` waited for the next bytecode
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            ender_saw.append(f"SIGINT sent at {time.monotonic() - began:.1f} s, to a handler "
+                             f"{signal.getsignal(signal.SIGINT)!r}")
         elif ending == "notice":
             monkeypatch.setattr(notices, "draining", lambda nodes: dict.fromkeys(nodes, time.time() + 30))
         elif ending == "lost peer":
@@ -304,6 +306,7 @@ def test_every_ending_leaves_no_process_of_the_program_and_the_chips_free(ray_dr
                 except ValueError:
                     continue
 
+    began = time.monotonic()
     ender = threading.Thread(target=end_it, daemon=True)
     ender.start()
     try:
