@@ -31,9 +31,10 @@ from pathlib import Path
 
 import pytest
 
-#: CI allows 90 minutes; the suite is kept near 30 on CI's two cores (issue 51), so a run past 40 has drifted
-#: and fails with the tests to cut named, long before CI's own limit cuts it off with nothing said.
-DEFAULT_BUDGET_MINUTES = 40.0
+#: CI allows 90 minutes and cuts a run off there with nothing said. The suite took 40 minutes on two workers on a
+#: 2-core machine when this was set (BENCHMARKS.md, the test suite's time): a run past 50 has drifted, and fails
+#: with the tests to cut named. Issue 51 asks for 40 once the suite is at 30.
+DEFAULT_BUDGET_MINUTES = 50.0
 BUDGET_ENV = "RAYSLICE_SUITE_BUDGET_MINUTES"
 DEFAULT_SLOWEST = 25
 #: How many of the slowest tests the budget's failure message names.
