@@ -236,16 +236,12 @@ def pytest_testnodedown(node, error) -> None:
 SHARED_MIGRATION_ENV = "RAYSLICE_TEST_MIGRATED_DB"
 
 
-_shared_migration: list[str] = []  # the folder this process made for it, the only one it removes
-
-
 def pytest_configure(config: pytest.Config) -> None:
     from tests import xdist_groups
 
     if getattr(config.option, "numprocesses", None) and xdist_groups.is_controller(config):
         # The controller, before it starts the workers (they inherit its environment).
-        _shared_migration.append(tempfile.mkdtemp(prefix="rayslice-migrated-db-"))
-        os.environ[SHARED_MIGRATION_ENV] = _shared_migration[-1]
+        xdist_groups.share_folder(SHARED_MIGRATION_ENV, "rayslice-migrated-db-")
         # Each worker an Airflow home (metadata DB, DAG folder) of its own: a conftest the controller loaded for
         # a folder argument (`./scripts/test tests/operators -n 2`) imported tests/airflow_env.py, which set it here.
         os.environ.pop("RAYSLICE_TEST_AIRFLOW_HOME", None)
@@ -253,15 +249,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _stop_session_cluster()  # started in the background, but no test asked for it (all skipped, Ctrl-C)
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """The shared migration's folder goes, also after a run with no session (`--markers`, `--help`)."""
-    while _shared_migration:
-        folder = _shared_migration.pop()
-        shutil.rmtree(folder, ignore_errors=True)
-        if os.environ.get(SHARED_MIGRATION_ENV) == folder:
-            del os.environ[SHARED_MIGRATION_ENV]
 
 
 @pytest.fixture(autouse=True)

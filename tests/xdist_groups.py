@@ -52,8 +52,9 @@ def pinned_group_here(config: pytest.Config) -> str | None:
     return next((group for group, pinned in pinned_groups().items() if pinned == worker), NO_GROUP)
 
 
-#: The groups folder this process made: the only one it removes, not one a variable left set names.
-_made: list[str] = []
+#: The folders this process made to share with its workers (folder -> the variable naming it): the only ones it
+#: removes, not one that a variable left set in its environment names.
+_made: dict[str, str] = {}
 
 
 def is_controller(config: pytest.Config) -> bool:
@@ -62,19 +63,26 @@ def is_controller(config: pytest.Config) -> bool:
     return not hasattr(config, "workerinput")
 
 
+def share_folder(env: str, prefix: str) -> str:
+    """A new temporary folder named by `env` to the workers (they start later, with this environment), removed by
+    this process when it ends (`pytest_unconfigure`: also after a run with no session, `--markers`, `--help`)."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    _made[folder] = env
+    os.environ[env] = folder
+    return folder
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("dist", default=None) == "loadgroup" and is_controller(config):
-        folder = tempfile.mkdtemp(prefix="rayslice-test-groups-")
-        _made.append(folder)
-        os.environ[GROUPS_ENV] = folder  # the workers start after this, with this environment
+        share_folder(GROUPS_ENV, "rayslice-test-groups-")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     while _made:
-        folder = _made.pop()
+        folder, env = _made.popitem()
         shutil.rmtree(folder, ignore_errors=True)
-        if os.environ.get(GROUPS_ENV) == folder:
-            del os.environ[GROUPS_ENV]
+        if os.environ.get(env) == folder:
+            del os.environ[env]
 
 
 @pytest.hookimpl(trylast=True)  # after `-k`, `-m` and `--deselect` took what was not asked for
