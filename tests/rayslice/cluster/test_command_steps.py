@@ -336,10 +336,13 @@ def _stopped_as_a_job(cluster, spec: StepSpec, name: str, hosts: int) -> str:
 
     sid = asyncio.run(submit())
     with RayJobsClient(cluster.dashboard_url, token=cluster.token) as client:
-        running = wait_until(lambda: len(_named(f"{name}-bg")) == hosts, timeout=180, interval=0.2)
-        assert running, client.logs(sid)[-3000:]
-        client.stop(sid)
-        assert wait_until(lambda: client.get(sid).is_terminal, timeout=60, interval=0.2), client.get(sid)
+        try:  # stopped whatever happens: a job left running would hold the slice the next tests count as free
+            running = wait_until(lambda: len(_named(f"{name}-bg")) == hosts or client.get(sid).is_terminal,
+                                 timeout=180, interval=0.2)
+            assert running and not client.get(sid).is_terminal, client.logs(sid)[-3000:]
+        finally:
+            client.stop(sid)
+            assert wait_until(lambda: client.get(sid).is_terminal, timeout=60, interval=0.2), client.get(sid)
         return client.logs(sid)
 
 
