@@ -255,8 +255,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def _signal_handlers_restored() -> Iterator[None]:
     """What a test did to this process's SIGINT and SIGTERM handlers ends with it.
 
-    Airflow's runners (a triggerer, a scheduler) install their own and a test that runs one in this process
-    may leave it; a later test stopped with SIGINT, as `ray job stop` stops a driver, then never heard it.
+    Airflow's `dag.test()` leaves its task runner's SIGTERM handler installed in this process (found by checking
+    every cluster-free test's handlers); a later test that signals this process would reach that handler.
     """
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     yield

@@ -29,8 +29,9 @@ class LogDrain:
     #: and ends as soon as every host's last line is in; a loaded node's log monitor can lag for seconds.
     TIMEOUT_S = 15.0
     #: After a failure, how long host output must have been quiet: a killed host prints no last line. A node's
-    #: log monitor reads a burst in batches, one pass over every open log file each; on a loaded node with
-    #: hundreds of worker logs a pass took over a second, and a 1 s window lost a dead host's last lines.
+    #: log monitor reads a burst in batches, one pass over every open log file each, and a loaded node with
+    #: hundreds of worker logs can take over a second a pass: a 1 s window lost a dead host's last lines once
+    #: in a whole test run under load (not reproduced alone).
     QUIET_S = 3.0
 
     def __init__(self) -> None:

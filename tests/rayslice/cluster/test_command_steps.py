@@ -269,8 +269,8 @@ def test_every_ending_leaves_no_process_of_the_program_and_the_chips_free(cluste
     """Installed launcher (this driver's own rayslice on its hosts): whatever ends the step, nothing of it is left.
 
     `kill` is the step's job stopped as `ray job stop` stops it: its driver, a process of its own, gets SIGTERM.
-    (It was this test's process interrupting itself, which in a whole run of the suite now and then never
-    reached the step: it ran on to its step_timeout.)"""
+    (It was this test's process interrupting itself with SIGINT, which a suite started in the background by a
+    non-interactive shell ignores, inherited: the step then ran on to its step_timeout.)"""
     import threading
 
     import ray
